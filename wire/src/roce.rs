@@ -1,0 +1,1 @@
+//! RoCEv2 framing of CM MADs (in progress).
