@@ -83,6 +83,14 @@ pub enum Error {
         /// Name of the field.
         field: &'static str,
     },
+    /// An IPv4 header whose header checksum does not match its content.
+    #[error("bad IPv4 header checksum: header says {found:#06x}, content gives {computed:#06x}")]
+    Ipv4Checksum {
+        /// Checksum carried by the header.
+        found: u16,
+        /// Checksum computed over the header.
+        computed: u16,
+    },
     /// An IPv6 header where the codec only frames IPv4 (RoCEv2 over IPv6 is not supported yet).
     #[error("address family not supported: {0}")]
     Unsupported(&'static str),

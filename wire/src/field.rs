@@ -1,4 +1,4 @@
-//! Byte ranges and bit fields, in the IBTA's big-endian "Byte[Bit]" notation.
+//! Byte ranges and bit fields, in the IBTA's big-endian "Byte\[Bit\]" notation.
 //!
 //! Every CM field is described by a [`Bits`]: the bytes of the big-endian word that
 //! holds it, plus the shift and width of the field inside that word. A 24-bit QPN at

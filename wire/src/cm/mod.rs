@@ -4,8 +4,8 @@
 //! Every message view (`req::Packet`, `rep::Packet`, ...) spans the whole 256-byte MAD,
 //! so its field offsets are the absolute ones of `shared/reference/cm-fields.txt`.
 //! `new_checked` verifies the length, the MAD header (base version 1, class 0x07,
-//! class version 2, method SEND) and the attribute ID, so accessors never go out of
-//! bounds.
+//! class version 2, method SEND, or GET/GETRESP for ClassPortInfo) and the attribute
+//! ID, so accessors never go out of bounds.
 
 use core::fmt;
 
@@ -14,7 +14,18 @@ use crate::field::{Bits, Field};
 use crate::gid::Gid;
 use crate::mad::{self, AttributeId, Header};
 
+pub mod apr;
+pub mod class_port_info;
+pub mod drep;
+pub mod dreq;
+pub mod lap;
+pub mod mra;
+pub mod rej;
+pub mod rep;
 pub mod req;
+pub mod rtu;
+pub mod sidr_rep;
+pub mod sidr_req;
 
 /// Defines a message's zero-copy view: `Packet<T>` with checked and unchecked
 /// constructors and private typed field helpers.
@@ -56,6 +67,7 @@ macro_rules! view {
             }
 
             #[inline]
+            #[allow(dead_code)]
             fn bytes(&self) -> &[u8] {
                 self.buffer.as_ref()
             }
@@ -138,7 +150,6 @@ macro_rules! code_enum {
         }
     };
 }
-pub(crate) use code_enum;
 
 code_enum! {
     /// REJ reasons (IBTA Table 112, `enum ib_cm_rej_reason`).
@@ -482,6 +493,24 @@ pub(crate) fn check_fits(field: &'static str, data: &[u8], max: usize) -> Result
     }
 }
 
+/// The first `len` bytes of the variable-length part `part` (REJ ARI, APR or SIDR_REP
+/// additional information); a length beyond the part is [`Error::Reserved`] of the
+/// length field `length_field`.
+pub(crate) fn var_part<'a>(
+    buf: &'a [u8],
+    part: Field,
+    length_field: &'static str,
+    len: usize,
+) -> Result<&'a [u8]> {
+    if len > part.len() {
+        return Err(Error::Reserved {
+            field: length_field,
+            value: len as u32,
+        });
+    }
+    Ok(&buf[part.start..part.start + len])
+}
+
 /// Absolute offsets a proxy reads and rewrites, common to several messages.
 pub mod field {
     use super::{Bits, Field};
@@ -692,6 +721,11 @@ impl<T: AsRef<[u8]>> CmMad<T> {
 }
 
 impl<T: AsRef<[u8]> + AsMut<[u8]>> CmMad<T> {
+    /// The whole MAD, mutable (for a proxy that rewrites it into its own answer).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.buffer.as_mut()
+    }
+
     /// Sets the transaction ID.
     pub fn set_tid(&mut self, tid: u64) {
         mad::field::TID.set(self.buffer.as_mut(), tid)
@@ -737,6 +771,28 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> CmMad<T> {
 pub enum CmRepr<'a> {
     /// REQ.
     Req(req::Repr<'a>),
+    /// MRA.
+    Mra(mra::Repr<'a>),
+    /// REJ.
+    Rej(rej::Repr<'a>),
+    /// REP.
+    Rep(rep::Repr<'a>),
+    /// RTU.
+    Rtu(rtu::Repr<'a>),
+    /// DREQ.
+    Dreq(dreq::Repr<'a>),
+    /// DREP.
+    Drep(drep::Repr<'a>),
+    /// SIDR_REQ.
+    SidrReq(sidr_req::Repr<'a>),
+    /// SIDR_REP.
+    SidrRep(sidr_rep::Repr<'a>),
+    /// LAP.
+    Lap(lap::Repr<'a>),
+    /// APR.
+    Apr(apr::Repr<'a>),
+    /// ClassPortInfo (GET or GETRESP).
+    ClassPortInfo(class_port_info::Repr),
 }
 
 impl<'a> CmRepr<'a> {
@@ -745,7 +801,27 @@ impl<'a> CmRepr<'a> {
         let header = Header::parse(&mad::Packet::new_checked(bytes)?)?;
         let repr = match header.attr_id {
             AttributeId::Req => CmRepr::Req(req::Repr::parse(&req::Packet::new_unchecked(bytes))?),
-            a => return Err(Error::UnknownAttribute(a as u16)),
+            AttributeId::Mra => CmRepr::Mra(mra::Repr::parse(&mra::Packet::new_unchecked(bytes))?),
+            AttributeId::Rej => CmRepr::Rej(rej::Repr::parse(&rej::Packet::new_unchecked(bytes))?),
+            AttributeId::Rep => CmRepr::Rep(rep::Repr::parse(&rep::Packet::new_unchecked(bytes))?),
+            AttributeId::Rtu => CmRepr::Rtu(rtu::Repr::parse(&rtu::Packet::new_unchecked(bytes))?),
+            AttributeId::Dreq => {
+                CmRepr::Dreq(dreq::Repr::parse(&dreq::Packet::new_unchecked(bytes))?)
+            }
+            AttributeId::Drep => {
+                CmRepr::Drep(drep::Repr::parse(&drep::Packet::new_unchecked(bytes))?)
+            }
+            AttributeId::SidrReq => CmRepr::SidrReq(sidr_req::Repr::parse(
+                &sidr_req::Packet::new_unchecked(bytes),
+            )?),
+            AttributeId::SidrRep => CmRepr::SidrRep(sidr_rep::Repr::parse(
+                &sidr_rep::Packet::new_unchecked(bytes),
+            )?),
+            AttributeId::Lap => CmRepr::Lap(lap::Repr::parse(&lap::Packet::new_unchecked(bytes))?),
+            AttributeId::Apr => CmRepr::Apr(apr::Repr::parse(&apr::Packet::new_unchecked(bytes))?),
+            AttributeId::ClassPortInfo => CmRepr::ClassPortInfo(class_port_info::Repr::parse(
+                &class_port_info::Packet::new_unchecked(bytes),
+            )?),
         };
         Ok((header, repr))
     }
@@ -754,19 +830,62 @@ impl<'a> CmRepr<'a> {
     pub fn attr(&self) -> AttributeId {
         match self {
             CmRepr::Req(_) => AttributeId::Req,
+            CmRepr::Mra(_) => AttributeId::Mra,
+            CmRepr::Rej(_) => AttributeId::Rej,
+            CmRepr::Rep(_) => AttributeId::Rep,
+            CmRepr::Rtu(_) => AttributeId::Rtu,
+            CmRepr::Dreq(_) => AttributeId::Dreq,
+            CmRepr::Drep(_) => AttributeId::Drep,
+            CmRepr::SidrReq(_) => AttributeId::SidrReq,
+            CmRepr::SidrRep(_) => AttributeId::SidrRep,
+            CmRepr::Lap(_) => AttributeId::Lap,
+            CmRepr::Apr(_) => AttributeId::Apr,
+            CmRepr::ClassPortInfo(_) => AttributeId::ClassPortInfo,
         }
     }
 
     /// Writes the header (its attribute ID taken from this message) and the message into
     /// `buf`, which must hold at least 256 bytes.
+    ///
+    /// The header's method is kept, and must fit the message: GET or GETRESP for a
+    /// ClassPortInfo, SEND for every other message; anything else is
+    /// [`Error::Method`]. Nothing is written when an error is returned.
     pub fn emit(&self, header: &Header, buf: &mut [u8]) -> Result<()> {
         crate::error::check_len(buf, mad::MAD_LEN)?;
-        let mut h = *header;
-        h.attr_id = self.attr();
-        h.emit(&mut mad::Packet::new_unchecked(&mut *buf));
-        match self {
-            CmRepr::Req(r) => r.emit(&mut req::Packet::new_unchecked(buf)),
+        let attr = self.attr();
+        let method_ok = match attr {
+            AttributeId::ClassPortInfo => {
+                matches!(header.method, mad::Method::Get | mad::Method::GetResp)
+            }
+            _ => header.method == mad::Method::Send,
+        };
+        if !method_ok {
+            return Err(Error::Method {
+                method: header.method as u8,
+                attr: attr as u16,
+            });
         }
+        // The message first: its emit checks every length before writing anything.
+        match self {
+            CmRepr::Req(r) => r.emit(&mut req::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Mra(r) => r.emit(&mut mra::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Rej(r) => r.emit(&mut rej::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Rep(r) => r.emit(&mut rep::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Rtu(r) => r.emit(&mut rtu::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Dreq(r) => r.emit(&mut dreq::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Drep(r) => r.emit(&mut drep::Packet::new_unchecked(&mut *buf)),
+            CmRepr::SidrReq(r) => r.emit(&mut sidr_req::Packet::new_unchecked(&mut *buf)),
+            CmRepr::SidrRep(r) => r.emit(&mut sidr_rep::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Lap(r) => r.emit(&mut lap::Packet::new_unchecked(&mut *buf)),
+            CmRepr::Apr(r) => r.emit(&mut apr::Packet::new_unchecked(&mut *buf)),
+            CmRepr::ClassPortInfo(r) => {
+                r.emit(&mut class_port_info::Packet::new_unchecked(&mut *buf))
+            }
+        }?;
+        let mut h = *header;
+        h.attr_id = attr;
+        h.emit(&mut mad::Packet::new_unchecked(buf));
+        Ok(())
     }
 }
 
@@ -774,6 +893,17 @@ impl fmt::Display for CmRepr<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CmRepr::Req(r) => fmt::Display::fmt(r, f),
+            CmRepr::Mra(r) => fmt::Display::fmt(r, f),
+            CmRepr::Rej(r) => fmt::Display::fmt(r, f),
+            CmRepr::Rep(r) => fmt::Display::fmt(r, f),
+            CmRepr::Rtu(r) => fmt::Display::fmt(r, f),
+            CmRepr::Dreq(r) => fmt::Display::fmt(r, f),
+            CmRepr::Drep(r) => fmt::Display::fmt(r, f),
+            CmRepr::SidrReq(r) => fmt::Display::fmt(r, f),
+            CmRepr::SidrRep(r) => fmt::Display::fmt(r, f),
+            CmRepr::Lap(r) => fmt::Display::fmt(r, f),
+            CmRepr::Apr(r) => fmt::Display::fmt(r, f),
+            CmRepr::ClassPortInfo(r) => fmt::Display::fmt(r, f),
         }
     }
 }

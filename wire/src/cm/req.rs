@@ -61,7 +61,7 @@ pub mod field {
     pub const SRQ: Bits = Bits::new(75, 1, 3, 1);
     /// Extended transport type, 3 bits.
     pub const EXTENDED_TRANSPORT_TYPE: Bits = Bits::new(75, 1, 0, 3);
-    /// Primary path: starts at 76 (see [`crate::cm::path`]).
+    /// Primary path: starts at 76 (see [`crate::cm::PathRepr`]).
     pub const PRIMARY_PATH: usize = 76;
     /// Primary remote port GID (the passive side's GID), the REQ routing key.
     pub const PRIMARY_REMOTE_PORT_GID: Field = 96..112;
@@ -316,7 +316,7 @@ impl<'a> Repr<'a> {
     }
 
     /// Writes the REQ's data (bytes 24..256; reserved bits zeroed). The MAD header is
-    /// the caller's (see [`crate::cm::emit`]).
+    /// the caller's (see [`crate::cm::CmRepr::emit`]).
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut Packet<T>) -> Result<()> {
         check_private_data(self.private_data, PRIVATE_DATA_LEN)?;
         let b = &mut p.buffer.as_mut()[crate::mad::HEADER_LEN..crate::mad::MAD_LEN];
