@@ -1,3 +1,10 @@
 //! `pvcm-backend`: the host side of pvcm.
 //!
-//! Not built yet: the multiplexer (issue 3) and the vhost-user daemon (issue 4) land here.
+//! - [`mux`]: the PF multiplexer, pure and I/O-free: comm-ID and TID remapping, demux,
+//!   REJ(TIMEOUT) routing, protocol-aware entry lifetimes, VM cleanup, anti-spoofing.
+//!
+//! The vhost-user daemon and the RoCEv2 wire port (issue 4) will drive the mux.
+
+#![warn(missing_docs)]
+
+pub mod mux;

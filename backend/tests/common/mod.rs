@@ -1,0 +1,319 @@
+//! Test harness for the mux: MAD builders and a two-host "wire" that plays the VMs'
+//! CMs by script. Everything goes through the real `Mux` API.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use pvcm_backend::mux::{ManualClock, Mux, MuxConfig, Policy, Verdict, VmConfig, VmId};
+use pvcm_wire::Gid;
+use pvcm_wire::cm::{self, CmMad, CmRepr, PathRepr, TransportService, field as f};
+use pvcm_wire::mad::{self, AttributeId, Header};
+
+pub type Mad = [u8; 256];
+
+pub fn gid(a: u8, b: u8) -> Gid {
+    Gid::from_ipv4(Ipv4Addr::new(127, 0, a, b))
+}
+
+/// A REQ as the Linux CM (via rdma_cm) sends it: response timeouts 20, 15 retries,
+/// local ACK timeout 18 (~1 s), unless overridden.
+pub struct ReqParams {
+    pub resp: u8,
+    pub retries: u8,
+    pub ack: u8,
+}
+
+pub const LINUX: ReqParams = ReqParams {
+    resp: 20,
+    retries: 15,
+    ack: 18,
+};
+
+pub fn req(cfg: &VmConfig, sl: u32, tid: u64, dst: Gid, qpn: u32, p: &ReqParams) -> Mad {
+    let mut b = [0u8; 256];
+    let r = cm::req::Repr {
+        local_comm_id: sl,
+        vendor_id: 0,
+        service_id: 0x0000_0000_0106_4E21,
+        local_ca_guid: cfg.ca_guid,
+        local_qkey: 0,
+        local_qpn: qpn,
+        responder_resources: 4,
+        local_eecn: 0,
+        initiator_depth: 4,
+        remote_eecn: 0,
+        remote_cm_response_timeout: p.resp,
+        transport: TransportService::Rc,
+        end_to_end_flow_control: true,
+        starting_psn: 0x1234,
+        local_cm_response_timeout: p.resp,
+        retry_count: 7,
+        partition_key: 0xFFFF,
+        path_mtu: 5,
+        rdc_exists: false,
+        rnr_retry_count: 7,
+        max_cm_retries: p.retries,
+        srq: false,
+        primary_path: PathRepr {
+            local_lid: 0xFFFF,
+            remote_lid: 0xFFFF,
+            local_gid: cfg.gid,
+            remote_gid: dst,
+            flow_label: 0,
+            packet_rate: 3,
+            traffic_class: 0,
+            hop_limit: 64,
+            sl: 0,
+            subnet_local: false,
+            local_ack_timeout: p.ack,
+        },
+        alternate_path: PathRepr::default(),
+        sap_supported: false,
+        private_data: &[0xAB; 56],
+    };
+    CmRepr::Req(r)
+        .emit(&Header::cm_send(AttributeId::Req, tid), &mut b)
+        .unwrap();
+    b
+}
+
+/// A CM MAD with only the header and the two comm IDs set.
+pub fn ids(attr: AttributeId, tid: u64, local: u32, remote: u32) -> Mad {
+    let mut b = [0u8; 256];
+    Header::cm_send(attr, tid).emit(&mut mad::Packet::new_unchecked(&mut b[..]));
+    f::LOCAL_COMM_ID.set(&mut b, local.into());
+    f::REMOTE_COMM_ID.set(&mut b, remote.into());
+    b
+}
+
+pub fn rep(cfg: &VmConfig, tid: u64, local: u32, remote: u32, qpn: u32) -> Mad {
+    let mut b = ids(AttributeId::Rep, tid, local, remote);
+    f::REP_LOCAL_QPN.set(&mut b, qpn.into());
+    f::REP_LOCAL_CA_GUID.set(&mut b, cfg.ca_guid);
+    b
+}
+
+pub fn dreq(tid: u64, local: u32, remote: u32, remote_qpn: u32) -> Mad {
+    let mut b = ids(AttributeId::Dreq, tid, local, remote);
+    f::DREQ_REMOTE_QPN.set(&mut b, remote_qpn.into());
+    b
+}
+
+pub fn rej(tid: u64, local: u32, remote: u32, reason: cm::RejReason, ari: &[u8]) -> Mad {
+    let mut b = ids(AttributeId::Rej, tid, local, remote);
+    f::REJ_REASON.set(&mut b, reason.code().into());
+    f::REJ_ARI_LENGTH.set(&mut b, ari.len() as u64);
+    b[36..36 + ari.len()].copy_from_slice(ari);
+    b
+}
+
+pub fn mra(tid: u64, local: u32, remote: u32, msg: cm::MsgResponse, svc: u8) -> Mad {
+    let mut b = ids(AttributeId::Mra, tid, local, remote);
+    f::MRA_MESSAGE_MRAED.set(&mut b, msg.code().into());
+    f::MRA_SERVICE_TIMEOUT.set(&mut b, svc.into());
+    b
+}
+
+pub fn view(b: &Mad) -> CmMad<&[u8]> {
+    CmMad::new_checked(&b[..]).unwrap()
+}
+
+/// One host: a mux and its VMs.
+pub struct Host {
+    pub mux: Mux<ManualClock>,
+    pub vms: Vec<(VmId, VmConfig)>,
+}
+
+impl Host {
+    pub fn new(policy: Policy, seed: u64, clock: &ManualClock) -> Host {
+        let cfg = MuxConfig {
+            policy,
+            seed,
+            ..MuxConfig::default()
+        };
+        Host {
+            mux: Mux::new(cfg, clock.clone()),
+            vms: Vec::new(),
+        }
+    }
+
+    pub fn add_vm(&mut self, name: &str, g: Gid) -> usize {
+        let cfg = VmConfig::new(name, g);
+        let id = self.mux.attach_vm(cfg.clone()).unwrap();
+        self.vms.push((id, cfg));
+        self.vms.len() - 1
+    }
+
+    pub fn id(&self, i: usize) -> VmId {
+        self.vms[i].0
+    }
+    pub fn cfg(&self, i: usize) -> &VmConfig {
+        &self.vms[i].1
+    }
+    pub fn gid(&self, i: usize) -> Gid {
+        self.vms[i].1.gid
+    }
+    pub fn qpn(&self, i: usize, n: u32) -> u32 {
+        self.vms[i].1.qpn_base + n
+    }
+}
+
+/// Two hosts on one wire, sharing a virtual clock.
+pub struct Net {
+    pub clock: ManualClock,
+    pub a: Host,
+    pub b: Host,
+}
+
+/// One connection from a VM on A (active) to a VM on B (passive).
+#[derive(Debug, Clone, Copy)]
+pub struct Conn {
+    pub av: usize,
+    pub bv: usize,
+    pub a_sl: u32,
+    pub b_sl: u32,
+    /// pv_cm_id of A's side on the wire (B's VM sees it as remote comm ID).
+    pub a_pv: u32,
+    /// pv_cm_id of B's side on the wire.
+    pub b_pv: u32,
+    pub a_qpn: u32,
+    pub b_qpn: u32,
+}
+
+impl Net {
+    pub fn new(policy: Policy) -> Net {
+        let clock = ManualClock::new();
+        Net {
+            a: Host::new(policy, 0xA, &clock),
+            b: Host::new(policy, 0xB, &clock),
+            clock,
+        }
+    }
+
+    pub fn advance(&mut self, d: Duration) {
+        self.clock.advance(d);
+        self.a.mux.poll();
+        self.b.mux.poll();
+    }
+
+    /// VM `av` on A sends `m` to VM `bv` on B; returns A's verdict and, if it went on
+    /// the wire, B's verdict.
+    pub fn a_to_b(&mut self, av: usize, bv: usize, m: &mut Mad) -> (Verdict, Option<Verdict>) {
+        let (src, dst) = (self.a.gid(av), self.b.gid(bv));
+        let v1 = self.a.mux.from_guest(self.a.id(av), m, dst);
+        if v1 != Verdict::ToWire {
+            return (v1, None);
+        }
+        (v1, Some(self.b.mux.from_wire(m, src, dst)))
+    }
+
+    /// VM `bv` on B sends `m` to VM `av` on A.
+    pub fn b_to_a(&mut self, bv: usize, av: usize, m: &mut Mad) -> (Verdict, Option<Verdict>) {
+        let (src, dst) = (self.b.gid(bv), self.a.gid(av));
+        let v1 = self.b.mux.from_guest(self.b.id(bv), m, dst);
+        if v1 != Verdict::ToWire {
+            return (v1, None);
+        }
+        (v1, Some(self.a.mux.from_wire(m, src, dst)))
+    }
+
+    /// REQ from A's VM `av` (comm ID `a_sl`) to B's VM `bv`, delivered; returns the MAD
+    /// as B's VM sees it.
+    pub fn send_req(&mut self, av: usize, bv: usize, a_sl: u32, n: u32, p: &ReqParams) -> Mad {
+        let mut m = req(
+            self.a.cfg(av),
+            a_sl,
+            0xAAAA_0000_0000_0000 | u64::from(a_sl),
+            self.b.gid(bv),
+            self.a.qpn(av, n),
+            p,
+        );
+        let v = self.a_to_b(av, bv, &mut m);
+        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(bv)))));
+        m
+    }
+
+    /// A full REQ/REP/RTU handshake.
+    pub fn connect(&mut self, av: usize, bv: usize, a_sl: u32, b_sl: u32, n: u32) -> Conn {
+        self.connect_with(av, bv, a_sl, b_sl, n, &LINUX)
+    }
+
+    pub fn connect_with(
+        &mut self,
+        av: usize,
+        bv: usize,
+        a_sl: u32,
+        b_sl: u32,
+        n: u32,
+        p: &ReqParams,
+    ) -> Conn {
+        let got = self.send_req(av, bv, a_sl, n, p);
+        let a_pv = view(&got).local_comm_id().unwrap();
+        let (b_qpn, a_qpn) = (self.b.qpn(bv, n), self.a.qpn(av, n));
+        let mut m = rep(self.b.cfg(bv), view(&got).tid(), b_sl, a_pv, b_qpn);
+        let v = self.b_to_a(bv, av, &mut m);
+        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.a.id(av)))));
+        let rm = view(&m);
+        assert_eq!(
+            rm.remote_comm_id(),
+            Some(a_sl),
+            "REP's remote comm ID restored"
+        );
+        assert_eq!(
+            rm.tid(),
+            0xAAAA_0000_0000_0000 | u64::from(a_sl),
+            "REQ TID restored"
+        );
+        let b_pv = rm.local_comm_id().unwrap();
+        let mut m = ids(AttributeId::Rtu, rm.tid(), a_sl, b_pv);
+        let v = self.a_to_b(av, bv, &mut m);
+        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(bv)))));
+        assert_eq!(view(&m).remote_comm_id(), Some(b_sl));
+        Conn {
+            av,
+            bv,
+            a_sl,
+            b_sl,
+            a_pv,
+            b_pv,
+            a_qpn,
+            b_qpn,
+        }
+    }
+
+    /// A's VM disconnects: DREQ, then B's VM answers DREP.
+    pub fn disconnect_from_a(&mut self, c: &Conn) {
+        let mut m = dreq(0xD0 << 32 | u64::from(c.a_sl), c.a_sl, c.b_pv, c.b_qpn);
+        let v = self.a_to_b(c.av, c.bv, &mut m);
+        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(c.bv)))));
+        let got = view(&m);
+        assert_eq!(got.remote_comm_id(), Some(c.b_sl));
+        let mut r = ids(AttributeId::Drep, got.tid(), c.b_sl, c.a_pv);
+        let v = self.b_to_a(c.bv, c.av, &mut r);
+        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.a.id(c.av)))));
+        assert_eq!(
+            view(&r).tid(),
+            0xD0 << 32 | u64::from(c.a_sl),
+            "DREQ TID restored"
+        );
+    }
+
+    pub fn live(&self) -> (u64, u64) {
+        (self.a.mux.live_entries(), self.b.mux.live_entries())
+    }
+
+    pub fn quarantined(&self) -> (u64, u64) {
+        (
+            self.a.mux.quarantined_entries(),
+            self.b.mux.quarantined_entries(),
+        )
+    }
+
+    /// Advances time past every protocol window and the quarantine.
+    pub fn quiesce(&mut self) {
+        for _ in 0..4 {
+            self.advance(Duration::from_secs(700));
+        }
+    }
+}

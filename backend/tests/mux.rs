@@ -1,0 +1,678 @@
+//! Scenario tests of the mux in virtual time: two hosts back to back, VMs played by
+//! script. Each failure mode of the mlx4 proxy is run on the default policy (must hold)
+//! and on the matching legacy policy (must show the failure, by mechanism).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pvcm_backend::mux::{DropReason, Group, Policy, State, Verdict, VmConfig};
+use pvcm_wire::cm::{self, MsgResponse, RejReason, field as f};
+use pvcm_wire::mad::{AttributeId, Header, Method};
+
+fn net2(policy: Policy) -> Net {
+    let mut n = Net::new(policy);
+    n.a.add_vm("a0", gid(1, 1));
+    n.a.add_vm("a1", gid(1, 2));
+    n.b.add_vm("b0", gid(2, 1));
+    n.b.add_vm("b1", gid(2, 2));
+    n
+}
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+#[test]
+fn handshake_rewrites_ids_and_tids_and_restores_them() {
+    let mut n = net2(Policy::Default);
+    // Capture the REQ as it leaves host A.
+    let mut m = req(
+        n.a.cfg(0),
+        7,
+        0x1111_0000_0000_0007,
+        n.b.gid(0),
+        n.a.qpn(0, 0),
+        &LINUX,
+    );
+    let before_28 = m[28..32].to_vec();
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        Verdict::ToWire
+    );
+    let w = view(&m);
+    let pv = w.local_comm_id().unwrap();
+    assert_ne!(pv, 7, "the VM's comm ID must not reach the wire");
+    assert_ne!(pv, 0);
+    assert_ne!(
+        w.tid(),
+        0x1111_0000_0000_0007,
+        "the VM's TID must not reach the wire"
+    );
+    assert_eq!(
+        &m[28..32],
+        &before_28[..],
+        "a REQ's byte 28..32 is never written"
+    );
+    assert_eq!(n.a.mux.pv_cm_id_of(n.a.id(0), 7), Some(pv));
+    assert_eq!(n.a.mux.lookup(pv).map(|x| x.0), Some(State::ReqSent));
+
+    let mut n = net2(Policy::Default);
+    let c = n.connect(0, 0, 7, 9, 0);
+    assert_ne!(c.b_pv, 9);
+    assert_eq!(n.a.mux.lookup(c.a_pv).unwrap().0, State::Established);
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::Established);
+    n.disconnect_from_a(&c);
+    assert_eq!(n.a.mux.lookup(c.a_pv).unwrap().0, State::TimeWait);
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::TimeWait);
+    let (a, b) = (n.a.mux.vm_stats(n.a.id(0)), n.b.mux.vm_stats(n.b.id(0)));
+    for (attr, tx, rx) in [
+        (AttributeId::Req, 1, 0),
+        (AttributeId::Rep, 0, 1),
+        (AttributeId::Rtu, 1, 0),
+        (AttributeId::Dreq, 1, 0),
+        (AttributeId::Drep, 0, 1),
+    ] {
+        assert_eq!(a.counters.get(Group::TxMsgs, attr), tx, "A tx {attr}");
+        assert_eq!(a.counters.get(Group::RxMsgs, attr), rx, "A rx {attr}");
+        assert_eq!(b.counters.get(Group::TxMsgs, attr), rx, "B tx {attr}");
+        assert_eq!(b.counters.get(Group::RxMsgs, attr), tx, "B rx {attr}");
+    }
+    assert_eq!(n.a.mux.host_stats().drops.total(), 0);
+    assert_eq!(n.b.mux.host_stats().drops.total(), 0);
+    n.quiesce();
+    assert_eq!(n.live(), (0, 0));
+    assert_eq!(n.quarantined(), (0, 0));
+}
+
+#[test]
+fn same_comm_id_in_two_vms_gets_two_host_unique_ids() {
+    let mut n = net2(Policy::Default);
+    let c0 = n.connect(0, 0, 5, 5, 0);
+    let c1 = n.connect(1, 1, 5, 5, 0);
+    assert_ne!(c0.a_pv, c1.a_pv);
+    assert_ne!(c0.b_pv, c1.b_pv);
+    // DREQ from b1 must reach a1 only, with a1's own comm ID.
+    let mut m = dreq(1, 5, c1.a_pv, c1.a_qpn);
+    let v = n.b_to_a(1, 1, &mut m);
+    assert_eq!(v.1, Some(Verdict::ToVm(n.a.id(1))));
+    assert_eq!(view(&m).remote_comm_id(), Some(5));
+    // A MAD naming c1's ID but addressed to a0's GID is not delivered to anyone.
+    let mut m = ids(AttributeId::Rtu, 1, 5, c1.a_pv);
+    assert_eq!(
+        n.a.mux.from_wire(&mut m, n.b.gid(1), n.a.gid(0)),
+        Verdict::Drop(DropReason::WrongDestination)
+    );
+}
+
+#[test]
+fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
+    let mut n = net2(Policy::Default);
+    // MRA(REQ) from the passive VM: allocates its ID, extends the wait, restores the TID.
+    let got = n.send_req(0, 0, 11, 0, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let mut m = mra(view(&got).tid(), 21, a_pv, MsgResponse::Req, 24);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let v = view(&m);
+    assert_ne!(v.local_comm_id(), Some(21), "MRA's local comm ID rewritten");
+    assert_eq!(v.remote_comm_id(), Some(11));
+    assert_eq!(v.tid(), 0xAAAA_0000_0000_0000 | 11);
+    let b_pv = v.local_comm_id().unwrap();
+    // Plain REJ from the passive VM (mlx4 let these out unrewritten).
+    let mut m = rej(view(&got).tid(), 21, a_pv, RejReason::ConsumerDefined, &[]);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(view(&m).local_comm_id(), Some(b_pv), "same ID as its MRA");
+    assert_eq!(view(&m).remote_comm_id(), Some(11));
+    assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::Quarantined);
+    assert_eq!(n.b.mux.lookup(b_pv).unwrap().0, State::Quarantined);
+
+    // LAP from A, APR from B.
+    let c = n.connect(0, 0, 12, 22, 1);
+    let mut m = ids(AttributeId::Lap, 0x1A9, 12, c.b_pv);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_ne!(view(&m).tid(), 0x1A9);
+    let mut r = ids(AttributeId::Apr, view(&m).tid(), 22, c.a_pv);
+    assert_eq!(n.b_to_a(0, 0, &mut r).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(view(&r).tid(), 0x1A9, "APR gets the LAP's TID back");
+    assert_eq!(view(&r).remote_comm_id(), Some(12));
+
+    // SIDR: request ID and TID rewritten on the way out, restored on the way back.
+    let mut m = ids(AttributeId::SidrReq, 0x51D, 0, 0);
+    f::SIDR_REQUEST_ID.set(&mut m, 77);
+    let (src, dst) = (n.a.gid(0), n.b.gid(1));
+    assert_eq!(n.a.mux.from_guest(n.a.id(0), &mut m, dst), Verdict::ToWire);
+    let rid = view(&m).sidr_request_id().unwrap();
+    assert_ne!(rid, 77);
+    assert_ne!(view(&m).tid(), 0x51D);
+    // SIDR_REQ carries no GID: routed by the frame's destination.
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, src, dst),
+        Verdict::ToVm(n.b.id(1))
+    );
+    let mut r = ids(AttributeId::SidrRep, view(&m).tid(), 0, 0);
+    f::SIDR_REQUEST_ID.set(&mut r, rid.into());
+    f::SIDR_REP_QPN.set(&mut r, n.b.qpn(1, 3).into());
+    assert_eq!(n.b.mux.from_guest(n.b.id(1), &mut r, src), Verdict::ToWire);
+    assert_eq!(
+        n.a.mux.from_wire(&mut r, dst, src),
+        Verdict::ToVm(n.a.id(0))
+    );
+    assert_eq!(view(&r).sidr_request_id(), Some(77));
+    assert_eq!(view(&r).tid(), 0x51D);
+    // A SIDR_REP nobody asked that VM for is refused.
+    let mut r = ids(AttributeId::SidrRep, 1, 0, 0);
+    f::SIDR_REQUEST_ID.set(&mut r, 4242);
+    f::SIDR_REP_QPN.set(&mut r, n.b.qpn(1, 3).into());
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(1), &mut r, src),
+        Verdict::Drop(DropReason::UnknownConnection)
+    );
+
+    // ClassPortInfo Get/GetResp.
+    let mut g = [0u8; 256];
+    let mut h = Header::cm_send(AttributeId::ClassPortInfo, 0xC91);
+    h.method = Method::Get;
+    h.emit(&mut pvcm_wire::mad::Packet::new_unchecked(&mut g[..]));
+    assert_eq!(n.a.mux.from_guest(n.a.id(0), &mut g, dst), Verdict::ToWire);
+    let host_tid = view(&g).tid();
+    assert_ne!(host_tid, 0xC91);
+    assert_eq!(
+        n.b.mux.from_wire(&mut g, src, dst),
+        Verdict::ToVm(n.b.id(1))
+    );
+    g[3] = Method::GetResp as u8;
+    assert_eq!(n.b.mux.from_guest(n.b.id(1), &mut g, src), Verdict::ToWire);
+    assert_eq!(
+        n.a.mux.from_wire(&mut g, dst, src),
+        Verdict::ToVm(n.a.id(0))
+    );
+    assert_eq!(view(&g).tid(), 0xC91);
+}
+
+/// Seed 000: a busy guest answers a DREQ 10 s late. Returns whether the late DREP got
+/// through and how many of the peer's DREQ retries were lost on the way.
+fn slow_guest_dreq(policy: Policy) -> (bool, u32) {
+    let mut n = net2(policy);
+    let c = n.connect(0, 0, 1, 2, 0);
+    let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    let mut lost = 0;
+    // The peer's CM retries every ~5.4 s (response timeout 20 + ACK timeout 18).
+    for _ in 0..2 {
+        n.advance(Duration::from_millis(5_400));
+        let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+        if n.a_to_b(0, 0, &mut m).1 != Some(Verdict::ToVm(n.b.id(0))) {
+            lost += 1;
+        }
+    }
+    n.advance(Duration::from_millis(200));
+    // The slow guest finally answers, ~11 s after the first DREQ.
+    let mut r = ids(AttributeId::Drep, 0xD, 2, c.a_pv);
+    let ok = n.b_to_a(0, 0, &mut r).1 == Some(Verdict::ToVm(n.a.id(0)));
+    (ok, lost)
+}
+
+#[test]
+fn dreq_towards_a_slow_guest_keeps_its_entry() {
+    assert_eq!(slow_guest_dreq(Policy::Default), (true, 0));
+    // mlx4 before 2020: the 5 s timer evicts the entry; the DREP is dropped and the
+    // peer's retries find nothing.
+    assert_eq!(slow_guest_dreq(Policy::Mlx4Pre2020), (false, 2));
+}
+
+#[test]
+fn dreq_window_is_bounded_by_the_peer_retries() {
+    // A guest that never answers: the entry lives exactly as long as the peer retries.
+    let mut n = net2(Policy::Default);
+    let p = ReqParams {
+        resp: 16,
+        retries: 3,
+        ack: 14,
+    };
+    let c = n.connect_with(0, 0, 1, 2, 0, &p);
+    let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    // 4 attempts of (268 ms + 67 ms) + 1 s grace = ~2.34 s.
+    n.advance(Duration::from_millis(2_300));
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::DreqRcvd);
+    n.advance(Duration::from_millis(100));
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::TimeWait);
+    n.advance(S(2));
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::Quarantined);
+    n.quiesce();
+    assert_eq!(n.live(), (0, 0));
+}
+
+/// Seed 002 with two remote hosts whose CMs use the same comm ID: each sends a REQ to
+/// a different VM behind host B, then gives up with REJ(TIMEOUT). Returns where each
+/// REJ went.
+fn rej_timeout_collision(policy: Policy) -> [Verdict; 2] {
+    let mut n = net2(policy);
+    let r = [
+        VmConfig::new("r1", gid(9, 1)),
+        VmConfig::new("r2", gid(9, 2)),
+    ];
+    for (i, rc) in r.iter().enumerate() {
+        let mut m = req(rc, 0x1234, 0x77, n.b.gid(i), 0x10000, &LINUX);
+        assert_eq!(
+            n.b.mux.from_wire(&mut m, rc.gid, n.b.gid(i)),
+            Verdict::ToVm(n.b.id(i))
+        );
+    }
+    let mut out = [Verdict::ToWire; 2];
+    for (i, rc) in r.iter().enumerate() {
+        let mut m = rej(
+            0x77,
+            0x1234,
+            0,
+            RejReason::Timeout,
+            &rc.ca_guid.to_be_bytes(),
+        );
+        out[i] = n.b.mux.from_wire(&mut m, rc.gid, n.b.gid(i));
+    }
+    out
+}
+
+#[test]
+fn rej_timeout_is_routed_by_ca_guid_and_comm_id() {
+    let mut n = net2(Policy::Default);
+    let want = [Verdict::ToVm(n.b.id(0)), Verdict::ToVm(n.b.id(1))];
+    assert_eq!(rej_timeout_collision(Policy::Default), want);
+    // mlx4 since 2020 keys by comm ID alone: the second REQ overwrote the first.
+    let legacy = rej_timeout_collision(Policy::Mlx4Post2020);
+    assert_eq!(legacy, [Verdict::ToVm(n.b.id(1)), Verdict::ToVm(n.b.id(1))]);
+    // mlx4 before 2020 does not route them at all.
+    assert_eq!(
+        rej_timeout_collision(Policy::Mlx4Pre2020),
+        [Verdict::Drop(DropReason::NoRoute); 2]
+    );
+    // And the passive entries are gone once rejected.
+    let r = VmConfig::new("r", gid(9, 1));
+    let mut m = req(&r, 5, 1, n.b.gid(0), 0x10000, &LINUX);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+        Verdict::ToVm(n.b.id(0))
+    );
+    assert_eq!(n.b.mux.live_entries(), 1);
+    let mut m = rej(1, 5, 0, RejReason::Timeout, &r.ca_guid.to_be_bytes());
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+        Verdict::ToVm(n.b.id(0))
+    );
+    assert_eq!(n.b.mux.live_entries(), 0);
+}
+
+#[test]
+fn connect_then_destroy_end_to_end() {
+    // rdma_connect() then rdma_destroy_id() on A: A's CM sends REJ(TIMEOUT) with its CA
+    // GUID in the ARI and Remote Comm ID 0; B's VM must get it.
+    let mut n = net2(Policy::Default);
+    let got = n.send_req(0, 0, 3, 0, &LINUX);
+    let ari = n.a.cfg(0).ca_guid.to_be_bytes();
+    let mut m = rej(0xAAAA_0000_0000_0003, 3, 0, RejReason::Timeout, &ari);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(view(&m).local_comm_id(), view(&got).local_comm_id());
+    assert_eq!(n.live(), (0, 0));
+    // A spoofed ARI (another CA's GUID) is refused at the source.
+    let _ = n.send_req(0, 0, 4, 1, &LINUX);
+    let mut m = rej(1, 4, 0, RejReason::Timeout, &0xBAD_u64.to_be_bytes());
+    assert_eq!(
+        n.a_to_b(0, 0, &mut m).0,
+        Verdict::Drop(DropReason::SpoofedCaGuid)
+    );
+}
+
+#[test]
+fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
+    for policy in Policy::ALL {
+        let mut n = net2(policy);
+        // 1. REQ nobody answers.
+        let _ = n.send_req(0, 0, 1, 0, &LINUX);
+        // 2. REP whose RTU is lost.
+        let got = n.send_req(0, 1, 2, 1, &LINUX);
+        let a_pv = view(&got).local_comm_id().unwrap();
+        let mut m = rep(n.b.cfg(1), view(&got).tid(), 8, a_pv, n.b.qpn(1, 1));
+        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+        let b_pv = view(&m).local_comm_id().unwrap();
+        let mut m = ids(AttributeId::Rtu, 1, 2, b_pv);
+        assert_eq!(
+            n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(1)),
+            Verdict::ToWire
+        );
+        // (dropped by the wire)
+        // 3. Duplicate REP: delivered, counted, no second entry.
+        let mut m = rep(n.b.cfg(1), view(&got).tid(), 8, a_pv, n.b.qpn(1, 1));
+        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+        let a = n.a.mux.vm_stats(n.a.id(0)).counters;
+        assert_eq!(a.get(Group::RxDuplicates, AttributeId::Rep), 1);
+        assert_eq!(a.get(Group::TxRetries, AttributeId::Rep), 0);
+        let b = n.b.mux.vm_stats(n.b.id(1)).counters;
+        assert_eq!(b.get(Group::TxRetries, AttributeId::Rep), 1);
+        n.quiesce();
+        if policy == Policy::Default {
+            // B gave up on the REP; A's VM still believes in the connection (its RTU
+            // left), so A keeps that one entry, as it must, and nothing else.
+            assert_eq!(n.live(), (1, 0), "{policy}");
+            assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::Established);
+            // When A's VM disconnects, B's mux answers for the forgotten connection.
+            let mut m = dreq(2, 2, b_pv, n.b.qpn(1, 1));
+            assert_eq!(
+                n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(1)),
+                Verdict::ToWire
+            );
+            assert_eq!(
+                n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(1)),
+                Verdict::Reply
+            );
+            assert_eq!(
+                n.a.mux.from_wire(&mut m, n.b.gid(1), n.a.gid(0)),
+                Verdict::ToVm(n.a.id(0))
+            );
+            assert_eq!(view(&m).attr(), AttributeId::Drep);
+            assert_eq!(view(&m).remote_comm_id(), Some(2));
+            n.quiesce();
+            assert_eq!(n.live(), (0, 0), "{policy}");
+            assert_eq!(n.quarantined(), (0, 0), "{policy}");
+        } else {
+            // mlx4 only ever frees on DREQ/REJ: the abandoned REQ and B's half of the
+            // lost-RTU connection leak forever.
+            assert!(
+                n.live().0 >= 2 && n.live().1 >= 1,
+                "{policy}: {:?}",
+                n.live()
+            );
+        }
+    }
+}
+
+#[test]
+fn mra_extends_the_wait() {
+    let p = ReqParams {
+        resp: 16,
+        retries: 1,
+        ack: 14,
+    };
+    for with_mra in [false, true] {
+        let mut n = net2(Policy::Default);
+        let got = n.send_req(0, 0, 1, 0, &p);
+        let a_pv = view(&got).local_comm_id().unwrap();
+        if with_mra {
+            // Service timeout 22: ~17 s.
+            let mut m = mra(view(&got).tid(), 5, a_pv, MsgResponse::Req, 22);
+            assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+        }
+        n.advance(S(10));
+        let alive = n.a.mux.lookup(a_pv).map(|x| x.0) == Some(State::ReqSent);
+        assert_eq!(alive, with_mra);
+    }
+}
+
+/// Seed 001 for the proxy: the peer's DREQ retry after our DREP (which it lost) must
+/// still reach the VM so that it re-sends the DREP.
+fn dreq_retry_after_drep(policy: Policy) -> Verdict {
+    let mut n = net2(policy);
+    let c = n.connect(0, 0, 1, 2, 0);
+    n.disconnect_from_a(&c);
+    n.advance(Duration::from_millis(500));
+    let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+    n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0))
+}
+
+#[test]
+fn late_dreq_in_timewait_reaches_the_vm() {
+    let n = net2(Policy::Default);
+    assert_eq!(
+        dreq_retry_after_drep(Policy::Default),
+        Verdict::ToVm(n.b.id(0))
+    );
+    // mlx4 before 2020 deleted the entry on DREP: the retry is lost.
+    assert_eq!(
+        dreq_retry_after_drep(Policy::Mlx4Pre2020),
+        Verdict::Drop(DropReason::NoRoute)
+    );
+}
+
+#[test]
+fn late_mad_for_a_quarantined_id_is_dropped_never_rerouted() {
+    let mut n = net2(Policy::Default);
+    let c = n.connect(0, 0, 1, 2, 0);
+    n.disconnect_from_a(&c);
+    n.advance(S(10)); // past TimeWait: quarantined
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::Quarantined);
+    // Many new connections, from both VMs, reusing the VMs' comm IDs.
+    let mut seen = Vec::new();
+    for i in 0..2000u32 {
+        let cc = n.connect((i % 2) as usize, (i % 2) as usize, 1 + i, 2 + i, i % 100);
+        assert_ne!(cc.b_pv, c.b_pv);
+        assert_ne!(cc.a_pv, c.a_pv);
+        seen.push(cc);
+    }
+    let mut m = ids(AttributeId::Rtu, 1, 1, c.b_pv);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+        Verdict::Drop(DropReason::Quarantined)
+    );
+    // A late DREQ is answered statelessly (as Linux does for unknown connections), not routed.
+    let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+        Verdict::Reply
+    );
+    let r = view(&m);
+    assert_eq!(r.attr(), AttributeId::Drep);
+    assert_eq!(
+        (r.local_comm_id(), r.remote_comm_id()),
+        (Some(c.b_pv), Some(1))
+    );
+    assert_eq!(n.b.mux.host_stats().drops.get(DropReason::Quarantined), 2);
+    // After the quarantine the ID is free; its slot comes back with a new generation.
+    n.advance(S(31));
+    assert_eq!(n.b.mux.lookup(c.b_pv), None);
+}
+
+/// VM reset with connections in every phase. Returns (MADs sent on its behalf,
+/// live entries left on both hosts after quiesce).
+fn detach_with_live_connections(policy: Policy) -> (usize, (u64, u64)) {
+    let mut n = net2(policy);
+    let est = n.connect(0, 0, 1, 2, 0); // established, A active
+    let half = n.send_req(0, 0, 3, 1, &LINUX); // B's VM got a REQ, never answered
+    let half_pv = view(&half).local_comm_id().unwrap();
+    // B's VM is active towards A's VM, still waiting for the REP.
+    let mut m = req(n.b.cfg(0), 9, 0x99, n.a.gid(0), n.b.qpn(0, 5), &LINUX);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let b_active_pv = view(&m).local_comm_id().unwrap();
+
+    n.b.mux.detach_vm(n.b.id(0));
+    let out: Vec<_> = n.b.mux.drain_outbox().collect();
+    for o in &out {
+        let mut mad = o.mad;
+        let v = n.a.mux.from_wire(&mut mad, o.src, o.dst);
+        assert_eq!(v, Verdict::ToVm(n.a.id(0)), "{:?}", view(&mad).attr());
+        let got = view(&mad);
+        match got.attr() {
+            AttributeId::Dreq => {
+                assert_eq!(got.remote_comm_id(), Some(est.a_sl));
+                assert_eq!(got.remote_qpn(), Some(est.a_qpn));
+                // A's VM answers; B absorbs it.
+                let mut r = ids(AttributeId::Drep, got.tid(), est.a_sl, est.b_pv);
+                assert_eq!(
+                    n.a.mux.from_guest(n.a.id(0), &mut r, o.src),
+                    Verdict::ToWire
+                );
+                assert_eq!(
+                    n.b.mux.from_wire(&mut r, o.dst, o.src),
+                    Verdict::Drop(DropReason::Absorbed)
+                );
+            }
+            AttributeId::Rej => {
+                let reason = got.rej_reason().unwrap();
+                if reason == RejReason::Timeout.code() {
+                    assert_eq!(got.local_comm_id(), Some(b_active_pv));
+                } else {
+                    assert_eq!(got.remote_comm_id(), Some(3));
+                    assert_eq!(got.local_comm_id().map(|x| x != 0), Some(true));
+                    let _ = half_pv;
+                }
+            }
+            a => panic!("unexpected {a}"),
+        }
+    }
+    n.quiesce();
+    (out.len(), n.live())
+}
+
+#[test]
+fn detached_vm_connections_are_closed_on_its_behalf() {
+    assert_eq!(detach_with_live_connections(Policy::Default), (3, (0, 0)));
+    // mlx4: "TBD": nothing is sent, the entries stay.
+    let (sent, live) = detach_with_live_connections(Policy::Mlx4Post2020);
+    assert_eq!(sent, 0);
+    assert!(live.1 > 0);
+}
+
+/// A VM lying about its GID, QPN or CA GUID. Returns the verdicts.
+fn spoof(policy: Policy) -> Vec<Verdict> {
+    let mut n = net2(policy);
+    let dst = n.b.gid(0);
+    let me = n.a.cfg(0).clone();
+    let other = n.a.cfg(1).clone();
+    let mut out = Vec::new();
+    // Another VM's GID as source.
+    let mut m = req(&other, 1, 1, dst, me.qpn_base, &LINUX);
+    f::REQ_LOCAL_CA_GUID.set(&mut m, me.ca_guid);
+    out.push(n.a.mux.from_guest(n.a.id(0), &mut m, dst));
+    // A QPN outside the VM's range (another VM's QP: a stale-conn attack on it).
+    let mut m = req(&me, 2, 1, dst, me.qpn_base + me.qpn_count, &LINUX);
+    out.push(n.a.mux.from_guest(n.a.id(0), &mut m, dst));
+    // Another CA's GUID.
+    let mut m = req(&me, 3, 1, dst, me.qpn_base, &LINUX);
+    f::REQ_LOCAL_CA_GUID.set(&mut m, other.ca_guid);
+    out.push(n.a.mux.from_guest(n.a.id(0), &mut m, dst));
+    out
+}
+
+#[test]
+fn spoofed_gid_qpn_and_guid_are_dropped() {
+    use DropReason::*;
+    assert_eq!(
+        spoof(Policy::Default),
+        vec![
+            Verdict::Drop(SpoofedGid),
+            Verdict::Drop(SpoofedQpn),
+            Verdict::Drop(SpoofedCaGuid)
+        ]
+    );
+    assert_eq!(spoof(Policy::Mlx4Post2020), vec![Verdict::ToWire; 3]);
+}
+
+fn quota(policy: Policy) -> (Vec<Verdict>, Vec<u8>) {
+    let mut n = Net::new(policy);
+    let mut cfg = VmConfig::new("small", gid(1, 1));
+    cfg.quota = Some(4);
+    n.a.vms.push((n.a.mux.attach_vm(cfg.clone()).unwrap(), cfg));
+    n.b.add_vm("b0", gid(2, 1));
+    let mut verdicts = Vec::new();
+    let mut last = [0u8; 256];
+    for i in 0..5u32 {
+        let mut m = req(
+            n.a.cfg(0),
+            100 + i,
+            0xF00 + u64::from(i),
+            n.b.gid(0),
+            n.a.qpn(0, i),
+            &LINUX,
+        );
+        verdicts.push(n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)));
+        last = m;
+    }
+    (verdicts, last.to_vec())
+}
+
+#[test]
+fn quota_rejects_with_no_resources() {
+    let (v, last) = quota(Policy::Default);
+    assert_eq!(&v[..4], &[Verdict::ToWire; 4]);
+    assert_eq!(v[4], Verdict::Reply);
+    let r = pvcm_wire::cm::CmMad::new_checked(&last[..]).unwrap();
+    assert_eq!(r.attr(), AttributeId::Rej);
+    assert_eq!(r.rej_reason(), Some(RejReason::NoResources.code()));
+    assert_eq!(r.remote_comm_id(), Some(104), "names the VM's own comm ID");
+    assert_eq!(r.tid(), 0xF04, "answers the VM's own TID");
+    let (v, _) = quota(Policy::Mlx4Pre2020);
+    assert_eq!(v, vec![Verdict::ToWire; 5]);
+}
+
+#[test]
+fn unknown_destinations_and_garbage_are_counted_drops() {
+    let mut n = net2(Policy::Default);
+    let r = VmConfig::new("r", gid(9, 1));
+    let mut m = req(&r, 5, 1, gid(2, 99), 0x10000, &LINUX);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, gid(2, 99)),
+        Verdict::Drop(DropReason::UnknownGid)
+    );
+    let mut m = ids(AttributeId::Rtu, 1, 5, 0xDEAD_BEEF);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+        Verdict::Drop(DropReason::NoRoute)
+    );
+    let mut m = [0u8; 256];
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+        Verdict::Drop(DropReason::Malformed)
+    );
+    let mut short = [1u8; 100];
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(0), &mut short, r.gid),
+        Verdict::Drop(DropReason::Malformed)
+    );
+    // A VM naming a connection it does not have.
+    let mut m = ids(AttributeId::Dreq, 1, 999, 5);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
+        Verdict::Drop(DropReason::UnknownConnection)
+    );
+    let d = n.b.mux.host_stats().drops;
+    assert_eq!(d.get(DropReason::UnknownGid), 1);
+    assert_eq!(d.get(DropReason::NoRoute), 1);
+    assert_eq!(d.get(DropReason::Malformed), 2);
+    assert_eq!(d.get(DropReason::UnknownConnection), 1);
+}
+
+#[test]
+fn duplicate_req_refreshes_and_is_counted() {
+    let mut n = net2(Policy::Default);
+    let got = n.send_req(0, 0, 1, 0, &LINUX);
+    n.advance(S(5));
+    // The VM's CM retries the REQ with the same comm ID and TID.
+    let mut m = req(
+        n.a.cfg(0),
+        1,
+        0xAAAA_0000_0000_0001,
+        n.b.gid(0),
+        n.a.qpn(0, 0),
+        &LINUX,
+    );
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(
+        view(&m).local_comm_id(),
+        view(&got).local_comm_id(),
+        "same pv_cm_id"
+    );
+    assert_eq!(
+        n.a.mux
+            .vm_stats(n.a.id(0))
+            .counters
+            .get(Group::TxRetries, AttributeId::Req),
+        1
+    );
+    assert_eq!(
+        n.b.mux
+            .vm_stats(n.b.id(0))
+            .counters
+            .get(Group::RxDuplicates, AttributeId::Req),
+        1
+    );
+    assert_eq!(n.live(), (1, 1));
+    let _ = cm::RejReason::Timeout;
+}
