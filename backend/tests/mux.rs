@@ -676,3 +676,89 @@ fn duplicate_req_refreshes_and_is_counted() {
     assert_eq!(n.live(), (1, 1));
     let _ = cm::RejReason::Timeout;
 }
+
+/// Seed 003: long churn of connect/teardown with REJs, abandoned handshakes and lost
+/// RTUs mixed in. Returns (live, quarantined) on both hosts after quiesce.
+fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {
+    let mut n = net2(policy);
+    for i in 0..cycles {
+        // The VMs' CMs allocate comm IDs cyclically, so they recur.
+        let (a_sl, b_sl) = (1 + i % 50_000, 100_000 + i % 50_000);
+        let (av, bv) = ((i % 2) as usize, ((i / 2) % 2) as usize);
+        match i % 8 {
+            0..=2 => {
+                let c = n.connect(av, bv, a_sl, b_sl, i % 1000);
+                n.disconnect_from_a(&c);
+            }
+            3 => {
+                // Passive side disconnects.
+                let c = n.connect(av, bv, a_sl, b_sl, i % 1000);
+                let mut m = dreq(7, c.b_sl, c.a_pv, c.a_qpn);
+                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+                let mut r = ids(AttributeId::Drep, view(&m).tid(), c.a_sl, c.b_pv);
+                assert_eq!(n.a_to_b(av, bv, &mut r).1, Some(Verdict::ToVm(n.b.id(bv))));
+            }
+            4 => {
+                // Passive VM rejects.
+                let got = n.send_req(av, bv, a_sl, i % 1000, &LINUX);
+                let a_pv = view(&got).local_comm_id().unwrap();
+                let mut m = rej(
+                    view(&got).tid(),
+                    b_sl,
+                    a_pv,
+                    RejReason::ConsumerDefined,
+                    &[],
+                );
+                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+            }
+            5 => {
+                // rdma_connect() then rdma_destroy_id(): REJ(TIMEOUT).
+                let _ = n.send_req(av, bv, a_sl, i % 1000, &LINUX);
+                let ari = n.a.cfg(av).ca_guid.to_be_bytes();
+                let mut m = rej(1, a_sl, 0, RejReason::Timeout, &ari);
+                let v = n.a_to_b(av, bv, &mut m);
+                assert_eq!(v.1, Some(Verdict::ToVm(n.b.id(bv))), "cycle {i}: {v:?}");
+            }
+            6 => {
+                // Abandoned half way: the REQ is answered, then nobody speaks again.
+                let got = n.send_req(av, bv, a_sl, i % 1000, &LINUX);
+                let a_pv = view(&got).local_comm_id().unwrap();
+                let mut m = rep(n.b.cfg(bv), view(&got).tid(), b_sl, a_pv, n.b.qpn(bv, 1));
+                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+            }
+            _ => {
+                // Lost RTU, then the active side disconnects; the passive host answers.
+                let got = n.send_req(av, bv, a_sl, i % 1000, &LINUX);
+                let a_pv = view(&got).local_comm_id().unwrap();
+                let mut m = rep(n.b.cfg(bv), view(&got).tid(), b_sl, a_pv, n.b.qpn(bv, 1));
+                let v = n.b_to_a(bv, av, &mut m);
+                assert_eq!(v.1, Some(Verdict::ToVm(n.a.id(av))), "cycle {i}: {v:?}");
+                let b_pv = view(&m).local_comm_id().unwrap();
+                let mut m = ids(AttributeId::Rtu, 1, a_sl, b_pv);
+                assert_eq!(
+                    n.a.mux.from_guest(n.a.id(av), &mut m, n.b.gid(bv)),
+                    Verdict::ToWire
+                );
+                let mut m = dreq(2, a_sl, b_pv, 0);
+                let _ = n.a_to_b(av, bv, &mut m);
+            }
+        }
+        if i % 64 == 0 {
+            n.advance(Duration::from_millis(64));
+        }
+    }
+    n.quiesce();
+    (n.live(), n.quarantined())
+}
+
+#[test]
+fn churn_leaves_no_entry_behind() {
+    // 1 M cycles (seed 003 scale); PVCM_CHURN_CYCLES overrides.
+    let cycles = std::env::var("PVCM_CHURN_CYCLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    assert_eq!(churn(Policy::Default, cycles), ((0, 0), (0, 0)));
+    let ((a, b), _) = churn(Policy::Mlx4Post2020, 8_000);
+    assert!(a + b >= 2_000, "mlx4 leaks abandoned handshakes: {a} + {b}");
+}

@@ -1227,11 +1227,16 @@ impl<C: Clock> Mux<C> {
         dst: Gid,
         now: u64,
     ) -> Result<u32, DropReason> {
-        if let Ok(s) = self.guest_known(vm, m) {
-            return Ok(s);
-        }
         let sl = m.local_comm_id().unwrap_or(0);
         let remote = m.remote_comm_id().unwrap_or(0);
+        if let Ok(s) = self.guest_known(vm, m) {
+            if self.slab[s as usize].remote_comm_id == remote || self.legacy() {
+                return Ok(s);
+            }
+            // The VM reuses its comm ID towards another peer connection: as far as its
+            // CM is concerned the old one is gone.
+            self.retire(s, now);
+        }
         if self.legacy() {
             // mlx4 allocates on any REP/MRA/REJ it has not seen, without checks.
             let s = self.new_entry(vm, dst).ok_or(DropReason::TableFull)?;
@@ -1241,7 +1246,6 @@ impl<C: Clock> Mux<C> {
             e.remote_comm_id = remote;
             self.index_sl(vm, sl, s);
             self.assign_pv(s);
-            let _ = now;
             return Ok(s);
         }
         let ca_guid = self
