@@ -17,8 +17,6 @@
 //!
 //! `cargo bench -p pvcm-backend --bench mux`
 
-#![allow(clippy::unwrap_used)]
-
 mod common;
 
 use std::hint::black_box;

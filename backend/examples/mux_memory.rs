@@ -7,8 +7,6 @@
 //! entry (both hosts' muxes over both hosts' entries; the harness's own per-connection
 //! records are freed before the second reading).
 
-#![allow(clippy::unwrap_used)]
-
 #[path = "../benches/common/mod.rs"]
 mod common;
 
