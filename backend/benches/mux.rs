@@ -136,6 +136,43 @@ fn bench_n(c: &mut Criterion, n: usize) {
             black_box(&scratch);
         })
     });
+    // The batched entry points, as the daemon calls them (recvmmsg / a virtqueue's
+    // available chains): same copy work, then one call per batch.
+    let mut bufs: Vec<MadBuf> = vec![[0; 256]; BATCH];
+    let mut verdicts = vec![Verdict::ToWire; BATCH];
+    let mut cur = Cursor::new(n);
+    let vm0 = a_vms[0];
+    let vm0_conns: Vec<usize> = (0..conns.len()).filter(|&i| conns[i].a_vm == 0).collect();
+    let mut order = shuffled(vm0_conns.len());
+    let mut dsts = vec![b_gids[0]; BATCH];
+    g.bench_function("guest_to_wire_lap_batch", |b| {
+        let mut pos = 0usize;
+        b.iter(|| {
+            for (j, buf) in bufs.iter_mut().enumerate() {
+                let k = &conns[vm0_conns[order[pos] as usize]];
+                pos = (pos + 1) % order.len();
+                buf.copy_from_slice(&laps[k.pair()]);
+                patch_lap(buf, k);
+                dsts[j] = b_gids[k.b_vm as usize];
+            }
+            mux.from_guest_batch(vm0, &mut bufs, &dsts, &mut verdicts);
+            assert!(verdicts.iter().all(|v| *v == Verdict::ToWire));
+        })
+    });
+    order.clear();
+    let mut addrs = vec![(b_gids[0], a_gids[0]); BATCH];
+    g.bench_function("wire_to_guest_apr_batch", |b| {
+        b.iter(|| {
+            for (j, buf) in bufs.iter_mut().enumerate() {
+                let k = &conns[cur.next()];
+                buf.copy_from_slice(&aprs[k.pair()]);
+                patch_apr(buf, k, lap_tid_hi);
+                addrs[j] = (b_gids[k.b_vm as usize], a_gids[k.a_vm as usize]);
+            }
+            mux.from_wire_batch(&mut bufs, &addrs, &mut verdicts);
+            assert!(verdicts.iter().all(|v| matches!(v, Verdict::ToVm(_))));
+        })
+    });
     g.finish();
 }
 

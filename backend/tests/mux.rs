@@ -762,3 +762,16 @@ fn churn_leaves_no_entry_behind() {
     let ((a, b), _) = churn(Policy::Mlx4Post2020, 8_000);
     assert!(a + b >= 2_000, "mlx4 leaks abandoned handshakes: {a} + {b}");
 }
+
+#[test]
+fn mra_for_a_lap_leaves_an_established_connection_without_deadline() {
+    let mut n = net2(Policy::Default);
+    let c = n.connect(0, 0, 1, 2, 0);
+    let mut m = mra(5, 2, c.a_pv, MsgResponse::Other, 20);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let mut m = mra(5, 1, c.b_pv, MsgResponse::Other, 20);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    n.quiesce();
+    assert_eq!(n.a.mux.lookup(c.a_pv).unwrap().0, State::Established);
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::Established);
+}

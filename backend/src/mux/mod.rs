@@ -108,6 +108,14 @@ pub enum State {
 }
 
 impl State {
+    /// True while REQ/REP/RTU are still being exchanged (the states an MRA extends).
+    pub fn in_handshake(self) -> bool {
+        matches!(
+            self,
+            State::ReqSent | State::ReqRcvd | State::RepSent | State::RepRcvd
+        )
+    }
+
     /// Every state, for statistics.
     pub const ALL: [State; 12] = [
         State::Free,
@@ -144,6 +152,7 @@ mod flag {
 
 /// One connection (or SIDR exchange). 64 bytes; see `entry_size` in the tests.
 #[derive(Debug, Clone, Copy)]
+#[repr(align(64))] // one cache line per entry: a wire-side lookup touches one line
 struct Entry {
     /// The VM's own comm ID (0 until the passive VM answers).
     sl_cm_id: u32,
@@ -330,6 +339,7 @@ pub struct Mux<C: Clock> {
     legacy_rej: FastMap<u32, (u32, u64)>,
     peers: Peers,
     timers: BinaryHeap<Reverse<(u64, u32, u16)>>,
+    timers_after_compaction: usize,
     quarantine: VecDeque<(u64, u32)>,
     gets: FastMap<u64, PendingGet>,
     next_get: u32,
@@ -368,6 +378,7 @@ impl<C: Clock> Mux<C> {
                 ..Default::default()
             },
             timers: BinaryHeap::new(),
+            timers_after_compaction: 0,
             quarantine: VecDeque::new(),
             gets: FastMap::with_hasher(hasher()),
             next_get: 1,
@@ -653,11 +664,18 @@ impl<C: Clock> Mux<C> {
 
     fn set_deadline(&mut self, slot: u32, deadline: u64) {
         let e = &mut self.slab[slot as usize];
+        if e.deadline == deadline {
+            return; // already queued
+        }
         e.deadline = deadline;
         if deadline != u64::MAX {
             self.timers.push(Reverse((deadline, slot, e.generation)));
-            // Lazy deletion leaves stale timers behind; compact when they dominate.
-            if self.timers.len() > 1024 && self.timers.len() > 4 * self.live as usize {
+            // Lazy deletion leaves stale timers behind; compact when they dominate. The
+            // floor keeps compaction amortized O(1) per timer.
+            let floor = (self.live as usize)
+                .max(self.timers_after_compaction)
+                .max(512);
+            if self.timers.len() > 2 * floor {
                 self.compact_timers();
             }
         }
@@ -678,6 +696,11 @@ impl<C: Clock> Mux<C> {
             slab.get(*s as usize)
                 .is_some_and(|e| e.generation == *g && e.deadline == *t && e.state != State::Free)
         });
+        self.timers_after_compaction = self.timers.len();
+        // Established connections hold no timer: give the memory back.
+        if self.timers.capacity() > 2 * self.timers.len() + 1024 {
+            self.timers.shrink_to(self.timers.len() * 3 / 2 + 1024);
+        }
     }
 
     /// `d` clamped to the configured upper bound.
@@ -974,8 +997,9 @@ impl<C: Clock> Mux<C> {
                     Err(r) => return Verdict::Drop(r),
                 };
                 let e = self.slab[slot as usize];
-                if !self.legacy() {
-                    // The peer now waits the service timeout on top of its window.
+                if !self.legacy() && e.state.in_handshake() {
+                    // The peer now waits the service timeout on top of its window. (An
+                    // MRA for a LAP leaves an established connection without deadline.)
                     let svc = exponent_to_duration(m.mra_service_timeout().unwrap_or(0));
                     let w = self.clamp(svc + self.window(e.vm_resp, e.ack, e.retries));
                     self.extend_deadline(slot, now, w);
@@ -1350,6 +1374,64 @@ impl<C: Clock> Mux<C> {
         verdict
     }
 
+    /// [`Mux::from_wire`] for a batch (as `recvmmsg` delivers them): `addrs[i]` is the
+    /// (source, destination) of `mads[i]`, and `verdicts[i]` receives its verdict.
+    ///
+    /// Same results as one call per MAD, but first touches every entry the batch names,
+    /// so that with a table far larger than the caches the misses overlap instead of
+    /// being paid one after the other.
+    pub fn from_wire_batch(
+        &mut self,
+        mads: &mut [[u8; mad::MAD_LEN]],
+        addrs: &[(Gid, Gid)],
+        verdicts: &mut [Verdict],
+    ) {
+        let n = mads.len().min(addrs.len()).min(verdicts.len());
+        let mut touch = 0u32;
+        for m in &mads[..n] {
+            if let Ok(Some(pv)) = CmMad::new_checked(&m[..]).map(|m| m.remote_comm_id()) {
+                let slot = self.perm.invert(pv) & ((1u32 << self.slot_bits) - 1);
+                if let Some(e) = self.slab.get(slot as usize) {
+                    touch ^= e.pv_cm_id;
+                }
+            }
+        }
+        std::hint::black_box(touch);
+        for i in 0..n {
+            let (src, dst) = addrs[i];
+            verdicts[i] = self.from_wire(&mut mads[i], src, dst);
+        }
+    }
+
+    /// [`Mux::from_guest`] for a batch of MADs from one VM (as a virtqueue delivers
+    /// them): `dsts[i]` is where `mads[i]` goes, `verdicts[i]` receives its verdict.
+    /// Touches the VM's comm-ID map and the entries first, like
+    /// [`Mux::from_wire_batch`].
+    pub fn from_guest_batch(
+        &mut self,
+        vm: VmId,
+        mads: &mut [[u8; mad::MAD_LEN]],
+        dsts: &[Gid],
+        verdicts: &mut [Verdict],
+    ) {
+        let n = mads.len().min(dsts.len()).min(verdicts.len());
+        if let Some(v) = self.vms.get(vm.0 as usize) {
+            let mut touch = 0u32;
+            for m in &mads[..n] {
+                let sl = u32::from_be_bytes([m[24], m[25], m[26], m[27]]);
+                if let Some(&slot) = v.sl_map.get(&sl)
+                    && let Some(e) = self.slab.get(slot as usize)
+                {
+                    touch ^= e.pv_cm_id;
+                }
+            }
+            std::hint::black_box(touch);
+        }
+        for i in 0..n {
+            verdicts[i] = self.from_guest(vm, &mut mads[i], dsts[i]);
+        }
+    }
+
     fn rx_dup(&mut self, vm: u32, attr: AttributeId) {
         if let Some(v) = self.vms.get_mut(vm as usize) {
             v.counters.bump(Group::RxDuplicates, attr);
@@ -1520,7 +1602,7 @@ impl<C: Clock> Mux<C> {
                 _ if legacy => {}
                 _ => return Verdict::Drop(DropReason::BadState),
             },
-            AttributeId::Mra if !legacy => {
+            AttributeId::Mra if !legacy && e.state.in_handshake() => {
                 let svc = exponent_to_duration(m.mra_service_timeout().unwrap_or(0));
                 let w = self.clamp(svc + self.window(e.peer_resp, e.ack, e.retries));
                 self.extend_deadline(slot, now, w);

@@ -1,0 +1,1312 @@
+//! The agent: connection records, indexes, timers, and the handling of received MADs.
+//! The application-facing calls are in `api.rs`.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use pvcm_wire::Gid;
+use pvcm_wire::cm::{
+    AprStatus, CmMad, CmRepr, MsgResponse, RejReason, SidrStatus, apr, class_port_info, drep, dreq,
+    lap, mra, rej, rep, req, rtu, sidr_rep, sidr_req,
+};
+use pvcm_wire::mad::{self, AttributeId, Header, MAD_LEN, Method};
+use pvcm_wire::timeout::linux_ms;
+
+use super::config::{AgentConfig, cm_ack_timeout};
+use super::counters::{CmCounters, DropReason, Drops, Group};
+use super::event::{CmId, Event, State};
+use super::ids::{CommIds, QpnPool, SplitMix64};
+use crate::time::Time;
+
+/// A MAD the agent wants sent, with its destination GID (the device ABI's addressing:
+/// the transport puts `dst` in the message header's `remote_gid`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct OutMad {
+    /// Destination GID.
+    pub dst: Gid,
+    /// The 256-byte MAD, in wire byte order.
+    pub mad: [u8; MAD_LEN],
+}
+
+impl OutMad {
+    /// The MAD's attribute (`None` only for bytes the agent never produces).
+    pub fn attr(&self) -> Option<AttributeId> {
+        AttributeId::from_u16(u16::from_be_bytes([self.mad[16], self.mad[17]]))
+    }
+}
+
+impl core::fmt::Debug for OutMad {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match CmRepr::parse(&self.mad) {
+            Ok((h, r)) => write!(f, "OutMad(to {} {} | {})", self.dst, h, r),
+            Err(e) => write!(f, "OutMad(to {} unparsable: {})", self.dst, e),
+        }
+    }
+}
+
+/// What the agent remembers of one connection, listener or SIDR exchange.
+#[derive(Debug, Clone)]
+pub(crate) struct Conn {
+    pub generation: u32,
+    pub live: bool,
+    pub state: State,
+    /// The application still holds the handle (not destroyed).
+    pub app: bool,
+    pub listen: Option<CmId>,
+    pub local_id: u32,
+    /// `local_id` is held in the comm-ID allocator.
+    pub holds_id: bool,
+    pub remote_id: u32,
+    pub remote_ca_guid: u64,
+    pub remote_gid: Gid,
+    pub local_qpn: u32,
+    /// `local_qpn` came from the port's pool.
+    pub sim_qpn: bool,
+    pub remote_qpn: u32,
+    pub service_id: u64,
+    /// TID of the exchange being answered or started (Linux `cm_id_priv->tid`).
+    pub tid: u64,
+    /// One attempt's timeout (Linux `timeout_ms`).
+    pub timeout_ms: u64,
+    pub max_retries: u8,
+    pub retries_left: u8,
+    /// Linux `av.timeout`: the path's ACK timeout exponent (TimeWait, MRA extension).
+    pub av_timeout: u8,
+    /// The MAD being retried (REQ, REP, DREQ, SIDR_REQ).
+    pub msg: Option<[u8; MAD_LEN]>,
+    /// The last answer sent (MRA, RTU, DREP, APR), re-sent on duplicates.
+    pub reply: Option<[u8; MAD_LEN]>,
+    /// Sequence number of the armed timer.
+    pub timer: Option<u64>,
+    pub deadline: Time,
+    pub in_remote_ids: bool,
+    pub in_remote_qpns: bool,
+    pub disconnect_reported: bool,
+    pub auto_rtu: bool,
+    /// The REQ's responder resources and initiator depth (mirrored in the REP).
+    pub req_responder_resources: u8,
+    pub req_initiator_depth: u8,
+    /// TID of the last LAP answered.
+    pub lap_tid: Option<u64>,
+    /// SIDR_REQ_RCVD index key.
+    pub sidr_key: Option<(Gid, u32)>,
+    /// Listener: answer SIDR_REQs with this (QPN, Q_Key) without asking.
+    pub sidr_auto: Option<(u32, u32)>,
+}
+
+impl Conn {
+    fn new(generation: u32) -> Conn {
+        Conn {
+            generation,
+            live: true,
+            state: State::Idle,
+            app: true,
+            listen: None,
+            local_id: 0,
+            holds_id: false,
+            remote_id: 0,
+            remote_ca_guid: 0,
+            remote_gid: Gid::ZERO,
+            local_qpn: 0,
+            sim_qpn: false,
+            remote_qpn: 0,
+            service_id: 0,
+            tid: 0,
+            timeout_ms: 0,
+            max_retries: 0,
+            retries_left: 0,
+            av_timeout: 0,
+            msg: None,
+            reply: None,
+            timer: None,
+            deadline: Time::NEVER,
+            in_remote_ids: false,
+            in_remote_qpns: false,
+            disconnect_reported: false,
+            auto_rtu: true,
+            req_responder_resources: 0,
+            req_initiator_depth: 0,
+            lap_tid: None,
+            sidr_key: None,
+            sidr_auto: None,
+        }
+    }
+}
+
+/// An IBA chapter-12 Connection Manager agent for one port: pure, I/O-free, driven by
+/// the MADs it is handed, the application's calls and `poll()` at `next_deadline()`.
+///
+/// Outputs are an outbox of MADs with their destination GIDs ([`Agent::pop_outbox`])
+/// and an event queue for the application ([`Agent::pop_event`]).
+#[derive(Debug)]
+pub struct Agent {
+    pub(crate) cfg: AgentConfig,
+    pub(crate) rng: SplitMix64,
+    pub(crate) conns: Vec<Conn>,
+    free: Vec<u32>,
+    pub(crate) comm_ids: CommIds,
+    pub(crate) qpns: QpnPool,
+    /// (remote CA GUID, remote comm ID) -> slot: duplicate REQ/REP detection and
+    /// REJ(TIMEOUT) lookup. Kept through TimeWait.
+    remote_ids: HashMap<(u64, u32), u32>,
+    /// (remote CA GUID, remote QPN) -> slot of a *connected* connection (REQ_RCVD or
+    /// REP_RCVD up to DREQ): stale-connection detection. Left on entering TimeWait.
+    remote_qpns: HashMap<(u64, u32), u32>,
+    pub(crate) listeners: HashMap<u64, u32>,
+    sidr_rcvd: HashMap<(Gid, u32), u32>,
+    timers: BinaryHeap<Reverse<(u64, u64, u32)>>,
+    timer_seq: u64,
+    armed: usize,
+    outbox: VecDeque<OutMad>,
+    events: VecDeque<Event>,
+    pub(crate) counters: CmCounters,
+    pub(crate) drops: Drops,
+    pub(crate) connections: usize,
+}
+
+impl Agent {
+    /// An agent with no connections.
+    pub fn new(cfg: AgentConfig) -> Agent {
+        let mut rng = SplitMix64::new(cfg.seed);
+        let operand = rng.next_u32();
+        let qpns = QpnPool::new(cfg.qpn_base, cfg.qpn_count);
+        Agent {
+            cfg,
+            rng,
+            conns: Vec::new(),
+            free: Vec::new(),
+            comm_ids: CommIds::new(operand),
+            qpns,
+            remote_ids: HashMap::new(),
+            remote_qpns: HashMap::new(),
+            listeners: HashMap::new(),
+            sidr_rcvd: HashMap::new(),
+            timers: BinaryHeap::new(),
+            timer_seq: 0,
+            armed: 0,
+            outbox: VecDeque::new(),
+            events: VecDeque::new(),
+            counters: CmCounters::default(),
+            drops: Drops::default(),
+            connections: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AgentConfig {
+        &self.cfg
+    }
+
+    /// The next MAD to send.
+    pub fn pop_outbox(&mut self) -> Option<OutMad> {
+        self.outbox.pop_front()
+    }
+
+    /// Every MAD to send, oldest first.
+    pub fn drain_outbox(&mut self) -> impl Iterator<Item = OutMad> + '_ {
+        self.outbox.drain(..)
+    }
+
+    /// MADs waiting to be sent.
+    pub fn outbox_len(&self) -> usize {
+        self.outbox.len()
+    }
+
+    /// The next event for the application.
+    pub fn pop_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Every pending event, oldest first.
+    pub fn drain_events(&mut self) -> impl Iterator<Item = Event> + '_ {
+        self.events.drain(..)
+    }
+
+    /// The counters (Linux `infiniband_cm` shape).
+    pub fn counters(&self) -> &CmCounters {
+        &self.counters
+    }
+
+    /// Counted drops.
+    pub fn drops(&self) -> &Drops {
+        &self.drops
+    }
+
+    /// Connections and SIDR exchanges the agent remembers (listeners excluded),
+    /// including destroyed ones still in TimeWait.
+    pub fn connection_count(&self) -> usize {
+        self.connections
+    }
+
+    /// Listeners.
+    pub fn listener_count(&self) -> usize {
+        self.listeners.len()
+    }
+
+    /// Comm IDs held (live connections and TimeWait).
+    pub fn comm_ids_held(&self) -> usize {
+        self.comm_ids.len()
+    }
+
+    /// Simulated QPNs in use.
+    pub fn qpns_in_use(&self) -> usize {
+        self.qpns.in_use()
+    }
+
+    /// Timers armed.
+    pub fn timers_armed(&self) -> usize {
+        self.armed
+    }
+
+    /// True when the agent holds no protocol state at all besides listeners: no
+    /// connection, comm ID, QPN, index entry, timer or unsent MAD.
+    pub fn is_quiescent(&self) -> bool {
+        self.connections == 0
+            && self.comm_ids.is_empty()
+            && self.qpns.in_use() == 0
+            && self.remote_ids.is_empty()
+            && self.remote_qpns.is_empty()
+            && self.sidr_rcvd.is_empty()
+            && self.armed == 0
+            && self.outbox.is_empty()
+    }
+
+    /// How many remembered connections are in each state.
+    pub fn state_histogram(&self) -> Vec<(State, usize)> {
+        State::ALL
+            .iter()
+            .map(|s| {
+                (
+                    *s,
+                    self.conns
+                        .iter()
+                        .filter(|c| c.live && c.state == *s)
+                        .count(),
+                )
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    // ------------------------------------------------------------------ slots
+
+    pub(crate) fn alloc_slot(&mut self, listener: bool) -> u32 {
+        if !listener {
+            self.connections += 1;
+        }
+        if let Some(s) = self.free.pop() {
+            let generation = self.conns[s as usize].generation;
+            self.conns[s as usize] = Conn::new(generation);
+            s
+        } else {
+            self.conns.push(Conn::new(0));
+            (self.conns.len() - 1) as u32
+        }
+    }
+
+    /// Forgets a slot entirely (releasing whatever it still holds).
+    pub(crate) fn free_slot(&mut self, slot: u32) {
+        self.release_protocol(slot);
+        let c = &mut self.conns[slot as usize];
+        if !c.live {
+            return;
+        }
+        if c.state == State::Listen {
+            let sid = c.service_id;
+            if self.listeners.get(&sid) == Some(&slot) {
+                self.listeners.remove(&sid);
+            }
+        } else {
+            self.connections -= 1;
+        }
+        let c = &mut self.conns[slot as usize];
+        c.live = false;
+        c.app = false;
+        c.generation = c.generation.wrapping_add(1);
+        self.free.push(slot);
+    }
+
+    pub(crate) fn id_of(&self, slot: u32) -> CmId {
+        CmId {
+            slot,
+            generation: self.conns[slot as usize].generation,
+        }
+    }
+
+    /// The slot of a handle the application holds.
+    pub(crate) fn slot_of(&self, id: CmId) -> Option<u32> {
+        let c = self.conns.get(id.slot as usize)?;
+        (c.live && c.app && c.generation == id.generation).then_some(id.slot)
+    }
+
+    fn by_local(&self, local_id: u32) -> Option<u32> {
+        self.comm_ids.get(local_id)
+    }
+
+    fn by_ids(&self, local_id: u32, remote_id: u32) -> Option<u32> {
+        self.by_local(local_id)
+            .filter(|s| self.conns[*s as usize].remote_id == remote_id)
+    }
+
+    pub(crate) fn index_remote(&mut self, slot: u32) {
+        let c = &self.conns[slot as usize];
+        let (guid, rid, rqpn) = (c.remote_ca_guid, c.remote_id, c.remote_qpn);
+        self.remote_ids.insert((guid, rid), slot);
+        self.remote_qpns.insert((guid, rqpn), slot);
+        let c = &mut self.conns[slot as usize];
+        c.in_remote_ids = true;
+        c.in_remote_qpns = true;
+    }
+
+    fn unindex_remote_qpn(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        if c.in_remote_qpns {
+            c.in_remote_qpns = false;
+            let key = (c.remote_ca_guid, c.remote_qpn);
+            if self.remote_qpns.get(&key) == Some(&slot) {
+                self.remote_qpns.remove(&key);
+            }
+        }
+    }
+
+    fn unindex_remote_id(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        if c.in_remote_ids {
+            c.in_remote_ids = false;
+            let key = (c.remote_ca_guid, c.remote_id);
+            if self.remote_ids.get(&key) == Some(&slot) {
+                self.remote_ids.remove(&key);
+            }
+        }
+    }
+
+    /// Releases what the protocol holds for a connection: comm ID, indexes, QPN,
+    /// retried MAD, timer. The record itself stays (the application may hold it).
+    fn release_protocol(&mut self, slot: u32) {
+        self.disarm(slot);
+        self.unindex_remote_id(slot);
+        self.unindex_remote_qpn(slot);
+        let c = &mut self.conns[slot as usize];
+        c.msg = None;
+        c.reply = None;
+        if c.holds_id {
+            c.holds_id = false;
+            let id = c.local_id;
+            self.comm_ids.release(id);
+        }
+        let c = &mut self.conns[slot as usize];
+        if c.sim_qpn {
+            c.sim_qpn = false;
+            let q = c.local_qpn;
+            self.qpns.release(q);
+        }
+        let c = &mut self.conns[slot as usize];
+        if let Some(key) = c.sidr_key.take() {
+            if self.sidr_rcvd.get(&key) == Some(&slot) {
+                self.sidr_rcvd.remove(&key);
+            }
+        }
+    }
+
+    /// Linux `cm_reset_to_idle()`: the connection is over without a TimeWait; its IDs
+    /// go back at once. Forgotten entirely if the application destroyed it.
+    pub(crate) fn go_idle(&mut self, slot: u32) {
+        self.release_protocol(slot);
+        let c = &mut self.conns[slot as usize];
+        c.state = State::Idle;
+        if !c.app {
+            self.free_slot(slot);
+        }
+    }
+
+    /// Linux `cm_enter_timewait()`: the QPN is no longer connected (it may be named by a
+    /// new REQ without being stale), the comm IDs stay held for the packet-lifetime-based
+    /// wait.
+    pub(crate) fn enter_timewait(&mut self, slot: u32, now: Time) {
+        self.unindex_remote_qpn(slot);
+        let c = &mut self.conns[slot as usize];
+        c.state = State::Timewait;
+        c.msg = None;
+        let wait = linux_ms(c.av_timeout);
+        self.arm(slot, now.after_ms(wait));
+    }
+
+    // ----------------------------------------------------------------- timers
+
+    pub(crate) fn arm(&mut self, slot: u32, at: Time) {
+        self.timer_seq += 1;
+        let seq = self.timer_seq;
+        let c = &mut self.conns[slot as usize];
+        if c.timer.is_none() {
+            self.armed += 1;
+        }
+        c.timer = Some(seq);
+        c.deadline = at;
+        self.timers.push(Reverse((at.0, seq, slot)));
+        if self.timers.len() > 64 && self.timers.len() > 4 * self.armed {
+            self.compact_timers();
+        }
+    }
+
+    pub(crate) fn disarm(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        if c.timer.take().is_some() {
+            self.armed -= 1;
+            c.deadline = Time::NEVER;
+        }
+    }
+
+    fn compact_timers(&mut self) {
+        let live: Vec<Reverse<(u64, u64, u32)>> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.live)
+            .filter_map(|(i, c)| c.timer.map(|seq| Reverse((c.deadline.0, seq, i as u32))))
+            .collect();
+        self.timers = BinaryHeap::from(live);
+    }
+
+    /// When `poll()` next has work: the earliest armed timer.
+    pub fn next_deadline(&mut self) -> Option<Time> {
+        while let Some(Reverse((t, seq, slot))) = self.timers.peek().copied() {
+            let c = &self.conns[slot as usize];
+            if c.live && c.timer == Some(seq) {
+                return Some(Time(t));
+            }
+            self.timers.pop();
+        }
+        None
+    }
+
+    /// Runs every timer due at `now`: retries, give-ups, automatic MRAs, TimeWait ends.
+    pub fn poll(&mut self, now: Time) {
+        while let Some(Reverse((t, seq, slot))) = self.timers.peek().copied() {
+            if t > now.0 {
+                break;
+            }
+            self.timers.pop();
+            let c = &self.conns[slot as usize];
+            if !c.live || c.timer != Some(seq) {
+                continue;
+            }
+            self.disarm(slot);
+            self.fire(slot, now);
+        }
+    }
+
+    fn fire(&mut self, slot: u32, now: Time) {
+        let state = self.conns[slot as usize].state;
+        match state {
+            State::ReqSent
+            | State::MraReqRcvd
+            | State::RepSent
+            | State::MraRepRcvd
+            | State::DreqSent
+            | State::SidrReqSent => {
+                let c = &mut self.conns[slot as usize];
+                if c.retries_left > 0
+                    && let Some(m) = c.msg
+                {
+                    c.retries_left -= 1;
+                    let (dst, t) = (c.remote_gid, c.timeout_ms);
+                    self.push(dst, m, true);
+                    self.arm(slot, now.after_ms(t));
+                    return;
+                }
+                let id = self.id_of(slot);
+                if state == State::DreqSent {
+                    // Linux IB_CM_DREQ_ERROR -> rdma_cm DISCONNECTED.
+                    self.report_disconnect(slot);
+                    self.enter_timewait(slot, now);
+                } else {
+                    // REQ/REP/SIDR_REQ error -> rdma_cm UNREACHABLE.
+                    if self.conns[slot as usize].app {
+                        self.events.push_back(Event::Unreachable { id });
+                    }
+                    self.go_idle(slot);
+                }
+            }
+            State::ReqRcvd => self.send_mra(slot, MsgResponse::Req, State::MraReqSent),
+            State::RepRcvd => self.send_mra(slot, MsgResponse::Rep, State::MraRepSent),
+            State::Timewait => {
+                let id = self.id_of(slot);
+                let app = self.conns[slot as usize].app;
+                self.go_idle(slot);
+                if app {
+                    self.events.push_back(Event::TimewaitExit { id });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // ---------------------------------------------------------------- sending
+
+    pub(crate) fn encode(&mut self, h: &Header, r: &CmRepr<'_>) -> Option<[u8; MAD_LEN]> {
+        let mut buf = [0u8; MAD_LEN];
+        match r.emit(h, &mut buf) {
+            Ok(()) => Some(buf),
+            Err(_) => {
+                self.drops.bump(DropReason::EmitFailed);
+                None
+            }
+        }
+    }
+
+    /// Queues a MAD and counts it (`retry`: a timer retry or an answer re-sent because
+    /// of a duplicate, as Linux counts them).
+    pub(crate) fn push(&mut self, dst: Gid, mad: [u8; MAD_LEN], retry: bool) {
+        match AttributeId::from_u16(u16::from_be_bytes([mad[16], mad[17]])) {
+            Some(AttributeId::ClassPortInfo) => self.counters.class_port_info_tx += 1,
+            Some(a) => {
+                self.counters.bump(Group::TxMsgs, a);
+                if retry {
+                    self.counters.bump(Group::TxRetries, a);
+                }
+            }
+            None => {}
+        }
+        self.outbox.push_back(OutMad { dst, mad });
+    }
+
+    /// Encodes and queues; returns the bytes sent.
+    pub(crate) fn send(
+        &mut self,
+        dst: Gid,
+        h: &Header,
+        r: &CmRepr<'_>,
+        retry: bool,
+    ) -> Option<[u8; MAD_LEN]> {
+        let buf = self.encode(h, r)?;
+        self.push(dst, buf, retry);
+        Some(buf)
+    }
+
+    /// A TID the agent starts: Linux `cm_form_tid()`.
+    pub(crate) fn form_tid(&self, local_id: u32) -> u64 {
+        (u64::from(self.cfg.hi_tid) << 32) | u64::from(local_id)
+    }
+
+    /// A REJ not tied to a connection record (Linux `cm_issue_rej()` and friends).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_rej(
+        &mut self,
+        dst: Gid,
+        tid: u64,
+        local_id: u32,
+        remote_id: u32,
+        msg: MsgResponse,
+        reason: RejReason,
+        ari: &[u8],
+        private_data: &[u8],
+    ) {
+        let r = CmRepr::Rej(rej::Repr {
+            local_comm_id: local_id,
+            remote_comm_id: remote_id,
+            message_rejected: msg,
+            reason,
+            ari,
+            private_data,
+        });
+        self.send(dst, &Header::cm_send(AttributeId::Rej, tid), &r, false);
+    }
+
+    /// Sends MRA for a REQ or REP the application has not answered yet.
+    fn send_mra(&mut self, slot: u32, which: MsgResponse, next: State) {
+        let c = &self.conns[slot as usize];
+        let r = CmRepr::Mra(mra::Repr {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            message_mraed: which,
+            service_timeout: self.cfg.mra_service_timeout,
+            private_data: &[],
+        });
+        let (dst, tid) = (c.remote_gid, c.tid);
+        let sent = self.send(dst, &Header::cm_send(AttributeId::Mra, tid), &r, false);
+        let c = &mut self.conns[slot as usize];
+        c.reply = sent;
+        c.state = next;
+    }
+
+    /// Re-sends the last answer (MRA, RTU, APR) with this TID, as a retry.
+    fn resend_reply(&mut self, slot: u32, tid: u64) {
+        let c = &self.conns[slot as usize];
+        if let Some(mut m) = c.reply {
+            mad::field::TID.set(&mut m, tid);
+            let dst = c.remote_gid;
+            self.push(dst, m, true);
+        }
+    }
+
+    /// Sends the RTU and stores it for duplicate REPs.
+    pub(crate) fn send_rtu(&mut self, slot: u32, private_data: &[u8]) {
+        let c = &self.conns[slot as usize];
+        let r = CmRepr::Rtu(rtu::Repr {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            private_data,
+        });
+        let (dst, tid) = (c.remote_gid, c.tid);
+        let sent = self.send(dst, &Header::cm_send(AttributeId::Rtu, tid), &r, false);
+        self.conns[slot as usize].reply = sent;
+    }
+
+    /// Sends a DREQ from ESTABLISHED; `retried`: keep it for retries (DREQ_SENT),
+    /// else it goes once (destroy).
+    pub(crate) fn send_dreq(&mut self, slot: u32, private_data: &[u8], retried: bool, now: Time) {
+        let c = &self.conns[slot as usize];
+        let tid = self.form_tid(c.local_id);
+        let r = CmRepr::Dreq(dreq::Repr {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            remote_qpn_eecn: c.remote_qpn,
+            private_data,
+        });
+        let dst = c.remote_gid;
+        let sent = self.send(dst, &Header::cm_send(AttributeId::Dreq, tid), &r, false);
+        if retried {
+            let c = &mut self.conns[slot as usize];
+            c.tid = tid;
+            c.msg = sent;
+            c.retries_left = c.max_retries;
+            c.state = State::DreqSent;
+            let t = c.timeout_ms;
+            self.arm(slot, now.after_ms(t));
+        }
+    }
+
+    /// Sends the DREP answering the DREQ in `conn.tid` and stores it for duplicates.
+    pub(crate) fn send_drep(&mut self, slot: u32, private_data: &[u8]) {
+        let c = &self.conns[slot as usize];
+        let r = CmRepr::Drep(drep::Repr {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            private_data,
+        });
+        let (dst, tid) = (c.remote_gid, c.tid);
+        let sent = self.send(dst, &Header::cm_send(AttributeId::Drep, tid), &r, false);
+        self.conns[slot as usize].reply = sent;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_sidr_rep(
+        &mut self,
+        dst: Gid,
+        tid: u64,
+        request_id: u32,
+        service_id: u64,
+        status: SidrStatus,
+        qpn: u32,
+        qkey: u32,
+        private_data: &[u8],
+    ) {
+        let r = CmRepr::SidrRep(sidr_rep::Repr {
+            request_id,
+            status,
+            vendor_id: 0,
+            qpn,
+            service_id,
+            qkey,
+            additional_info: &[],
+            private_data,
+        });
+        self.send(dst, &Header::cm_send(AttributeId::SidrRep, tid), &r, false);
+    }
+
+    /// Reports `Disconnected` once per connection, if the application still holds it.
+    pub(crate) fn report_disconnect(&mut self, slot: u32) {
+        let id = self.id_of(slot);
+        let c = &mut self.conns[slot as usize];
+        if c.app && !c.disconnect_reported {
+            c.disconnect_reported = true;
+            self.events.push_back(Event::Disconnected { id });
+        }
+    }
+
+    /// Withdraws the queued events of a destroyed handle.
+    pub(crate) fn forget_events(&mut self, id: CmId) {
+        self.events.retain(|e| e.id() != id);
+    }
+
+    pub(crate) fn event(&mut self, e: Event) {
+        self.events.push_back(e);
+    }
+
+    // ---------------------------------------------------------------- receive
+
+    /// Handles one MAD from the device: `mad` is the 256-byte MAD (longer buffers are
+    /// cut to 256 bytes), `src` the sender's GID from the message header. Timers due at
+    /// `now` run first. Malformed input is counted in [`Agent::drops`], never a panic.
+    pub fn handle_mad(&mut self, mad: &[u8], src: Gid, now: Time) {
+        self.poll(now);
+        let mad = mad.get(..MAD_LEN).unwrap_or(mad);
+        let attr = match CmMad::new_checked(mad) {
+            Ok(m) => m.attr(),
+            Err(e) => {
+                self.drops.bump(DropReason::of_error(&e));
+                return;
+            }
+        };
+        match attr {
+            AttributeId::ClassPortInfo => self.counters.class_port_info_rx += 1,
+            a => self.counters.bump(Group::RxMsgs, a),
+        }
+        let (h, r) = match CmRepr::parse(mad) {
+            Ok(x) => x,
+            Err(e) => {
+                self.drops.bump(DropReason::of_error(&e));
+                return;
+            }
+        };
+        match r {
+            CmRepr::Req(r) => self.on_req(&h, &r, src, now),
+            CmRepr::Mra(r) => self.on_mra(&r, now),
+            CmRepr::Rej(r) => self.on_rej(&r, now),
+            CmRepr::Rep(r) => self.on_rep(&h, &r, src, now),
+            CmRepr::Rtu(r) => self.on_rtu(&r),
+            CmRepr::Dreq(r) => self.on_dreq(&h, &r, src, now),
+            CmRepr::Drep(r) => self.on_drep(&r, now),
+            CmRepr::SidrReq(r) => self.on_sidr_req(&h, &r, src),
+            CmRepr::SidrRep(r) => self.on_sidr_rep(&r),
+            CmRepr::Lap(r) => self.on_lap(&h, &r),
+            CmRepr::Apr(_) => self.drops.bump(DropReason::Unsolicited),
+            CmRepr::ClassPortInfo(_) => self.on_class_port_info(&h, src),
+        }
+    }
+
+    fn dup(&mut self, a: AttributeId) {
+        self.counters.bump(Group::RxDuplicates, a);
+    }
+
+    fn on_req(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid, now: Time) {
+        // Duplicate (Linux cm_match_req -> cm_dup_req_handler).
+        if let Some(&slot) = self.remote_ids.get(&(r.local_ca_guid, r.local_comm_id)) {
+            self.dup(AttributeId::Req);
+            let c = &self.conns[slot as usize];
+            match c.state {
+                State::MraReqSent => self.resend_reply(slot, h.tid),
+                State::Timewait => {
+                    let (dst, l, rid) = (c.remote_gid, c.local_id, c.remote_id);
+                    self.send_rej(
+                        dst,
+                        h.tid,
+                        l,
+                        rid,
+                        MsgResponse::Other,
+                        RejReason::StaleConn,
+                        &[],
+                        &[],
+                    );
+                }
+                _ => {}
+            }
+            return;
+        }
+        // Stale connection: the peer's QP is still connected to one of ours (IBTA 12.4.1).
+        // A connection in TimeWait is not in this index (the seed 001 fix).
+        if let Some(&old) = self.remote_qpns.get(&(r.local_ca_guid, r.local_qpn)) {
+            self.send_rej(
+                src,
+                h.tid,
+                0,
+                r.local_comm_id,
+                MsgResponse::Req,
+                RejReason::StaleConn,
+                &[],
+                &[],
+            );
+            if self.conns[old as usize].state == State::Established {
+                self.send_dreq(old, &[], true, now);
+            }
+            return;
+        }
+        let Some(&lslot) = self.listeners.get(&r.service_id) else {
+            self.send_rej(
+                src,
+                h.tid,
+                0,
+                r.local_comm_id,
+                MsgResponse::Req,
+                RejReason::InvalidServiceId,
+                &[],
+                &[],
+            );
+            return;
+        };
+        let full =
+            self.cfg.max_connections != 0 && self.connections >= self.cfg.max_connections as usize;
+        if full {
+            self.send_rej(
+                src,
+                h.tid,
+                0,
+                r.local_comm_id,
+                MsgResponse::Req,
+                RejReason::NoResources,
+                &[],
+                &[],
+            );
+            return;
+        }
+        if r.primary_path.remote_gid != self.cfg.gid {
+            let gid = self.cfg.gid.0;
+            self.send_rej(
+                src,
+                h.tid,
+                0,
+                r.local_comm_id,
+                MsgResponse::Req,
+                RejReason::InvalidGid,
+                &gid,
+                &[],
+            );
+            return;
+        }
+        let slot = self.alloc_slot(false);
+        let Some(local_id) = self.comm_ids.alloc(slot) else {
+            self.free_slot(slot);
+            self.send_rej(
+                src,
+                h.tid,
+                0,
+                r.local_comm_id,
+                MsgResponse::Req,
+                RejReason::NoResources,
+                &[],
+                &[],
+            );
+            return;
+        };
+        let listen_id = self.id_of(lslot);
+        let c = &mut self.conns[slot as usize];
+        c.state = State::ReqRcvd;
+        c.listen = Some(listen_id);
+        c.local_id = local_id;
+        c.holds_id = true;
+        c.remote_id = r.local_comm_id;
+        c.remote_ca_guid = r.local_ca_guid;
+        c.remote_gid = src;
+        c.remote_qpn = r.local_qpn;
+        c.service_id = r.service_id;
+        c.tid = h.tid;
+        // Linux cm_req_handler: the peer's local response timeout, its retries; the
+        // path's ACK timeout becomes av.timeout (packet life - 1, + 1).
+        c.timeout_ms = linux_ms(r.local_cm_response_timeout);
+        c.max_retries = r.max_cm_retries;
+        c.av_timeout = r.primary_path.local_ack_timeout.max(1);
+        c.req_responder_resources = r.responder_resources;
+        c.req_initiator_depth = r.initiator_depth;
+        self.index_remote(slot);
+        let id = self.id_of(slot);
+        self.event(Event::ConnectRequest {
+            id,
+            listen_id,
+            remote_gid: src,
+            service_id: r.service_id,
+            remote_qpn: r.local_qpn,
+            private_data: r.private_data.to_vec(),
+        });
+        if let Some(d) = self.cfg.mra_delay {
+            self.arm(slot, now.after(d));
+        }
+    }
+
+    fn on_mra(&mut self, r: &mra::Repr<'_>, now: Time) {
+        let (slot, waiting, extended) = match r.message_mraed {
+            MsgResponse::Req => (
+                self.by_ids(r.remote_comm_id, 0),
+                State::ReqSent,
+                State::MraReqRcvd,
+            ),
+            MsgResponse::Rep => (
+                self.by_ids(r.remote_comm_id, r.local_comm_id),
+                State::RepSent,
+                State::MraRepRcvd,
+            ),
+            MsgResponse::Other => {
+                // We never send a LAP: nothing to be acknowledged.
+                self.drops.bump(DropReason::Unsolicited);
+                return;
+            }
+        };
+        let Some(slot) = slot else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        let state = self.conns[slot as usize].state;
+        if state == waiting {
+            // Linux cm_mra_handler: the wait becomes service timeout + packet life.
+            let c = &mut self.conns[slot as usize];
+            c.state = extended;
+            let wait = linux_ms(r.service_timeout) + linux_ms(c.av_timeout);
+            self.arm(slot, now.after_ms(wait));
+        } else if state == extended {
+            self.dup(AttributeId::Mra);
+        } else {
+            self.drops.bump(DropReason::BadState);
+        }
+    }
+
+    fn on_rej(&mut self, r: &rej::Repr<'_>, now: Time) {
+        // Linux cm_acquire_rejected_id().
+        let slot = if r.reason == RejReason::Timeout {
+            r.timeout_ca_guid()
+                .and_then(|g| self.remote_ids.get(&(g, r.local_comm_id)).copied())
+        } else if r.message_rejected == MsgResponse::Req {
+            self.by_ids(r.remote_comm_id, 0)
+        } else {
+            self.by_ids(r.remote_comm_id, r.local_comm_id)
+        };
+        let Some(slot) = slot else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        let id = self.id_of(slot);
+        let state = self.conns[slot as usize].state;
+        let timewait = match state {
+            State::ReqSent
+            | State::MraReqRcvd
+            | State::RepSent
+            | State::MraRepRcvd
+            | State::ReqRcvd
+            | State::MraReqSent => r.reason == RejReason::StaleConn,
+            State::DreqSent | State::RepRcvd | State::MraRepSent | State::Established => true,
+            _ => {
+                self.drops.bump(DropReason::BadState);
+                return;
+            }
+        };
+        if self.conns[slot as usize].app {
+            self.event(Event::Rejected {
+                id,
+                reason: r.reason,
+                ari: r.ari.to_vec(),
+                private_data: r.private_data.to_vec(),
+            });
+        }
+        if timewait {
+            self.disarm(slot);
+            self.enter_timewait(slot, now);
+        } else {
+            self.go_idle(slot);
+        }
+    }
+
+    fn on_rep(&mut self, h: &Header, r: &rep::Repr<'_>, src: Gid, now: Time) {
+        let Some(slot) = self.by_local(r.remote_comm_id) else {
+            // A REP for a connection we do not have (destroyed, or never ours).
+            self.drops.bump(DropReason::UnknownConnection);
+            self.send_rej(
+                src,
+                h.tid,
+                r.remote_comm_id,
+                r.local_comm_id,
+                MsgResponse::Rep,
+                RejReason::InvalidCommId,
+                &[],
+                &[],
+            );
+            return;
+        };
+        let c = &self.conns[slot as usize];
+        let fresh = matches!(c.state, State::ReqSent | State::MraReqRcvd) && c.remote_id == 0;
+        if !fresh {
+            if c.remote_id == r.local_comm_id && c.remote_ca_guid == r.local_ca_guid {
+                // Linux cm_dup_rep_handler.
+                let state = c.state;
+                self.dup(AttributeId::Rep);
+                if matches!(state, State::Established | State::MraRepSent) {
+                    self.resend_reply(slot, h.tid);
+                }
+            } else {
+                self.drops.bump(DropReason::BadState);
+            }
+            return;
+        }
+        if self
+            .remote_ids
+            .contains_key(&(r.local_ca_guid, r.local_comm_id))
+        {
+            // Another connection already has this peer ID.
+            self.drops.bump(DropReason::BadState);
+            return;
+        }
+        if let Some(&old) = self.remote_qpns.get(&(r.local_ca_guid, r.local_qpn)) {
+            // Stale connection (IBTA 12.9.8.3.1); our REQ keeps waiting, as in Linux.
+            self.send_rej(
+                src,
+                h.tid,
+                r.remote_comm_id,
+                r.local_comm_id,
+                MsgResponse::Rep,
+                RejReason::StaleConn,
+                &[],
+                &[],
+            );
+            if self.conns[old as usize].state == State::Established {
+                self.send_dreq(old, &[], true, now);
+            }
+            return;
+        }
+        let c = &mut self.conns[slot as usize];
+        c.remote_id = r.local_comm_id;
+        c.remote_ca_guid = r.local_ca_guid;
+        c.remote_qpn = r.local_qpn;
+        c.av_timeout = cm_ack_timeout(r.target_ack_delay, c.av_timeout.saturating_sub(1));
+        c.msg = None;
+        let auto = c.auto_rtu;
+        self.disarm(slot);
+        self.index_remote(slot);
+        let id = self.id_of(slot);
+        if auto {
+            self.send_rtu(slot, &[]);
+            self.conns[slot as usize].state = State::Established;
+            self.event(Event::Established {
+                id,
+                remote_qpn: r.local_qpn,
+                private_data: r.private_data.to_vec(),
+            });
+        } else {
+            self.conns[slot as usize].state = State::RepRcvd;
+            self.event(Event::ConnectResponse {
+                id,
+                remote_qpn: r.local_qpn,
+                private_data: r.private_data.to_vec(),
+            });
+            if let Some(d) = self.cfg.mra_delay {
+                self.arm(slot, now.after(d));
+            }
+        }
+    }
+
+    fn on_rtu(&mut self, r: &rtu::Repr<'_>) {
+        let Some(slot) = self.by_ids(r.remote_comm_id, r.local_comm_id) else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        match self.conns[slot as usize].state {
+            State::RepSent | State::MraRepRcvd => {
+                self.disarm(slot);
+                let c = &mut self.conns[slot as usize];
+                c.msg = None;
+                c.state = State::Established;
+                let remote_qpn = c.remote_qpn;
+                let id = self.id_of(slot);
+                self.event(Event::Established {
+                    id,
+                    remote_qpn,
+                    private_data: r.private_data.to_vec(),
+                });
+            }
+            _ => self.dup(AttributeId::Rtu),
+        }
+    }
+
+    fn on_dreq(&mut self, h: &Header, r: &dreq::Repr<'_>, src: Gid, now: Time) {
+        let Some(slot) = self.by_ids(r.remote_comm_id, r.local_comm_id) else {
+            // Linux cm_issue_drep(): answer anyway, count a duplicate.
+            self.dup(AttributeId::Dreq);
+            let d = CmRepr::Drep(drep::Repr {
+                local_comm_id: r.remote_comm_id,
+                remote_comm_id: r.local_comm_id,
+                private_data: &[],
+            });
+            self.send(src, &Header::cm_send(AttributeId::Drep, h.tid), &d, true);
+            return;
+        };
+        if self.conns[slot as usize].local_qpn != r.remote_qpn_eecn {
+            self.drops.bump(DropReason::QpnMismatch);
+            return;
+        }
+        match self.conns[slot as usize].state {
+            State::RepSent | State::MraRepRcvd | State::DreqSent | State::Established => {
+                self.disarm(slot);
+                let c = &mut self.conns[slot as usize];
+                c.msg = None;
+                c.state = State::DreqRcvd;
+                c.tid = h.tid;
+                self.report_disconnect(slot);
+                if self.cfg.auto_drep || !self.conns[slot as usize].app {
+                    self.send_drep(slot, &[]);
+                    self.enter_timewait(slot, now);
+                }
+            }
+            State::Timewait => {
+                self.dup(AttributeId::Dreq);
+                let c = &self.conns[slot as usize];
+                if c.reply.is_some_and(|m| m[17] == AttributeId::Drep as u8) {
+                    self.resend_reply(slot, h.tid);
+                } else {
+                    let d = CmRepr::Drep(drep::Repr {
+                        local_comm_id: c.local_id,
+                        remote_comm_id: c.remote_id,
+                        private_data: &[],
+                    });
+                    let dst = c.remote_gid;
+                    self.send(dst, &Header::cm_send(AttributeId::Drep, h.tid), &d, true);
+                }
+            }
+            State::DreqRcvd => self.dup(AttributeId::Dreq),
+            _ => self.drops.bump(DropReason::BadState),
+        }
+    }
+
+    fn on_drep(&mut self, r: &drep::Repr<'_>, now: Time) {
+        let Some(slot) = self.by_ids(r.remote_comm_id, r.local_comm_id) else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        match self.conns[slot as usize].state {
+            State::DreqSent | State::DreqRcvd => {
+                self.disarm(slot);
+                self.report_disconnect(slot);
+                self.enter_timewait(slot, now);
+            }
+            _ => self.drops.bump(DropReason::BadState),
+        }
+    }
+
+    fn on_lap(&mut self, h: &Header, r: &lap::Repr<'_>) {
+        let Some(slot) = self.by_ids(r.remote_comm_id, r.local_comm_id) else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        let c = &self.conns[slot as usize];
+        if c.state != State::Established {
+            self.drops.bump(DropReason::BadState);
+            return;
+        }
+        // Alternate paths are not supported (as Linux on RoCE): APR(UNSUPPORTED) at once,
+        // so no MRA(LAP) is ever needed. A repeated LAP gets the same answer again.
+        let dup = c.lap_tid == Some(h.tid);
+        let a = CmRepr::Apr(apr::Repr {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            ar_status: AprStatus::Unsupported,
+            additional_info: &[],
+            private_data: &[],
+        });
+        let dst = c.remote_gid;
+        if dup {
+            self.dup(AttributeId::Lap);
+        }
+        self.send(dst, &Header::cm_send(AttributeId::Apr, h.tid), &a, dup);
+        self.conns[slot as usize].lap_tid = Some(h.tid);
+    }
+
+    fn on_sidr_req(&mut self, h: &Header, r: &sidr_req::Repr<'_>, src: Gid) {
+        let key = (src, r.request_id);
+        if self.sidr_rcvd.contains_key(&key) {
+            self.dup(AttributeId::SidrReq);
+            return;
+        }
+        let Some(&lslot) = self.listeners.get(&r.service_id) else {
+            self.send_sidr_rep(
+                src,
+                h.tid,
+                r.request_id,
+                r.service_id,
+                SidrStatus::Unsupported,
+                0,
+                0,
+                &[],
+            );
+            return;
+        };
+        if let Some((qpn, qkey)) = self.conns[lslot as usize].sidr_auto {
+            self.send_sidr_rep(
+                src,
+                h.tid,
+                r.request_id,
+                r.service_id,
+                SidrStatus::Success,
+                qpn,
+                qkey,
+                &[],
+            );
+            return;
+        }
+        let listen_id = self.id_of(lslot);
+        let slot = self.alloc_slot(false);
+        let c = &mut self.conns[slot as usize];
+        c.state = State::SidrReqRcvd;
+        c.listen = Some(listen_id);
+        c.remote_id = r.request_id;
+        c.remote_gid = src;
+        c.service_id = r.service_id;
+        c.tid = h.tid;
+        c.sidr_key = Some(key);
+        self.sidr_rcvd.insert(key, slot);
+        let id = self.id_of(slot);
+        self.event(Event::SidrRequest {
+            id,
+            listen_id,
+            remote_gid: src,
+            service_id: r.service_id,
+            private_data: r.private_data.to_vec(),
+        });
+    }
+
+    fn on_sidr_rep(&mut self, r: &sidr_rep::Repr<'_>) {
+        let Some(slot) = self
+            .by_local(r.request_id)
+            .filter(|s| self.conns[*s as usize].state == State::SidrReqSent)
+        else {
+            self.drops.bump(DropReason::UnknownConnection);
+            return;
+        };
+        let id = self.id_of(slot);
+        self.event(Event::SidrResolved {
+            id,
+            status: r.status,
+            qpn: r.qpn,
+            qkey: r.qkey,
+            private_data: r.private_data.to_vec(),
+        });
+        self.go_idle(slot);
+    }
+
+    fn on_class_port_info(&mut self, h: &Header, src: Gid) {
+        if h.method != Method::Get {
+            self.drops.bump(DropReason::Unsolicited);
+            return;
+        }
+        let info = class_port_info::Repr {
+            base_version: mad::BASE_VERSION,
+            class_version: mad::CM_CLASS_VERSION,
+            resp_time: self.cfg.resp_time,
+            ..Default::default()
+        };
+        let resp = Header {
+            method: Method::GetResp,
+            status: 0,
+            class_specific: 0,
+            tid: h.tid,
+            attr_id: AttributeId::ClassPortInfo,
+            attr_mod: h.attr_mod,
+        };
+        self.send(src, &resp, &CmRepr::ClassPortInfo(info), false);
+    }
+}
+
+/// Fails unless `data` fits a private-data field of `max` bytes.
+pub(crate) fn check_pd(data: &[u8], max: usize) -> Result<(), super::CmError> {
+    if data.len() > max {
+        Err(super::CmError::PrivateDataTooLong {
+            len: data.len(),
+            max,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// Private-data sizes, by message.
+pub(crate) mod pd {
+    pub use pvcm_wire::cm::{
+        rej::PRIVATE_DATA_LEN as REJ, rep::PRIVATE_DATA_LEN as REP, req::PRIVATE_DATA_LEN as REQ,
+        rtu::PRIVATE_DATA_LEN as RTU, sidr_rep::PRIVATE_DATA_LEN as SIDR_REP,
+        sidr_req::PRIVATE_DATA_LEN as SIDR_REQ,
+    };
+}

@@ -1,0 +1,237 @@
+//! The agent's configuration (from the device's PORT_INFO) and per-call options, with
+//! defaults taken from what Linux's rdma_cm puts in its messages.
+
+use core::time::Duration;
+
+use pvcm_wire::Gid;
+use pvcm_wire::abi::PortInfo;
+use pvcm_wire::cm::TransportService;
+
+/// Linux's `CM_MRA_SETTING`: the service timeout an MRA offers (~68.7 s).
+pub const CM_MRA_SETTING: u8 = 24;
+/// rdma_cm's `CMA_CM_RESPONSE_TIMEOUT`: 4.096 us * 2^20 (~4.3 s; Linux uses 4096 ms).
+pub const CMA_CM_RESPONSE_TIMEOUT: u8 = 20;
+/// rdma_cm's `CMA_MAX_CM_RETRIES`.
+pub const CMA_MAX_CM_RETRIES: u8 = 15;
+/// rdma_cm's `CMA_IBOE_PACKET_LIFETIME` (RoCE paths): 4.096 us * 2^16 (Linux: 256 ms).
+pub const CMA_IBOE_PACKET_LIFETIME: u8 = 16;
+
+/// The agent's identity and policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// The port's GID (the source of every MAD and the REQ's primary local GID).
+    pub gid: Gid,
+    /// The CA GUID (REQ/REP Local CA GUID, REJ(TIMEOUT) ARI).
+    pub ca_guid: u64,
+    /// P_Key (REQ partition key, SIDR_REQ P_Key).
+    pub pkey: u16,
+    /// LID (0xFFFF on RoCE; REQ paths use the permissive LID when routed).
+    pub lid: u16,
+    /// First QPN of the port's range for simulated QPs.
+    pub qpn_base: u32,
+    /// Size of the QPN range.
+    pub qpn_count: u32,
+    /// Most connections the agent holds at once (0: no limit); a REQ beyond it is
+    /// answered with REJ(NO_RESOURCES).
+    pub max_connections: u32,
+    /// Seed of the comm-ID random operand, the TID prefix and starting PSNs.
+    pub seed: u64,
+    /// Upper 32 bits of every TID the agent starts (Linux: the MAD agent's `hi_tid`).
+    pub hi_tid: u32,
+    /// The CA's ACK delay (5-bit exponent): REP Target ACK Delay, and an input of the
+    /// REQ's Local ACK Timeout (Linux `cm_ack_timeout()`).
+    pub ack_delay: u8,
+    /// If the application has not answered a REQ (accept/reject) within this time, the
+    /// agent sends MRA(REQ) on its behalf, like rdma_cm does when its connect-request
+    /// handler returns without accepting; likewise MRA(REP) for an active side that
+    /// confirms REPs itself. `None`: never.
+    pub mra_delay: Option<Duration>,
+    /// Service timeout the agent's MRAs offer (5-bit exponent; Linux 24).
+    pub mra_service_timeout: u8,
+    /// Answer a DREQ with a DREP at once instead of waiting for the application's
+    /// `disconnect()`/`destroy()` (rdma_cm waits).
+    pub auto_drep: bool,
+    /// The CM's response time value (5-bit exponent) reported in ClassPortInfo.
+    pub resp_time: u8,
+}
+
+impl AgentConfig {
+    /// A configuration with pvcm's defaults.
+    pub fn new(gid: Gid, ca_guid: u64, qpn_base: u32, qpn_count: u32, seed: u64) -> AgentConfig {
+        let mut rng = super::ids::SplitMix64::new(seed ^ 0x6869_5f74_6964);
+        AgentConfig {
+            gid,
+            ca_guid,
+            pkey: 0xFFFF,
+            lid: 0xFFFF,
+            qpn_base,
+            qpn_count,
+            max_connections: 0,
+            seed,
+            hi_tid: rng.next_u32(),
+            ack_delay: 0,
+            mra_delay: Some(Duration::from_millis(100)),
+            mra_service_timeout: CM_MRA_SETTING,
+            auto_drep: false,
+            resp_time: CMA_CM_RESPONSE_TIMEOUT,
+        }
+    }
+
+    /// The configuration the device's PORT_INFO prescribes (GID, CA GUID, P_Key, LID,
+    /// QPN range, and its connection quota as `max_connections`).
+    pub fn from_port_info(p: &PortInfo, seed: u64) -> AgentConfig {
+        AgentConfig {
+            pkey: p.pkey,
+            lid: p.lid,
+            max_connections: p.max_entries,
+            ..AgentConfig::new(p.gid, p.ca_guid, p.qpn_base, p.qpn_count, seed)
+        }
+    }
+}
+
+/// Options of `connect()` (the REQ's fields, rdma_cm's defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// A real QP's number; `None`: a simulated QPN from the port's range.
+    pub qpn: Option<u32>,
+    /// Path packet lifetime (5-bit exponent). The attempt timeout is Linux's
+    /// `2 * ms(packet_life_time) + ms(remote_cm_response_timeout)`.
+    pub packet_life_time: u8,
+    /// How long the peer may take to answer (5-bit exponent).
+    pub remote_cm_response_timeout: u8,
+    /// How long this side may take to answer (5-bit exponent): the peer's timeout.
+    pub local_cm_response_timeout: u8,
+    /// Max CM retries (4 bits).
+    pub max_cm_retries: u8,
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// Transport retry count (3 bits).
+    pub retry_count: u8,
+    /// RNR retry count (3 bits).
+    pub rnr_retry_count: u8,
+    /// Path MTU (IBTA code: 3 = 1024).
+    pub path_mtu: u8,
+    /// Hop limit of the primary path (RoCE: 64, so LIDs are permissive).
+    pub hop_limit: u8,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Flow label (20 bits).
+    pub flow_label: u32,
+    /// Service level (4 bits).
+    pub sl: u8,
+    /// Transport service.
+    pub transport: TransportService,
+    /// Send the RTU as soon as a REP arrives (rdma_cm with a QP). `false`: report
+    /// `ConnectResponse` and wait for `accept()` on the active side (rdma_cm without a
+    /// QP), sending MRA(REP) if that takes longer than `mra_delay`.
+    pub auto_rtu: bool,
+    /// Starting PSN (24 bits); `None`: random.
+    pub starting_psn: Option<u32>,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            qpn: None,
+            packet_life_time: CMA_IBOE_PACKET_LIFETIME,
+            remote_cm_response_timeout: CMA_CM_RESPONSE_TIMEOUT,
+            local_cm_response_timeout: CMA_CM_RESPONSE_TIMEOUT,
+            max_cm_retries: CMA_MAX_CM_RETRIES,
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            path_mtu: 3,
+            hop_limit: 64,
+            traffic_class: 0,
+            flow_label: 0,
+            sl: 0,
+            transport: TransportService::Rc,
+            auto_rtu: true,
+            starting_psn: None,
+        }
+    }
+}
+
+/// Options of `accept()` on the passive side (the REP's fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AcceptOptions {
+    /// A real QP's number; `None`: a simulated QPN from the port's range.
+    pub qpn: Option<u32>,
+    /// Starting PSN (24 bits); `None`: random.
+    pub starting_psn: Option<u32>,
+}
+
+/// Options of a SIDR resolution (rdma_cm's UDP port space defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SidrOptions {
+    /// Timeout of one attempt, in milliseconds (rdma_cm: `1 << (20 - 8)` = 4096).
+    pub timeout_ms: u64,
+    /// Retries after the first attempt.
+    pub max_cm_retries: u8,
+}
+
+impl Default for SidrOptions {
+    fn default() -> Self {
+        SidrOptions {
+            timeout_ms: 1 << (CMA_CM_RESPONSE_TIMEOUT - 8),
+            max_cm_retries: CMA_MAX_CM_RETRIES,
+        }
+    }
+}
+
+/// Linux's `cm_ack_timeout()`: the Local ACK Timeout exponent for a path, from the CA's
+/// ACK delay and the packet lifetime (4.096 us * 2^ack = 4.096 us * 2^delay +
+/// 2 * 4.096 us * 2^life, rounded).
+pub fn cm_ack_timeout(ca_ack_delay: u8, packet_life_time: u8) -> u8 {
+    let delay = i32::from(ca_ack_delay);
+    let mut ack = i32::from(packet_life_time) + 1;
+    if ack >= delay {
+        ack += i32::from(delay >= ack - 1);
+    } else {
+        ack = delay + i32::from(ack >= delay - 1);
+    }
+    ack.min(31) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ack_timeout_matches_linux() {
+        // life 16, no ACK delay: 17 (the RoCE REQ default).
+        assert_eq!(cm_ack_timeout(0, 16), 17);
+        // Equal-ish terms round up.
+        assert_eq!(cm_ack_timeout(17, 16), 18);
+        assert_eq!(cm_ack_timeout(20, 16), 20);
+        assert_eq!(cm_ack_timeout(18, 16), 19);
+        assert_eq!(cm_ack_timeout(0, 31), 31);
+    }
+
+    #[test]
+    fn from_port_info_takes_identity_and_quota() {
+        let p = PortInfo {
+            abi_version: 1,
+            port_up: true,
+            gid: Gid::from_ipv4([10, 0, 0, 1].into()),
+            ca_guid: 0x1122,
+            lid: 0xFFFF,
+            pkey: 0x7FFF,
+            qpn_base: 0x100,
+            qpn_count: 64,
+            max_entries: 32,
+            name: "vm".into(),
+        };
+        let c = AgentConfig::from_port_info(&p, 9);
+        assert_eq!(c.gid, p.gid);
+        assert_eq!(
+            (c.ca_guid, c.pkey, c.qpn_base, c.qpn_count),
+            (0x1122, 0x7FFF, 0x100, 64)
+        );
+        assert_eq!(c.max_connections, 32);
+        assert_eq!(c.hi_tid, AgentConfig::new(p.gid, 0, 0, 0, 9).hi_tid);
+    }
+}
