@@ -417,7 +417,10 @@ mod tests {
         b[0] = 1;
         b[4..8].copy_from_slice(&257u32.to_le_bytes());
         assert!(matches!(MsgHeader::parse(&b), Err(Error::TooLong { .. })));
-        assert!(matches!(MsgHeader::parse(&b[..47]), Err(Error::Truncated { .. })));
+        assert!(matches!(
+            MsgHeader::parse(&b[..47]),
+            Err(Error::Truncated { .. })
+        ));
     }
 
     #[test]
@@ -438,7 +441,13 @@ mod tests {
         p.emit(&mut b).unwrap();
         let q = PortInfo::parse(&b).unwrap();
         assert!(q.name.len() <= 48 && p.name.starts_with(&q.name));
-        assert_eq!(PortInfo { name: p.name.clone(), ..q }, p);
+        assert_eq!(
+            PortInfo {
+                name: p.name.clone(),
+                ..q
+            },
+            p
+        );
         let mut e = [0u8; EVENT_LEN];
         Event::DeviceReset.emit(&mut e).unwrap();
         assert_eq!(Event::parse(&e).unwrap(), Event::DeviceReset);

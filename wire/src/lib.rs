@@ -10,7 +10,8 @@
 //! - [`cm`]: every CM message of IBTA chapter 12 and [`cm::CmMad`], the generic view a
 //!   proxy rewrites (comm IDs, TIDs, SIDR request IDs).
 //! - [`roce`]: RoCEv2 framing of a CM MAD (BTH + DETH + MAD + ICRC) over UDP 4791.
-//! - [`gid`]: GIDs and their IPv4-mapped form; [`timeout`]: CM timeout encodings.
+//! - [`gid`]: GIDs and their IPv4-mapped form; [`timeout`]: CM timeout encodings;
+//!   [`time`]: the injected clock the mux and the CM agent share.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -22,6 +23,7 @@ pub mod field;
 pub mod gid;
 pub mod mad;
 pub mod roce;
+pub mod time;
 pub mod timeout;
 
 pub use error::{Error, Result};
