@@ -7,12 +7,16 @@
 //!   physical addresses from `/proc/self/pagemap`.
 //! - [`cm`]: a complete IBA chapter-12 CM agent (pure, virtual time) and an
 //!   rdma_cm-style API on top.
+//! - [`device`]: the agent joined to a pvcm device: PORT_INFO handshake, the pump
+//!   (rx -> agent -> tx, one kick per batch), device events, blocking helpers, the
+//!   in-VM virtio-pci transport ([`device::pci`]) and the cmtime benchmark.
 //! - [`time`]: the injected clock.
 //!
-//! Not built yet: the transport that joins the agent to a device queue, and the
-//! `pvcm-guest` CLI (issue 5).
+//! The `pvcm-guest` binary (`src/bin/pvcm-guest.rs`) is the CLI on top: `info`,
+//! `listen`, `connect`, `connect-destroy`, `cmtime`.
 
 pub mod cm;
+pub mod device;
 pub mod time;
 pub mod transport;
 pub mod virtq;

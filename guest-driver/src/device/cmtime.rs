@@ -1,0 +1,419 @@
+//! A connection-rate benchmark modelled on rdma-core's `cmtime`: a client opens N
+//! connections to a server at once, then tears them all down, and reports per step the
+//! total time of the step and the average, shortest and longest time per connection.
+//!
+//! Steps (what is timed per connection):
+//! - `connect`: the `connect()` call (the REQ is built and queued);
+//! - `establish`: from `connect()` until the connection is established (REP received,
+//!   RTU sent) — rdma-core's "connect" step;
+//! - `disconnect`: from `disconnect()` (DREQ) until the DREP came back;
+//! - `destroy`: the `destroy()` call.
+//!
+//! A step's total runs from its first start to its last end, flushes to the device
+//! included. Connections use simulated QPs from the port's QPN range (cmtime without
+//! QPs); the service ID is rdma_cm's TCP one for the port and the REQ carries rdma_cm's
+//! private-data header, so either side can be an rdma_cm peer.
+//!
+//! The server listens on the port, accepts every request, answers each DREQ with a
+//! DREP and destroys the connection; it stops after N connections were torn down.
+
+use std::fmt;
+use std::time::Duration;
+
+use pvcm_wire::Gid;
+
+use super::{Device, DeviceError, Notice, Transport};
+use crate::cm::rdma_cm::{CmaHdr, req_private_data, tcp_service_id};
+use crate::cm::{CmId, ConnectOptions, Event};
+use crate::time::{Clock, Time};
+
+/// cmtime's default port.
+pub const DEFAULT_PORT: u16 = 7471;
+/// cmtime's default number of connections.
+pub const DEFAULT_CONNECTIONS: u32 = 100;
+
+/// A timed step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// The `connect()` calls.
+    Connect,
+    /// `connect()` until established.
+    Establish,
+    /// `disconnect()` until the DREP.
+    Disconnect,
+    /// The `destroy()` calls.
+    Destroy,
+}
+
+impl Step {
+    /// Every step, in order.
+    pub const ALL: [Step; 4] = [
+        Step::Connect,
+        Step::Establish,
+        Step::Disconnect,
+        Step::Destroy,
+    ];
+
+    /// The step's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Connect => "connect",
+            Step::Establish => "establish",
+            Step::Disconnect => "disconnect",
+            Step::Destroy => "destroy",
+        }
+    }
+}
+
+/// Times of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepTimes {
+    /// First start to last end.
+    pub total: Duration,
+    /// Sum of the per-connection times.
+    pub sum: Duration,
+    /// Shortest per-connection time.
+    pub min: Duration,
+    /// Longest per-connection time.
+    pub max: Duration,
+    /// Connections timed.
+    pub count: u32,
+}
+
+impl Default for StepTimes {
+    fn default() -> Self {
+        StepTimes {
+            total: Duration::ZERO,
+            sum: Duration::ZERO,
+            min: Duration::MAX,
+            max: Duration::ZERO,
+            count: 0,
+        }
+    }
+}
+
+impl StepTimes {
+    /// Adds one connection's time.
+    pub fn add(&mut self, d: Duration) {
+        self.sum += d;
+        self.min = self.min.min(d);
+        self.max = self.max.max(d);
+        self.count += 1;
+    }
+
+    /// Average per connection (zero if none).
+    pub fn avg(&self) -> Duration {
+        if self.count == 0 {
+            Duration::ZERO
+        } else {
+            self.sum / self.count
+        }
+    }
+
+    /// The shortest time, zero if none.
+    pub fn min_or_zero(&self) -> Duration {
+        if self.count == 0 {
+            Duration::ZERO
+        } else {
+            self.min
+        }
+    }
+}
+
+/// What a client run measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CmtimeReport {
+    /// Connections attempted.
+    pub connections: u32,
+    /// Connections established.
+    pub established: u32,
+    /// Connections rejected or unreachable.
+    pub failed: u32,
+    /// Connections whose teardown completed (DREP received).
+    pub disconnected: u32,
+    /// Per step, in [`Step::ALL`] order.
+    pub steps: [StepTimes; 4],
+}
+
+impl CmtimeReport {
+    /// The times of one step.
+    pub fn step(&self, s: Step) -> &StepTimes {
+        &self.steps[s as usize]
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+impl fmt::Display for CmtimeReport {
+    /// cmtime's table: step, total ms, and per connection avg/min/max us.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<12} {:>12} {:>12} {:>12} {:>12}",
+            "step", "total ms", "avg us", "min us", "max us"
+        )?;
+        for s in Step::ALL {
+            let t = self.step(s);
+            writeln!(
+                f,
+                "{:<12} {:>12.2} {:>12.2} {:>12.2} {:>12.2}",
+                s.name(),
+                ms(t.total),
+                us(t.avg()),
+                us(t.min_or_zero()),
+                us(t.max)
+            )?;
+        }
+        write!(
+            f,
+            "connections {} established {} failed {} disconnected {}",
+            self.connections, self.established, self.failed, self.disconnected
+        )
+    }
+}
+
+/// Options of a client run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// The server's GID.
+    pub dest: Gid,
+    /// Its port (service ID `0x0000000001060000 | port`).
+    pub port: u16,
+    /// Connections.
+    pub connections: u32,
+    /// Time allowed for each of the establish and disconnect phases.
+    pub timeout: Duration,
+}
+
+/// Options of a server run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerOptions {
+    /// The port to listen on.
+    pub port: u16,
+    /// Stop after this many connections were torn down.
+    pub connections: u32,
+    /// Give up after this long (`None`: never).
+    pub timeout: Option<Duration>,
+}
+
+/// What a server run saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerReport {
+    /// Connection requests accepted.
+    pub accepted: u32,
+    /// Connections established.
+    pub established: u32,
+    /// Connections torn down by the client.
+    pub disconnected: u32,
+    /// Connections that failed (rejected, unreachable, destroyed by the client early).
+    pub failed: u32,
+    /// Device resets seen.
+    pub resets: u32,
+}
+
+impl fmt::Display for ServerReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "accepted {} established {} disconnected {} failed {} resets {}",
+            self.accepted, self.established, self.disconnected, self.failed, self.resets
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Connecting,
+    Established,
+    Failed,
+    Disconnecting,
+    Disconnected,
+}
+
+/// Runs the client side: `connections` connections to `dest`, all at once, then all
+/// torn down. A connection that fails (REJ, unreachable) is counted and destroyed.
+pub fn client<T: Transport, C: Clock>(
+    dev: &mut Device<T, C>,
+    o: &ClientOptions,
+) -> Result<CmtimeReport, DeviceError> {
+    let n = o.connections as usize;
+    let sid = tcp_service_id(o.port);
+    let local = dev.agent().config().gid;
+    let pd = req_private_data(&CmaHdr::from_gids(local, o.dest, 0), &[])
+        .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
+    let opts = ConnectOptions::default();
+    let mut steps = [StepTimes::default(); 4];
+    let mut ids: Vec<CmId> = Vec::with_capacity(n);
+    let mut started: Vec<Time> = Vec::with_capacity(n);
+    let mut phase = vec![Phase::Connecting; n];
+    let mut index = std::collections::HashMap::with_capacity(n);
+
+    // connect
+    let t0 = dev.now();
+    for i in 0..n {
+        let s = dev.now();
+        let id = dev.connect(o.dest, sid, &pd, &opts)?;
+        steps[Step::Connect as usize].add(dev.now().since(s));
+        ids.push(id);
+        started.push(s);
+        index.insert(id, i);
+    }
+    dev.pump_now()?;
+    steps[Step::Connect as usize].total = dev.now().since(t0);
+
+    // establish
+    let mut last = t0;
+    let mut pending = n;
+    let mut established = 0u32;
+    let mut failed = 0u32;
+    dev.run_until(o.timeout, |d| {
+        while let Some(ev) = d.pop_cm_event() {
+            let Some(&i) = index.get(&ev.id()) else {
+                continue;
+            };
+            let now = d.now();
+            match ev {
+                Event::Established { .. } if phase[i] == Phase::Connecting => {
+                    phase[i] = Phase::Established;
+                    steps[Step::Establish as usize].add(now.since(started[i]));
+                    last = now;
+                    established += 1;
+                    pending -= 1;
+                }
+                Event::Rejected { .. } | Event::Unreachable { .. }
+                    if phase[i] == Phase::Connecting =>
+                {
+                    phase[i] = Phase::Failed;
+                    failed += 1;
+                    pending -= 1;
+                }
+                _ => {}
+            }
+        }
+        pending == 0
+    })?;
+    steps[Step::Establish as usize].total = last.since(t0);
+
+    // disconnect
+    let t1 = dev.now();
+    let mut dis_start = vec![t1; n];
+    let mut pending = 0usize;
+    for i in 0..n {
+        if phase[i] == Phase::Established {
+            dis_start[i] = dev.now();
+            dev.disconnect(ids[i])?;
+            phase[i] = Phase::Disconnecting;
+            pending += 1;
+        }
+    }
+    let mut last = t1;
+    let mut disconnected = 0u32;
+    dev.run_until(o.timeout, |d| {
+        while let Some(ev) = d.pop_cm_event() {
+            let Some(&i) = index.get(&ev.id()) else {
+                continue;
+            };
+            if let Event::Disconnected { .. } = ev {
+                if phase[i] == Phase::Disconnecting {
+                    let now = d.now();
+                    phase[i] = Phase::Disconnected;
+                    steps[Step::Disconnect as usize].add(now.since(dis_start[i]));
+                    last = now;
+                    disconnected += 1;
+                    pending -= 1;
+                }
+            }
+        }
+        pending == 0
+    })?;
+    steps[Step::Disconnect as usize].total = last.since(t1);
+
+    // destroy
+    let t2 = dev.now();
+    for id in &ids {
+        let s = dev.now();
+        dev.destroy(*id)?;
+        steps[Step::Destroy as usize].add(dev.now().since(s));
+    }
+    dev.pump_now()?;
+    steps[Step::Destroy as usize].total = dev.now().since(t2);
+    // Let the last MADs (REJs of unfinished handshakes, DREQs) reach the device.
+    dev.flush(Duration::from_secs(1))?;
+
+    Ok(CmtimeReport {
+        connections: o.connections,
+        established,
+        failed,
+        disconnected,
+        steps,
+    })
+}
+
+/// Runs the server side: listens on the port, then [`serve`]s.
+pub fn server<T: Transport, C: Clock>(
+    dev: &mut Device<T, C>,
+    o: &ServerOptions,
+) -> Result<ServerReport, DeviceError> {
+    let listen = dev.listen(tcp_service_id(o.port))?;
+    serve(dev, listen, o)
+}
+
+/// Serves requests on `listen` (a listener on `o.port`'s service ID) until
+/// `connections` connections were torn down by clients (or the timeout passed).
+pub fn serve<T: Transport, C: Clock>(
+    dev: &mut Device<T, C>,
+    listen: CmId,
+    o: &ServerOptions,
+) -> Result<ServerReport, DeviceError> {
+    let mut listen = listen;
+    let mut r = ServerReport::default();
+    let want = o.connections;
+    let mut err = None;
+    let timeout = o.timeout.unwrap_or(Duration::MAX);
+    dev.run_until(timeout, |d| {
+        while let Some(n) = d.pop_notice() {
+            let res = match n {
+                Notice::Device(super::DeviceEvent::Reset) => {
+                    r.resets += 1;
+                    // The listener went with the agent.
+                    d.listen(tcp_service_id(o.port)).map(|id| listen = id)
+                }
+                Notice::Device(_) => Ok(()),
+                Notice::Cm(Event::ConnectRequest { id, listen_id, .. }) if listen_id == listen => {
+                    r.accepted += 1;
+                    d.accept(id, &[])
+                }
+                Notice::Cm(Event::Established { .. }) => {
+                    r.established += 1;
+                    Ok(())
+                }
+                Notice::Cm(Event::Disconnected { id }) => {
+                    r.disconnected += 1;
+                    // DREP, then TimeWait in the agent.
+                    d.destroy(id)
+                }
+                Notice::Cm(Event::Rejected { id, .. } | Event::Unreachable { id }) => {
+                    r.failed += 1;
+                    d.destroy(id)
+                }
+                Notice::Cm(_) => Ok(()),
+            };
+            if let Err(e) = res {
+                err = Some(e);
+                return true;
+            }
+        }
+        r.disconnected + r.failed >= want
+    })?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    dev.flush(Duration::from_secs(1))?;
+    Ok(r)
+}
