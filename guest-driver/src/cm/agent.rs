@@ -290,6 +290,31 @@ impl Agent {
 
     // ------------------------------------------------------------------ slots
 
+    /// Drops all CM state (the device reset: the host released every connection) and
+    /// starts over with `cfg`: no connection, listener, timer, unsent MAD or event
+    /// survives. Handles the application still holds must stay unknown, so one dead
+    /// record per slot the old agent used is kept with its generation moved on: new
+    /// handles get slots after them and never equal an old one. (A few hundred bytes per
+    /// slot, once per reset.)
+    pub fn reset(&mut self, cfg: AgentConfig) {
+        let mut fresh = Agent::new(cfg);
+        fresh.conns = self
+            .conns
+            .iter()
+            .map(|c| {
+                let mut d = c.clone();
+                d.live = false;
+                d.app = false;
+                d.msg = None;
+                d.reply = None;
+                d.timer = None;
+                d.generation = d.generation.wrapping_add(1);
+                d
+            })
+            .collect();
+        *self = fresh;
+    }
+
     pub(crate) fn alloc_slot(&mut self, listener: bool) -> u32 {
         if !listener {
             self.connections += 1;

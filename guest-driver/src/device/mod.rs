@@ -975,34 +975,10 @@ impl<T: Transport, C: Clock> Device<T, C> {
     fn device_reset(&mut self) {
         self.stats.resets += 1;
         let seed = SplitMix64::new(self.opts.seed ^ self.stats.resets.rotate_left(32)).next_u64();
-        self.replace_agent(Self::agent_config(&self.port, seed, &self.opts));
+        self.agent
+            .reset(Self::agent_config(&self.port, seed, &self.opts));
         self.port_info_to_send = true;
         self.push_event(DeviceEvent::Reset);
-    }
-
-    /// Replaces the agent by a fresh one with `cfg`: no connection, listener, timer,
-    /// unsent MAD or event survives. Handles the application still holds must stay
-    /// unknown, so the fresh agent keeps one dead record per slot the old one used, its
-    /// generation moved on: new handles get slots after them and can never equal an
-    /// old one. (The records cost a few hundred bytes per slot, once per reset.)
-    fn replace_agent(&mut self, cfg: AgentConfig) {
-        let mut fresh = Agent::new(cfg);
-        fresh.conns = self
-            .agent
-            .conns
-            .iter()
-            .map(|c| {
-                let mut d = c.clone();
-                d.live = false;
-                d.app = false;
-                d.msg = None;
-                d.reply = None;
-                d.timer = None;
-                d.generation = d.generation.wrapping_add(1);
-                d
-            })
-            .collect();
-        self.agent = fresh;
     }
 
     fn on_port_info(&mut self, payload: &[u8]) {
@@ -1047,7 +1023,8 @@ impl<T: Transport, C: Clock> Device<T, C> {
         self.port = p;
         if !same {
             let seed = self.agent.config().seed;
-            self.replace_agent(Self::agent_config(&self.port, seed, &self.opts));
+            self.agent
+                .reset(Self::agent_config(&self.port, seed, &self.opts));
             self.push_event(DeviceEvent::PortChanged);
         }
     }
