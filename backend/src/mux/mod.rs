@@ -672,10 +672,7 @@ impl<C: Clock> Mux<C> {
             self.timers.push(Reverse((deadline, slot, e.generation)));
             // Lazy deletion leaves stale timers behind; compact when they dominate. The
             // floor keeps compaction amortized O(1) per timer.
-            let floor = (self.live as usize)
-                .max(self.timers_after_compaction)
-                .max(512);
-            if self.timers.len() > 2 * floor {
+            if self.timers.len() >= self.timer_budget() {
                 self.compact_timers();
             }
         }
@@ -697,9 +694,38 @@ impl<C: Clock> Mux<C> {
                 .is_some_and(|e| e.generation == *g && e.deadline == *t && e.state != State::Free)
         });
         self.timers_after_compaction = self.timers.len();
-        // Established connections hold no timer: give the memory back.
-        if self.timers.capacity() > 2 * self.timers.len() + 1024 {
-            self.timers.shrink_to(self.timers.len() * 3 / 2 + 1024);
+        // Established connections hold no timer: give the memory back, down to the
+        // budget (so later pushes on existing entries never allocate).
+        let budget = self.timer_budget();
+        if self.timers.capacity() > 2 * budget {
+            self.timers.shrink_to(budget);
+        }
+    }
+
+    /// Timers kept before compacting: the live entries (at most one valid timer each)
+    /// plus the larger of what the last compaction kept and 512, so that compaction
+    /// stays amortized O(1) per timer and the reserved capacity stays ~16 B per entry.
+    fn timer_budget(&self) -> usize {
+        self.live as usize + self.timers_after_compaction.max(512)
+    }
+
+    /// Called when an entry is created (the only place the mux may allocate): makes room
+    /// for everything that entry can later need, so MADs of existing entries never
+    /// allocate: its timers, its quarantine slot, its VM's comm-ID map slot.
+    fn reserve_for_entry(&mut self, vm: u32) {
+        let budget = self.timer_budget();
+        if self.timers.capacity() < budget {
+            self.timers.reserve(budget - self.timers.len());
+        }
+        let q = (self.live + self.quarantined) as usize;
+        if self.quarantine.capacity() < q {
+            self.quarantine.reserve(q - self.quarantine.len());
+        }
+        if let Some(v) = self.vms.get_mut(vm as usize) {
+            let want = v.live as usize;
+            if want > v.sl_map.len() {
+                v.sl_map.reserve(want - v.sl_map.len());
+            }
         }
     }
 
@@ -1224,6 +1250,7 @@ impl<C: Clock> Mux<C> {
         if let Some(v) = self.vms.get_mut(vm as usize) {
             v.live += 1;
         }
+        self.reserve_for_entry(vm);
         Some(slot)
     }
 
