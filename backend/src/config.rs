@@ -1,0 +1,595 @@
+//! The daemon's configuration: command line (clap) and `--config` file.
+//!
+//! One VM per vhost-user socket, in the conventions of rust-vmm's vhost-device crates:
+//!
+//! ```text
+//! pvcm-backend --vm socket=/run/pvcm/a.sock,gid=::ffff:127.10.1.1,name=a \
+//!              --vm socket=/run/pvcm/b.sock,gid=127.10.1.2 \
+//!              --control /run/pvcm/ctl --metrics 127.0.0.1:9791 --pcap /tmp/cm.pcap
+//! pvcm-backend stat --control /run/pvcm/ctl [--json]
+//! ```
+//!
+//! A `--config FILE` holds the same options, one per line, without the leading dashes
+//! (`vm socket=...,gid=...`, `policy default`, `# comments`); options on the command line
+//! come after the file's (a later scalar option wins, VMs add up).
+//!
+//! Every bad value is a [`ConfigError`] with a message naming the option; nothing here
+//! panics.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use clap::{Args, Parser, Subcommand};
+use pvcm_wire::Gid;
+
+use crate::mux::{Policy, VmConfig};
+
+/// Default RoCEv2 UDP port.
+pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
+/// Default bound on messages waiting for a VM's rx buffers.
+pub const DEFAULT_RX_BACKLOG: usize = 256;
+/// Largest accepted `--rx-backlog`.
+pub const MAX_RX_BACKLOG: usize = 1 << 20;
+
+/// A configuration error: what was wrong, in words for the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// One VM: its vhost-user socket and its port identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSpec {
+    /// The vhost-user socket the backend listens on for this VM.
+    pub socket: PathBuf,
+    /// The mux's view of the VM (name, GID, CA GUID, QPN range, quota).
+    pub vm: VmConfig,
+}
+
+impl VmSpec {
+    /// The VM's IPv4 address (its GID is IPv4-mapped; checked at parse time).
+    pub fn ipv4(&self) -> Ipv4Addr {
+        self.vm.gid.to_ipv4().unwrap_or(Ipv4Addr::UNSPECIFIED)
+    }
+}
+
+fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
+    let v = v.trim().replace('_', "");
+    let r = if let Some(h) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+        u64::from_str_radix(h, 16)
+    } else {
+        v.parse::<u64>()
+    };
+    r.map_err(|_| ConfigError(format!("{key}={v:?}: not a number (decimal or 0x hex)")))
+}
+
+fn parse_u32(key: &str, v: &str) -> Result<u32, ConfigError> {
+    let n = parse_u64(key, v)?;
+    u32::try_from(n).map_err(|_| ConfigError(format!("{key}={v}: larger than 32 bits")))
+}
+
+/// Parses a GID: an IPv6-form GID (`::ffff:127.0.0.1`, `fe80::1`) or a plain IPv4
+/// address (taken as IPv4-mapped). The GID must be IPv4-mapped (RoCEv2 over IPv4).
+pub fn parse_gid(v: &str) -> Result<Gid, ConfigError> {
+    let gid = if let Ok(a) = Ipv4Addr::from_str(v) {
+        Gid::from_ipv4(a)
+    } else {
+        Gid::from_str(v).map_err(|_| {
+            ConfigError(format!(
+                "gid={v:?}: not a GID (e.g. ::ffff:127.10.1.1) or IPv4 address"
+            ))
+        })?
+    };
+    match gid.to_ipv4() {
+        Some(a) if !a.is_unspecified() && !a.is_broadcast() && !a.is_multicast() => Ok(gid),
+        Some(a) => err(format!("gid={v}: {a} is not a unicast address")),
+        None => err(format!(
+            "gid={v}: the VM's GID must be IPv4-mapped (::ffff:a.b.c.d); the soft RoCE \
+             port speaks RoCEv2 over IPv4"
+        )),
+    }
+}
+
+impl FromStr for VmSpec {
+    type Err = ConfigError;
+
+    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N]`.
+    fn from_str(s: &str) -> Result<VmSpec, ConfigError> {
+        let mut socket = None;
+        let mut gid = None;
+        let mut name = None;
+        let mut qpn_base = None;
+        let mut qpn_count = None;
+        let mut ca_guid = None;
+        let mut quota = None;
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((k, v)) = part.split_once('=') else {
+                return err(format!("--vm: {part:?} is not key=value"));
+            };
+            let (k, v) = (k.trim(), v.trim());
+            let dup = |set: bool| {
+                if set {
+                    err(format!("--vm: {k} given twice"))
+                } else {
+                    Ok(())
+                }
+            };
+            match k {
+                "socket" | "socket-path" => {
+                    dup(socket.is_some())?;
+                    if v.is_empty() {
+                        return err("--vm: socket= is empty");
+                    }
+                    socket = Some(PathBuf::from(v));
+                }
+                "gid" => {
+                    dup(gid.is_some())?;
+                    gid = Some(parse_gid(v)?);
+                }
+                "name" => {
+                    dup(name.is_some())?;
+                    if v.is_empty() || v.len() > 48 {
+                        return err(format!("--vm: name={v:?} must be 1 to 48 bytes"));
+                    }
+                    name = Some(v.to_string());
+                }
+                "qpn-base" => {
+                    dup(qpn_base.is_some())?;
+                    qpn_base = Some(parse_u32(k, v)?);
+                }
+                "qpn-count" => {
+                    dup(qpn_count.is_some())?;
+                    qpn_count = Some(parse_u32(k, v)?);
+                }
+                "ca-guid" => {
+                    dup(ca_guid.is_some())?;
+                    ca_guid = Some(parse_u64(k, v)?);
+                }
+                "quota" => {
+                    dup(quota.is_some())?;
+                    quota = Some(parse_u32(k, v)?);
+                }
+                _ => {
+                    return err(format!(
+                        "--vm: unknown key {k:?} (expected socket, gid, name, qpn-base, \
+                         qpn-count, ca-guid, quota)"
+                    ));
+                }
+            }
+        }
+        let Some(socket) = socket else {
+            return err(format!("--vm {s:?}: socket=PATH is required"));
+        };
+        let Some(gid) = gid else {
+            return err(format!("--vm {s:?}: gid=GID is required"));
+        };
+        let ip = gid.to_ipv4().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let mut vm = VmConfig::new(name.unwrap_or_else(|| format!("vm-{ip}")), gid);
+        if let Some(b) = qpn_base {
+            vm.qpn_base = b;
+        }
+        if let Some(c) = qpn_count {
+            vm.qpn_count = c;
+        }
+        if u64::from(vm.qpn_base) + u64::from(vm.qpn_count) > 1 << 24 {
+            return err(format!(
+                "--vm {s:?}: qpn-base + qpn-count must stay within 24-bit QPNs (<= 0x1000000)"
+            ));
+        }
+        if vm.qpn_count != 0 && vm.qpn_base < 2 {
+            return err(format!(
+                "--vm {s:?}: qpn-base must be at least 2 (QP0 and QP1 are special)"
+            ));
+        }
+        if let Some(g) = ca_guid {
+            if g == 0 {
+                return err(format!("--vm {s:?}: ca-guid must not be 0"));
+            }
+            vm.ca_guid = g;
+        }
+        if let Some(q) = quota {
+            if q == 0 {
+                return err(format!("--vm {s:?}: quota must be at least 1"));
+            }
+            vm.quota = Some(q);
+        }
+        Ok(VmSpec { socket, vm })
+    }
+}
+
+/// The daemon's options.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N]`
+    /// (repeatable; one vhost-user socket per VM).
+    #[arg(long = "vm", value_name = "SPEC")]
+    pub vms: Vec<String>,
+    /// A file of options, one per line without the leading dashes (`vm socket=...`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Cache policy: default, mlx4-pre2020 or mlx4-post2020.
+    #[arg(long, value_name = "POLICY")]
+    pub policy: Option<String>,
+    /// Unix socket for `pvcm-backend stat`.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Serve Prometheus text metrics over HTTP on this address (e.g. 127.0.0.1:9791).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
+    /// Capture every frame sent and received to this pcap file (IPv4, LINKTYPE_RAW).
+    #[arg(long, value_name = "FILE")]
+    pub pcap: Option<PathBuf>,
+    /// Messages kept per VM while its rx queue has no buffers; further ones are dropped
+    /// and counted.
+    #[arg(long, value_name = "N")]
+    pub rx_backlog: Option<String>,
+    /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
+    #[arg(long, value_name = "PORT")]
+    pub bind_port: Option<String>,
+    /// Seed of the mux's ID permutation (random unless given; for reproducible tests).
+    #[arg(long, value_name = "N", hide = true)]
+    pub seed: Option<String>,
+}
+
+/// `pvcm-backend stat` options.
+#[derive(Debug, Clone, Args)]
+pub struct StatArgs {
+    /// The daemon's control socket.
+    #[arg(long, value_name = "PATH")]
+    pub control: PathBuf,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Print the counters of a running daemon.
+    Stat(StatArgs),
+}
+
+/// The `pvcm-backend` command line.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "pvcm-backend",
+    version,
+    about = "pvcm host daemon: para-virtual IB CM devices for VMs over vhost-user, \
+             multiplexed onto one soft RoCEv2 port",
+    args_conflicts_with_subcommands = true,
+    args_override_self = true
+)]
+pub struct Cli {
+    /// The subcommand (none: run the daemon).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// The daemon's options.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// The daemon's validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The VMs, in order.
+    pub vms: Vec<VmSpec>,
+    /// Cache policy.
+    pub policy: Policy,
+    /// Control socket.
+    pub control: Option<PathBuf>,
+    /// Prometheus endpoint.
+    pub metrics: Option<SocketAddr>,
+    /// Capture file.
+    pub pcap: Option<PathBuf>,
+    /// Per-VM rx backlog bound.
+    pub rx_backlog: usize,
+    /// UDP port.
+    pub bind_port: u16,
+    /// Mux seed (None: random).
+    pub seed: Option<u64>,
+}
+
+impl Config {
+    /// A configuration with these VMs and defaults for everything else.
+    pub fn new(vms: Vec<VmSpec>) -> Config {
+        Config {
+            vms,
+            policy: Policy::Default,
+            control: None,
+            metrics: None,
+            pcap: None,
+            rx_backlog: DEFAULT_RX_BACKLOG,
+            bind_port: DEFAULT_PORT,
+            seed: None,
+        }
+    }
+
+    /// Validates parsed arguments (reading `--config` first if given).
+    pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let args = match &args.config {
+            Some(file) => merge(&read_config_file(file)?, args),
+            None => args.clone(),
+        };
+        let mut vms = Vec::new();
+        for v in &args.vms {
+            vms.push(VmSpec::from_str(v)?);
+        }
+        let mut cfg = Config::new(vms);
+        if let Some(p) = &args.policy {
+            cfg.policy = Policy::from_str(p).map_err(|e| ConfigError(format!("--policy: {e}")))?;
+        }
+        cfg.control = args.control.clone();
+        if let Some(m) = &args.metrics {
+            cfg.metrics = Some(SocketAddr::from_str(m).map_err(|_| {
+                ConfigError(format!(
+                    "--metrics {m:?}: not an address:port (e.g. 127.0.0.1:9791)"
+                ))
+            })?);
+        }
+        cfg.pcap = args.pcap.clone();
+        if let Some(n) = &args.rx_backlog {
+            let n = parse_u64("--rx-backlog", n)?;
+            if n == 0 || n > MAX_RX_BACKLOG as u64 {
+                return err(format!("--rx-backlog {n}: must be 1 to {MAX_RX_BACKLOG}"));
+            }
+            cfg.rx_backlog = n as usize;
+        }
+        if let Some(p) = &args.bind_port {
+            let n = parse_u64("--bind-port", p)?;
+            if n == 0 || n > u64::from(u16::MAX) {
+                return err(format!("--bind-port {p}: must be 1 to 65535"));
+            }
+            cfg.bind_port = n as u16;
+        }
+        if let Some(s) = &args.seed {
+            cfg.seed = Some(parse_u64("--seed", s)?);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the whole: at least one VM, no socket or GID twice.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.vms.is_empty() {
+            return err("no VM: give at least one --vm socket=PATH,gid=GID");
+        }
+        for (i, a) in self.vms.iter().enumerate() {
+            for b in &self.vms[..i] {
+                if a.socket == b.socket {
+                    return err(format!("two VMs use socket {}", a.socket.display()));
+                }
+                if a.vm.gid == b.vm.gid {
+                    return err(format!("two VMs use GID {}", a.vm.gid));
+                }
+                if a.vm.name == b.vm.name {
+                    return err(format!("two VMs are named {:?}", a.vm.name));
+                }
+            }
+            if Some(&a.socket) == self.control.as_ref() {
+                return err("the control socket is also a VM socket");
+            }
+        }
+        if self.rx_backlog == 0 || self.rx_backlog > MAX_RX_BACKLOG {
+            return err(format!("rx backlog must be 1 to {MAX_RX_BACKLOG}"));
+        }
+        if self.bind_port == 0 {
+            return err("bind port must not be 0");
+        }
+        Ok(())
+    }
+}
+
+/// Reads a config file into arguments (one option per line, `#` comments).
+fn read_config_file(path: &Path) -> Result<ServeArgs, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("--config {}: {e}", path.display())))?;
+    let mut argv = vec!["pvcm-backend".to_string()];
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (k, v) = match line.split_once(|c: char| c.is_whitespace() || c == '=') {
+            Some((k, v)) => (k.trim(), Some(v.trim())),
+            None => (line, None),
+        };
+        let k = k.trim_start_matches('-');
+        if k == "config" {
+            return err(format!(
+                "--config {}:{}: a config file cannot include another",
+                path.display(),
+                n + 1
+            ));
+        }
+        argv.push(format!("--{k}"));
+        if let Some(v) = v {
+            argv.push(v.to_string());
+        }
+    }
+    let cli = Cli::try_parse_from(&argv).map_err(|e| {
+        ConfigError(format!(
+            "--config {}: {}",
+            path.display(),
+            e.render()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or("bad option")
+        ))
+    })?;
+    Ok(cli.serve)
+}
+
+/// The file's options, then the command line's on top.
+fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
+    let mut vms = file.vms.clone();
+    vms.extend(cli.vms.iter().cloned());
+    ServeArgs {
+        vms,
+        config: None,
+        policy: cli.policy.clone().or_else(|| file.policy.clone()),
+        control: cli.control.clone().or_else(|| file.control.clone()),
+        metrics: cli.metrics.clone().or_else(|| file.metrics.clone()),
+        pcap: cli.pcap.clone().or_else(|| file.pcap.clone()),
+        rx_backlog: cli.rx_backlog.clone().or_else(|| file.rx_backlog.clone()),
+        bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
+        seed: cli.seed.clone().or_else(|| file.seed.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["pvcm-backend"];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(argv).map_err(|e| ConfigError(e.to_string()))?;
+        Config::from_args(&cli.serve)
+    }
+
+    #[test]
+    fn vm_spec_full() {
+        let s: VmSpec = "socket=/tmp/a.sock,gid=::ffff:127.10.1.1,name=a,qpn-base=0x100,\
+                         qpn-count=256,ca-guid=0x1122,quota=10"
+            .parse()
+            .unwrap();
+        assert_eq!(s.socket, PathBuf::from("/tmp/a.sock"));
+        assert_eq!(s.ipv4(), Ipv4Addr::new(127, 10, 1, 1));
+        assert_eq!(s.vm.name, "a");
+        assert_eq!((s.vm.qpn_base, s.vm.qpn_count), (0x100, 256));
+        assert_eq!(s.vm.ca_guid, 0x1122);
+        assert_eq!(s.vm.quota, Some(10));
+        let d: VmSpec = "socket=/tmp/b,gid=127.0.0.9".parse().unwrap();
+        assert_eq!(d.vm.name, "vm-127.0.0.9");
+        assert_eq!(d.vm.gid, Gid::from_ipv4(Ipv4Addr::new(127, 0, 0, 9)));
+    }
+
+    #[test]
+    fn vm_spec_errors() {
+        for (s, want) in [
+            ("gid=127.0.0.1", "socket=PATH is required"),
+            ("socket=/a", "gid=GID is required"),
+            ("socket=/a,gid=fe80::1", "IPv4-mapped"),
+            ("socket=/a,gid=banana", "not a GID"),
+            ("socket=/a,gid=0.0.0.0", "not a unicast"),
+            ("socket=/a,gid=127.0.0.1,color=red", "unknown key"),
+            ("socket=/a,gid=127.0.0.1,qpn-base=zz", "not a number"),
+            (
+                "socket=/a,gid=127.0.0.1,qpn-base=0xffffff,qpn-count=2",
+                "24-bit",
+            ),
+            ("socket=/a,gid=127.0.0.1,qpn-base=0x1ffffffff", "32 bits"),
+            ("socket=/a,gid=127.0.0.1,quota=0", "quota"),
+            ("socket=/a,gid=127.0.0.1,socket=/b", "twice"),
+            ("socket=/a,gid=127.0.0.1,banana", "key=value"),
+        ] {
+            let e = VmSpec::from_str(s).unwrap_err();
+            assert!(e.0.contains(want), "{s}: {e}");
+        }
+    }
+
+    #[test]
+    fn cli_values() {
+        let c = parse(&[
+            "--vm",
+            "socket=/tmp/x,gid=127.1.0.1",
+            "--vm",
+            "socket=/tmp/y,gid=127.1.0.2",
+            "--policy",
+            "mlx4-post2020",
+            "--rx-backlog",
+            "8",
+            "--bind-port",
+            "4792",
+            "--metrics",
+            "127.0.0.1:9000",
+        ])
+        .unwrap();
+        assert_eq!(c.vms.len(), 2);
+        assert_eq!(c.policy, Policy::Mlx4Post2020);
+        assert_eq!((c.rx_backlog, c.bind_port), (8, 4792));
+        assert!(c.metrics.is_some());
+        for (args, want) in [
+            (
+                &["--policy", "x", "--vm", "socket=/a,gid=127.0.0.1"][..],
+                "--policy",
+            ),
+            (
+                &["--vm", "socket=/a,gid=127.0.0.1", "--rx-backlog", "0"][..],
+                "rx-backlog",
+            ),
+            (
+                &["--vm", "socket=/a,gid=127.0.0.1", "--bind-port", "70000"][..],
+                "bind-port",
+            ),
+            (
+                &["--vm", "socket=/a,gid=127.0.0.1", "--metrics", "x"][..],
+                "--metrics",
+            ),
+            (&[][..], "no VM"),
+            (
+                &[
+                    "--vm",
+                    "socket=/a,gid=127.0.0.1",
+                    "--vm",
+                    "socket=/a,gid=127.0.0.2",
+                ][..],
+                "socket",
+            ),
+            (
+                &[
+                    "--vm",
+                    "socket=/a,gid=127.0.0.1",
+                    "--vm",
+                    "socket=/b,gid=127.0.0.1",
+                ][..],
+                "GID",
+            ),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.0.contains(want), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pvcm.conf");
+        std::fs::write(
+            &f,
+            "# two VMs\nvm socket=/tmp/p,gid=127.2.0.1,name=p\n\npolicy mlx4-pre2020\n\
+             rx-backlog=16\n",
+        )
+        .unwrap();
+        let c = parse(&[
+            "--config",
+            f.to_str().unwrap(),
+            "--vm",
+            "socket=/tmp/q,gid=127.2.0.2",
+            "--rx-backlog",
+            "32",
+        ])
+        .unwrap();
+        assert_eq!(c.vms.len(), 2);
+        assert_eq!(c.vms[0].vm.name, "p");
+        assert_eq!(c.policy, Policy::Mlx4Pre2020);
+        assert_eq!(c.rx_backlog, 32);
+        std::fs::write(&f, "colour blue\n").unwrap();
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+        assert!(e.0.contains("--config"), "{e}");
+        let e = parse(&["--config", "/nonexistent/pvcm.conf"]).unwrap_err();
+        assert!(e.0.contains("/nonexistent"), "{e}");
+    }
+}

@@ -1,0 +1,108 @@
+//! The control socket, `pvcm-backend stat`, and the Prometheus endpoint.
+//!
+//! Protocol of the control socket (`--control PATH`, a Unix stream socket): the client
+//! writes one line, the daemon answers and closes.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `stat` | the [`Snapshot`] as JSON |
+//! | `metrics` | Prometheus text |
+//!
+//! `--metrics ADDR` serves the same figures as Prometheus text over plain HTTP/1.1
+//! (`GET /metrics`, or any path).
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::daemon::{Shared, read_line, write_all};
+use crate::stats::Snapshot;
+
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Answers one control connection.
+pub(crate) fn serve_control(shared: &Shared, mut s: UnixStream) {
+    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+    let req = match read_line(&mut s, 1024) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "control read failed");
+            return;
+        }
+    };
+    let reply = match req.as_str() {
+        "stat" | "stat json" | "" => {
+            serde_json::to_string(&shared.snapshot()).unwrap_or_else(|e| format!("error: {e}"))
+        }
+        "metrics" => shared.snapshot().prometheus(),
+        other => format!("error: unknown request {other:?} (expected stat or metrics)\n"),
+    };
+    write_all(&mut s, reply.as_bytes());
+}
+
+/// Answers one HTTP request on the metrics listener.
+pub(crate) fn serve_metrics(shared: &Shared, mut s: TcpStream) {
+    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+    let _ = s.set_nonblocking(false);
+    // Read the request head (bounded); the path does not matter.
+    let mut head = Vec::new();
+    let mut b = [0u8; 1024];
+    while head.len() < 16 * 1024 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => head.extend_from_slice(&b[..n]),
+        }
+    }
+    let (status, body) = if head.starts_with(b"GET ") || head.starts_with(b"HEAD ") {
+        ("200 OK", shared.snapshot().prometheus())
+    } else {
+        ("405 Method Not Allowed", "only GET\n".to_string())
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    write_all(&mut s, resp.as_bytes());
+}
+
+/// Asks a running daemon for its figures.
+pub fn query(control: &Path) -> io::Result<Snapshot> {
+    let text = request(control, "stat")?;
+    serde_json::from_str(&text).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad answer from {}: {e}", control.display()),
+        )
+    })
+}
+
+/// Sends one request line and returns the whole answer.
+pub fn request(control: &Path, req: &str) -> io::Result<String> {
+    let mut s = UnixStream::connect(control)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", control.display())))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write_all(&mut s, format!("{req}\n").as_bytes());
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+/// `pvcm-backend stat`: prints the table (or JSON).
+pub fn stat(control: &Path, json: bool) -> io::Result<String> {
+    if json {
+        let text = request(control, "stat")?;
+        // Re-parse so a garbled answer is an error, then pretty-print.
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+        serde_json::to_string_pretty(&v)
+            .map(|s| s + "\n")
+            .map_err(|e| io::Error::other(e.to_string()))
+    } else {
+        Ok(query(control)?.render())
+    }
+}

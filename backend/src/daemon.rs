@@ -1,0 +1,987 @@
+//! The serve loop: one process, many VMs, one soft RoCE port.
+//!
+//! - Per VM a thread listens on the VM's vhost-user socket and serves one connection at
+//!   a time with a fresh [`VhostUserDaemon`] and [`PvcmDevice`], so the VM can reconnect
+//!   (QEMU restart, `reconnect=`). On connect the VM is attached to the mux; on
+//!   disconnect it is detached, which releases its connections (DREQs, REJs, DREPs on
+//!   its behalf, see `docs/mux.md`). vhost-user-backend runs the VM's vring worker.
+//! - One host thread runs an epoll loop over the wire sockets (one per VM address,
+//!   `recvmmsg` batches), a timerfd armed at [`Mux::next_deadline`] that calls
+//!   [`Mux::poll`] and sends [`Mux::drain_outbox`], the control socket and the metrics
+//!   listener.
+//! - The mux sits behind one mutex; no lock is held across socket I/O or guest memory
+//!   writes of another VM. Deliveries to a VM go through its bounded rx backlog and its
+//!   own worker thread.
+//!
+//! [`Daemon::start`] runs it in-process (tests); [`run`] is `main`'s entry, which also
+//! waits for SIGTERM/SIGINT and shuts down cleanly: VM sessions end, their connections
+//! are released on the wire, the capture is flushed and the sockets removed.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, SocketAddrV4, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pvcm_wire::Gid;
+use pvcm_wire::abi::{self, HEADER_LEN, MsgHeader, MsgType, RX_BUFFER_LEN, SendStatus};
+use pvcm_wire::mad::MAD_LEN;
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use crate::config::{Config, VmSpec};
+use crate::device::{PvcmDevice, RX_WAKE_EVENT};
+use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, Verdict, VmId};
+use crate::pcap::Capture;
+use crate::stats::{DevCounters, DevDrop, Figures, Io, Snapshot, VmFigures};
+use crate::wire::{InFrame, OutFrame, RecvBatch, WirePort, check_frame};
+
+/// A daemon error: what failed, for the operator.
+#[derive(Debug)]
+pub struct Error(pub String);
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Error {}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One message for a VM's rx queue: header + payload, ready to copy.
+#[derive(Clone)]
+pub struct RxMsg {
+    buf: [u8; RX_BUFFER_LEN],
+    len: u16,
+}
+
+impl fmt::Debug for RxMsg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RxMsg")
+            .field("type", &self.msg_type())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl RxMsg {
+    fn with(h: &MsgHeader, payload: &[u8]) -> RxMsg {
+        let mut m = RxMsg {
+            buf: [0; RX_BUFFER_LEN],
+            len: 0,
+        };
+        let n = payload.len().min(RX_BUFFER_LEN - HEADER_LEN);
+        let h = MsgHeader {
+            len: n as u32,
+            ..*h
+        };
+        // The buffer holds a header: emit cannot fail.
+        let _ = h.emit(&mut m.buf);
+        m.buf[HEADER_LEN..HEADER_LEN + n].copy_from_slice(&payload[..n]);
+        m.len = (HEADER_LEN + n) as u16;
+        m
+    }
+
+    /// A MAD from `remote` (CM defaults for the addressing).
+    pub fn mad(remote: Gid, mad: &[u8; MAD_LEN]) -> RxMsg {
+        RxMsg::with(&MsgHeader::mad(remote), mad)
+    }
+
+    /// A MAD received from the wire.
+    pub fn from_wire(f: &InFrame, mad: &[u8; MAD_LEN]) -> RxMsg {
+        let h = MsgHeader {
+            remote_qpn: f.src_qp,
+            qkey: f.qkey,
+            ..MsgHeader::mad(f.src)
+        };
+        RxMsg::with(&h, mad)
+    }
+
+    /// A SEND_ERROR echoing a tx MAD's header and payload.
+    pub fn send_error(tx: &MsgHeader, status: SendStatus, payload: &[u8]) -> RxMsg {
+        let h = MsgHeader {
+            msg_type: MsgType::SendError,
+            status: status as u16,
+            ..*tx
+        };
+        RxMsg::with(&h, payload)
+    }
+
+    /// A control message.
+    pub fn control(t: MsgType, status: u16, payload: &[u8]) -> RxMsg {
+        let h = MsgHeader {
+            status,
+            ..MsgHeader::control(t, payload.len() as u32)
+        };
+        RxMsg::with(&h, payload)
+    }
+
+    /// An EVENT.
+    pub fn event(e: abi::Event) -> RxMsg {
+        let mut p = [0u8; abi::EVENT_LEN];
+        let _ = e.emit(&mut p);
+        RxMsg::control(MsgType::Event, 0, &p)
+    }
+
+    /// The bytes to write into an rx buffer.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[..usize::from(self.len)]
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Never empty (a header at least); for clippy's `len_without_is_empty`.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The message type.
+    pub fn msg_type(&self) -> Option<MsgType> {
+        MsgType::from_u16(u16::from_le_bytes([self.buf[0], self.buf[1]]))
+    }
+}
+
+/// The handle that ends a VM's vhost-user session.
+struct Session(ShutdownHandle);
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Session")
+    }
+}
+
+/// One configured VM: its wire socket, rx backlog and counters, across sessions.
+#[derive(Debug)]
+pub struct VmPort {
+    pub(crate) index: usize,
+    pub(crate) spec: VmSpec,
+    pub(crate) wire: WirePort,
+    current: Mutex<Option<VmId>>,
+    rx: Mutex<VecDeque<RxMsg>>,
+    rx_cap: usize,
+    pub(crate) rx_wake: EventFd,
+    pub(crate) counters: DevCounters,
+    session: Mutex<Option<Session>>,
+    pub(crate) span: tracing::Span,
+}
+
+impl VmPort {
+    /// The mux's ID of the VM's current session.
+    pub(crate) fn current_vm(&self) -> Option<VmId> {
+        *lock(&self.current)
+    }
+
+    pub(crate) fn lock_rx(&self) -> MutexGuard<'_, VecDeque<RxMsg>> {
+        lock(&self.rx)
+    }
+
+    /// Queues a message for the VM's rx; false (and counted) when the backlog is full.
+    pub(crate) fn push_rx(&self, m: RxMsg) -> bool {
+        let mut q = lock(&self.rx);
+        if q.len() >= self.rx_cap {
+            drop(q);
+            self.counters.drop(DevDrop::RxBacklogFull);
+            tracing::debug!(parent: &self.span, "rx backlog full: message dropped");
+            return false;
+        }
+        q.push_back(m);
+        true
+    }
+
+    /// Wakes the VM's worker to deliver its backlog.
+    pub(crate) fn wake_rx(&self) {
+        let _ = self.rx_wake.write(1);
+    }
+}
+
+/// The mux and the map from its VM IDs to ports, under one lock.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) mux: Mux<SystemClock>,
+    pub(crate) by_vm: HashMap<VmId, usize>,
+}
+
+/// State shared by the VM threads, their devices and the host loop.
+#[derive(Debug)]
+pub struct Shared {
+    core: Mutex<Core>,
+    ports: Vec<Arc<VmPort>>,
+    by_gid: HashMap<Gid, usize>,
+    capture: Option<Capture>,
+    timer_wake: EventFd,
+    armed: AtomicU64,
+    port_num: u16,
+    default_quota: u32,
+    policy: String,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn lock_core(&self) -> MutexGuard<'_, Core> {
+        lock(&self.core)
+    }
+
+    pub(crate) fn port(&self, i: usize) -> Option<&Arc<VmPort>> {
+        self.ports.get(i)
+    }
+
+    pub(crate) fn default_quota(&self) -> u32 {
+        self.default_quota
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Tells the host loop to re-arm its timer if `next` is earlier than what it armed.
+    pub(crate) fn note_deadline(&self, next: Option<Time>) {
+        if let Some(t) = next {
+            if t.0 < self.armed.load(Ordering::Relaxed) {
+                let _ = self.timer_wake.write(1);
+            }
+        }
+    }
+
+    fn dst_addr(&self, gid: Gid) -> Option<SocketAddrV4> {
+        gid.to_ipv4().map(|a| SocketAddrV4::new(a, self.port_num))
+    }
+
+    /// Sends MADs from `port` to their GIDs.
+    pub(crate) fn send_mads(&self, port: &VmPort, mads: &[(Gid, [u8; MAD_LEN])]) {
+        let frames: Vec<OutFrame> = mads
+            .iter()
+            .filter_map(|(dst, mad)| match self.dst_addr(*dst) {
+                Some(a) => Some(port.wire.frame(a, mad)),
+                None => {
+                    port.counters.drop(DevDrop::BadRemoteGid);
+                    None
+                }
+            })
+            .collect();
+        self.send_frames(port, &frames);
+    }
+
+    fn send_frames(&self, port: &VmPort, frames: &[OutFrame]) {
+        if frames.is_empty() {
+            return;
+        }
+        // Captured before the send, so an answer never precedes its request in the file.
+        if let Some(c) = &self.capture {
+            for f in frames {
+                c.record(port.wire.local(), f.dst, &f.frame);
+            }
+            c.flush();
+        }
+        let sent = port.wire.send_batch(frames);
+        port.counters.add(Io::WireTxFrames, sent as u64);
+        for _ in sent..frames.len() {
+            port.counters.drop(DevDrop::WireSendError);
+        }
+    }
+
+    /// Sends what the mux queued itself, each from its source VM's socket.
+    pub(crate) fn send_outgoing(&self, out: Vec<Outgoing>) {
+        let mut per_port: HashMap<usize, Vec<(Gid, [u8; MAD_LEN])>> = HashMap::new();
+        for o in out {
+            match self.by_gid.get(&o.src) {
+                Some(&p) => per_port.entry(p).or_default().push((o.dst, o.mad)),
+                None => tracing::warn!(src = %o.src, "mux MAD from a GID with no port: not sent"),
+            }
+        }
+        for (p, mads) in per_port {
+            if let Some(port) = self.ports.get(p) {
+                tracing::debug!(parent: &port.span, n = mads.len(), "sending MADs on the VM's behalf");
+                self.send_mads(port, &mads);
+            }
+        }
+    }
+
+    /// Attaches the port's VM to the mux (a session began).
+    fn attach(&self, port: &VmPort) -> Option<VmId> {
+        let mut cur = lock(&port.current);
+        if let Some(vm) = *cur {
+            return Some(vm);
+        }
+        let mut core = self.lock_core();
+        match core.mux.attach_vm(port.spec.vm.clone()) {
+            Ok(vm) => {
+                core.by_vm.insert(vm, port.index);
+                *cur = Some(vm);
+                Some(vm)
+            }
+            Err(e) => {
+                tracing::error!(parent: &port.span, error = %e, "attach failed");
+                None
+            }
+        }
+    }
+
+    /// Detaches the port's VM (its session ended): the mux releases its connections;
+    /// what it sends on the VM's behalf goes out now.
+    fn detach(&self, port: &VmPort) {
+        let mut cur = lock(&port.current);
+        let Some(vm) = cur.take() else {
+            return;
+        };
+        let (out, next) = {
+            let mut core = self.lock_core();
+            core.mux.detach_vm(vm);
+            core.by_vm.remove(&vm);
+            let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
+            (out, core.mux.next_deadline())
+        };
+        drop(cur);
+        lock(&port.rx).clear();
+        tracing::info!(parent: &port.span, on_behalf = out.len(), "VM detached");
+        self.send_outgoing(out);
+        self.note_deadline(next);
+    }
+
+    /// A device reset: the VM's connections are released and it starts afresh; the
+    /// driver is told with an EVENT(DEVICE_RESET).
+    pub(crate) fn reset_vm(&self, port: &VmPort) {
+        if port.current_vm().is_none() {
+            return;
+        }
+        self.detach(port);
+        self.attach(port);
+        port.push_rx(RxMsg::event(abi::Event::DeviceReset));
+        port.wake_rx();
+    }
+
+    /// Every figure, per VM and summed.
+    pub fn snapshot(&self) -> Snapshot {
+        // Lock order: a port's `current`, then the core (as attach and detach do).
+        let current: Vec<Option<VmId>> = self.ports.iter().map(|p| p.current_vm()).collect();
+        let core = self.lock_core();
+        let host_stats = core.mux.host_stats();
+        let mut vms = Vec::new();
+        for (p, &vm) in self.ports.iter().zip(&current) {
+            let s = vm.map(|v| core.mux.vm_stats(v)).unwrap_or_default();
+            vms.push(VmFigures {
+                name: p.spec.vm.name.clone(),
+                gid: p.spec.vm.gid.to_string(),
+                socket: p.spec.socket.display().to_string(),
+                attached: vm.is_some(),
+                figures: Figures::new(&s, &[&p.counters]),
+            });
+        }
+        drop(core);
+        let all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
+        Snapshot {
+            policy: self.policy.clone(),
+            vms,
+            host: Figures::new(&host_stats, &all),
+        }
+    }
+}
+
+/// A non-blocking CLOCK_MONOTONIC timerfd.
+#[derive(Debug)]
+struct Timer(OwnedFd);
+
+impl Timer {
+    fn new() -> io::Result<Timer> {
+        // SAFETY: plain timerfd_create(2); the result is checked.
+        let fd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        Ok(Timer(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Arms the timer `d` from now (at least 1 µs); `None` disarms it.
+    fn set(&self, d: Option<Duration>) -> io::Result<()> {
+        let d = d.map(|d| d.max(Duration::from_micros(1)));
+        let v = d.unwrap_or_default();
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: v.as_secs() as libc::time_t,
+                tv_nsec: libc::c_long::from(v.subsec_nanos() as i32),
+            },
+        };
+        // SAFETY: `spec` is a valid itimerspec; the old value is not requested.
+        let r =
+            unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn clear(&self) {
+        let mut b = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live 8-byte buffer; non-blocking.
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+    }
+}
+
+const TOK_STOP: u64 = 1 << 40;
+const TOK_TIMER: u64 = TOK_STOP + 1;
+const TOK_WAKE: u64 = TOK_STOP + 2;
+const TOK_CONTROL: u64 = TOK_STOP + 3;
+const TOK_METRICS: u64 = TOK_STOP + 4;
+
+/// Datagram batches taken from one socket before the loop looks at the others.
+const RX_ROUNDS: usize = 16;
+
+struct HostLoop {
+    shared: Arc<Shared>,
+    epoll: Epoll,
+    timer: Timer,
+    control: Option<UnixListener>,
+    metrics: Option<TcpListener>,
+}
+
+impl HostLoop {
+    fn run(self) {
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut rb = RecvBatch::default();
+        loop {
+            self.arm_timer();
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!(error = %e, "host loop epoll failed");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOK_STOP => {
+                        tracing::debug!("host loop stopping");
+                        return;
+                    }
+                    TOK_TIMER => {
+                        self.timer.clear();
+                        self.on_timer();
+                    }
+                    TOK_WAKE => {
+                        let _ = self.shared.timer_wake.read();
+                    }
+                    TOK_CONTROL => self.accept_control(),
+                    TOK_METRICS => self.accept_metrics(),
+                    i => {
+                        if let Some(port) = self.shared.ports.get(i as usize).cloned() {
+                            self.on_wire(&port, &mut rb);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn arm_timer(&self) {
+        let (next, now) = {
+            let core = self.shared.lock_core();
+            (core.mux.next_deadline(), core.mux.clock().now())
+        };
+        let at = next.map_or(u64::MAX, |t| t.0);
+        self.shared.armed.store(at, Ordering::Relaxed);
+        let d = next.map(|t| t.since(now));
+        if let Err(e) = self.timer.set(d) {
+            tracing::error!(error = %e, "timerfd");
+        }
+    }
+
+    fn on_timer(&self) {
+        let out: Vec<Outgoing> = {
+            let mut core = self.shared.lock_core();
+            core.mux.poll();
+            core.mux.drain_outbox().collect()
+        };
+        if !out.is_empty() {
+            self.shared.send_outgoing(out);
+        }
+    }
+
+    /// Takes datagrams from one VM address's socket, through the mux, to VMs.
+    fn on_wire(&self, port: &Arc<VmPort>, rb: &mut RecvBatch) {
+        let local = port.wire.local();
+        for _ in 0..RX_ROUNDS {
+            let n = match port.wire.recv_batch(rb) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(parent: &port.span, error = %e, "wire receive failed");
+                    return;
+                }
+            };
+            port.counters.add(Io::WireRxFrames, n as u64);
+            let mut frames = Vec::with_capacity(n);
+            for i in 0..n {
+                let (src, dgram, truncated) = rb.get(i);
+                let Some(src) = src else {
+                    port.counters.drop(DevDrop::WireBadSource);
+                    continue;
+                };
+                if let Some(c) = &self.shared.capture {
+                    c.record(src, local, dgram);
+                }
+                if truncated {
+                    port.counters.drop(DevDrop::WireBadLength);
+                    continue;
+                }
+                match check_frame(local, src, dgram) {
+                    Ok(f) => frames.push(f),
+                    Err(r) => {
+                        tracing::debug!(parent: &port.span, %src, reason = r.name(), "wire frame dropped");
+                        port.counters.drop(r);
+                    }
+                }
+            }
+            if let Some(c) = &self.shared.capture {
+                c.flush();
+            }
+            self.route(port, frames);
+            if n < crate::wire::BATCH {
+                return;
+            }
+        }
+    }
+
+    fn route(&self, port: &Arc<VmPort>, frames: Vec<InFrame>) {
+        if frames.is_empty() {
+            return;
+        }
+        let dst = port.spec.vm.gid;
+        let mut deliveries: Vec<(usize, RxMsg)> = Vec::new();
+        let mut replies: Vec<OutFrame> = Vec::new();
+        let out: Vec<Outgoing>;
+        {
+            let mut core = self.shared.lock_core();
+            for f in &frames {
+                let mut mad = f.mad;
+                match core.mux.from_wire(&mut mad, f.src, dst) {
+                    Verdict::ToVm(vm) => {
+                        if let Some(&p) = core.by_vm.get(&vm) {
+                            deliveries.push((p, RxMsg::from_wire(f, &mad)));
+                        }
+                    }
+                    Verdict::Reply => replies.push(port.wire.frame(f.src_addr, &mad)),
+                    Verdict::ToWire => {
+                        // The mux never forwards wire to wire; count it as a bad state.
+                        tracing::debug!("mux returned ToWire for a wire MAD");
+                    }
+                    Verdict::Drop(r) => {
+                        tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
+                    }
+                }
+            }
+            out = core.mux.drain_outbox().collect();
+        }
+        let mut woken: Vec<usize> = Vec::new();
+        for (p, m) in deliveries {
+            if let Some(vp) = self.shared.ports.get(p) {
+                if vp.push_rx(m) && !woken.contains(&p) {
+                    woken.push(p);
+                }
+            }
+        }
+        for p in woken {
+            if let Some(vp) = self.shared.ports.get(p) {
+                vp.wake_rx();
+            }
+        }
+        self.shared.send_frames(port, &replies);
+        if !out.is_empty() {
+            self.shared.send_outgoing(out);
+        }
+    }
+
+    fn accept_control(&self) {
+        let Some(l) = &self.control else { return };
+        while let Ok((s, _)) = l.accept() {
+            let shared = self.shared.clone();
+            let _ = std::thread::Builder::new()
+                .name("pvcm-control".into())
+                .spawn(move || crate::control::serve_control(&shared, s));
+        }
+    }
+
+    fn accept_metrics(&self) {
+        let Some(l) = &self.metrics else { return };
+        while let Ok((s, _)) = l.accept() {
+            let shared = self.shared.clone();
+            let _ = std::thread::Builder::new()
+                .name("pvcm-metrics".into())
+                .spawn(move || crate::control::serve_metrics(&shared, s));
+        }
+    }
+}
+
+/// Serves one VM's socket, one connection after another.
+fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
+    let span = port.span.clone();
+    let _g = span.enter();
+    loop {
+        if shared.stopping() {
+            break;
+        }
+        let dev = match PvcmDevice::new(shared.clone(), port.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot create the device");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let backend = Arc::new(RwLock::new(dev));
+        let mut daemon = match VhostUserDaemon::new(
+            format!("pvcm-{}", port.spec.vm.name),
+            backend,
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        ) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot create the vhost-user daemon");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
+        for h in daemon.get_epoll_handlers() {
+            if let Err(e) = h.register_listener(
+                port.rx_wake.as_raw_fd(),
+                EventSet::IN,
+                u64::from(RX_WAKE_EVENT),
+            ) {
+                tracing::error!(error = %e, "cannot register the rx wake event");
+            }
+        }
+        if let Err(e) = daemon.start(&mut listener) {
+            if shared.stopping() {
+                break;
+            }
+            tracing::warn!(error = %e, "accept failed");
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        if shared.stopping() {
+            daemon.request_shutdown();
+            let _ = daemon.wait();
+            break;
+        }
+        port.counters.add(Io::Sessions, 1);
+        let vm = shared.attach(&port);
+        *lock(&port.session) = daemon.shutdown_handle().map(Session);
+        if shared.stopping() {
+            daemon.request_shutdown();
+        }
+        tracing::info!(vm = ?vm, "vhost-user session started");
+        match daemon.wait() {
+            Ok(()) => tracing::info!("vhost-user session ended"),
+            Err(e) => tracing::warn!(error = %e, "vhost-user session ended with an error"),
+        }
+        *lock(&port.session) = None;
+        shared.detach(&port);
+        // Dropping the daemon stops and joins its vring worker (exit event).
+        drop(daemon);
+    }
+    tracing::debug!("VM thread done");
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// A running daemon (in-process).
+#[derive(Debug)]
+pub struct Daemon {
+    shared: Arc<Shared>,
+    stop: Arc<EventFd>,
+    vm_threads: Vec<JoinHandle<()>>,
+    host: Option<JoinHandle<()>>,
+    sockets: Vec<PathBuf>,
+    control: Option<PathBuf>,
+    metrics: Option<SocketAddr>,
+}
+
+impl Daemon {
+    /// Binds everything (wire sockets, vhost-user sockets, control, metrics, capture) and
+    /// starts the threads. When this returns, every socket accepts.
+    pub fn start(cfg: Config) -> Result<Daemon, Error> {
+        cfg.validate().map_err(|e| Error(e.0))?;
+        let e = |what: String| move |err: io::Error| Error(format!("{what}: {err}"));
+        let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
+        let mut ports = Vec::new();
+        let mut by_gid = HashMap::new();
+        for (i, spec) in cfg.vms.iter().enumerate() {
+            let wire = WirePort::bind(spec.ipv4(), cfg.bind_port).map_err(e(format!(
+                "VM {}: wire port {}:{} (is the address local?)",
+                spec.vm.name,
+                spec.ipv4(),
+                cfg.bind_port
+            )))?;
+            by_gid.insert(spec.vm.gid, i);
+            ports.push(Arc::new(VmPort {
+                index: i,
+                spec: spec.clone(),
+                wire,
+                current: Mutex::new(None),
+                rx: Mutex::new(VecDeque::new()),
+                rx_cap: cfg.rx_backlog,
+                rx_wake: EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?,
+                counters: DevCounters::default(),
+                session: Mutex::new(None),
+                span: tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid),
+            }));
+        }
+        let capture = match &cfg.pcap {
+            Some(p) => Some(Capture::create(p).map_err(e(format!("--pcap {}", p.display())))?),
+            None => None,
+        };
+        let mux_cfg = MuxConfig {
+            policy: cfg.policy,
+            seed: cfg.seed.unwrap_or_else(random_seed),
+            ..MuxConfig::default()
+        };
+        let default_quota = mux_cfg.default_quota;
+        let shared = Arc::new(Shared {
+            core: Mutex::new(Core {
+                mux: Mux::new(mux_cfg, SystemClock::new()),
+                by_vm: HashMap::new(),
+            }),
+            ports,
+            by_gid,
+            capture,
+            timer_wake,
+            armed: AtomicU64::new(u64::MAX),
+            port_num: cfg.bind_port,
+            default_quota,
+            policy: cfg.policy.name().to_string(),
+            stop: AtomicBool::new(false),
+        });
+        let mut listeners = Vec::new();
+        for spec in &cfg.vms {
+            let l = Listener::new(&spec.socket, true).map_err(|err| {
+                Error(format!(
+                    "VM {}: vhost-user socket {}: {err}",
+                    spec.vm.name,
+                    spec.socket.display()
+                ))
+            })?;
+            listeners.push(l);
+        }
+        let control = match &cfg.control {
+            Some(p) => {
+                let _ = std::fs::remove_file(p);
+                let l = UnixListener::bind(p).map_err(e(format!("--control {}", p.display())))?;
+                l.set_nonblocking(true).map_err(e("control".into()))?;
+                Some(l)
+            }
+            None => None,
+        };
+        let metrics = match cfg.metrics {
+            Some(a) => {
+                let l = TcpListener::bind(a).map_err(e(format!("--metrics {a}")))?;
+                l.set_nonblocking(true).map_err(e("metrics".into()))?;
+                Some(l)
+            }
+            None => None,
+        };
+        let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
+        let epoll = Epoll::new().map_err(e("epoll".into()))?;
+        let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?);
+        let timer = Timer::new().map_err(e("timerfd".into()))?;
+        let add = |fd: i32, tok: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, tok),
+                )
+                .map_err(e("epoll_ctl".into()))
+        };
+        for p in &shared.ports {
+            add(p.wire.socket().as_raw_fd(), p.index as u64)?;
+        }
+        add(stop.as_raw_fd(), TOK_STOP)?;
+        add(timer.0.as_raw_fd(), TOK_TIMER)?;
+        add(shared.timer_wake.as_raw_fd(), TOK_WAKE)?;
+        if let Some(l) = &control {
+            add(l.as_raw_fd(), TOK_CONTROL)?;
+        }
+        if let Some(l) = &metrics {
+            add(l.as_raw_fd(), TOK_METRICS)?;
+        }
+        let host = HostLoop {
+            shared: shared.clone(),
+            epoll,
+            timer,
+            control,
+            metrics,
+        };
+        let host = std::thread::Builder::new()
+            .name("pvcm-host".into())
+            .spawn(move || {
+                let _s = tracing::info_span!("host").entered();
+                host.run();
+            })
+            .map_err(e("spawn".into()))?;
+        let mut vm_threads = Vec::new();
+        for (port, l) in shared.ports.iter().zip(listeners) {
+            let (s, p) = (shared.clone(), port.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("pvcm-vm-{}", port.index))
+                .spawn(move || vm_thread(s, p, l))
+                .map_err(e("spawn".into()))?;
+            vm_threads.push(t);
+        }
+        tracing::info!(
+            vms = cfg.vms.len(),
+            policy = cfg.policy.name(),
+            port = cfg.bind_port,
+            "pvcm-backend started"
+        );
+        Ok(Daemon {
+            shared,
+            stop,
+            vm_threads,
+            host: Some(host),
+            sockets: cfg.vms.iter().map(|v| v.socket.clone()).collect(),
+            control: cfg.control.clone(),
+            metrics: metrics_addr,
+        })
+    }
+
+    /// Every figure, per VM and summed.
+    pub fn snapshot(&self) -> Snapshot {
+        self.shared.snapshot()
+    }
+
+    /// The metrics listener's address (useful with port 0).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics
+    }
+
+    /// The shared state (for benches and tests in this crate).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops: ends every VM session (releasing their connections on the wire), stops
+    /// the host loop, flushes the capture, removes the sockets.
+    pub fn shutdown(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        if self.host.is_none() {
+            return;
+        }
+        tracing::info!("shutting down");
+        self.shared.stop.store(true, Ordering::Release);
+        for (port, path) in self.shared.ports.iter().zip(&self.sockets) {
+            if let Some(h) = lock(&port.session).as_ref() {
+                h.0.shutdown();
+            }
+            // A thread waiting in accept: connect so it wakes and sees the stop flag.
+            let _ = UnixStream::connect(path);
+        }
+        for t in self.vm_threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = self.stop.write(1);
+        if let Some(h) = self.host.take() {
+            let _ = h.join();
+        }
+        if let Some(c) = &self.shared.capture {
+            c.flush();
+        }
+        if let Some(p) = &self.control {
+            let _ = std::fs::remove_file(p);
+        }
+        tracing::info!("stopped");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly.
+pub fn run(cfg: Config) -> Result<(), Error> {
+    // Block the signals in this thread before any other starts (they inherit the mask),
+    // then wait for them here.
+    // SAFETY: sigset_t is plain data, initialised by sigemptyset before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t; the calls only modify it and this thread's mask.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    let daemon = Daemon::start(cfg)?;
+    let mut sig: libc::c_int = 0;
+    // SAFETY: `set` and `sig` are valid for the call; sigwait blocks until one of the
+    // blocked signals is pending.
+    let r = unsafe { libc::sigwait(&set, &mut sig) };
+    if r == 0 {
+        tracing::info!(signal = sig, "signal received");
+    }
+    daemon.shutdown();
+    Ok(())
+}
+
+/// Reads one request line from a stream (bounded), for the control socket.
+pub(crate) fn read_line<R: Read>(r: &mut R, max: usize) -> io::Result<String> {
+    let mut buf = Vec::new();
+    let mut b = [0u8; 256];
+    while buf.len() < max {
+        let n = r.read(&mut b)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&b[..n]);
+        if buf.contains(&b'\n') {
+            break;
+        }
+    }
+    let s = String::from_utf8_lossy(&buf);
+    Ok(s.lines().next().unwrap_or("").trim().to_string())
+}
+
+/// Writes all of `s` (ignoring a peer that went away).
+pub(crate) fn write_all<W: Write>(w: &mut W, s: &[u8]) {
+    let _ = w.write_all(s);
+    let _ = w.flush();
+}

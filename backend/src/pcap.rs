@@ -1,0 +1,158 @@
+//! `--pcap FILE`: every frame the wire port sends and receives, as the IPv4/UDP datagram
+//! it travels in (LINKTYPE_RAW), so Wireshark decodes RoCEv2 / InfiniBand / CM.
+//!
+//! The port never sees the IP header the kernel writes, so the capture carries the
+//! header pvcm computes the ICRC under (`Ipv4Repr::new`: identification 0, DF, TTL 64,
+//! correct lengths and header checksum; UDP checksum 0). Received datagrams are written
+//! as they arrived (a bad ICRC stays bad in the capture), with the same kind of header.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::net::SocketAddrV4;
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use pcap_file::DataLink;
+use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
+use pvcm_wire::roce::{IPV4_HEADER_LEN, Ipv4Repr, UDP_HEADER_LEN, UdpRepr};
+
+/// A byte sink the pcap writer fills; the capture moves its bytes to the file after
+/// each batch (the writer itself offers no flush).
+#[derive(Debug, Clone, Default)]
+struct Pending(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Pending {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    writer: PcapWriter<Pending>,
+    file: File,
+    pending: Pending,
+    failed: bool,
+}
+
+/// A pcap capture shared by the device threads and the host loop.
+#[derive(Debug)]
+pub struct Capture {
+    inner: Mutex<Inner>,
+}
+
+impl Capture {
+    /// Creates (truncates) the file and writes the pcap header.
+    pub fn create(path: &Path) -> io::Result<Capture> {
+        let file = File::create(path)?;
+        let pending = Pending::default();
+        let header = PcapHeader {
+            datalink: DataLink::RAW,
+            snaplen: 65535,
+            ..PcapHeader::default()
+        };
+        let writer = PcapWriter::with_header(pending.clone(), header)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        let c = Capture {
+            inner: Mutex::new(Inner {
+                writer,
+                file,
+                pending,
+                failed: false,
+            }),
+        };
+        c.flush();
+        Ok(c)
+    }
+
+    /// Records one datagram from `src` to `dst` with UDP payload `payload`.
+    pub fn record(&self, src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) {
+        let total = IPV4_HEADER_LEN + UDP_HEADER_LEN + payload.len();
+        let Ok(total16) = u16::try_from(total) else {
+            return;
+        };
+        let mut d = Vec::with_capacity(total);
+        d.resize(IPV4_HEADER_LEN + UDP_HEADER_LEN, 0);
+        let ip = Ipv4Repr {
+            total_len: total16,
+            ..Ipv4Repr::new(*src.ip(), *dst.ip())
+        };
+        let udp = UdpRepr {
+            src_port: src.port(),
+            dst_port: dst.port(),
+            length: (UDP_HEADER_LEN + payload.len()) as u16,
+        };
+        // Both header slices have exactly the lengths emit checks for.
+        let _ = ip.emit(&mut d[..IPV4_HEADER_LEN]);
+        let _ = udp.emit(&mut d[IPV4_HEADER_LEN..]);
+        d.extend_from_slice(payload);
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = inner
+            .writer
+            .write_packet(&PcapPacket::new(ts, total as u32, &d));
+    }
+
+    /// Moves what was recorded to the file.
+    pub fn flush(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let bytes = std::mem::take(
+            &mut *inner
+                .pending
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        if bytes.is_empty() || inner.failed {
+            return;
+        }
+        if let Err(e) = inner.file.write_all(&bytes) {
+            tracing::error!(error = %e, "pcap write failed; capture stopped");
+            inner.failed = true;
+        }
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pcap_file::pcap::PcapReader;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn records_parse_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.pcap");
+        let c = Capture::create(&p).unwrap();
+        let a = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 1), 4791);
+        let b = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), 4791);
+        c.record(a, b, &[7u8; 280]);
+        c.record(b, a, &[9u8; 13]);
+        c.flush();
+        let mut r = PcapReader::new(File::open(&p).unwrap()).unwrap();
+        assert_eq!(r.header().datalink, DataLink::RAW);
+        let p1 = r.next_packet().unwrap().unwrap();
+        assert_eq!(p1.data.len(), 308);
+        let ip = Ipv4Repr::parse(&p1.data).unwrap();
+        assert_eq!((ip.src, ip.dst, ip.total_len), (*a.ip(), *b.ip(), 308));
+        let p2 = r.next_packet().unwrap().unwrap();
+        assert_eq!(p2.data.len(), 41);
+        assert!(r.next_packet().is_none());
+    }
+}

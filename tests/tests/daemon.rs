@@ -1,0 +1,727 @@
+//! The backend daemon driven as QEMU would: vhost-user frontends over its sockets,
+//! memfd guest memory, the guest driver's split queues; CM MADs built by hand.
+//!
+//! Each test owns its loopback addresses (127.11.x.x to 127.20.x.x, one second octet per
+//! test), so the tests run in parallel with each other and with the lab (127.10.x.x).
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use pvcm_backend::Daemon;
+use pvcm_backend::control;
+use pvcm_backend::stats::Snapshot;
+use pvcm_lab::backend::{self, LabVmSpec};
+use pvcm_lab::mads::{self, Mad, view};
+use pvcm_lab::{LabVm, VmOpts};
+use pvcm_wire::Gid;
+use pvcm_wire::abi::{self, MsgHeader, MsgType, SendStatus};
+use pvcm_wire::mad::AttributeId;
+
+const T: Duration = Duration::from_secs(5);
+
+fn ip(a: u8, b: u8, c: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, a, b, c)
+}
+
+fn connect(dir: &Path, name: &str) -> LabVm {
+    LabVm::connect(&backend::socket(dir, name), VmOpts::default()).unwrap()
+}
+
+fn stats(dir: &Path, host: &str) -> Snapshot {
+    control::query(&dir.join(format!("{host}.ctl"))).unwrap()
+}
+
+/// Receives the next MAD (skipping nothing: anything else fails the test).
+fn recv_mad(vm: &mut LabVm) -> (MsgHeader, Mad) {
+    let m = vm.recv(T).expect("a MAD");
+    assert_eq!(m.header.msg_type, MsgType::Mad, "{m:?}");
+    (m.header, m.mad())
+}
+
+/// The IDs a handshake ends with.
+#[derive(Debug, Clone, Copy)]
+struct Conn {
+    a_sl: u32,
+    b_sl: u32,
+    a_pv: u32,
+    b_pv: u32,
+    b_qpn: u32,
+}
+
+/// REQ / REP / RTU between VM `a` (active) and VM `b`, checking the rewriting and
+/// routing at every step.
+fn handshake(
+    a: &mut LabVm,
+    sa: &LabVmSpec,
+    b: &mut LabVm,
+    sb: &LabVmSpec,
+    a_sl: u32,
+    b_sl: u32,
+) -> Conn {
+    let (ca, cb) = (sa.vm_config(), sb.vm_config());
+    let tid = 0xAAAA_0000_0000_0000 | u64::from(a_sl);
+    let a_qpn = ca.qpn_base + 1;
+    let b_qpn = cb.qpn_base + 7;
+    a.send_mad(
+        sb.gid(),
+        &mads::req(sa.gid(), ca.ca_guid, a_sl, tid, sb.gid(), a_qpn),
+    )
+    .unwrap();
+    let (h, m) = recv_mad(b);
+    assert_eq!(h.remote_gid, sa.gid(), "REQ arrives from A's GID");
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Req);
+    let a_pv = v.local_comm_id().unwrap();
+    assert_ne!(a_pv, a_sl, "REQ's Local Comm ID rewritten");
+    assert_ne!(v.tid(), tid, "REQ's TID rewritten");
+    b.send_mad(sa.gid(), &mads::rep(cb.ca_guid, v.tid(), b_sl, a_pv, b_qpn))
+        .unwrap();
+    let (h, m) = recv_mad(a);
+    assert_eq!(h.remote_gid, sb.gid());
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Rep);
+    assert_eq!(
+        v.remote_comm_id(),
+        Some(a_sl),
+        "REP's Remote Comm ID restored"
+    );
+    assert_eq!(v.tid(), tid, "REQ's TID restored");
+    let b_pv = v.local_comm_id().unwrap();
+    assert_ne!(b_pv, b_sl);
+    a.send_mad(sb.gid(), &mads::rtu(tid, a_sl, b_pv)).unwrap();
+    let (_, m) = recv_mad(b);
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Rtu);
+    assert_eq!(v.remote_comm_id(), Some(b_sl));
+    assert_eq!(v.local_comm_id(), Some(a_pv));
+    Conn {
+        a_sl,
+        b_sl,
+        a_pv,
+        b_pv,
+        b_qpn,
+    }
+}
+
+/// DREQ from `a`, DREP from `b`.
+fn disconnect(a: &mut LabVm, sa: &LabVmSpec, b: &mut LabVm, sb: &LabVmSpec, c: &Conn) {
+    let tid = 0xD0D0_0000_0000_0000 | u64::from(c.a_sl);
+    a.send_mad(sb.gid(), &mads::dreq(tid, c.a_sl, c.b_pv, c.b_qpn))
+        .unwrap();
+    let (_, m) = recv_mad(b);
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Dreq);
+    assert_eq!(v.remote_comm_id(), Some(c.b_sl));
+    assert_eq!(v.local_comm_id(), Some(c.a_pv));
+    b.send_mad(sa.gid(), &mads::drep(v.tid(), c.b_sl, c.a_pv))
+        .unwrap();
+    let (_, m) = recv_mad(a);
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Drep);
+    assert_eq!(v.remote_comm_id(), Some(c.a_sl));
+    assert_eq!(v.tid(), tid, "DREQ's TID restored");
+}
+
+fn check_port_info(vm: &mut LabVm, s: &LabVmSpec) {
+    let p = vm.port_info().unwrap();
+    let c = s.vm_config();
+    assert_eq!(p.abi_version, abi::ABI_VERSION);
+    assert!(p.port_up);
+    assert_eq!(p.gid, s.gid());
+    assert_eq!(p.ca_guid, c.ca_guid);
+    assert_eq!((p.qpn_base, p.qpn_count), (c.qpn_base, c.qpn_count));
+    assert_eq!(p.name, s.name);
+    assert!(p.max_entries > 0);
+}
+
+#[test]
+fn two_vms_one_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(11, 1, 1));
+    let sb = LabVmSpec::new("b", ip(11, 1, 2));
+    let d: Daemon = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let mut a = connect(dir.path(), "a");
+    // B without EVENT_IDX and indirect descriptors: both ways work.
+    let mut b = LabVm::connect(
+        &backend::socket(dir.path(), "b"),
+        VmOpts {
+            event_idx: false,
+            indirect: false,
+            ..VmOpts::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        a.config_abi().unwrap(),
+        (abi::CONFIG_MAGIC, abi::ABI_VERSION)
+    );
+    assert_eq!(a.get_config(4, 8).unwrap(), vec![1, 0, 0, 0, 0, 0, 0, 0]);
+    check_port_info(&mut a, &sa);
+    check_port_info(&mut b, &sb);
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    // And the other way round.
+    let c = handshake(&mut b, &sb, &mut a, &sa, 0x33, 0x44);
+    disconnect(&mut b, &sb, &mut a, &sa, &c);
+
+    // The sender counts a frame after sendmmsg returns, maybe after it was delivered.
+    let s = wait_stats(dir.path(), "h", "frames counted", |s| {
+        s.host.io("wire_tx_frames") == 10
+    });
+    let fa = &s.vm("a").unwrap().figures;
+    let fb = &s.vm("b").unwrap().figures;
+    assert_eq!(fa.cm("cm_tx_msgs", "req"), 1);
+    assert_eq!(fa.cm("cm_tx_msgs", "rtu"), 1);
+    assert_eq!(fa.cm("cm_tx_msgs", "dreq"), 1);
+    assert_eq!(fa.cm("cm_rx_msgs", "rep"), 1);
+    assert_eq!(fa.cm("cm_rx_msgs", "drep"), 1);
+    assert_eq!(fb.cm("cm_rx_msgs", "req"), 1);
+    assert_eq!(fb.cm("cm_tx_msgs", "rep"), 1);
+    assert_eq!(s.host.cm("cm_tx_msgs", "req"), 2);
+    assert_eq!(s.host.cm("cm_rx_msgs", "req"), 2);
+    assert_eq!(s.host.io("wire_tx_frames"), 10);
+    assert_eq!(s.host.io("wire_rx_frames"), 10);
+    assert_eq!(s.host.drops.values().sum::<u64>(), 0, "{:?}", s.host.drops);
+    assert_eq!(
+        s.host.device_drops.values().sum::<u64>(),
+        0,
+        "{:?}",
+        s.host.device_drops
+    );
+    let table = control::stat(&dir.path().join("h.ctl"), false).unwrap();
+    assert!(table.contains("cm_tx_msgs:\n    drep"), "{table}");
+    d.shutdown();
+    assert!(!backend::socket(dir.path(), "a").exists());
+    let _ = (b, a);
+}
+
+#[test]
+fn two_vms_two_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(20, 1, 1));
+    let sa2 = LabVmSpec::new("a2", ip(20, 1, 2));
+    let sb = LabVmSpec::new("b", ip(20, 2, 1));
+    let h1 = backend::start(backend::config(dir.path(), "h1", &[&sa, &sa2], 1));
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let mut a = connect(dir.path(), "a");
+    let mut a2 = connect(dir.path(), "a2");
+    let mut b = connect(dir.path(), "b");
+    check_port_info(&mut b, &sb);
+    // Both of host 1's VMs connect to host 2's VM, with the same comm IDs: the IDs on the
+    // wire differ, and each answer reaches the right VM.
+    let c1 = handshake(&mut a, &sa, &mut b, &sb, 0x100, 0x200);
+    let c2 = handshake(&mut a2, &sa2, &mut b, &sb, 0x100, 0x201);
+    assert_ne!(c1.a_pv, c2.a_pv);
+    disconnect(
+        &mut b,
+        &sb,
+        &mut a2,
+        &sa2,
+        &Conn {
+            a_sl: c2.b_sl,
+            b_sl: c2.a_sl,
+            a_pv: c2.b_pv,
+            b_pv: c2.a_pv,
+            b_qpn: sa2.vm_config().qpn_base + 1,
+        },
+    );
+    disconnect(&mut a, &sa, &mut b, &sb, &c1);
+    let s1 = stats(dir.path(), "h1");
+    let s2 = stats(dir.path(), "h2");
+    assert_eq!(s1.host.cm("cm_tx_msgs", "req"), 2);
+    assert_eq!(s2.host.cm("cm_rx_msgs", "req"), 2);
+    assert_eq!(s2.vm("b").unwrap().figures.cm("cm_tx_msgs", "rep"), 2);
+    assert_eq!(s1.vm("a2").unwrap().figures.cm("cm_rx_msgs", "dreq"), 1);
+    assert_eq!(s1.host.drops.values().sum::<u64>(), 0);
+    assert_eq!(s2.host.drops.values().sum::<u64>(), 0);
+    drop((a, a2, b));
+    h1.shutdown();
+    h2.shutdown();
+}
+
+#[test]
+fn reattach_after_disconnect() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(12, 1, 1));
+    let sb = LabVmSpec::new("b", ip(12, 2, 1));
+    let h1 = backend::start(backend::config(dir.path(), "h1", &[&sa], 1));
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    // A's VMM goes away: the backend detaches the VM and disconnects on its behalf.
+    a.disconnect();
+    let (_, m) = recv_mad(&mut b);
+    let v = view(&m);
+    assert_eq!(v.attr(), AttributeId::Dreq, "DREQ on A's behalf");
+    assert_eq!(v.remote_comm_id(), Some(c.b_sl));
+    assert_eq!(v.local_comm_id(), Some(c.a_pv));
+    // B answers; host 1 absorbs the DREP.
+    b.send_mad(sa.gid(), &mads::drep(v.tid(), c.b_sl, c.a_pv))
+        .unwrap();
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let s = stats(dir.path(), "h1");
+        if s.host.dropped("absorbed") == 1 {
+            assert!(!s.vm("a").unwrap().attached);
+            assert_eq!(s.host.cm("cm_tx_msgs", "dreq"), 1);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "DREP not absorbed: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The VM comes back on the same socket and works again.
+    let mut a = connect(dir.path(), "a");
+    check_port_info(&mut a, &sa);
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x23);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    let s = stats(dir.path(), "h1");
+    assert!(s.vm("a").unwrap().attached);
+    assert_eq!(s.vm("a").unwrap().figures.io("sessions"), 2);
+    drop((a, b));
+    h1.shutdown();
+    h2.shutdown();
+}
+
+#[test]
+fn reset_device_releases_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(13, 1, 1));
+    let sb = LabVmSpec::new("b", ip(13, 1, 2));
+    let h = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    a.reset_device().unwrap();
+    let (_, m) = recv_mad(&mut b);
+    assert_eq!(view(&m).attr(), AttributeId::Dreq);
+    assert_eq!(view(&m).remote_comm_id(), Some(c.b_sl));
+    drop((a, b));
+    h.shutdown();
+}
+
+/// Waits until the backend's figures satisfy `f`.
+fn wait_stats(dir: &Path, host: &str, what: &str, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let s = stats(dir, host);
+        if f(&s) {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: {}",
+            s.render()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn header(t: u16, len: u32) -> Vec<u8> {
+    let mut h = vec![0u8; abi::HEADER_LEN];
+    MsgHeader::mad(Gid::ZERO).emit(&mut h).unwrap();
+    h[0..2].copy_from_slice(&t.to_le_bytes());
+    h[4..8].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Every bad input is a counted drop (device, wire or mux), with a SEND_ERROR for MADs
+/// the device did not send; the queues and the VM keep working throughout.
+#[test]
+fn bad_inputs_are_counted_drops() {
+    use pvcm_guest::virtq::Segment;
+    use pvcm_wire::roce::{FrameRepr, Ipv4Repr, UdpRepr};
+    use std::net::UdpSocket;
+
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(14, 1, 1));
+    let sb = LabVmSpec::new("b", ip(14, 1, 2));
+    let h = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let opts = VmOpts {
+        indirect: false,
+        ..VmOpts::default()
+    };
+    let mut a = LabVm::connect(&backend::socket(dir.path(), "a"), opts).unwrap();
+    let mut b = connect(dir.path(), "b");
+    let ca = sa.vm_config();
+    let still_works = |a: &mut LabVm| check_port_info(a, &sa);
+
+    // Descriptor chains.
+    let hdr = a.scratch(0, &header(2, 0)).unwrap();
+    a.queue_chain(&[Segment::new(0xdead_0000_0000, 48)], &[])
+        .unwrap(); // outside memory
+    a.queue_chain(&[Segment::new(hdr, 24), Segment::new(0x10, 24)], &[])
+        .unwrap(); // partly outside
+    a.queue_chain(&[], &[Segment::new(hdr, 304)]).unwrap(); // device-writable
+    a.queue_chain(&[Segment::new(hdr, 400)], &[]).unwrap(); // too long
+    a.kick();
+    still_works(&mut a);
+    // A loop: a two-descriptor chain whose last descriptor links back to the head.
+    a.reclaim_tx();
+    let avail = a.tx.avail_ring_addr();
+    let size = a.tx.size();
+    a.queue_chain(&[Segment::new(hdr, 1), Segment::new(hdr + 1, 1)], &[])
+        .unwrap();
+    let pos = u64::from(a.tx.avail_idx() % size);
+    let head = a.mem.read_u16(avail + 4 + 2 * pos).unwrap();
+    let desc = |i: u16| a.tx.desc_table_addr() + 16 * u64::from(i);
+    let second = a.mem.read_u16(desc(head) + 14).unwrap();
+    let flags = pvcm_guest::virtq::VIRTQ_DESC_F_NEXT;
+    a.mem
+        .write(desc(second) + 12, &flags.to_le_bytes())
+        .unwrap();
+    a.mem.write(desc(second) + 14, &head.to_le_bytes()).unwrap();
+    a.kick();
+    still_works(&mut a);
+
+    // Messages.
+    a.queue_raw(&header(2, 0)[..20], 1).unwrap(); // shorter than a header
+    a.queue_raw(&header(9, 0), 1).unwrap(); // unknown type
+    a.queue_raw(&header(3, 0), 1).unwrap(); // PORT_INFO is device -> driver
+    a.queue_raw(&header(1, 300), 1).unwrap(); // len above 256
+    a.queue_raw(&header(1, 256), 1).unwrap(); // header says 256, chain has none
+    let mut short = header(1, 100);
+    short.extend_from_slice(&[0; 100]);
+    a.queue_raw(&short, 3).unwrap(); // a MAD of 100 bytes
+    a.kick();
+    let e = a.recv_type(MsgType::SendError, T).unwrap();
+    assert_eq!(e.header.status, SendStatus::Malformed as u16);
+    assert_eq!(e.payload.len(), 100);
+    let mut sa_mad = mads::req(sa.gid(), ca.ca_guid, 1, 1, sb.gid(), ca.qpn_base);
+    sa_mad[1] = 0x03; // SA class, not CM
+    a.send_mad(sb.gid(), &sa_mad).unwrap();
+    let e = a.recv_type(MsgType::SendError, T).unwrap();
+    assert_eq!(e.header.status, SendStatus::Malformed as u16);
+    assert_eq!(e.mad(), sa_mad, "SEND_ERROR carries the MAD as sent");
+    let fe80: Gid = "fe80::1".parse().unwrap();
+    let good = mads::req(sa.gid(), ca.ca_guid, 2, 2, fe80, ca.qpn_base);
+    a.send_mad(fe80, &good).unwrap();
+    let e = a.recv_type(MsgType::SendError, T).unwrap();
+    assert_eq!(e.header.status, SendStatus::WireError as u16);
+    // The mux's checks: a DREQ for no connection, a REQ from someone else's GID.
+    a.send_mad(sb.gid(), &mads::dreq(5, 0x77, 0x1234_5678, 9))
+        .unwrap();
+    let e = a.recv_type(MsgType::SendError, T).unwrap();
+    assert_eq!(e.header.status, SendStatus::UnknownConnection as u16);
+    let spoof = mads::req(sb.gid(), ca.ca_guid, 3, 3, sb.gid(), ca.qpn_base);
+    a.send_mad(sb.gid(), &spoof).unwrap();
+    let e = a.recv_type(MsgType::SendError, T).unwrap();
+    assert_eq!(e.header.status, SendStatus::Spoofed as u16);
+    assert_eq!(e.mad(), spoof);
+    still_works(&mut a);
+
+    // The wire: frames from a foreign socket to A's address.
+    let sock = UdpSocket::bind((ip(14, 9, 9), 0)).unwrap();
+    let src = match sock.local_addr().unwrap() {
+        std::net::SocketAddr::V4(v) => v,
+        _ => unreachable!(),
+    };
+    let to = (sa.addr, pvcm_wire::roce::UDP_PORT);
+    let frame = |mad: &Mad| {
+        let mut f = [0u8; pvcm_wire::roce::FRAME_LEN];
+        let ipr = Ipv4Repr::new(*src.ip(), sa.addr);
+        let udp = UdpRepr {
+            src_port: src.port(),
+            ..UdpRepr::new(src.port())
+        };
+        FrameRepr::gsi(1, mad).emit(&mut f, &ipr, &udp).unwrap();
+        f
+    };
+    let peer = Gid::from_ipv4(*src.ip());
+    let req_to_a = mads::req(peer, 0x42, 0x99, 0x99, sa.gid(), 0x100);
+    let ok = frame(&req_to_a);
+    let mut bad = ok;
+    bad[279] ^= 0xFF; // ICRC
+    sock.send_to(&bad, to).unwrap();
+    let mut bad = ok;
+    bad[0] = 0x04; // RC SEND only
+    sock.send_to(&bad, to).unwrap();
+    let mut bad = frame(&req_to_a);
+    bad[7] = 2; // to QP 2
+    sock.send_to(&bad, to).unwrap();
+    let mut q = req_to_a;
+    let mut bad = frame(&q);
+    bad[12..16].copy_from_slice(&[0, 0, 0, 1]); // Q_Key
+    sock.send_to(&bad, to).unwrap();
+    sock.send_to(&ok[..100], to).unwrap(); // short
+    let mut long = ok.to_vec();
+    long.extend_from_slice(&[0; 120]);
+    sock.send_to(&long, to).unwrap(); // long
+    q = mads::req(peer, 0x42, 0x98, 0x98, Gid::from_ipv4(ip(14, 7, 7)), 0x100);
+    sock.send_to(&frame(&q), to).unwrap(); // a REQ for a GID nobody has
+    q[1] = 0x03;
+    sock.send_to(&frame(&q), to).unwrap(); // not CM
+    // And a good one is delivered, from the foreign peer.
+    sock.send_to(&ok, to).unwrap();
+    let (hd, m) = recv_mad(&mut a);
+    assert_eq!(hd.remote_gid, peer);
+    assert_eq!(view(&m).attr(), AttributeId::Req);
+    // B is unaffected, A still works.
+    let c = handshake(&mut b, &sb, &mut a, &sa, 0x10, 0x20);
+    disconnect(&mut b, &sb, &mut a, &sa, &c);
+
+    let s = wait_stats(dir.path(), "h", "drops counted", |s| {
+        s.host.dropped("malformed") >= 1
+    });
+    let f = &s.vm("a").unwrap().figures;
+    for (reason, n) in [
+        ("bad_address", 2),
+        ("wrong_direction", 1),
+        ("chain_too_long", 1),
+        ("bad_chain", 1),
+        ("truncated", 2),
+        ("unknown_type", 2),
+        ("oversize", 1),
+        ("bad_mad_length", 1),
+        ("not_cm", 1),
+        ("bad_remote_gid", 1),
+        ("wire_bad_icrc", 1),
+        ("wire_bad_bth", 2),
+        ("wire_bad_deth", 1),
+        ("wire_bad_length", 2),
+    ] {
+        assert_eq!(f.dropped(reason), n, "{reason}: {}", s.render());
+    }
+    assert_eq!(f.dropped("unknown_connection"), 1);
+    assert_eq!(f.dropped("spoofed_gid"), 1);
+    assert_eq!(s.host.dropped("unknown_gid"), 1);
+    assert_eq!(s.host.dropped("malformed"), 1);
+    assert_eq!(f.io("send_errors"), 5);
+    assert_eq!(
+        s.vm("b")
+            .unwrap()
+            .figures
+            .device_drops
+            .values()
+            .sum::<u64>(),
+        0
+    );
+    drop((a, b));
+    h.shutdown();
+}
+
+/// A VM that posts no rx buffers loses its own messages beyond the backlog (counted),
+/// and nobody else notices.
+#[test]
+fn stuck_vm_backlog_is_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(15, 1, 1));
+    let sb = LabVmSpec::new("b", ip(15, 1, 2));
+    let sc = LabVmSpec::new("stuck", ip(15, 1, 3));
+    let mut cfg = backend::config(dir.path(), "h", &[&sa, &sb, &sc], 1);
+    cfg.rx_backlog = 4;
+    let h = backend::start(cfg);
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let opts = VmOpts {
+        post_rx: false,
+        ..VmOpts::default()
+    };
+    let mut stuck = LabVm::connect(&backend::socket(dir.path(), "stuck"), opts).unwrap();
+    let ca = sa.vm_config();
+    for i in 0..10u32 {
+        let m = mads::req(
+            sa.gid(),
+            ca.ca_guid,
+            0x500 + i,
+            u64::from(i),
+            sc.gid(),
+            ca.qpn_base + i,
+        );
+        a.queue_mad(sc.gid(), &m).unwrap();
+    }
+    a.kick();
+    let s = wait_stats(dir.path(), "h", "backlog drops", |s| {
+        s.vm("stuck").unwrap().figures.dropped("rx_backlog_full") == 6
+    });
+    assert_eq!(s.vm("stuck").unwrap().figures.cm("cm_rx_msgs", "req"), 10);
+    // Meanwhile A and B carry on.
+    let c = handshake(&mut a, &sa, &mut b, &sb, 1, 2);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    // The stuck VM posts buffers and gets what was kept.
+    stuck.post_rx().unwrap();
+    let got = stuck.recv_all(Duration::from_millis(300));
+    assert_eq!(got.len(), 4, "{got:?}");
+    for m in &got {
+        assert_eq!(m.header.msg_type, MsgType::Mad);
+        let mad = m.mad();
+        assert_eq!(view(&mad).attr(), AttributeId::Req);
+    }
+    check_port_info(&mut stuck, &sc);
+    drop((a, b, stuck));
+    h.shutdown();
+}
+
+/// `--pcap`: every frame, as IPv4/UDP with correct lengths, checksums and ICRCs.
+#[test]
+fn pcap_has_every_frame() {
+    use pcap_file::pcap::PcapReader;
+    use pvcm_wire::roce;
+
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(16, 1, 1));
+    let sb = LabVmSpec::new("b", ip(16, 2, 1));
+    let pcap = dir.path().join("cm.pcap");
+    let mut cfg = backend::config(dir.path(), "h1", &[&sa], 1);
+    cfg.pcap = Some(pcap.clone());
+    let h1 = backend::start(cfg);
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    // One corrupted frame into host 1: captured as received, bad ICRC and all.
+    let sock = std::net::UdpSocket::bind((ip(16, 9, 9), 0)).unwrap();
+    let mut f = [0u8; roce::FRAME_LEN];
+    let req = mads::req(sb.gid(), 1, 1, 1, sa.gid(), 0x10000);
+    roce::FrameRepr::gsi(0, &req)
+        .emit(
+            &mut f,
+            &roce::Ipv4Repr::new(ip(16, 9, 9), sa.addr),
+            &roce::UdpRepr::new(9),
+        )
+        .unwrap();
+    sock.send_to(&f, (sa.addr, roce::UDP_PORT)).unwrap();
+    wait_stats(dir.path(), "h1", "wire drop", |s| {
+        s.host.dropped("wire_bad_icrc") == 1
+    });
+    h1.shutdown();
+
+    let mut r = PcapReader::new(std::fs::File::open(&pcap).unwrap()).unwrap();
+    assert_eq!(r.header().datalink, pcap_file::DataLink::RAW);
+    let mut seen = Vec::new();
+    while let Some(p) = r.next_packet() {
+        let p = p.unwrap();
+        assert_eq!(p.orig_len as usize, p.data.len());
+        let (ipr, udp, frame) = roce::parse_datagram(&p.data).unwrap();
+        assert_eq!(usize::from(ipr.total_len), p.data.len());
+        assert_eq!(usize::from(udp.length), p.data.len() - 20);
+        assert_eq!(udp.dst_port, roce::UDP_PORT);
+        let icrc_ok = roce::check_datagram_icrc(&p.data).is_ok();
+        let dir_ = if ipr.src == sa.addr { "tx" } else { "rx" };
+        let mad: Mad = frame.mad().try_into().unwrap();
+        let attr = mads::view(&mad).attr();
+        seen.push((dir_, attr, icrc_ok));
+    }
+    use AttributeId::*;
+    assert_eq!(
+        seen,
+        vec![
+            ("tx", Req, true),
+            ("rx", Rep, true),
+            ("tx", Rtu, true),
+            ("tx", Dreq, true),
+            ("rx", Drep, true),
+            ("rx", Req, false),
+        ],
+        "{seen:?}"
+    );
+    drop((a, b));
+    h2.shutdown();
+}
+
+/// `--metrics`: Prometheus text over HTTP, the same figures as the control socket.
+#[test]
+fn metrics_endpoint() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(17, 1, 1));
+    let sb = LabVmSpec::new("b", ip(17, 1, 2));
+    let mut cfg = backend::config(dir.path(), "h", &[&sa, &sb], 1);
+    cfg.metrics = Some("127.0.0.1:0".parse().unwrap());
+    let h = backend::start(cfg);
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c = handshake(&mut a, &sa, &mut b, &sb, 5, 6);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    wait_stats(dir.path(), "h", "frames counted", |s| {
+        s.host.io("wire_tx_frames") == 5
+    });
+    let mut s = std::net::TcpStream::connect(h.metrics_addr().unwrap()).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200 OK\r\n"), "{resp}");
+    for line in [
+        "pvcm_cm_messages_total{vm=\"a\",group=\"cm_tx_msgs\",msg=\"req\"} 1",
+        "pvcm_cm_messages_total{vm=\"_host\",group=\"cm_rx_msgs\",msg=\"drep\"} 1",
+        "pvcm_drops_total{vm=\"b\",layer=\"device\",reason=\"wire_bad_icrc\"} 0",
+        "pvcm_vm_attached{vm=\"a\"} 1",
+        "pvcm_io_total{vm=\"_host\",kind=\"wire_tx_frames\"} 5",
+    ] {
+        assert!(resp.contains(line), "{line} missing:\n{resp}");
+    }
+    let body = resp.split("\r\n\r\n").nth(1).unwrap();
+    assert_eq!(
+        body,
+        control::request(&dir.path().join("h.ctl"), "metrics").unwrap()
+    );
+    drop((a, b));
+    h.shutdown();
+}
+
+/// A vhost-user protocol error ends only that VM's session; it can connect again.
+#[test]
+fn protocol_error_ends_only_that_session() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(18, 1, 1));
+    let sb = LabVmSpec::new("b", ip(18, 1, 2));
+    let h = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let mut b = connect(dir.path(), "b");
+    // Garbage instead of vhost-user messages.
+    let mut s = std::os::unix::net::UnixStream::connect(backend::socket(dir.path(), "a")).unwrap();
+    s.write_all(&[0xFF; 64]).unwrap();
+    wait_stats(dir.path(), "h", "session ended", |s| {
+        let a = s.vm("a").unwrap();
+        a.figures.io("sessions") == 1 && !a.attached
+    });
+    drop(s);
+    check_port_info(&mut b, &sb);
+    let mut a = connect(dir.path(), "a");
+    let c = handshake(&mut a, &sa, &mut b, &sb, 1, 2);
+    disconnect(&mut a, &sa, &mut b, &sb, &c);
+    // Queue sizes: the largest the device takes.
+    drop(a);
+    let big = VmOpts {
+        queue_size: 1024,
+        ..VmOpts::default()
+    };
+    let mut a = LabVm::connect(&backend::socket(dir.path(), "a"), big).unwrap();
+    check_port_info(&mut a, &sa);
+    drop((a, b));
+    h.shutdown();
+}
+
+/// Stopping a backend releases its VMs' connections on the wire: the peer's VM gets a
+/// DREQ for each established connection.
+#[test]
+fn shutdown_releases_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(19, 1, 1));
+    let sb = LabVmSpec::new("b", ip(19, 2, 1));
+    let h1 = backend::start(backend::config(dir.path(), "h1", &[&sa], 1));
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c1 = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    let c2 = handshake(&mut a, &sa, &mut b, &sb, 0x12, 0x23);
+    h1.shutdown();
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let (_, m) = recv_mad(&mut b);
+        assert_eq!(view(&m).attr(), AttributeId::Dreq);
+        got.push(view(&m).remote_comm_id().unwrap());
+    }
+    got.sort_unstable();
+    assert_eq!(got, vec![c1.b_sl, c2.b_sl]);
+    drop((a, b));
+    h2.shutdown();
+}
