@@ -21,7 +21,7 @@ use clap::{Parser, Subcommand};
 use pvcm_guest::cm::rdma_cm::{
     CmaHdr, REQ_USER_PRIVATE_DATA_LEN, req_private_data, split_private_data, tcp_service_id,
 };
-use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group, MESSAGES};
+use pvcm_guest::cm::{CmError, CmId, ConnectOptions, Event, Group, MESSAGES};
 use pvcm_guest::device::cmtime::{self, ClientOptions, ServerOptions, Step};
 use pvcm_guest::device::pci::{PciDevice, PciOptions};
 use pvcm_guest::device::{
@@ -439,15 +439,28 @@ fn listen<T: Transport, C: Clock>(
                     format!("{id}: request from {remote_gid} qpn {remote_qpn:#x} data {text:?}"),
                     json!({"event": "connect_request", "id": id.to_string(), "remote_gid": remote_gid.to_string(), "remote_qpn": remote_qpn, "data": text}),
                 );
-                if reject {
-                    dev.reject(id, &reply)?;
-                    dev.destroy(id)?;
-                    out.emit(
-                        format!("{id}: rejected"),
-                        json!({"event": "rejected_by_us", "id": id.to_string()}),
-                    );
+                // The peer may have withdrawn the request already (e.g. rdma_connect()
+                // then rdma_destroy_id(): its REJ(TIMEOUT) arrived in the same batch);
+                // its Rejected event follows, so answering late is not an error.
+                let answered = if reject {
+                    dev.reject(id, &reply)
                 } else {
-                    dev.accept(id, &reply)?;
+                    dev.accept(id, &reply)
+                };
+                match answered {
+                    Ok(()) if reject => {
+                        dev.destroy(id)?;
+                        out.emit(
+                            format!("{id}: rejected"),
+                            json!({"event": "rejected_by_us", "id": id.to_string()}),
+                        );
+                    }
+                    Ok(()) => {}
+                    Err(CmError::InvalidState(state)) => out.emit(
+                        format!("{id}: request withdrawn before we answered (state {state})"),
+                        json!({"event": "withdrawn", "id": id.to_string(), "state": state.to_string()}),
+                    ),
+                    Err(e) => return Err(e.into()),
                 }
             }
             Notice::Cm(Event::Established { id, remote_qpn, .. }) => out.emit(

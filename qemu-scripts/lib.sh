@@ -1,0 +1,130 @@
+# shellcheck shell=bash
+# Shared helpers for qemu-scripts/*.sh. Source it; do not run it.
+#
+#   PVCM_CACHE     cache directory (default: $HOME/.cache/pvcm)
+#   PVCM_DEB_SUITE Debian suite with QEMU 10 (default: bookworm-backports)
+
+PVCM_SCRIPTS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck disable=SC2034 # used by the scripts that source this
+PVCM_REPO_DIR="$(cd "$PVCM_SCRIPTS_DIR/.." && pwd)"
+PVCM_CACHE="${PVCM_CACHE:-${HOME:-/root}/.cache/pvcm}"
+PVCM_DEB_SUITE="${PVCM_DEB_SUITE:-bookworm-backports}"
+# The Debian QEMU version every script here is written against.
+PVCM_QEMU_VERSION="10.0.2"
+PVCM_QEMU_DEB_VERSION="1:10.0.2+ds-2+deb13u1~bpo12+1"
+
+_pvcm_prog="$(basename "${0:-pvcm}")"
+
+log() { printf '[%s] %s\n' "$_pvcm_prog" "$*" >&2; }
+warn() { printf '[%s] WARNING: %s\n' "$_pvcm_prog" "$*" >&2; }
+die() {
+    printf '[%s] ERROR: %s\n' "$_pvcm_prog" "$*" >&2
+    exit 1
+}
+
+# now_s: seconds since the epoch with a fraction (for timings).
+now_s() { date +%s.%N; }
+# elapsed START: seconds since START, one decimal.
+elapsed() { awk -v a="$1" -v b="$(now_s)" 'BEGIN { printf "%.1f", b - a }'; }
+
+need_root() {
+    [ "$(id -u)" = 0 ] || die "$1 needs root (apt-get); run as root or install it by hand"
+}
+
+# sha256 of stdin, first 16 hex digits.
+short_hash() { sha256sum | cut -c1-16; }
+
+# Does any apt source list TYPE (deb|deb-src) for SUITE?
+_apt_has_source() {
+    local type="$1" suite="$2" f
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [ -f "$f" ] || continue
+        grep -Eq "^[[:space:]]*${type}[[:space:]]+(\[[^]]*\][[:space:]]+)?[^[:space:]]+[[:space:]]+${suite}([[:space:]]|$)" "$f" && return 0
+    done
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        # deb822: a stanza with "Types: ... TYPE ..." and "Suites: ... SUITE ...".
+        awk -v t="$type" -v s="$suite" '
+            BEGIN { RS = ""; FS = "\n" }
+            {
+                ty = 0; su = 0; en = 1
+                for (i = 1; i <= NF; i++) {
+                    if ($i ~ /^Types:/ && (" " substr($i, 7) " ") ~ (" " t " ")) ty = 1
+                    if ($i ~ /^Suites:/ && (" " substr($i, 8) " ") ~ (" " s " ")) su = 1
+                    if ($i ~ /^Enabled:[[:space:]]*no/) en = 0
+                }
+                if (ty && su && en) found = 1
+            }
+            END { exit !found }' "$f" && return 0
+    done
+    return 1
+}
+
+_pvcm_apt_updated=0
+apt_update_once() {
+    if [ "$_pvcm_apt_updated" = 0 ]; then
+        log "apt-get update"
+        apt-get update -qq >&2 || die "apt-get update failed"
+        _pvcm_apt_updated=1
+    fi
+}
+
+# Make sure deb and deb-src lines for $PVCM_DEB_SUITE exist and the lists are fresh
+# enough to know Debian's QEMU $PVCM_QEMU_VERSION.
+ensure_deb_suite() {
+    local need_update=0 f=/etc/apt/sources.list.d/pvcm-"$PVCM_DEB_SUITE".sources
+    if ! _apt_has_source deb "$PVCM_DEB_SUITE" || ! _apt_has_source deb-src "$PVCM_DEB_SUITE"; then
+        need_root "adding the $PVCM_DEB_SUITE apt source"
+        log "adding $f (deb + deb-src for $PVCM_DEB_SUITE)"
+        cat >"$f" <<EOF
+# Added by pvcm qemu-scripts: Debian's QEMU $PVCM_QEMU_VERSION (binary and source).
+Types: deb deb-src
+URIs: http://deb.debian.org/debian
+Suites: $PVCM_DEB_SUITE
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+        need_update=1
+    fi
+    if [ "$need_update" = 0 ] &&
+        ! apt-cache showsrc qemu 2>/dev/null | grep "^Version: .*${PVCM_QEMU_VERSION}" >/dev/null; then
+        need_update=1
+    fi
+    if [ "$need_update" = 1 ]; then
+        need_root "apt-get update"
+        apt_update_once
+    fi
+}
+
+# apt_install PKG[/SUITE]...: install the Debian packages that are missing.
+apt_install() {
+    local missing=() p name
+    for p in "$@"; do
+        name="${p%%/*}"
+        if ! dpkg-query -W -f='${Status}' "$name" 2>/dev/null | grep 'install ok installed' >/dev/null; then
+            missing+=("$p")
+        fi
+    done
+    [ "${#missing[@]}" = 0 ] && return 0
+    need_root "installing ${missing[*]}"
+    log "apt-get install ${missing[*]}"
+    mkdir -p "$PVCM_CACHE"
+    local alog="$PVCM_CACHE/apt-install.log"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1; then
+        apt_update_once
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1 || {
+            tail -n 30 "$alog" >&2
+            die "apt-get install ${missing[*]} failed (log: $alog)"
+        }
+    fi
+}
+
+# Path of the patched QEMU's install prefix for the current patch (see build-qemu.sh).
+pvcm_qemu_key() {
+    {
+        echo "recipe=$(sed -n 's/^RECIPE_VERSION=//p' "$PVCM_SCRIPTS_DIR/build-qemu.sh")"
+        echo "version=$PVCM_QEMU_DEB_VERSION"
+        cat "$PVCM_SCRIPTS_DIR"/patches/qemu-"$PVCM_QEMU_VERSION"-*.patch
+        sed -n '/^CONFIGURE_FLAGS=(/,/^)/p' "$PVCM_SCRIPTS_DIR/build-qemu.sh"
+    } | short_hash
+}
