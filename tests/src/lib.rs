@@ -10,6 +10,7 @@
 #![allow(clippy::missing_panics_doc)]
 
 pub mod backend;
+pub mod lab;
 pub mod mads;
 pub mod vmm;
 

@@ -1,0 +1,179 @@
+//! One simulated VM: the VMM side (memfd guest memory, a vhost-user session with the
+//! host's backend) and the guest side (pvcm-guest's [`Device`] over its lab transport,
+//! with its CM agent).
+//!
+//! The VMM steps are those of [`crate::vmm::LabVm::connect`] (features, protocol
+//! features, memory table, vring setup), but the queues are the guest driver's own:
+//! [`LabTransport::queues`] allocates them in a window of the guest memory, the VMM
+//! hands their addresses to the backend, and [`Device::start`] takes over (PORT_INFO,
+//! the agent, the pump). `LabVm` keeps its own hand-driven queues, so it cannot be reused
+//! as is for a driver-owned device (a gap noted in the lab's report).
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use pvcm_guest::cm::AgentConfig;
+use pvcm_guest::device::{Device, DeviceOptions};
+use pvcm_guest::time::SystemClock;
+use pvcm_guest::transport::lab::LabTransport;
+use pvcm_guest::virtq::{DmaMemory, features};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VringConfigData};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES};
+
+/// The guest driver's device as the lab runs it.
+pub type LabDevice = Device<LabTransport<EventFd>, SystemClock>;
+
+/// How a lab VM is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct GuestOpts {
+    /// Queue size of both queues (a power of two, up to 1024).
+    pub queue_size: u16,
+    /// Guest memory size.
+    pub mem_len: usize,
+    /// Seed of the agent (comm-ID operand, TID prefix, PSNs).
+    pub seed: u64,
+    /// Adjusts the agent's configuration (see [`DeviceOptions::configure`]).
+    pub configure: Option<fn(&mut AgentConfig)>,
+}
+
+impl Default for GuestOpts {
+    fn default() -> Self {
+        GuestOpts {
+            queue_size: 256,
+            mem_len: 2 << 20,
+            seed: 1,
+            configure: None,
+        }
+    }
+}
+
+fn other(what: &str, e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(format!("{what}: {e}"))
+}
+
+/// A VM: its device (and agent), the vhost-user session, and its memory.
+///
+/// Field order is drop order: the device (transport and queues) first, then the session
+/// (the backend sees the socket close and detaches the VM), then the memory.
+pub struct GuestVm {
+    /// The guest driver's device, with the CM agent.
+    pub dev: LabDevice,
+    frontend: Frontend,
+    _mem: Arc<GuestMem>,
+}
+
+impl std::fmt::Debug for GuestVm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestVm")
+            .field("dev", &self.dev)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GuestVm {
+    /// Connects to a backend's vhost-user socket, sets the device up as QEMU would, and
+    /// starts the guest driver on it (PORT_INFO handshake included).
+    pub fn connect(socket: &Path, opts: &GuestOpts) -> io::Result<GuestVm> {
+        let mem = GuestMem::new(opts.mem_len, GUEST_BASE)?;
+        let frontend = Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
+        let mut frontend = frontend;
+        frontend.set_owner().map_err(|e| other("SET_OWNER", e))?;
+        let offered = frontend
+            .get_features()
+            .map_err(|e| other("GET_FEATURES", e))?;
+        let want = features::VERSION_1 | features::EVENT_IDX | PROTOCOL_FEATURES;
+        let negotiated = offered & want;
+        if negotiated & features::VERSION_1 == 0 || negotiated & PROTOCOL_FEATURES == 0 {
+            return Err(io::Error::other(format!(
+                "the device offers features {offered:#x}"
+            )));
+        }
+        frontend
+            .set_features(negotiated)
+            .map_err(|e| other("SET_FEATURES", e))?;
+        let pf = frontend
+            .get_protocol_features()
+            .map_err(|e| other("GET_PROTOCOL_FEATURES", e))?;
+        let protocol = pf & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ);
+        frontend
+            .set_protocol_features(protocol)
+            .map_err(|e| other("SET_PROTOCOL_FEATURES", e))?;
+        frontend
+            .set_mem_table(&[mem.region_info()])
+            .map_err(|e| other("SET_MEM_TABLE", e))?;
+
+        // The driver's DMA window: page-aligned, inside the shared memory.
+        let window = mem
+            .dma()
+            .alloc(LabTransport::<EventFd>::window_len(opts.queue_size), 4096)
+            .map_err(|e| other("DMA window", e))?;
+        let kicks = [EventFd::new(EFD_NONBLOCK)?, EventFd::new(EFD_NONBLOCK)?];
+        let calls = [EventFd::new(EFD_NONBLOCK)?, EventFd::new(EFD_NONBLOCK)?];
+        // The transport's features are the virtio ones (without the vhost-user bit).
+        let lab = LabTransport::new(window, kicks, calls, negotiated & !PROTOCOL_FEATURES);
+        let queues = lab
+            .queues(opts.queue_size)
+            .map_err(|e| other("queues", e))?;
+        for (i, s) in queues.setups().iter().enumerate() {
+            let host = |gpa: u64| {
+                mem.host_addr(gpa)
+                    .ok_or_else(|| io::Error::other("a ring outside guest memory"))
+            };
+            let cfg = VringConfigData {
+                queue_max_size: s.size,
+                queue_size: s.size,
+                flags: 0,
+                desc_table_addr: host(s.desc)?,
+                used_ring_addr: host(s.device)?,
+                avail_ring_addr: host(s.driver)?,
+                log_addr: None,
+            };
+            frontend
+                .set_vring_num(i, s.size)
+                .map_err(|e| other("SET_VRING_NUM", e))?;
+            frontend
+                .set_vring_base(i, 0)
+                .map_err(|e| other("SET_VRING_BASE", e))?;
+            frontend
+                .set_vring_addr(i, &cfg)
+                .map_err(|e| other("SET_VRING_ADDR", e))?;
+            frontend
+                .set_vring_kick(i, lab.kick_fd(i as u16))
+                .map_err(|e| other("SET_VRING_KICK", e))?;
+            frontend
+                .set_vring_call(i, lab.call_fd(i as u16))
+                .map_err(|e| other("SET_VRING_CALL", e))?;
+            frontend
+                .set_vring_enable(i, true)
+                .map_err(|e| other("SET_VRING_ENABLE", e))?;
+        }
+        let dopts = DeviceOptions {
+            seed: opts.seed,
+            configure: opts.configure,
+            ..DeviceOptions::default()
+        };
+        let dev = Device::start(lab, queues, SystemClock::new(), dopts)
+            .map_err(|e| other("device start", e))?;
+        Ok(GuestVm {
+            dev,
+            frontend,
+            _mem: mem,
+        })
+    }
+
+    /// The VM dies: no goodbye on the CM level, the vhost-user session just closes (as
+    /// when QEMU is killed). The backend detaches the VM.
+    pub fn vanish(self) {
+        drop(self);
+    }
+
+    /// The vhost-user session (for callers that want to poke it).
+    pub fn frontend(&mut self) -> &mut Frontend {
+        &mut self.frontend
+    }
+}

@@ -1,0 +1,276 @@
+//! Hosts: real `pvcm-backend` processes.
+//!
+//! The `pvcm-lab` binary re-executes itself as `pvcm-lab __backend <pvcm-backend
+//! arguments>`; [`backend_main`] then does what the `pvcm-backend` binary's `main` does
+//! (parse the same command line with the backend's own clap `Cli`, validate it with
+//! `Config::from_args`, run `daemon::run` until SIGTERM). The backend crate has no single
+//! `run_cli(args)` entry, so those few lines are mirrored here from `backend/src/main.rs`.
+//! The child asks to get SIGTERM when the lab dies (`PR_SET_PDEATHSIG`), so no backend
+//! outlives a crashed lab.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use pvcm_backend::config::{Cli, Command as BackendCommand, Config};
+use pvcm_backend::mux::Policy;
+use pvcm_backend::stats::Snapshot;
+use pvcm_backend::{control, daemon};
+use pvcm_wire::Gid;
+
+/// The hidden subcommand that runs a backend.
+pub const BACKEND_SUBCOMMAND: &str = "__backend";
+
+/// `pvcm-lab __backend ARGS...`: the `pvcm-backend` command line, run in this process.
+pub fn backend_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong);
+    }
+    let argv = std::iter::once(OsString::from("pvcm-backend")).chain(args);
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match cli.command {
+        Some(BackendCommand::Stat(a)) => match control::stat(&a.control, a.json) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("pvcm-backend stat: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        None => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let cfg = match Config::from_args(&cli.serve) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("pvcm-backend: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match daemon::run(cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("pvcm-backend: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+/// One VM of a host, as the host is configured for it.
+#[derive(Debug, Clone)]
+pub struct VmSlot {
+    /// Host index (0-based).
+    pub host: usize,
+    /// VM index within the host (0-based).
+    pub vm: usize,
+    /// Global VM index (host-major).
+    pub global: usize,
+    /// Name (`h1v1`).
+    pub name: String,
+    /// Its address (the GID is IPv4-mapped).
+    pub addr: Ipv4Addr,
+    /// Its vhost-user socket.
+    pub socket: PathBuf,
+}
+
+impl VmSlot {
+    /// The VM's GID.
+    pub fn gid(&self) -> Gid {
+        Gid::from_ipv4(self.addr)
+    }
+}
+
+/// A host's configuration.
+#[derive(Debug, Clone)]
+pub struct HostSpec {
+    /// Host index (0-based).
+    pub index: usize,
+    /// Name (`h1`).
+    pub name: String,
+    /// Its VMs.
+    pub vms: Vec<VmSlot>,
+    /// Mux policy.
+    pub policy: Policy,
+    /// Mux seed (`--seed`).
+    pub seed: u64,
+    /// UDP port the host binds and sends to.
+    pub bind_port: u16,
+    /// Control socket.
+    pub control: PathBuf,
+    /// Capture file.
+    pub pcap: Option<PathBuf>,
+    /// `--rx-backlog`.
+    pub rx_backlog: usize,
+    /// The backend's log (its stderr).
+    pub log: PathBuf,
+}
+
+impl HostSpec {
+    /// The backend's command line (without the program name).
+    pub fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        for v in &self.vms {
+            a.push("--vm".to_string());
+            a.push(format!(
+                "socket={},gid={},name={}",
+                v.socket.display(),
+                v.addr,
+                v.name
+            ));
+        }
+        a.extend([
+            "--control".to_string(),
+            self.control.display().to_string(),
+            "--policy".to_string(),
+            self.policy.name().to_string(),
+            "--rx-backlog".to_string(),
+            self.rx_backlog.to_string(),
+            "--bind-port".to_string(),
+            self.bind_port.to_string(),
+            "--seed".to_string(),
+            self.seed.to_string(),
+        ]);
+        if let Some(p) = &self.pcap {
+            a.push("--pcap".to_string());
+            a.push(p.display().to_string());
+        }
+        a
+    }
+}
+
+/// A running backend process.
+#[derive(Debug)]
+pub struct HostProc {
+    /// Its configuration.
+    pub spec: HostSpec,
+    child: Option<Child>,
+}
+
+impl HostProc {
+    /// Starts `exe __backend ARGS` (stderr to the spec's log file) and waits until its
+    /// control socket answers and every VM socket exists.
+    pub fn spawn(exe: &Path, spec: HostSpec, ready: Duration) -> io::Result<HostProc> {
+        let log = File::create(&spec.log)?;
+        let mut cmd = Command::new(exe);
+        cmd.arg(BACKEND_SUBCOMMAND)
+            .args(spec.args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log));
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn");
+        }
+        let child = cmd.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("starting {} {BACKEND_SUBCOMMAND}: {e}", exe.display()),
+            )
+        })?;
+        let mut h = HostProc {
+            spec,
+            child: Some(child),
+        };
+        h.wait_ready(ready)?;
+        Ok(h)
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> io::Result<()> {
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Some(st) = c.try_wait()? {
+                    let log = std::fs::read_to_string(&self.spec.log).unwrap_or_default();
+                    return Err(io::Error::other(format!(
+                        "backend {} exited at start ({st}):\n{log}",
+                        self.spec.name
+                    )));
+                }
+            }
+            let sockets = self.spec.vms.iter().all(|v| v.socket.exists());
+            if sockets && control::query(&self.spec.control).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > until {
+                return Err(io::Error::other(format!(
+                    "backend {} not ready after {timeout:?}",
+                    self.spec.name
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Its process ID.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The backend's figures, from its control socket.
+    pub fn stat(&self) -> io::Result<Snapshot> {
+        control::query(&self.spec.control)
+    }
+
+    /// Resident memory of the backend process, in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        let pid = self.pid()?;
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Whether the process still runs.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGTERM, then waits up to 10 s (SIGKILL after that).
+    pub fn stop(&mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        // SAFETY: kill(2) on our own child's PID, which we have not reaped yet.
+        unsafe {
+            libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => return,
+                Ok(None) if Instant::now() > until => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}
+
+impl Drop for HostProc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,39 @@
+//! The lab (issue 6): many VMs on many hosts on one machine, the seed scenarios end to
+//! end through the real pieces.
+//!
+//! - **Hosts** ([`host`]) are real `pvcm-backend` processes: the `pvcm-lab` binary
+//!   re-executes itself with the hidden `__backend` subcommand, which runs the backend's
+//!   own command line ([`host::backend_main`]). Host `H` owns the loopback addresses
+//!   `127.N.H.V` (one per VM), its vhost-user sockets and control socket in the run's
+//!   temporary directory, and the `--policy` of the run.
+//! - **Wire faults** (`--loss`, `--dup`, `--reorder`, `--delay`): the backend has no
+//!   fault option, but it can be pointed at a relay: each host binds its own UDP port
+//!   (`--bind-port 4791 + H`) and sends to its peers' addresses on that port, where the
+//!   lab's [`relay`] listens, injects the faults and forwards to the real host port
+//!   (re-framing each MAD from the sender's address, so ICRCs stay valid).
+//! - **VMs** ([`guest`]) run in the lab process: memfd guest memory shared with the
+//!   backend over a vhost-user session (the `vhost` crate's frontend, as QEMU would set
+//!   it up), the guest driver's [`pvcm_guest::device::Device`] over its lab transport
+//!   (queues in that memory, eventfd kicks and calls), and its CM agent. One thread per
+//!   VM pumps the device and runs the VM's "processes": logical actors that use the
+//!   rdma_cm-style API (listen, connect, accept, disconnect, destroy).
+//! - **Scenarios** ([`scenarios`]): `teardown` (seed 000), `rej-timeout` (002), `churn`
+//!   (003), `timewait-reuse` (001), `ipoib-cm` (004), `cmtime` and `rate`. Each returns
+//!   a [`report::Report`]: timings, figures, per host the infiniband_cm-style counter
+//!   tables (the backend's, read from its control socket, and the guests' summed over
+//!   the host's vPorts), and the invariants checked.
+
+pub mod cli;
+pub mod guest;
+pub mod host;
+pub mod opts;
+pub mod progress;
+pub mod relay;
+pub mod report;
+pub mod scenarios;
+pub mod stamp;
+pub mod world;
+
+pub use opts::{LabOptions, ScenarioName};
+pub use report::Report;
+pub use scenarios::run;

@@ -1,0 +1,23 @@
+//! `pvcm-lab`: runs a seed scenario on hosts (real pvcm-backend processes, started by
+//! re-executing this binary as `pvcm-lab __backend <pvcm-backend options>`) and VMs
+//! (vhost-user sessions, memfd guest memory, the guest driver and its CM agent), then
+//! prints the summary and exits non-zero if an invariant broke.
+//!
+//!     cargo run --release -p pvcm-lab -- teardown
+//!     cargo run --release -p pvcm-lab -- --help
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use pvcm_lab::lab::cli::{self, Cli};
+use pvcm_lab::lab::host::{BACKEND_SUBCOMMAND, backend_main};
+
+fn main() -> ExitCode {
+    let mut args = std::env::args_os();
+    let _prog = args.next();
+    let rest: Vec<_> = args.collect();
+    if rest.first().is_some_and(|a| a == BACKEND_SUBCOMMAND) {
+        return backend_main(rest.into_iter().skip(1));
+    }
+    cli::main(Cli::parse())
+}
