@@ -26,3 +26,57 @@ pub mod wire;
 
 pub use config::Config;
 pub use daemon::Daemon;
+
+/// The `pvcm-backend` command line, run in this process: `args` are the arguments after
+/// the program name. The binary's `main` is this; the lab runs its hosts through it too
+/// (`pvcm-lab __backend ...`), so both are the same daemon.
+pub fn run_cli<I, T>(args: I) -> std::process::ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::Parser;
+    use std::process::ExitCode;
+
+    let argv = std::iter::once(std::ffi::OsString::from("pvcm-backend"))
+        .chain(args.into_iter().map(Into::into));
+    let cli = match config::Cli::try_parse_from(argv) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match cli.command {
+        Some(config::Command::Stat(a)) => match control::stat(&a.control, a.json) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("pvcm-backend stat: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        None => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let cfg = match config::Config::from_args(&cli.serve) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("pvcm-backend: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match daemon::run(cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("pvcm-backend: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

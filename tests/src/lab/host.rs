@@ -1,10 +1,8 @@
 //! Hosts: real `pvcm-backend` processes.
 //!
 //! The `pvcm-lab` binary re-executes itself as `pvcm-lab __backend <pvcm-backend
-//! arguments>`; [`backend_main`] then does what the `pvcm-backend` binary's `main` does
-//! (parse the same command line with the backend's own clap `Cli`, validate it with
-//! `Config::from_args`, run `daemon::run` until SIGTERM). The backend crate has no single
-//! `run_cli(args)` entry, so those few lines are mirrored here from `backend/src/main.rs`.
+//! arguments>`; [`backend_main`] then calls `pvcm_backend::run_cli`, the very entry the
+//! `pvcm-backend` binary's `main` calls.
 //! The child asks to get SIGTERM when the lab dies (`PR_SET_PDEATHSIG`), so no backend
 //! outlives a crashed lab.
 
@@ -16,62 +14,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
-use pvcm_backend::config::{Cli, Command as BackendCommand, Config};
+use pvcm_backend::control;
 use pvcm_backend::mux::Policy;
 use pvcm_backend::stats::Snapshot;
-use pvcm_backend::{control, daemon};
 use pvcm_wire::Gid;
 
 /// The hidden subcommand that runs a backend.
 pub const BACKEND_SUBCOMMAND: &str = "__backend";
 
-/// `pvcm-lab __backend ARGS...`: the `pvcm-backend` command line, run in this process.
+/// `pvcm-lab __backend ARGS...`: the `pvcm-backend` command line, run in this process
+/// by the backend library's own entry point.
 pub fn backend_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong);
     }
-    let argv = std::iter::once(OsString::from("pvcm-backend")).chain(args);
-    let cli = match Cli::try_parse_from(argv) {
-        Ok(c) => c,
-        Err(e) => e.exit(),
-    };
-    match cli.command {
-        Some(BackendCommand::Stat(a)) => match control::stat(&a.control, a.json) {
-            Ok(text) => {
-                print!("{text}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("pvcm-backend stat: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        None => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
-            let cfg = match Config::from_args(&cli.serve) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("pvcm-backend: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            match daemon::run(cfg) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("pvcm-backend: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-    }
+    pvcm_backend::run_cli(args)
 }
 
 /// One VM of a host, as the host is configured for it.
