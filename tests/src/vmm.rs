@@ -9,6 +9,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pvcm_guest::transport::pci::QueueSetup;
 use pvcm_guest::virtq::{
     DmaMemory, DmaRegion, LinearDma, MsgQueue, Notify, Segment, Virtq, VirtqConfig, features,
 };
@@ -238,35 +239,86 @@ const TX_SLOT: usize = 320;
 /// Bytes of scratch guest memory for crafted chains.
 pub const SCRATCH_LEN: usize = 64 << 10;
 
+/// The vhost-user steps a VMM takes before the rings, as QEMU does: SET_OWNER, feature
+/// negotiation (`want` virtio features, plus `VHOST_USER_F_PROTOCOL_FEATURES`), protocol
+/// features (those of `protocol_mask` the backend offers), and the memory table.
+/// Returns the negotiated virtio features (with the protocol-features bit) and protocol
+/// features.
+pub fn negotiate(
+    frontend: &mut Frontend,
+    mem: &GuestMem,
+    want: u64,
+    protocol_mask: VhostUserProtocolFeatures,
+) -> io::Result<(u64, VhostUserProtocolFeatures)> {
+    frontend.set_owner().map_err(other)?;
+    let offered = frontend.get_features().map_err(other)?;
+    let features = offered & (want | PROTOCOL_FEATURES);
+    if features & features::VERSION_1 == 0 || features & PROTOCOL_FEATURES == 0 {
+        return Err(other(format!("the device offers features {offered:#x}")));
+    }
+    frontend.set_features(features).map_err(other)?;
+    let protocol = frontend.get_protocol_features().map_err(other)? & protocol_mask;
+    frontend.set_protocol_features(protocol).map_err(other)?;
+    frontend
+        .set_mem_table(&[mem.region_info()])
+        .map_err(other)?;
+    Ok((features, protocol))
+}
+
+/// Sets one vring up from the driver's ring addresses (guest-physical, translated to
+/// this process's mapping as a VMM does), with base 0, its kick and call eventfds, and
+/// enables it.
+pub fn setup_vring(
+    frontend: &mut Frontend,
+    mem: &GuestMem,
+    ring: &QueueSetup,
+    kick: &EventFd,
+    call: &EventFd,
+) -> io::Result<()> {
+    let host = |gpa: u64| {
+        mem.host_addr(gpa)
+            .ok_or_else(|| other("a ring outside guest memory"))
+    };
+    let cfg = VringConfigData {
+        queue_max_size: ring.size,
+        queue_size: ring.size,
+        flags: 0,
+        desc_table_addr: host(ring.desc)?,
+        used_ring_addr: host(ring.device)?,
+        avail_ring_addr: host(ring.driver)?,
+        log_addr: None,
+    };
+    let i = usize::from(ring.index);
+    frontend.set_vring_num(i, cfg.queue_size).map_err(other)?;
+    frontend.set_vring_base(i, 0).map_err(other)?;
+    frontend.set_vring_addr(i, &cfg).map_err(other)?;
+    frontend.set_vring_kick(i, kick).map_err(other)?;
+    frontend.set_vring_call(i, call).map_err(other)?;
+    frontend.set_vring_enable(i, true).map_err(other)?;
+    Ok(())
+}
+
 impl LabVm {
     /// Connects to a backend socket and sets the device up as QEMU would.
     pub fn connect(socket: &Path, opts: VmOpts) -> io::Result<LabVm> {
         let mem = GuestMem::new(opts.mem_len, GUEST_BASE)?;
         let dma = mem.dma();
         let mut frontend = Frontend::connect(socket, 2).map_err(other)?;
-        frontend.set_owner().map_err(other)?;
-        let offered = frontend.get_features().map_err(other)?;
-        let mut want = features::VERSION_1 | PROTOCOL_FEATURES;
+        let mut want = features::VERSION_1;
         if opts.event_idx {
             want |= features::EVENT_IDX;
         }
         if opts.indirect {
             want |= features::INDIRECT_DESC;
         }
-        let features = offered & want;
-        if features & features::VERSION_1 == 0 || features & PROTOCOL_FEATURES == 0 {
-            return Err(other(format!("device offers {offered:#x}")));
-        }
-        frontend.set_features(features).map_err(other)?;
-        let pf = frontend.get_protocol_features().map_err(other)?;
-        let protocol = pf
-            & (VhostUserProtocolFeatures::CONFIG
+        let (features, protocol) = negotiate(
+            &mut frontend,
+            &mem,
+            want,
+            VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::RESET_DEVICE);
-        frontend.set_protocol_features(protocol).map_err(other)?;
-        frontend
-            .set_mem_table(&[mem.region_info()])
-            .map_err(other)?;
+                | VhostUserProtocolFeatures::RESET_DEVICE,
+        )?;
         let cfg = |q: u16| VirtqConfig::new(q, opts.queue_size).with_features(features);
         let tx = Virtq::new(&dma, cfg(TX_QUEUE)).map_err(other)?;
         let tx_buf = dma
@@ -306,29 +358,14 @@ impl LabVm {
         } else {
             self.rx.virtq()
         };
-        let host = |gpa: u64| {
-            self.mem
-                .host_addr(gpa)
-                .ok_or_else(|| other("ring outside guest memory"))
-        };
-        let cfg = VringConfigData {
-            queue_max_size: vq.size(),
-            queue_size: vq.size(),
-            flags: 0,
-            desc_table_addr: host(vq.desc_table_addr())?,
-            used_ring_addr: host(vq.used_ring_addr())?,
-            avail_ring_addr: host(vq.avail_ring_addr())?,
-            log_addr: None,
-        };
         let i = usize::from(q);
-        let fe = &mut self.frontend;
-        fe.set_vring_num(i, cfg.queue_size).map_err(other)?;
-        fe.set_vring_base(i, 0).map_err(other)?;
-        fe.set_vring_addr(i, &cfg).map_err(other)?;
-        fe.set_vring_kick(i, &self.kicks.0[i]).map_err(other)?;
-        fe.set_vring_call(i, &self.calls[i]).map_err(other)?;
-        fe.set_vring_enable(i, true).map_err(other)?;
-        Ok(())
+        setup_vring(
+            &mut self.frontend,
+            &self.mem,
+            &QueueSetup::from(vq),
+            &self.kicks.0[i],
+            &self.calls[i],
+        )
     }
 
     /// Posts every free rx buffer and kicks the rx queue.

@@ -18,12 +18,11 @@ use pvcm_guest::device::{Device, DeviceOptions};
 use pvcm_guest::time::SystemClock;
 use pvcm_guest::transport::lab::LabTransport;
 use pvcm_guest::virtq::{DmaMemory, features};
+use vhost::vhost_user::Frontend;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
-use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VringConfigData};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES};
+use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring};
 
 /// The guest driver's device as the lab runs it.
 pub type LabDevice = Device<LabTransport<EventFd>, SystemClock>;
@@ -80,32 +79,14 @@ impl GuestVm {
     /// starts the guest driver on it (PORT_INFO handshake included).
     pub fn connect(socket: &Path, opts: &GuestOpts) -> io::Result<GuestVm> {
         let mem = GuestMem::new(opts.mem_len, GUEST_BASE)?;
-        let frontend = Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
-        let mut frontend = frontend;
-        frontend.set_owner().map_err(|e| other("SET_OWNER", e))?;
-        let offered = frontend
-            .get_features()
-            .map_err(|e| other("GET_FEATURES", e))?;
-        let want = features::VERSION_1 | features::EVENT_IDX | PROTOCOL_FEATURES;
-        let negotiated = offered & want;
-        if negotiated & features::VERSION_1 == 0 || negotiated & PROTOCOL_FEATURES == 0 {
-            return Err(io::Error::other(format!(
-                "the device offers features {offered:#x}"
-            )));
-        }
-        frontend
-            .set_features(negotiated)
-            .map_err(|e| other("SET_FEATURES", e))?;
-        let pf = frontend
-            .get_protocol_features()
-            .map_err(|e| other("GET_PROTOCOL_FEATURES", e))?;
-        let protocol = pf & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ);
-        frontend
-            .set_protocol_features(protocol)
-            .map_err(|e| other("SET_PROTOCOL_FEATURES", e))?;
-        frontend
-            .set_mem_table(&[mem.region_info()])
-            .map_err(|e| other("SET_MEM_TABLE", e))?;
+        let mut frontend =
+            Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
+        let (negotiated, _) = negotiate(
+            &mut frontend,
+            &mem,
+            features::VERSION_1 | features::EVENT_IDX,
+            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ,
+        )?;
 
         // The driver's DMA window: page-aligned, inside the shared memory.
         let window = mem
@@ -119,38 +100,14 @@ impl GuestVm {
         let queues = lab
             .queues(opts.queue_size)
             .map_err(|e| other("queues", e))?;
-        for (i, s) in queues.setups().iter().enumerate() {
-            let host = |gpa: u64| {
-                mem.host_addr(gpa)
-                    .ok_or_else(|| io::Error::other("a ring outside guest memory"))
-            };
-            let cfg = VringConfigData {
-                queue_max_size: s.size,
-                queue_size: s.size,
-                flags: 0,
-                desc_table_addr: host(s.desc)?,
-                used_ring_addr: host(s.device)?,
-                avail_ring_addr: host(s.driver)?,
-                log_addr: None,
-            };
-            frontend
-                .set_vring_num(i, s.size)
-                .map_err(|e| other("SET_VRING_NUM", e))?;
-            frontend
-                .set_vring_base(i, 0)
-                .map_err(|e| other("SET_VRING_BASE", e))?;
-            frontend
-                .set_vring_addr(i, &cfg)
-                .map_err(|e| other("SET_VRING_ADDR", e))?;
-            frontend
-                .set_vring_kick(i, lab.kick_fd(i as u16))
-                .map_err(|e| other("SET_VRING_KICK", e))?;
-            frontend
-                .set_vring_call(i, lab.call_fd(i as u16))
-                .map_err(|e| other("SET_VRING_CALL", e))?;
-            frontend
-                .set_vring_enable(i, true)
-                .map_err(|e| other("SET_VRING_ENABLE", e))?;
+        for ring in queues.setups() {
+            setup_vring(
+                &mut frontend,
+                &mem,
+                &ring,
+                lab.kick_fd(ring.index),
+                lab.call_fd(ring.index),
+            )?;
         }
         let dopts = DeviceOptions {
             seed: opts.seed,
