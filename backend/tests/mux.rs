@@ -80,9 +80,16 @@ fn handshake_rewrites_ids_and_tids_and_restores_them() {
     }
     assert_eq!(n.a.mux.host_stats().drops.total(), 0);
     assert_eq!(n.b.mux.host_stats().drops.total(), 0);
+    n.advance(S(10));
+    assert_eq!(
+        n.a.mux.vm_stats(n.a.id(0)).quarantined,
+        1,
+        "per-VM quarantine count"
+    );
     n.quiesce();
     assert_eq!(n.live(), (0, 0));
     assert_eq!(n.quarantined(), (0, 0));
+    assert_eq!(n.a.mux.vm_stats(n.a.id(0)).quarantined, 0);
 }
 
 #[test]

@@ -293,6 +293,8 @@ struct Vm {
     sl_map: FastMap<u32, u32>,
     /// Live entries (not quarantined) owned by the VM.
     live: u32,
+    /// IDs the VM's connections left in quarantine.
+    quarantined: u32,
     counters: CmCounters,
     drops: DropCounters,
     attached: bool,
@@ -423,6 +425,7 @@ impl<C: Clock> Mux<C> {
             cfg,
             sl_map: FastMap::with_hasher(RandomState::default()),
             live: 0,
+            quarantined: 0,
             counters: CmCounters::default(),
             drops: DropCounters::default(),
             attached: true,
@@ -781,7 +784,13 @@ impl<C: Clock> Mux<C> {
                 break;
             }
             self.quarantine.pop_front();
-            if self.slab.get(slot as usize).map(|e| e.state) == Some(State::Quarantined) {
+            if let Some(e) = self.slab.get(slot as usize)
+                && e.state == State::Quarantined
+            {
+                let vm = e.vm;
+                if let Some(v) = self.vms.get_mut(vm as usize) {
+                    v.quarantined = v.quarantined.saturating_sub(1);
+                }
                 self.quarantined -= 1;
                 self.free_slot(slot);
             }
@@ -842,6 +851,9 @@ impl<C: Clock> Mux<C> {
             en.deadline = u64::MAX;
             self.live -= 1;
             self.quarantined += 1;
+            if let Some(v) = self.vms.get_mut(e.vm as usize) {
+                v.quarantined += 1;
+            }
             self.quarantine
                 .push_back((Time(now).after(self.cfg.quarantine).0, slot));
         } else {
@@ -1798,7 +1810,7 @@ impl<C: Clock> Mux<C> {
             counters: v.counters,
             drops: v.drops,
             live: u64::from(v.live),
-            quarantined: 0,
+            quarantined: u64::from(v.quarantined),
         }
     }
 
