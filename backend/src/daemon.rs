@@ -575,17 +575,21 @@ impl HostLoop {
         let mut deliveries: Vec<(usize, RxMsg)> = Vec::new();
         let mut replies: Vec<OutFrame> = Vec::new();
         let out: Vec<Outgoing>;
+        let mut mads: Vec<[u8; MAD_LEN]> = frames.iter().map(|f| f.mad).collect();
+        let addrs: Vec<(Gid, Gid)> = frames.iter().map(|f| (f.src, dst)).collect();
+        let mut verdicts = vec![Verdict::ToWire; frames.len()];
         {
             let mut core = self.shared.lock_core();
-            for f in &frames {
-                let mut mad = f.mad;
-                match core.mux.from_wire(&mut mad, f.src, dst) {
+            // One call for the batch: the mux prefetches every entry it names first.
+            core.mux.from_wire_batch(&mut mads, &addrs, &mut verdicts);
+            for ((f, mad), verdict) in frames.iter().zip(&mads).zip(&verdicts) {
+                match *verdict {
                     Verdict::ToVm(vm) => {
                         if let Some(&p) = core.by_vm.get(&vm) {
-                            deliveries.push((p, RxMsg::from_wire(f, &mad)));
+                            deliveries.push((p, RxMsg::from_wire(f, mad)));
                         }
                     }
-                    Verdict::Reply => replies.push(port.wire.frame(f.src_addr, &mad)),
+                    Verdict::Reply => replies.push(port.wire.frame(f.src_addr, mad)),
                     Verdict::ToWire => {
                         // The mux never forwards wire to wire; count it as a bad state.
                         tracing::debug!("mux returned ToWire for a wire MAD");

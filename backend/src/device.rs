@@ -332,9 +332,15 @@ impl PvcmDevice {
         let mut to_others = Vec::new();
         let outbox;
         {
+            let mut bufs: Vec<[u8; MAD_LEN]> = mads.iter().map(|(_, _, m)| *m).collect();
+            let dsts: Vec<Gid> = mads.iter().map(|(h, _, _)| h.remote_gid).collect();
+            let mut verdicts = vec![Verdict::ToWire; mads.len()];
             let mut core = self.shared.lock_core();
-            for (h, orig, mut mad) in mads {
-                match core.mux.from_guest(vm, &mut mad, h.remote_gid) {
+            // One call for the round: the mux prefetches the entries first.
+            core.mux
+                .from_guest_batch(vm, &mut bufs, &dsts, &mut verdicts);
+            for (((h, orig, _), mad), verdict) in mads.iter().zip(bufs).zip(verdicts) {
+                match verdict {
                     Verdict::ToWire => to_wire.push((h.remote_gid, mad)),
                     Verdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &mad)),
                     Verdict::ToVm(other) => {
@@ -344,7 +350,7 @@ impl PvcmDevice {
                     }
                     Verdict::Drop(r) => {
                         tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
-                        own_rx.push(RxMsg::send_error(&h, send_status(r), &orig));
+                        own_rx.push(RxMsg::send_error(h, send_status(r), orig));
                     }
                 }
             }
