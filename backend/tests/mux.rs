@@ -293,6 +293,30 @@ fn rej_timeout_is_routed_by_ca_guid_and_comm_id() {
         rej_timeout_collision(Policy::Mlx4Pre2020),
         [Verdict::Drop(DropReason::NoRoute); 2]
     );
+    // Another host naming r1's CA GUID cannot withdraw r1's request, nor can r1 send
+    // its REJ(TIMEOUT) to another VM's address.
+    let mut n2 = net2(Policy::Default);
+    let r1 = VmConfig::new("r1", gid(9, 1));
+    let mut m = req(&r1, 0x55, 1, n2.b.gid(0), 0x10000, &LINUX);
+    assert_eq!(
+        n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(0)),
+        Verdict::ToVm(n2.b.id(0))
+    );
+    let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
+    assert_eq!(
+        n2.b.mux.from_wire(&mut m, gid(9, 2), n2.b.gid(0)),
+        Verdict::Drop(DropReason::WrongSource)
+    );
+    let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
+    assert_eq!(
+        n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(1)),
+        Verdict::Drop(DropReason::WrongDestination)
+    );
+    let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
+    assert_eq!(
+        n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(0)),
+        Verdict::ToVm(n2.b.id(0))
+    );
     // And the passive entries are gone once rejected.
     let r = VmConfig::new("r", gid(9, 1));
     let mut m = req(&r, 5, 1, n.b.gid(0), 0x10000, &LINUX);

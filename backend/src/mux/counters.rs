@@ -159,6 +159,8 @@ drop_reasons! {
     Absorbed => "absorbed",
     /// From the wire: a MAD whose destination GID is not its connection owner's.
     WrongDestination => "wrong_destination",
+    /// From the wire: a REJ(TIMEOUT) from another port than the one that sent the REQ.
+    WrongSource => "wrong_source",
     /// A message that is not valid in the connection's current state.
     BadState => "bad_state",
 }

@@ -1520,7 +1520,7 @@ impl<C: Clock> Mux<C> {
                 if m.remote_comm_id() == Some(0)
                     && m.rej_reason() == Some(RejReason::Timeout.code()) =>
             {
-                self.wire_rej_timeout(m, now)
+                self.wire_rej_timeout(m, src, dst, now)
             }
             AttributeId::SidrReq => {
                 let Some(&vm) = self.gid_to_vm.get(&dst) else {
@@ -1769,7 +1769,13 @@ impl<C: Clock> Mux<C> {
         Verdict::ToVm(VmId(vm))
     }
 
-    fn wire_rej_timeout(&mut self, m: &mut CmMad<&mut [u8]>, now: u64) -> Verdict {
+    fn wire_rej_timeout(
+        &mut self,
+        m: &mut CmMad<&mut [u8]>,
+        src: Gid,
+        dst: Gid,
+        now: u64,
+    ) -> Verdict {
         let comm_id = m.local_comm_id().unwrap_or(0);
         match self.cfg.policy {
             Policy::Mlx4Pre2020 => Verdict::Drop(DropReason::NoRoute),
@@ -1789,6 +1795,20 @@ impl<C: Clock> Mux<C> {
                     return Verdict::Drop(DropReason::NoRoute);
                 };
                 let e = self.slab[s as usize];
+                // Only the port that sent the REQ may withdraw it, and only towards the
+                // VM it asked: otherwise any host could cancel another peer's pending
+                // connection by naming its CA GUID.
+                if self.peers.get(e.peer).is_some_and(|p| p.gid != src) {
+                    return Verdict::Drop(DropReason::WrongSource);
+                }
+                if !e.has(flag::ORPHAN)
+                    && self
+                        .vms
+                        .get(e.vm as usize)
+                        .is_some_and(|v| v.cfg.gid != dst)
+                {
+                    return Verdict::Drop(DropReason::WrongDestination);
+                }
                 self.retire(s, now);
                 if e.has(flag::ORPHAN) {
                     return Verdict::Drop(DropReason::Absorbed);

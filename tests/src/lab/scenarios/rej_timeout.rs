@@ -303,17 +303,25 @@ pub fn run(o: &LabOptions) -> LabResult<Report> {
     rep.figure("rej_timeout_misrouted", misrouted);
     rep.figure("other_outcomes", other);
     rep.figure("rej_routed_by_mux", rep.backend_sum("cm_rx_msgs", "rej"));
+    // On a faulty wire a REQ or its REJ(TIMEOUT) may be lost for good (the active side
+    // destroys at once, so nothing retries them): only misrouting and leaks count then.
+    let faults = o.faults.any();
+    let lossy = if faults {
+        " (not required on a faulty wire)"
+    } else {
+        ""
+    };
     rep.check(
         "all_requests_arrived",
-        connects == total && requests == total && wrong == 0,
-        format!("{connects}/{total} connect+destroy, {requests} requests at the passive VMs, {wrong} at a wrong VM"),
+        (connects == total && requests == total || faults) && wrong == 0,
+        format!("{connects}/{total} connect+destroy, {requests} requests at the passive VMs, {wrong} at a wrong VM{lossy}"),
     );
     rep.check(
         "rej_timeout_reaches_passive",
-        delivered == total && not_delivered == 0,
+        delivered == total && not_delivered == 0 || faults,
         format!(
             "{delivered}/{total} delivered; not delivered: {lost} ended by REP retries, \
-             {other} by another REJ, {unanswered} never settled"
+             {other} by another REJ, {unanswered} never settled{lossy}"
         ),
     );
     rep.check(
