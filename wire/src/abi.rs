@@ -303,8 +303,8 @@ pub const PORT_INFO_LEN: usize = 96;
 /// The port as the device gives it to the guest (payload of [`MsgType::PortInfo`]).
 ///
 /// Layout (little-endian): abi_version u32 @0, flags u32 @4 (bit 0: port up),
-/// gid [16] @8, ca_guid u64 @24, lid u16 @32, pkey u16 @34, qpn_base u32 @36,
-/// qpn_count u32 @40, max_entries u32 @44, name [48] @48 (UTF-8, NUL-padded).
+/// gid \[16\] @8, ca_guid u64 @24, lid u16 @32, pkey u16 @34, qpn_base u32 @36,
+/// qpn_count u32 @40, max_entries u32 @44, name \[48\] @48 (UTF-8, NUL-padded).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortInfo {
     /// ABI version the device speaks.
