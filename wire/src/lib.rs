@@ -18,6 +18,7 @@
 
 pub mod abi;
 pub mod cm;
+pub mod counters;
 mod error;
 pub mod field;
 pub mod gid;

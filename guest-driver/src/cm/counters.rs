@@ -4,90 +4,10 @@ use core::fmt;
 
 use pvcm_wire::mad::AttributeId;
 
+pub use pvcm_wire::counters::{CmCounters, Group};
+
 /// The 11 CM message types, in attribute-ID order (Linux's counter order).
 pub const MESSAGES: [AttributeId; 11] = AttributeId::CM_MESSAGES;
-
-/// One of Linux's four counter groups (`/sys/class/infiniband/*/ports/*/cm_*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Group {
-    /// `cm_tx_msgs`: every MAD sent, retries and answers to duplicates included.
-    TxMsgs,
-    /// `cm_tx_retries`: MADs sent again (a timer retry, or an answer re-sent because a
-    /// duplicate arrived).
-    TxRetries,
-    /// `cm_rx_msgs`: every CM MAD received with a valid header.
-    RxMsgs,
-    /// `cm_rx_duplicates`: received MADs recognised as repeats.
-    RxDuplicates,
-}
-
-impl Group {
-    /// All four groups.
-    pub const ALL: [Group; 4] = [
-        Group::TxMsgs,
-        Group::TxRetries,
-        Group::RxMsgs,
-        Group::RxDuplicates,
-    ];
-
-    /// The sysfs directory name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Group::TxMsgs => "cm_tx_msgs",
-            Group::TxRetries => "cm_tx_retries",
-            Group::RxMsgs => "cm_rx_msgs",
-            Group::RxDuplicates => "cm_rx_duplicates",
-        }
-    }
-}
-
-/// Per-agent CM counters: four groups, one value per message type.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CmCounters {
-    groups: [[u64; 11]; 4],
-    /// ClassPortInfo GETs received (not a CM protocol message, so not in the groups).
-    pub class_port_info_rx: u64,
-    /// ClassPortInfo GETRESPs sent.
-    pub class_port_info_tx: u64,
-}
-
-impl CmCounters {
-    /// The value of one counter; 0 for ClassPortInfo (see its own fields).
-    pub fn get(&self, g: Group, attr: AttributeId) -> u64 {
-        attr.counter_index()
-            .map_or(0, |i| self.groups[g as usize][i])
-    }
-
-    /// The 11 values of a group, in attribute order.
-    pub fn group(&self, g: Group) -> [u64; 11] {
-        self.groups[g as usize]
-    }
-
-    /// Sum of a group.
-    pub fn total(&self, g: Group) -> u64 {
-        self.groups[g as usize].iter().sum()
-    }
-
-    pub(crate) fn bump(&mut self, g: Group, attr: AttributeId) {
-        if let Some(i) = attr.counter_index() {
-            self.groups[g as usize][i] += 1;
-        }
-    }
-}
-
-impl fmt::Display for CmCounters {
-    /// One line per group: `cm_tx_msgs req=.. mra=.. ...`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for g in Group::ALL {
-            write!(f, "{}", g.name())?;
-            for a in MESSAGES {
-                write!(f, " {}={}", a.name(), self.get(g, a))?;
-            }
-            writeln!(f)?;
-        }
-        Ok(())
-    }
-}
 
 /// Why the agent dropped a MAD it received (or, for `EmitFailed`, one it built).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
