@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pvcm_backend::wire::{RecvBatch, WirePort};
 use pvcm_lab::backend::{self, LabVmSpec};
+use pvcm_lab::lab::scenarios::rate::raw_udp_baseline;
 use pvcm_lab::mads;
 use pvcm_lab::{LabVm, VmOpts};
 use pvcm_wire::abi::MsgType;
@@ -48,49 +48,16 @@ struct Run {
 const WINDOW: u64 = 1024;
 
 fn baseline(n: u64) -> Run {
-    let a = WirePort::bind(Ipv4Addr::new(127, 40, 0, 1), 4791).unwrap();
-    let b = WirePort::bind(Ipv4Addr::new(127, 40, 0, 2), 4791).unwrap();
-    let mad = mads::ids(AttributeId::Lap, 1, 2, 3);
-    let frames: Vec<_> = (0..BATCH).map(|_| a.frame(b.local(), &mad)).collect();
-    let got = Arc::new(AtomicU64::new(0));
-    let g = got.clone();
-    let (t0, c0) = (Instant::now(), cpu_time());
-    let rx = std::thread::spawn(move || {
-        let mut rb = RecvBatch::default();
-        let mut total = 0u64;
-        while total < n {
-            let k = b.recv_batch(&mut rb).unwrap() as u64;
-            if k == 0 {
-                let mut pfd = libc::pollfd {
-                    fd: std::os::fd::AsRawFd::as_raw_fd(b.socket()),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one valid pollfd for the call.
-                if unsafe { libc::poll(&mut pfd, 1, 1000) } == 0 {
-                    break;
-                }
-                continue;
-            }
-            total += k;
-            g.store(total, Ordering::Release);
-        }
-        total
-    });
-    let mut sent = 0u64;
-    while sent < n {
-        while sent - got.load(Ordering::Acquire) > WINDOW {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-        let k = (n - sent).min(BATCH as u64) as usize;
-        sent += a.send_batch(&frames[..k]) as u64;
-    }
-    let total = rx.join().unwrap();
-    let (dt, dc) = (t0.elapsed(), cpu_time() - c0);
-    assert_eq!(total, n, "baseline lost frames");
+    let c0 = cpu_time();
+    let dt = raw_udp_baseline(
+        Ipv4Addr::new(127, 40, 0, 1),
+        Ipv4Addr::new(127, 40, 0, 2),
+        n,
+    )
+    .unwrap();
     Run {
         rate: n as f64 / dt.as_secs_f64(),
-        cpu_us: dc.as_secs_f64() * 1e6 / n as f64,
+        cpu_us: (cpu_time() - c0).as_secs_f64() * 1e6 / n as f64,
     }
 }
 

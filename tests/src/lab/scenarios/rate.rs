@@ -36,10 +36,20 @@ const WINDOW: u64 = 1024;
 const T: Duration = Duration::from_secs(5);
 
 fn baseline(net: u8, n: u64) -> LabResult<f64> {
-    let a = WirePort::bind(Ipv4Addr::new(127, net, 250, 1), 4791)
-        .map_err(|e| format!("baseline socket: {e}"))?;
-    let b = WirePort::bind(Ipv4Addr::new(127, net, 250, 2), 4791)
-        .map_err(|e| format!("baseline socket: {e}"))?;
+    let dt = raw_udp_baseline(
+        Ipv4Addr::new(127, net, 250, 1),
+        Ipv4Addr::new(127, net, 250, 2),
+        n,
+    )?;
+    Ok(n as f64 / dt.as_secs_f64())
+}
+
+/// The raw baseline: `n` 280-byte RoCEv2 frames from a socket bound to `from` to one
+/// bound to `to` (port 4791), `sendmmsg`/`recvmmsg` batches of 64 through the wire
+/// port's own calls, at most 1024 in flight. Returns the wall time it took.
+pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Duration> {
+    let a = WirePort::bind(from, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let b = WirePort::bind(to, 4791).map_err(|e| format!("baseline socket: {e}"))?;
     let mad = mads::ids(AttributeId::Lap, 1, 2, 3);
     let frames: Vec<_> = (0..BATCH).map(|_| a.frame(b.local(), &mad)).collect();
     let got = Arc::new(AtomicU64::new(0));
@@ -82,7 +92,7 @@ fn baseline(net: u8, n: u64) -> LabResult<f64> {
     if total != n {
         return Err(format!("baseline lost frames: {total}/{n}"));
     }
-    Ok(n as f64 / dt.as_secs_f64())
+    Ok(dt)
 }
 
 fn recv_mad(vm: &mut LabVm) -> LabResult<Mad> {
