@@ -24,6 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use pvcm_wire::Gid;
 
 use crate::mux::{Policy, VmConfig};
+use crate::wire::RxMode;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -95,8 +96,10 @@ pub fn parse_gid(v: &str) -> Result<Gid, ConfigError> {
         Some(a) if !a.is_unspecified() && !a.is_broadcast() && !a.is_multicast() => Ok(gid),
         Some(a) => err(format!("gid={v}: {a} is not a unicast address")),
         None => err(format!(
-            "gid={v}: the VM's GID must be IPv4-mapped (::ffff:a.b.c.d); the soft RoCE \
-             port speaks RoCEv2 over IPv4"
+            "gid={v}: the VM's GID must be IPv4-mapped (::ffff:a.b.c.d). pvcm's RoCEv2 \
+             ports speak IPv4 only: RoCEv2 over IPv6 (no IP ID; the ICRC masks traffic \
+             class, flow label and hop limit) is not implemented. Give the VM an IPv4 \
+             address (docs/daemon.md, 'Address families')"
         )),
     }
 }
@@ -237,6 +240,13 @@ pub struct ServeArgs {
     /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
     #[arg(long, value_name = "PORT")]
     pub bind_port: Option<String>,
+    /// How the soft RoCE port receives: `raw` checks each frame's ICRC over its IPv4
+    /// header as received and accepts every conformant sender (Linux rxe, hardware);
+    /// it needs CAP_NET_RAW. `udp` needs no privilege but accepts only senders that
+    /// write IP ID 0 (pvcm peers). `auto` (default): raw if permitted, else udp with a
+    /// warning.
+    #[arg(long, value_name = "MODE")]
+    pub wire_rx: Option<String>,
     /// Seed of the mux's ID permutation (random unless given; for reproducible tests).
     #[arg(long, value_name = "N", hide = true)]
     pub seed: Option<String>,
@@ -296,6 +306,8 @@ pub struct Config {
     pub rx_backlog: usize,
     /// UDP port.
     pub bind_port: u16,
+    /// How the soft port receives.
+    pub wire_rx: RxMode,
     /// Mux seed (None: random).
     pub seed: Option<u64>,
 }
@@ -311,6 +323,7 @@ impl Config {
             pcap: None,
             rx_backlog: DEFAULT_RX_BACKLOG,
             bind_port: DEFAULT_PORT,
+            wire_rx: RxMode::Auto,
             seed: None,
         }
     }
@@ -351,6 +364,10 @@ impl Config {
                 return err(format!("--bind-port {p}: must be 1 to 65535"));
             }
             cfg.bind_port = n as u16;
+        }
+        if let Some(m) = &args.wire_rx {
+            cfg.wire_rx =
+                RxMode::from_str(m).map_err(|e| ConfigError(format!("--wire-rx: {e}")))?;
         }
         if let Some(s) = &args.seed {
             cfg.seed = Some(parse_u64("--seed", s)?);
@@ -444,6 +461,7 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
         pcap: cli.pcap.clone().or_else(|| file.pcap.clone()),
         rx_backlog: cli.rx_backlog.clone().or_else(|| file.rx_backlog.clone()),
         bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
+        wire_rx: cli.wire_rx.clone().or_else(|| file.wire_rx.clone()),
         seed: cli.seed.clone().or_else(|| file.seed.clone()),
     }
 }

@@ -43,7 +43,9 @@ use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, Verdict, VmId};
 use crate::pcap::Capture;
 use crate::stats::{DevCounters, DevDrop, Figures, Io, Snapshot, VmFigures};
-use crate::wire::{InFrame, OutFrame, RecvBatch, WirePort, check_frame};
+use crate::wire::{
+    InFrame, OutFrame, RawRx, RecvBatch, RxMode, WirePort, check_datagram, check_frame,
+};
 
 /// A daemon error: what failed, for the operator.
 #[derive(Debug)]
@@ -229,6 +231,8 @@ pub struct Shared {
     port_num: u16,
     default_quota: u32,
     policy: String,
+    /// The receive mode in effect (raw or udp; never auto).
+    wire_rx: RxMode,
     stop: AtomicBool,
 }
 
@@ -386,6 +390,7 @@ impl Shared {
         let all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
         Snapshot {
             policy: self.policy.clone(),
+            wire_rx: self.wire_rx.name().to_string(),
             vms,
             host: Figures::new(&host_stats, &all),
         }
@@ -447,6 +452,7 @@ const TOK_TIMER: u64 = TOK_STOP + 1;
 const TOK_WAKE: u64 = TOK_STOP + 2;
 const TOK_CONTROL: u64 = TOK_STOP + 3;
 const TOK_METRICS: u64 = TOK_STOP + 4;
+const TOK_RAW: u64 = TOK_STOP + 5;
 
 /// Datagram batches taken from one socket before the loop looks at the others.
 const RX_ROUNDS: usize = 16;
@@ -457,6 +463,7 @@ struct HostLoop {
     timer: Timer,
     control: Option<UnixListener>,
     metrics: Option<TcpListener>,
+    raw: Option<RawRx>,
 }
 
 impl HostLoop {
@@ -488,6 +495,7 @@ impl HostLoop {
                     }
                     TOK_CONTROL => self.accept_control(),
                     TOK_METRICS => self.accept_metrics(),
+                    TOK_RAW => self.on_raw(&mut rb),
                     i => {
                         if let Some(port) = self.shared.ports.get(i as usize).cloned() {
                             self.on_wire(&port, &mut rb);
@@ -567,6 +575,70 @@ impl HostLoop {
         }
     }
 
+    /// Takes datagrams from the raw socket (raw mode): each is checked over its IPv4
+    /// header as received and routed to the port of its destination address.
+    fn on_raw(&self, rb: &mut RecvBatch) {
+        let Some(raw) = &self.raw else { return };
+        for _ in 0..RX_ROUNDS {
+            let n = match raw.recv_batch(rb) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "raw wire receive failed");
+                    return;
+                }
+            };
+            let mut per_port: Vec<(usize, Vec<InFrame>)> = Vec::new();
+            for i in 0..n {
+                let (_, dgram, truncated) = rb.get(i);
+                // The destination decides whose counters a drop lands on; datagrams to
+                // an address that is not one of ours are not ours to count.
+                let Some(dst) = dgram.get(16..20).and_then(|b| <[u8; 4]>::try_from(b).ok()) else {
+                    continue;
+                };
+                let dst = std::net::Ipv4Addr::from(dst);
+                let Some(&p) = self.shared.by_gid.get(&Gid::from_ipv4(dst)) else {
+                    continue;
+                };
+                let Some(port) = self.shared.ports.get(p) else {
+                    continue;
+                };
+                port.counters.add(Io::WireRxFrames, 1);
+                if let Some(c) = &self.shared.capture {
+                    c.record_datagram(dgram);
+                }
+                if truncated {
+                    port.counters.drop(DevDrop::WireBadLength);
+                    continue;
+                }
+                match check_datagram(dgram) {
+                    Ok((to, f)) if to.port() == self.shared.port_num => {
+                        match per_port.iter_mut().find(|(q, _)| *q == p) {
+                            Some((_, v)) => v.push(f),
+                            None => per_port.push((p, vec![f])),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(r) => {
+                        tracing::debug!(parent: &port.span, reason = r.name(), "wire frame dropped");
+                        port.counters.drop(r);
+                    }
+                }
+            }
+            if let Some(c) = &self.shared.capture {
+                c.flush();
+            }
+            for (p, frames) in per_port {
+                if let Some(port) = self.shared.ports.get(p).cloned() {
+                    self.route(&port, frames);
+                }
+            }
+            if n < crate::wire::BATCH {
+                return;
+            }
+        }
+    }
+
     fn route(&self, port: &Arc<VmPort>, frames: Vec<InFrame>) {
         if frames.is_empty() {
             return;
@@ -589,7 +661,12 @@ impl HostLoop {
                             deliveries.push((p, RxMsg::from_wire(f, mad)));
                         }
                     }
-                    Verdict::Reply => replies.push(port.wire.frame(f.src_addr, mad)),
+                    // To the sender's RoCEv2 port: its UDP source port is entropy
+                    // (Linux rxe hashes the flow label into it), not where it listens.
+                    Verdict::Reply => replies.push(port.wire.frame(
+                        SocketAddrV4::new(*f.src_addr.ip(), self.shared.port_num),
+                        mad,
+                    )),
                     Verdict::ToWire => {
                         // The mux never forwards wire to wire; count it as a bad state.
                         tracing::debug!("mux returned ToWire for a wire MAD");
@@ -711,6 +788,36 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
     tracing::debug!("VM thread done");
 }
 
+/// Opens the raw receive socket the mode asks for (None: udp mode).
+fn open_raw_rx(
+    mode: RxMode,
+    port: u16,
+    addrs: &[std::net::Ipv4Addr],
+) -> Result<Option<RawRx>, Error> {
+    const HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
+                       `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW \
+                       in a systemd unit); --wire-rx udp needs no privilege but accepts only \
+                       pvcm peers (see docs/daemon.md)";
+    match mode {
+        RxMode::Udp => Ok(None),
+        RxMode::Raw => RawRx::open(port, addrs)
+            .map(Some)
+            .map_err(|err| Error(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
+        RxMode::Auto => match RawRx::open(port, addrs) {
+            Ok(r) => Ok(Some(r)),
+            Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
+                tracing::warn!(
+                    "no raw socket ({err}): receiving in udp mode, which drops frames \
+                     from Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
+                     non-zero IP ID the ICRC covers); {HOW}"
+                );
+                Ok(None)
+            }
+            Err(err) => Err(Error(format!("raw wire socket: {err}"))),
+        },
+    }
+}
+
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -745,6 +852,8 @@ impl Daemon {
         let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
         let mut ports = Vec::new();
         let mut by_gid = HashMap::new();
+        let addrs: Vec<std::net::Ipv4Addr> = cfg.vms.iter().map(VmSpec::ipv4).collect();
+        let raw = open_raw_rx(cfg.wire_rx, cfg.bind_port, &addrs)?;
         for (i, spec) in cfg.vms.iter().enumerate() {
             let wire = WirePort::bind(spec.ipv4(), cfg.bind_port).map_err(e(format!(
                 "VM {}: wire port {}:{} (is the address local?)",
@@ -789,6 +898,11 @@ impl Daemon {
             port_num: cfg.bind_port,
             default_quota,
             policy: cfg.policy.name().to_string(),
+            wire_rx: if raw.is_some() {
+                RxMode::Raw
+            } else {
+                RxMode::Udp
+            },
             stop: AtomicBool::new(false),
         });
         let mut listeners = Vec::new();
@@ -832,8 +946,20 @@ impl Daemon {
                 )
                 .map_err(e("epoll_ctl".into()))
         };
-        for p in &shared.ports {
-            add(p.wire.socket().as_raw_fd(), p.index as u64)?;
+        match &raw {
+            Some(r) => {
+                for p in &shared.ports {
+                    p.wire
+                        .discard_rx()
+                        .map_err(e(format!("VM {}: wire socket filter", p.spec.vm.name)))?;
+                }
+                add(r.as_raw_fd(), TOK_RAW)?;
+            }
+            None => {
+                for p in &shared.ports {
+                    add(p.wire.socket().as_raw_fd(), p.index as u64)?;
+                }
+            }
         }
         add(stop.as_raw_fd(), TOK_STOP)?;
         add(timer.0.as_raw_fd(), TOK_TIMER)?;
@@ -850,6 +976,7 @@ impl Daemon {
             timer,
             control,
             metrics,
+            raw,
         };
         let host = std::thread::Builder::new()
             .name("pvcm-host".into())
@@ -871,6 +998,7 @@ impl Daemon {
             vms = cfg.vms.len(),
             policy = cfg.policy.name(),
             port = cfg.bind_port,
+            wire_rx = shared.wire_rx.name(),
             "pvcm-backend started"
         );
         Ok(Daemon {

@@ -73,6 +73,22 @@ impl Capture {
         Ok(c)
     }
 
+    /// Records one whole IPv4 datagram as received (the raw receive path), header
+    /// bytes as the sender wrote them.
+    pub fn record_datagram(&self, datagram: &[u8]) {
+        self.write(datagram);
+    }
+
+    fn write(&self, d: &[u8]) {
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = inner
+            .writer
+            .write_packet(&PcapPacket::new(ts, d.len() as u32, d));
+    }
+
     /// Records one datagram from `src` to `dst` with UDP payload `payload`.
     pub fn record(&self, src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) {
         let total = IPV4_HEADER_LEN + UDP_HEADER_LEN + payload.len();
@@ -94,13 +110,7 @@ impl Capture {
         let _ = ip.emit(&mut d[..IPV4_HEADER_LEN]);
         let _ = udp.emit(&mut d[IPV4_HEADER_LEN..]);
         d.extend_from_slice(payload);
-        let ts = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = inner
-            .writer
-            .write_packet(&PcapPacket::new(ts, total as u32, &d));
+        self.write(&d);
     }
 
     /// Moves what was recorded to the file.

@@ -66,6 +66,9 @@ dev_drops! {
     WireBadDeth => "wire_bad_deth",
     /// wire: a bad invariant CRC.
     WireBadIcrc => "wire_bad_icrc",
+    /// wire (raw receive): an IPv4 header with options, a fragment, or a bad header
+    /// checksum.
+    WireBadIp => "wire_bad_ip",
     /// wire: a datagram from a non-IPv4 source.
     WireBadSource => "wire_bad_source",
     /// wire: the socket refused a frame.
@@ -274,6 +277,9 @@ pub struct VmFigures {
 pub struct Snapshot {
     /// The mux policy.
     pub policy: String,
+    /// The soft port's receive mode in effect (`raw` or `udp`; see `--wire-rx`).
+    #[serde(default)]
+    pub wire_rx: String,
     /// Per VM.
     pub vms: Vec<VmFigures>,
     /// The host: every VM's, the proxy's own, and those of VMs that left.
@@ -300,7 +306,11 @@ impl Snapshot {
             );
             v.figures.render(&mut out);
         }
-        let _ = writeln!(out, "host (policy {}, all VMs summed)", self.policy);
+        let _ = writeln!(
+            out,
+            "host (policy {}, wire rx {}, all VMs summed)",
+            self.policy, self.wire_rx
+        );
         self.host.render(&mut out);
         out
     }
@@ -411,6 +421,7 @@ mod tests {
         assert_eq!(f.io("tx_messages"), 10);
         let snap = Snapshot {
             policy: "default".into(),
+            wire_rx: "raw".into(),
             vms: vec![VmFigures {
                 name: "a\"b".into(),
                 gid: "::ffff:127.0.0.1".into(),

@@ -418,6 +418,21 @@ fn bad_inputs_are_counted_drops() {
 
     // The wire: frames from a foreign socket to A's address.
     let sock = UdpSocket::bind((ip(14, 9, 9), 0)).unwrap();
+    // Like a pvcm peer: DF set, so the kernel writes IP ID 0, the header these frames'
+    // ICRCs are computed under (a socket left at the default writes a hashed ID, which
+    // the raw receive path rightly refuses).
+    let df: libc::c_int = libc::IP_PMTUDISC_DO;
+    // SAFETY: a live socket and a c_int option whose size is passed.
+    let r = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            (&df as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0);
     let src = match sock.local_addr().unwrap() {
         std::net::SocketAddr::V4(v) => v,
         _ => unreachable!(),
