@@ -49,6 +49,12 @@ pub const MAX_QUEUE_SIZE: usize = 1024;
 pub const RX_WAKE_EVENT: u16 = 3;
 /// Chains taken from the tx queue per round (then the used ring is published).
 const TX_ROUND: usize = 256;
+/// The active MTU PORT_INFO reports (IBTA code): 1024 bytes, rdma_cm's RoCE default, until
+/// the daemon's configuration names the link's own (Linux takes it from the netdev).
+pub const PORT_ACTIVE_MTU: u8 = abi::MTU_1024;
+/// The local CA ACK delay PORT_INFO reports (5-bit exponent): 15, what rdma_rxe reports
+/// (`RXE_LOCAL_CA_ACK_DELAY`), the software RoCE device the soft port stands in for.
+pub const PORT_CA_ACK_DELAY: u8 = 15;
 /// The `VHOST_USER_F_PROTOCOL_FEATURES` feature bit.
 const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
 
@@ -404,6 +410,8 @@ impl PvcmDevice {
             qpn_count: vm.qpn_count,
             max_entries: quota,
             name: vm.name.clone(),
+            active_mtu: PORT_ACTIVE_MTU,
+            ca_ack_delay: PORT_CA_ACK_DELAY,
         };
         let mut payload = [0u8; PORT_INFO_LEN];
         // The buffer has exactly the length emit checks for.

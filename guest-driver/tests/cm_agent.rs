@@ -1467,6 +1467,7 @@ fn qpns_real_and_simulated() {
         &AcceptOptions {
             qpn: Some(QPN_BASE + 9),
             starting_psn: Some(77),
+            ..AcceptOptions::default()
         },
         ms(1),
     )

@@ -185,9 +185,12 @@ fn port_info_handshake_builds_the_agent() {
     let mut info = port(3);
     info.max_entries = 17;
     info.pkey = 0x7FFF;
+    info.active_mtu = abi::MTU_4096;
+    info.ca_ack_delay = 16;
     let dev = start(&host, &clock, info.clone(), 128);
     let c = dev.agent().config();
     assert_eq!(c.gid, info.gid);
+    assert_eq!((c.active_mtu, c.ack_delay), (abi::MTU_4096, 16));
     assert_eq!(c.ca_guid, info.ca_guid);
     assert_eq!((c.qpn_base, c.qpn_count), (info.qpn_base, info.qpn_count));
     assert_eq!(c.max_connections, 17);
@@ -287,6 +290,31 @@ fn a_malformed_port_info_is_an_error_and_events_before_it_are_kept() {
     }
     let e = Device::start(t, q, clock, opts(1)).unwrap_err();
     assert!(matches!(e, DeviceError::BadPortInfo(_)), "{e}");
+}
+
+#[test]
+fn a_96_byte_port_info_from_an_older_device_is_taken_with_link_defaults() {
+    let host = FakeHost::new();
+    let clock = ManualClock::new();
+    let info = port(1);
+    let (t, q) = vm(&host, info.clone(), 16, Some(clock.clone()));
+    {
+        let mut h = host.lock().unwrap();
+        let d = &mut h.devs[0];
+        d.answer_port_info = false;
+        let mut b = [0u8; abi::PORT_INFO_LEN];
+        info.emit(&mut b).unwrap();
+        let short = &b[..abi::PORT_INFO_MIN_LEN];
+        d.backlog.push_back(msg(
+            &MsgHeader::control(MsgType::PortInfo, short.len() as u32),
+            short,
+        ));
+    }
+    let dev = Device::start(t, q, clock, opts(1)).unwrap();
+    let c = dev.agent().config();
+    assert_eq!(c.gid, info.gid);
+    assert_eq!((c.active_mtu, c.ack_delay), (abi::MTU_1024, 0));
+    assert_eq!(dev.port_info().active_mtu, 0, "not given");
 }
 
 // ----------------------------------------------------------------- two VMs

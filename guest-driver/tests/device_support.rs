@@ -47,6 +47,8 @@ pub fn port(n: u8) -> PortInfo {
         qpn_count: 0x1000,
         max_entries: 256,
         name: format!("vm{n}"),
+        active_mtu: abi::MTU_2048,
+        ca_ack_delay: 0,
     }
 }
 

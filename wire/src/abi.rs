@@ -297,14 +297,36 @@ impl Event {
     }
 }
 
-/// Length of a [`PortInfo`] payload.
-pub const PORT_INFO_LEN: usize = 96;
+/// Length of a [`PortInfo`] payload as this ABI writes it: the 96-byte original record
+/// plus the appended link fields (`active_mtu`, `ca_ack_delay`).
+pub const PORT_INFO_LEN: usize = 112;
+/// Shortest [`PortInfo`] payload a driver accepts: the original 96-byte record, as a
+/// device that predates the appended fields writes it.
+pub const PORT_INFO_MIN_LEN: usize = 96;
+
+/// IBTA path MTU codes (`enum ib_mtu`): 1 = 256, 2 = 512, 3 = 1024, 4 = 2048,
+/// 5 = 4096 bytes.
+pub const MTU_256: u8 = 1;
+/// 512 bytes.
+pub const MTU_512: u8 = 2;
+/// 1024 bytes: what a PORT_INFO without a valid `active_mtu` means.
+pub const MTU_1024: u8 = 3;
+/// 2048 bytes.
+pub const MTU_2048: u8 = 4;
+/// 4096 bytes.
+pub const MTU_4096: u8 = 5;
 
 /// The port as the device gives it to the guest (payload of [`MsgType::PortInfo`]).
 ///
 /// Layout (little-endian): abi_version u32 @0, flags u32 @4 (bit 0: port up),
 /// gid \[16\] @8, ca_guid u64 @24, lid u16 @32, pkey u16 @34, qpn_base u32 @36,
-/// qpn_count u32 @40, max_entries u32 @44, name \[48\] @48 (UTF-8, NUL-padded).
+/// qpn_count u32 @40, max_entries u32 @44, name \[48\] @48 (UTF-8, NUL-padded), then the
+/// appended fields: active_mtu u8 @96, ca_ack_delay u8 @97, 14 reserved bytes (0).
+///
+/// The appended fields are a compatible extension of ABI version 1: a device may send
+/// the 96-byte record alone ([`PORT_INFO_MIN_LEN`]), and a driver that knows only that
+/// record reads its first 96 bytes and ignores the rest. [`PortInfo::parse`] gives a
+/// short record `active_mtu` 0 and `ca_ack_delay` 0 ("not given").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortInfo {
     /// ABI version the device speaks.
@@ -327,12 +349,30 @@ pub struct PortInfo {
     pub max_entries: u32,
     /// VM name (at most 48 bytes).
     pub name: String,
+    /// The port's active MTU as an IBTA code ([`MTU_256`]..[`MTU_4096`]); 0: not given
+    /// (a 96-byte record), which a driver takes as [`MTU_1024`]. Linux's rdma_cm puts the
+    /// link's MTU in the REQ's Path MTU.
+    pub active_mtu: u8,
+    /// The CA's local ACK delay (5-bit exponent, Linux `local_ca_ack_delay`): the
+    /// REP's Target ACK Delay and an input of the REQ's Local ACK Timeout.
+    pub ca_ack_delay: u8,
 }
 
 impl PortInfo {
-    /// Parses a payload.
+    /// The active MTU code a driver should use: `active_mtu` if it is a valid code,
+    /// else [`MTU_1024`].
+    pub fn mtu_or_default(&self) -> u8 {
+        if (MTU_256..=MTU_4096).contains(&self.active_mtu) {
+            self.active_mtu
+        } else {
+            MTU_1024
+        }
+    }
+
+    /// Parses a payload of at least [`PORT_INFO_MIN_LEN`] bytes (the appended fields are
+    /// read when present).
     pub fn parse(b: &[u8]) -> Result<PortInfo> {
-        check_len(b, PORT_INFO_LEN)?;
+        check_len(b, PORT_INFO_MIN_LEN)?;
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[8..24]);
         let mut guid = [0u8; 8];
@@ -350,10 +390,13 @@ impl PortInfo {
             qpn_count: le32(b, 40..44),
             max_entries: le32(b, 44..48),
             name: String::from_utf8_lossy(&name[..end]).into_owned(),
+            active_mtu: b.get(96).copied().unwrap_or(0),
+            ca_ack_delay: b.get(97).map_or(0, |d| d & 0x1F),
         })
     }
 
-    /// Writes a payload (the name is cut at 48 bytes, on a character boundary).
+    /// Writes a payload of [`PORT_INFO_LEN`] bytes (the name is cut at 48 bytes, on a
+    /// character boundary).
     pub fn emit(&self, b: &mut [u8]) -> Result<()> {
         check_len(b, PORT_INFO_LEN)?;
         let b = &mut b[..PORT_INFO_LEN];
@@ -372,6 +415,8 @@ impl PortInfo {
             n -= 1;
         }
         b[48..48 + n].copy_from_slice(&self.name.as_bytes()[..n]);
+        b[96] = self.active_mtu;
+        b[97] = self.ca_ack_delay & 0x1F;
         Ok(())
     }
 }
@@ -436,6 +481,8 @@ mod tests {
             qpn_count: 0x10000,
             max_entries: 65536,
             name: "vm-é".repeat(20),
+            active_mtu: MTU_4096,
+            ca_ack_delay: 15,
         };
         let mut b = [0u8; PORT_INFO_LEN];
         p.emit(&mut b).unwrap();
@@ -448,6 +495,16 @@ mod tests {
             },
             p
         );
+        assert_eq!(b[96..98], [5, 15]);
+        assert!(b[98..].iter().all(|x| *x == 0));
+        assert_eq!(q.mtu_or_default(), MTU_4096);
+        // A 96-byte record (a device from before the appended fields) still parses: the
+        // link fields read as "not given".
+        let old = PortInfo::parse(&b[..PORT_INFO_MIN_LEN]).unwrap();
+        assert_eq!((old.active_mtu, old.ca_ack_delay), (0, 0));
+        assert_eq!(old.mtu_or_default(), MTU_1024);
+        assert_eq!(old.gid, p.gid);
+        assert!(PortInfo::parse(&b[..PORT_INFO_MIN_LEN - 1]).is_err());
         let mut e = [0u8; EVENT_LEN];
         Event::DeviceReset.emit(&mut e).unwrap();
         assert_eq!(Event::parse(&e).unwrap(), Event::DeviceReset);

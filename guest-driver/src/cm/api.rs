@@ -10,8 +10,12 @@ use pvcm_wire::mad::{AttributeId, Header};
 use pvcm_wire::timeout::linux_ms;
 
 use super::agent::{Agent, check_pd, pd};
-use super::config::{AcceptOptions, ConnectOptions, SidrOptions, cm_ack_timeout};
+use super::config::{
+    AcceptOptions, ConnectOptions, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES, SidrOptions,
+    cm_ack_timeout,
+};
 use super::event::{CmError, CmId, State};
+use super::rdma_cm;
 use crate::time::Time;
 
 /// What the agent knows of a connection (for diagnostics and the CLI).
@@ -166,6 +170,24 @@ impl Agent {
         let routed = opts.hop_limit > 1;
         let lid = if routed { 0xFFFF } else { self.cfg.lid };
         let local_qpn = self.conns[slot as usize].local_qpn;
+        // librdmacm: RDMA_MAX_RESP_RES / RDMA_MAX_INIT_DEPTH stand for the device maximum.
+        let responder_resources = match opts.responder_resources {
+            RDMA_MAX_RESP_RES => self.cfg.max_responder_resources,
+            v => v,
+        };
+        let initiator_depth = match opts.initiator_depth {
+            RDMA_MAX_INIT_DEPTH => self.cfg.max_initiator_depth,
+            v => v,
+        };
+        // rdma_cm: the link's MTU; the flow label hashed from the rdma_cm ports.
+        let path_mtu = match opts.path_mtu & 0xF {
+            0 => self.cfg.active_mtu,
+            m => m,
+        };
+        let flow_label = match opts.flow_label & 0xF_FFFF {
+            0 => rdma_cm::req_flow_label(service_id, private_data).unwrap_or(0),
+            f => f,
+        };
         let r = CmRepr::Req(req::Repr {
             local_comm_id: local_id,
             vendor_id: 0,
@@ -173,18 +195,18 @@ impl Agent {
             local_ca_guid: self.cfg.ca_guid,
             local_qkey: 0,
             local_qpn,
-            responder_resources: opts.responder_resources,
+            responder_resources,
             local_eecn: 0,
-            initiator_depth: opts.initiator_depth,
+            initiator_depth,
             remote_eecn: 0,
             remote_cm_response_timeout: opts.remote_cm_response_timeout & 0x1F,
             transport: opts.transport,
-            end_to_end_flow_control: true,
+            end_to_end_flow_control: opts.flow_control,
             starting_psn: psn,
             local_cm_response_timeout: opts.local_cm_response_timeout & 0x1F,
             retry_count: opts.retry_count & 0x7,
             partition_key: self.cfg.pkey,
-            path_mtu: opts.path_mtu & 0xF,
+            path_mtu,
             rdc_exists: false,
             rnr_retry_count: opts.rnr_retry_count & 0x7,
             max_cm_retries: opts.max_cm_retries & 0xF,
@@ -194,7 +216,7 @@ impl Agent {
                 remote_lid: if routed { 0xFFFF } else { 0 },
                 local_gid: self.cfg.gid,
                 remote_gid: dest,
-                flow_label: opts.flow_label & 0xF_FFFF,
+                flow_label,
                 packet_rate: 0,
                 traffic_class: opts.traffic_class,
                 hop_limit: opts.hop_limit,
@@ -255,6 +277,20 @@ impl Agent {
                     None => self.random_psn(),
                 };
                 let c = &self.conns[slot as usize];
+                // librdmacm rdma_accept(): the REQ's values (swapped), capped at the device
+                // maximum, unless the application names its own.
+                let responder_resources = match opts.responder_resources {
+                    RDMA_MAX_RESP_RES => {
+                        c.req_initiator_depth.min(self.cfg.max_responder_resources)
+                    }
+                    v => v,
+                };
+                let initiator_depth = match opts.initiator_depth {
+                    RDMA_MAX_INIT_DEPTH => {
+                        c.req_responder_resources.min(self.cfg.max_initiator_depth)
+                    }
+                    v => v,
+                };
                 let r = CmRepr::Rep(rep::Repr {
                     local_comm_id: c.local_id,
                     remote_comm_id: c.remote_id,
@@ -263,12 +299,12 @@ impl Agent {
                     vendor_id: 0,
                     local_eecn: 0,
                     starting_psn: psn,
-                    responder_resources: c.req_initiator_depth,
-                    initiator_depth: c.req_responder_resources,
+                    responder_resources,
+                    initiator_depth,
                     target_ack_delay: self.cfg.ack_delay & 0x1F,
                     failover_accepted: FailoverAccepted::Accepted,
-                    end_to_end_flow_control: true,
-                    rnr_retry_count: 7,
+                    end_to_end_flow_control: opts.flow_control,
+                    rnr_retry_count: opts.rnr_retry_count & 0x7,
                     srq: false,
                     local_ca_guid: self.cfg.ca_guid,
                     private_data,

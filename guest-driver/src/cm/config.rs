@@ -4,7 +4,7 @@
 use core::time::Duration;
 
 use pvcm_wire::Gid;
-use pvcm_wire::abi::PortInfo;
+use pvcm_wire::abi::{MTU_1024, PortInfo};
 use pvcm_wire::cm::TransportService;
 
 /// Linux's `CM_MRA_SETTING`: the service timeout an MRA offers (~68.7 s).
@@ -15,6 +15,50 @@ pub const CMA_CM_RESPONSE_TIMEOUT: u8 = 20;
 pub const CMA_MAX_CM_RETRIES: u8 = 15;
 /// rdma_cm's `CMA_IBOE_PACKET_LIFETIME` (RoCE paths): 4.096 us * 2^16 (Linux: 256 ms).
 pub const CMA_IBOE_PACKET_LIFETIME: u8 = 16;
+/// librdmacm's `RDMA_MAX_RESP_RES`: in [`ConnectOptions`]/[`AcceptOptions`], "the
+/// device maximum" (librdmacm's default when the application passes no `conn_param`).
+pub const RDMA_MAX_RESP_RES: u8 = 0xFF;
+/// librdmacm's `RDMA_MAX_INIT_DEPTH`: in [`ConnectOptions`]/[`AcceptOptions`], "the
+/// device maximum".
+pub const RDMA_MAX_INIT_DEPTH: u8 = 0xFF;
+/// The responder resources and initiator depth [`AgentConfig`] takes as the device
+/// maximum: rdma_rxe's `max_qp_rd_atom` and `max_qp_init_rd_atom` (128).
+pub const DEFAULT_MAX_RD_ATOM: u8 = 128;
+
+/// Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
+/// window of requests sent and not yet answered, so a burst of connects or disconnects
+/// never overruns the peer's QP1 receive queue (a Linux peer keeps at most ~128 MAD sends
+/// outstanding itself, and rdma_rxe's QP1 receive queue holds 512).
+///
+/// The window starts at `initial_window`, grows by one per answer up to `slow_start`
+/// (slow start: it doubles per round trip), then by one per window's worth of answers
+/// (additive increase), never beyond `max_window`. A request's timeout halves it (once
+/// per window: timeouts of requests sent before the last decrease do not count again),
+/// never below `min_window`. Requests beyond the window wait in order, their timers not
+/// running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// The window a destination starts with.
+    pub initial_window: u32,
+    /// The window never shrinks below this.
+    pub min_window: u32,
+    /// The window never grows beyond this.
+    pub max_window: u32,
+    /// Slow-start threshold a destination starts with (later: half the window at the
+    /// last timeout).
+    pub slow_start: u32,
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Pacing {
+            initial_window: 32,
+            min_window: 4,
+            max_window: 256,
+            slow_start: 256,
+        }
+    }
+}
 
 /// The agent's identity and policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,9 +86,12 @@ pub struct AgentConfig {
     /// REQ's Local ACK Timeout (Linux `cm_ack_timeout()`).
     pub ack_delay: u8,
     /// If the application has not answered a REQ (accept/reject) within this time, the
-    /// agent sends MRA(REQ) on its behalf, like rdma_cm does when its connect-request
-    /// handler returns without accepting; likewise MRA(REP) for an active side that
-    /// confirms REPs itself. `None`: never.
+    /// connection enters MRA_REQ_SENT *silently*, as rdma_cm does with
+    /// `IB_CM_MRA_FLAG_DELAY` when its connect-request handler returns without
+    /// accepting: the MRA(REQ) goes out only when a duplicate REQ arrives (Linux
+    /// `cm_dup_req_handler`), never on a timer. Likewise MRA_REP_SENT for an active side
+    /// that confirms REPs itself (the MRA(REP) answers a duplicate REP). `None`: never
+    /// (a duplicate is then dropped).
     pub mra_delay: Option<Duration>,
     /// Service timeout the agent's MRAs offer (5-bit exponent; Linux 24).
     pub mra_service_timeout: u8,
@@ -53,6 +100,18 @@ pub struct AgentConfig {
     pub auto_drep: bool,
     /// The CM's response time value (5-bit exponent) reported in ClassPortInfo.
     pub resp_time: u8,
+    /// The port's active MTU (IBTA code, PORT_INFO `active_mtu`): the REQ's Path MTU
+    /// unless [`ConnectOptions::path_mtu`] names one.
+    pub active_mtu: u8,
+    /// The device maximum of responder resources (Linux `max_qp_rd_atom`): what
+    /// [`RDMA_MAX_RESP_RES`] in the options stands for. The pvcm device carries no QPs,
+    /// so this defaults to rdma_rxe's value; set it to the QP device's attribute.
+    pub max_responder_resources: u8,
+    /// The device maximum of initiator depth (Linux `max_qp_init_rd_atom`): what
+    /// [`RDMA_MAX_INIT_DEPTH`] stands for.
+    pub max_initiator_depth: u8,
+    /// Per-destination pacing of REQs and DREQs; `None`: every request goes out at once.
+    pub pacing: Option<Pacing>,
 }
 
 impl AgentConfig {
@@ -74,16 +133,23 @@ impl AgentConfig {
             mra_service_timeout: CM_MRA_SETTING,
             auto_drep: false,
             resp_time: CMA_CM_RESPONSE_TIMEOUT,
+            active_mtu: MTU_1024,
+            max_responder_resources: DEFAULT_MAX_RD_ATOM,
+            max_initiator_depth: DEFAULT_MAX_RD_ATOM,
+            pacing: Some(Pacing::default()),
         }
     }
 
     /// The configuration the device's PORT_INFO prescribes (GID, CA GUID, P_Key, LID,
-    /// QPN range, and its connection quota as `max_connections`).
+    /// QPN range, its connection quota as `max_connections`, the active MTU and the CA's
+    /// ACK delay).
     pub fn from_port_info(p: &PortInfo, seed: u64) -> AgentConfig {
         AgentConfig {
             pkey: p.pkey,
             lid: p.lid,
             max_connections: p.max_entries,
+            active_mtu: p.mtu_or_default(),
+            ack_delay: p.ca_ack_delay & 0x1F,
             ..AgentConfig::new(p.gid, p.ca_guid, p.qpn_base, p.qpn_count, seed)
         }
     }
@@ -103,21 +169,29 @@ pub struct ConnectOptions {
     pub local_cm_response_timeout: u8,
     /// Max CM retries (4 bits).
     pub max_cm_retries: u8,
-    /// Responder resources.
+    /// Responder resources; [`RDMA_MAX_RESP_RES`] (the default, as librdmacm's):
+    /// [`AgentConfig::max_responder_resources`].
     pub responder_resources: u8,
-    /// Initiator depth.
+    /// Initiator depth; [`RDMA_MAX_INIT_DEPTH`] (the default, as librdmacm's):
+    /// [`AgentConfig::max_initiator_depth`].
     pub initiator_depth: u8,
+    /// End-to-end flow control (librdmacm without `conn_param`: off).
+    pub flow_control: bool,
     /// Transport retry count (3 bits).
     pub retry_count: u8,
-    /// RNR retry count (3 bits).
+    /// RNR retry count (3 bits; 7 = retry without limit, librdmacm's default).
     pub rnr_retry_count: u8,
-    /// Path MTU (IBTA code: 3 = 1024).
+    /// Path MTU (IBTA code: 3 = 1024); 0 (the default): the port's active MTU
+    /// ([`AgentConfig::active_mtu`]), as rdma_cm takes the link's.
     pub path_mtu: u8,
     /// Hop limit of the primary path (RoCE: 64, so LIDs are permissive).
     pub hop_limit: u8,
     /// Traffic class.
     pub traffic_class: u8,
-    /// Flow label (20 bits).
+    /// Flow label (20 bits); 0 (the default): derived as Linux's rdma_cm does on RoCEv2
+    /// (`cma_get_roce_udp_flow_label`): `(source port * 31 + destination port)` cut to
+    /// 20 bits, the ports taken from the rdma_cm service ID and the private data's
+    /// `cma_hdr`; 0 when the REQ is not an rdma_cm IP one.
     pub flow_label: u32,
     /// Service level (4 bits).
     pub sl: u8,
@@ -139,11 +213,12 @@ impl Default for ConnectOptions {
             remote_cm_response_timeout: CMA_CM_RESPONSE_TIMEOUT,
             local_cm_response_timeout: CMA_CM_RESPONSE_TIMEOUT,
             max_cm_retries: CMA_MAX_CM_RETRIES,
-            responder_resources: 1,
-            initiator_depth: 1,
+            responder_resources: RDMA_MAX_RESP_RES,
+            initiator_depth: RDMA_MAX_INIT_DEPTH,
+            flow_control: false,
             retry_count: 7,
             rnr_retry_count: 7,
-            path_mtu: 3,
+            path_mtu: 0,
             hop_limit: 64,
             traffic_class: 0,
             flow_label: 0,
@@ -155,13 +230,37 @@ impl Default for ConnectOptions {
     }
 }
 
-/// Options of `accept()` on the passive side (the REP's fields).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Options of `accept()` on the passive side (the REP's fields), with librdmacm's
+/// defaults for an `rdma_accept()` without `conn_param`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AcceptOptions {
     /// A real QP's number; `None`: a simulated QPN from the port's range.
     pub qpn: Option<u32>,
     /// Starting PSN (24 bits); `None`: random.
     pub starting_psn: Option<u32>,
+    /// Responder resources; [`RDMA_MAX_RESP_RES`] (the default): the REQ's initiator
+    /// depth, at most [`AgentConfig::max_responder_resources`] (librdmacm).
+    pub responder_resources: u8,
+    /// Initiator depth; [`RDMA_MAX_INIT_DEPTH`] (the default): the REQ's responder
+    /// resources, at most [`AgentConfig::max_initiator_depth`] (librdmacm).
+    pub initiator_depth: u8,
+    /// End-to-end flow control (librdmacm without `conn_param`: off).
+    pub flow_control: bool,
+    /// RNR retry count (3 bits; librdmacm's default 7 retries without limit).
+    pub rnr_retry_count: u8,
+}
+
+impl Default for AcceptOptions {
+    fn default() -> Self {
+        AcceptOptions {
+            qpn: None,
+            starting_psn: None,
+            responder_resources: RDMA_MAX_RESP_RES,
+            initiator_depth: RDMA_MAX_INIT_DEPTH,
+            flow_control: false,
+            rnr_retry_count: 7,
+        }
+    }
 }
 
 /// Options of a SIDR resolution (rdma_cm's UDP port space defaults).
@@ -224,8 +323,19 @@ mod tests {
             qpn_count: 64,
             max_entries: 32,
             name: "vm".into(),
+            active_mtu: 5,
+            ca_ack_delay: 15,
         };
         let c = AgentConfig::from_port_info(&p, 9);
+        assert_eq!((c.active_mtu, c.ack_delay), (5, 15));
+        // A device that gives no MTU (a 96-byte PORT_INFO): 1024.
+        let old = PortInfo {
+            active_mtu: 0,
+            ca_ack_delay: 0,
+            ..p.clone()
+        };
+        let o = AgentConfig::from_port_info(&old, 9);
+        assert_eq!((o.active_mtu, o.ack_delay), (MTU_1024, 0));
         assert_eq!(c.gid, p.gid);
         assert_eq!(
             (c.ca_guid, c.pkey, c.qpn_base, c.qpn_count),

@@ -52,6 +52,73 @@ pub fn parse_service_id(sid: u64) -> Option<(u16, u16)> {
         .then_some(((sid >> 16) as u16, sid as u16))
 }
 
+/// The flow label Linux's rdma_cm gives a RoCEv2 path (`cma_get_roce_udp_flow_label()`,
+/// for IPv4 and for IPv6 without a flow label of its own): the source and destination
+/// ports hashed as `source * 31 + destination`, cut to the 20-bit flow label. The RoCEv2
+/// UDP source port is derived from it, so connections get per-connection entropy.
+pub fn roce_flow_label(src_port: u16, dst_port: u16) -> u32 {
+    (u32::from(src_port) * 31 + u32::from(dst_port)) & 0xF_FFFF
+}
+
+/// The flow label of a REQ as rdma_cm derives it ([`roce_flow_label`]): the destination
+/// port from an rdma_cm IP service ID, the source port from the `cma_hdr` at the start
+/// of the private data. `None` when the REQ is not an rdma_cm IP one.
+pub fn req_flow_label(service_id: u64, private_data: &[u8]) -> Option<u32> {
+    let (_, dst_port) = parse_service_id(service_id)?;
+    let hdr = CmaHdr::parse(private_data).ok()?;
+    Some(roce_flow_label(hdr.src_port, dst_port))
+}
+
+/// Linux's default `net.ipv4.ip_local_port_range`, where rdma_cm picks the source port
+/// of an unbound id (`cma_alloc_any_port()`).
+pub const EPHEMERAL_PORTS: core::ops::RangeInclusive<u16> = 32768..=60999;
+
+/// Source ports for rdma_cm ids that were not bound to one, picked the way rdma_cm's
+/// `cma_alloc_any_port()` does: from a random point of the ephemeral range, then the next
+/// free port, never one still in use.
+#[derive(Debug, Clone)]
+pub struct EphemeralPorts {
+    next: u16,
+    used: std::collections::HashSet<u16>,
+}
+
+impl EphemeralPorts {
+    /// An allocator starting at a point of the range chosen by `seed`.
+    pub fn new(seed: u64) -> EphemeralPorts {
+        let (lo, hi) = (*EPHEMERAL_PORTS.start(), *EPHEMERAL_PORTS.end());
+        let span = u64::from(hi - lo) + 1;
+        let start = crate::cm::SplitMix64::new(seed).below(span) as u16;
+        EphemeralPorts {
+            next: lo + start,
+            used: std::collections::HashSet::new(),
+        }
+    }
+
+    /// A free port, held until [`EphemeralPorts::release`]; `None` when all are in use.
+    pub fn alloc(&mut self) -> Option<u16> {
+        let (lo, hi) = (*EPHEMERAL_PORTS.start(), *EPHEMERAL_PORTS.end());
+        let span = usize::from(hi - lo) + 1;
+        for _ in 0..span {
+            let p = self.next;
+            self.next = if p >= hi { lo } else { p + 1 };
+            if self.used.insert(p) {
+                return Some(p);
+            }
+        }
+        None
+    }
+
+    /// Gives a port back.
+    pub fn release(&mut self, port: u16) {
+        self.used.remove(&port);
+    }
+
+    /// Ports in use.
+    pub fn in_use(&self) -> usize {
+        self.used.len()
+    }
+}
+
 /// What is wrong with a `cma_hdr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum CmaError {
@@ -220,6 +287,50 @@ mod tests {
         assert_eq!(
             parse_service_id(service_id(RDMA_PS_IB, 9)),
             Some((RDMA_PS_IB, 9))
+        );
+    }
+
+    #[test]
+    fn flow_label_hashes_the_ports_like_rdma_cm() {
+        // sport * 31 + dport, 20 bits.
+        assert_eq!(roce_flow_label(0, 7471), 7471);
+        assert_eq!(roce_flow_label(40000, 7471), (40000 * 31 + 7471) & 0xF_FFFF);
+        assert_eq!(roce_flow_label(65535, 65535), (65535 * 32) & 0xF_FFFF);
+        let a = Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 1));
+        let b = Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 2));
+        let pd = req_private_data(&CmaHdr::from_gids(a, b, 33000), b"x").unwrap();
+        assert_eq!(
+            req_flow_label(tcp_service_id(7471), &pd),
+            Some(roce_flow_label(33000, 7471))
+        );
+        // Not rdma_cm: no header, or not an IP service ID.
+        assert_eq!(req_flow_label(tcp_service_id(7471), b"plain"), None);
+        assert_eq!(req_flow_label(0x1000_0000_0000_0001, &pd), None);
+    }
+
+    #[test]
+    fn ephemeral_ports_are_distinct_in_range_and_reused_after_release() {
+        let mut p = EphemeralPorts::new(7);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..1000 {
+            let x = p.alloc().unwrap();
+            assert!(EPHEMERAL_PORTS.contains(&x));
+            assert!(seen.insert(x), "{x} twice");
+        }
+        assert_eq!(p.in_use(), 1000);
+        let first = *seen.iter().next().unwrap();
+        p.release(first);
+        assert_eq!(p.in_use(), 999);
+        // The whole range, then exhaustion.
+        let left = EPHEMERAL_PORTS.len() - 999;
+        for _ in 0..left {
+            assert!(p.alloc().is_some());
+        }
+        assert_eq!(p.alloc(), None);
+        // Different seeds start elsewhere.
+        assert_ne!(
+            EphemeralPorts::new(1).alloc(),
+            EphemeralPorts::new(2).alloc()
         );
     }
 

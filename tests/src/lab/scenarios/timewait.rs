@@ -139,6 +139,7 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<TwVm> {
                     let opts = AcceptOptions {
                         qpn: Some(local),
                         starting_psn: None,
+                        ..AcceptOptions::default()
                     };
                     dev.accept_with(id, &reply(&s).to_bytes(), &opts)
                         .map_err(|e| format!("accept: {e}"))?;
