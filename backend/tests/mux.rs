@@ -708,6 +708,88 @@ fn duplicate_req_refreshes_and_is_counted() {
     let _ = cm::RejReason::Timeout;
 }
 
+/// The VM's CM retries its REQ while the peer's REP is delayed on the wire, then again
+/// just as the REP reaches it (its RTU comes later). Every retry must be the REQ the peer
+/// already answered, byte for byte (same pv_cm_id, host TID, CA GUID, QPN): a Linux peer
+/// matches duplicates by comm ID + CA GUID (`cm_match_req`) and would otherwise answer
+/// REJ(STALE_CONN) or raise a second connection. A retry crossing the peer's REJ is
+/// dropped.
+#[test]
+fn req_retry_after_the_rep_is_the_same_connection() {
+    let mut n = net2(Policy::Default);
+    let vm_tid = 0xAAAA_0000_0000_0001;
+    let retry = |n: &Net| req(n.a.cfg(0), 1, vm_tid, n.b.gid(0), n.a.qpn(0, 0), &LINUX);
+    let first = n.send_req(0, 0, 1, 0, &LINUX);
+    let a_pv = view(&first).local_comm_id().unwrap();
+    // 1. The REP is delayed: the VM's REQ timer fires.
+    let mut m = retry(&n);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(m, first, "a retry in ReqSent is the same REQ on the wire");
+    // 2. The REP reaches the VM; its retry was already queued behind.
+    let mut m = rep(n.b.cfg(0), view(&first).tid(), 2, a_pv, n.b.qpn(0, 0));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let b_pv = view(&m).local_comm_id().unwrap();
+    assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::RepRcvd);
+    let mut m = retry(&n);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        Verdict::ToWire
+    );
+    assert_eq!(m, first, "a retry in RepRcvd is the same REQ on the wire");
+    // B sees a duplicate of the REQ it answered, not a second connection.
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+        Verdict::ToVm(n.b.id(0))
+    );
+    assert_eq!(n.live(), (1, 1), "no new entry on either host");
+    // 3. The delayed RTU establishes both sides.
+    let mut m = ids(AttributeId::Rtu, vm_tid, 1, b_pv);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::Established);
+    assert_eq!(n.b.mux.lookup(b_pv).unwrap().0, State::Established);
+    let (a, b) = (n.a.mux.vm_stats(n.a.id(0)), n.b.mux.vm_stats(n.b.id(0)));
+    assert_eq!(a.counters.get(Group::TxMsgs, AttributeId::Req), 3);
+    assert_eq!(a.counters.get(Group::TxRetries, AttributeId::Req), 2);
+    assert_eq!(b.counters.get(Group::RxDuplicates, AttributeId::Req), 2);
+    assert_eq!(n.a.mux.host_stats().drops.total(), 0);
+    assert_eq!(n.b.mux.host_stats().drops.total(), 0);
+
+    // A retry that crosses the peer's REJ is dropped (no second connection either).
+    let first = n.send_req(0, 0, 5, 1, &LINUX);
+    let a_pv = view(&first).local_comm_id().unwrap();
+    let mut m = rej(view(&first).tid(), 6, a_pv, RejReason::ConsumerDefined, &[]);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let mut m = req(
+        n.a.cfg(0),
+        5,
+        0xAAAA_0000_0000_0005,
+        n.b.gid(0),
+        n.a.qpn(0, 1),
+        &LINUX,
+    );
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        Verdict::Drop(DropReason::BadState)
+    );
+    assert_eq!(n.live(), (1, 1), "only the established connection");
+    assert_eq!(n.a.mux.pv_cm_id_of(n.a.id(0), 5), None);
+    // The same comm ID under another TID is a new connection (the VM's CM reused it).
+    let mut m = req(
+        n.a.cfg(0),
+        5,
+        0xBBBB_0000_0000_0005,
+        n.b.gid(0),
+        n.a.qpn(0, 1),
+        &LINUX,
+    );
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_ne!(view(&m).local_comm_id(), Some(a_pv));
+    assert_eq!(n.live(), (2, 2));
+    n.quiesce();
+    assert_eq!(n.live(), (1, 1), "only the established connection is left");
+    assert_eq!(n.quarantined(), (0, 0));
+}
+
 /// Seed 003: long churn of connect/teardown with REJs, abandoned handshakes and lost
 /// RTUs mixed in. Returns (live, quarantined) on both hosts after quiesce.
 fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {

@@ -2,8 +2,10 @@
 //! from several VMs behind one host and several remote peers (colliding comm IDs, stale
 //! and random `pv_cm_id`s, frames addressed to the wrong VM, detach and reattach, time
 //! passing), a wire MAD is only ever delivered to the VM that owns the connection it
-//! names, never to a detached VM, the VMs' own comm IDs never reach the wire, the mux
-//! never panics, and once every VM is gone every entry drains away.
+//! names, never to a detached VM, the VMs' own comm IDs never reach the wire, a VM's
+//! REQ retry while its handshake is open leaves under the same `pv_cm_id` (never a
+//! second connection), the mux never panics, and once every VM is gone every entry
+//! drains away.
 //!
 //! The test keeps a ground-truth model built only from what it saw cross the mux's API:
 //! which VM each `pv_cm_id` left from (and with which VM comm ID), which VM each REQ was
@@ -135,6 +137,9 @@ enum Op {
         peer: usize,
         short: bool,
     },
+    /// VM re-sends the REQ of one of its recent active connections (same comm ID and
+    /// TID), as its CM does when its REQ timer fires, whatever happened since.
+    VmReqRetry { vm: usize, pick: Index },
     /// VM gives up on a connection with REJ(TIMEOUT) (optionally naming another CA GUID).
     VmRejTimeout { vm: usize, pick: Index, spoof: bool },
     /// Time passes, then `poll`.
@@ -225,6 +230,7 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         2 => (0..NVM, 1..=VM_COMMS, 0..NPEER, any::<bool>())
             .prop_map(|(vm, sl, peer, short)| Op::VmReq { vm, sl, peer, short }),
+        2 => (0..NVM, any::<Index>()).prop_map(|(vm, pick)| Op::VmReqRetry { vm, pick }),
         1 => (0..NVM, any::<Index>(), proptest::bool::weighted(0.2))
             .prop_map(|(vm, pick, spoof)| Op::VmRejTimeout { vm, pick, spoof }),
         3 => (0u64..40_000).prop_map(|ms| Op::Advance { ms }),
@@ -254,6 +260,8 @@ struct Conn {
     comm: u32,
     /// The last wire MAD delivered for it.
     last: Option<AttributeId>,
+    /// The VM started it: the REQ's TID and parameter set, and the `pv_cm_id` it left with.
+    req: Option<(u64, bool, u32)>,
 }
 
 /// One of the last 4 items of `v` (`None` if empty).
@@ -841,6 +849,7 @@ impl World {
                             peer,
                             comm,
                             last: None,
+                            req: None,
                         });
                     }
                 }
@@ -878,6 +887,7 @@ impl World {
                 let to = self.peers[peer].gid;
                 let mut m = req(&cfg, sl, tid, to, cfg.qpn_base + sl, p);
                 if self.guest(vm, &mut m, peer)? == Verdict::ToWire {
+                    let pv = view(&m).local_comm_id().unwrap_or(0);
                     let c = &mut self.slots[vm].conns;
                     c.retain(|x| x.sl != sl);
                     c.push(Conn {
@@ -885,6 +895,60 @@ impl World {
                         peer,
                         comm: 0,
                         last: None,
+                        req: Some((tid, short, pv)),
+                    });
+                }
+            }
+            Op::VmReqRetry { vm, pick } => {
+                let active: Vec<Conn> = self.slots[vm]
+                    .conns
+                    .iter()
+                    .filter(|c| c.req.is_some())
+                    .copied()
+                    .collect();
+                let Some(c) = recent(pick, &active) else {
+                    return Ok(());
+                };
+                let Some((tid, short, pv)) = c.req else {
+                    return Ok(());
+                };
+                let id = self.slots[vm].id;
+                let before = self
+                    .mux
+                    .lookup(pv)
+                    .filter(|x| x.1 == Some(id) || x.0 == State::Quarantined)
+                    .map(|x| x.0);
+                let p = if short { &SHORT } else { &LINUX };
+                let cfg = self.slots[vm].cfg.clone();
+                let to = self.peers[c.peer].gid;
+                let mut m = req(&cfg, c.sl, tid, to, cfg.qpn_base + c.sl, p);
+                let v = self.guest(vm, &mut m, c.peer)?;
+                let out = view(&m).local_comm_id().unwrap_or(0);
+                if let Some(st @ (State::ReqSent | State::RepRcvd)) = before {
+                    // A retry while the handshake is open leaves as the same REQ.
+                    prop_assert_eq!(v, Verdict::ToWire, "REQ retry in {:?}", st);
+                    prop_assert_eq!(out, pv, "REQ retry in {:?} under a new pv_cm_id", st);
+                }
+                if v == Verdict::Drop(DropReason::BadState) {
+                    // Only a retry that crossed the peer's REJ.
+                    prop_assert_eq!(before, Some(State::Quarantined));
+                }
+                let state = before.map_or("gone".to_string(), |s| format!("{s:?}"));
+                let verdict = match v {
+                    Verdict::ToWire if out == pv => "same pv".to_string(),
+                    Verdict::ToWire => "new pv".to_string(),
+                    v => format!("{v:?}"),
+                };
+                self.count(format!("guest Req retry in {state}: {verdict}"));
+                if v == Verdict::ToWire && out != pv {
+                    // A new connection under the same comm ID (and TID).
+                    let conns = &mut self.slots[vm].conns;
+                    conns.retain(|x| x.sl != c.sl);
+                    conns.push(Conn {
+                        comm: 0,
+                        last: None,
+                        req: Some((tid, short, out)),
+                        ..c
                     });
                 }
             }
@@ -1056,6 +1120,9 @@ fn wire_mads_reach_only_their_owner() {
         "guest Dreq ToWire",
         "guest Drep ToWire",
         "guest Rej Drop(SpoofedCaGuid)",
+        "guest Req retry in ReqSent: same pv",
+        "guest Req retry in RepRcvd: same pv",
+        "guest Req retry in Quarantined: Drop(BadState)",
         "from detached VM",
         "established (VM active)",
         "established (VM passive)",

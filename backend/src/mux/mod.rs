@@ -133,6 +133,17 @@ impl State {
     ];
 }
 
+/// What a REQ from a VM whose comm ID names an existing entry is (see `Mux::req_retry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// A retry while the handshake is open: forward it under the entry's IDs.
+    Forward,
+    /// A retry that crossed the peer's REJ: drop it.
+    Drop,
+    /// Not a retry: a new connection reusing the VM's comm ID.
+    New,
+}
+
 const NO_VM: u32 = u32::MAX;
 const NO_PEER: u32 = u32::MAX;
 
@@ -725,7 +736,8 @@ impl<C: Clock> Mux<C> {
             self.quarantine.reserve(q - self.quarantine.len());
         }
         if let Some(v) = self.vms.get_mut(vm as usize) {
-            let want = v.live as usize;
+            // Quarantined entries may keep their comm ID mapped (see `retire_entry`).
+            let want = (v.live + v.quarantined) as usize;
             if want > v.sl_map.len() {
                 v.sl_map.reserve(want - v.sl_map.len());
             }
@@ -835,17 +847,26 @@ impl<C: Clock> Mux<C> {
     /// Ends an entry: unindexes it, then quarantines its `pv_cm_id` (default policy) or
     /// frees it at once (legacy).
     fn retire(&mut self, slot: u32, now: u64) {
+        self.retire_entry(slot, now, false);
+    }
+
+    /// [`Mux::retire`], but an entry going into quarantine stays in its VM's comm-ID map
+    /// (when `keep_sl`), so that a REQ retry crossing the peer's REJ is recognised and
+    /// dropped (see `req_retry`). Lookups by comm ID skip quarantined entries; the
+    /// mapping goes when the slot is freed or the VM reuses the comm ID.
+    fn retire_entry(&mut self, slot: u32, now: u64, keep_sl: bool) {
         let e = self.slab[slot as usize];
         if e.state == State::Free || e.state == State::Quarantined {
             return;
         }
-        self.unindex(slot);
+        let quarantine = e.pv_cm_id != 0 && !self.legacy();
+        self.unindex(slot, keep_sl && quarantine);
         if let Some(v) = self.vms.get_mut(e.vm as usize)
             && !e.has(flag::ORPHAN)
         {
             v.live = v.live.saturating_sub(1);
         }
-        if e.pv_cm_id != 0 && !self.legacy() {
+        if quarantine {
             let en = &mut self.slab[slot as usize];
             en.state = State::Quarantined;
             en.deadline = u64::MAX;
@@ -862,14 +883,12 @@ impl<C: Clock> Mux<C> {
         }
     }
 
-    fn unindex(&mut self, slot: u32) {
-        let e = self.slab[slot as usize];
-        if e.has(flag::IN_SL_MAP)
-            && let Some(v) = self.vms.get_mut(e.vm as usize)
-            && v.sl_map.get(&e.sl_cm_id) == Some(&slot)
-        {
-            v.sl_map.remove(&e.sl_cm_id);
+    /// Removes the entry from every map (but its VM's comm-ID map if `keep_sl`).
+    fn unindex(&mut self, slot: u32, keep_sl: bool) {
+        if !keep_sl {
+            self.unindex_sl(slot);
         }
+        let e = self.slab[slot as usize];
         if e.has(flag::IN_REMOTE_MAP) {
             let k = RejTimeoutKey {
                 ca_guid: e.remote_ca_guid,
@@ -885,10 +904,23 @@ impl<C: Clock> Mux<C> {
                 self.sidr_rcvd.remove(&k);
             }
         }
-        self.slab[slot as usize].flags &= !(flag::IN_SL_MAP | flag::IN_REMOTE_MAP);
+        self.slab[slot as usize].flags &= !flag::IN_REMOTE_MAP;
+    }
+
+    /// Removes the entry from its VM's comm-ID map (if the comm ID still names it).
+    fn unindex_sl(&mut self, slot: u32) {
+        let e = self.slab[slot as usize];
+        if e.has(flag::IN_SL_MAP)
+            && let Some(v) = self.vms.get_mut(e.vm as usize)
+            && v.sl_map.get(&e.sl_cm_id) == Some(&slot)
+        {
+            v.sl_map.remove(&e.sl_cm_id);
+        }
+        self.slab[slot as usize].flags &= !flag::IN_SL_MAP;
     }
 
     fn free_slot(&mut self, slot: u32) {
+        self.unindex_sl(slot);
         let e = self.slab[slot as usize];
         if e.peer != NO_PEER {
             self.peers.release(e.peer);
@@ -949,14 +981,16 @@ impl<C: Clock> Mux<C> {
                     }
                 }
                 let existing = self.vms[vm as usize].sl_map.get(&sl).copied();
-                let slot = match existing {
-                    Some(s) if self.slab[s as usize].state == State::ReqSent => {
-                        // A retry of the REQ already forwarded.
+                let slot = match existing.map(|s| (s, self.req_retry(s, m.tid()))) {
+                    Some((s, Retry::Forward)) => {
+                        // A retry of the REQ already forwarded: same pv_cm_id and host
+                        // TID, so the peer sees a duplicate (Linux `cm_match_req`).
                         self.vms[vm as usize].counters.bump(Group::TxRetries, attr);
                         s
                     }
+                    Some((_, Retry::Drop)) => return Verdict::Drop(DropReason::BadState),
                     other => {
-                        if let Some(old) = other {
+                        if let Some((old, _)) = other {
                             // The VM reuses its ID for a new connection: the old one is over.
                             self.retire(old, now);
                         }
@@ -1222,6 +1256,29 @@ impl<C: Clock> Mux<C> {
         }
     }
 
+    /// Whether a REQ from the VM naming the entry in `slot` (found by the VM's comm ID)
+    /// with this TID is a retry of the entry's REQ.
+    ///
+    /// A retry carries the same comm ID and TID (the VM's CM re-sends the same MAD). It
+    /// is forwarded under the entry's `pv_cm_id` and host TID while the handshake is
+    /// open on the VM's side (ReqSent, or RepRcvd: the retry left before the VM's CM
+    /// processed the REP); the peer handles the duplicate as a CM does (Linux ignores it
+    /// in REP_SENT, re-sends its MRA in MRA_REQ_SENT). After the peer's REJ the retry
+    /// crossed the REJ and is dropped: forwarding it under a new ID would raise a second
+    /// connection at the peer. In any later state the VM's CM has sent its RTU, after
+    /// which no conforming CM retries its REQ (and the VM's tx queue is FIFO): the same
+    /// comm ID is then a new connection reusing it (Linux and the pvcm agent form the
+    /// TID from the comm ID, so the TID is the same too).
+    fn req_retry(&self, slot: u32, tid: u64) -> Retry {
+        let e = &self.slab[slot as usize];
+        let same = e.has(flag::ACTIVE) && (e.vm_tid_req == tid || self.legacy());
+        match e.state {
+            State::ReqSent | State::RepRcvd if same => Retry::Forward,
+            State::Quarantined if same && e.has(flag::IN_SL_MAP) => Retry::Drop,
+            _ => Retry::New,
+        }
+    }
+
     fn check_req(&self, vm: u32, bytes: &[u8]) -> Result<(), DropReason> {
         let cfg = self.vm_cfg(vm);
         let p = req::Packet::new_unchecked(bytes);
@@ -1271,13 +1328,14 @@ impl<C: Clock> Mux<C> {
         self.slab[slot as usize].flags |= flag::IN_SL_MAP;
     }
 
-    /// An entry the VM already named with this Local Comm ID.
+    /// A live entry the VM already named with this Local Comm ID.
     fn guest_known(&self, vm: u32, m: &CmMad<&mut [u8]>) -> Result<u32, DropReason> {
         let sl = m.local_comm_id().unwrap_or(0);
         self.vms[vm as usize]
             .sl_map
             .get(&sl)
             .copied()
+            .filter(|&s| self.slab[s as usize].state != State::Quarantined)
             .ok_or(DropReason::UnknownConnection)
     }
 
@@ -1650,7 +1708,17 @@ impl<C: Clock> Mux<C> {
             },
             AttributeId::Rej => {
                 let v = self.deliver(slot, m);
-                self.connection_rejected(slot, now);
+                if self.cfg.policy == Policy::Default
+                    && e.has(flag::ACTIVE)
+                    && matches!(e.state, State::ReqSent | State::RepRcvd)
+                {
+                    // The peer rejected the VM's REQ: keep the VM's comm ID mapped
+                    // through the quarantine so that a REQ retry crossing this REJ is
+                    // dropped, not sent as a second connection.
+                    self.retire_entry(slot, now, true);
+                } else {
+                    self.connection_rejected(slot, now);
+                }
                 return v;
             }
             AttributeId::Dreq => match e.state {
@@ -1886,8 +1954,8 @@ impl<C: Clock> Mux<C> {
     /// The `pv_cm_id` the VM's comm ID is mapped to, if any.
     pub fn pv_cm_id_of(&self, vm: VmId, sl_cm_id: u32) -> Option<u32> {
         let v = self.vms.get(vm.0 as usize)?;
-        let s = *v.sl_map.get(&sl_cm_id)?;
-        Some(self.slab[s as usize].pv_cm_id).filter(|&pv| pv != 0)
+        let e = &self.slab[*v.sl_map.get(&sl_cm_id)? as usize];
+        Some(e.pv_cm_id).filter(|&pv| pv != 0 && e.state != State::Quarantined)
     }
 
     /// Bytes the mux holds per live entry, counting the table, the maps and the timers
