@@ -790,6 +790,68 @@ fn req_retry_after_the_rep_is_the_same_connection() {
     assert_eq!(n.quarantined(), (0, 0));
 }
 
+/// The active VM's RTU, REJ and MRA(REP) reuse its REQ's TID, as Linux's do. They leave
+/// with the host's REQ TID (the REQ's TID on the wire), never the VM's, whose low half is
+/// the VM's comm ID. Other TIDs pass unchanged.
+#[test]
+fn active_vm_answers_carry_the_host_req_tid() {
+    let mut n = net2(Policy::Default);
+    let vm_tid = 0xAAAA_0000_0000_0003;
+    let got = n.send_req(0, 0, 3, 0, &LINUX);
+    let (a_pv, host_tid) = (view(&got).local_comm_id().unwrap(), view(&got).tid());
+    assert_ne!(host_tid as u32, 3);
+    let mut m = rep(n.b.cfg(0), host_tid, 4, a_pv, n.b.qpn(0, 0));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(view(&m).tid(), vm_tid);
+    let b_pv = view(&m).local_comm_id().unwrap();
+    // MRA(REP), then RTU.
+    let mut m = mra(vm_tid, 3, b_pv, MsgResponse::Rep, 20);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(view(&m).tid(), host_tid, "MRA(REP)");
+    let mut m = ids(AttributeId::Rtu, vm_tid, 3, b_pv);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        Verdict::ToWire
+    );
+    assert_eq!(view(&m).tid(), host_tid, "RTU");
+    // A re-sent RTU with another TID (a CM echoing the duplicate REP's) is left alone.
+    let mut m = ids(AttributeId::Rtu, 0x1234, 3, b_pv);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        Verdict::ToWire
+    );
+    assert_eq!(view(&m).tid(), 0x1234);
+    // REJ(TIMEOUT) (connect then destroy) and REJ of a REP.
+    let got = n.send_req(0, 0, 7, 1, &LINUX);
+    let ari = n.a.cfg(0).ca_guid.to_be_bytes();
+    let mut m = rej(0xAAAA_0000_0000_0007, 7, 0, RejReason::Timeout, &ari);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(view(&m).tid(), view(&got).tid(), "REJ(TIMEOUT)");
+    let got = n.send_req(0, 0, 8, 2, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let mut m = rep(n.b.cfg(0), view(&got).tid(), 9, a_pv, n.b.qpn(0, 2));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    let b_pv = view(&m).local_comm_id().unwrap();
+    let mut m = rej(
+        0xAAAA_0000_0000_0008,
+        8,
+        b_pv,
+        RejReason::ConsumerDefined,
+        &[],
+    );
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(view(&m).tid(), view(&got).tid(), "REJ(REP)");
+    // The passive VM's answers echo the peer's TID: unchanged (restored on A's side).
+    let got = n.send_req(0, 0, 10, 3, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let mut m = rej(view(&got).tid(), 11, a_pv, RejReason::ConsumerDefined, &[]);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(0), &mut m, n.a.gid(0)),
+        Verdict::ToWire
+    );
+    assert_eq!(view(&m).tid(), view(&got).tid());
+}
+
 /// Seed 003: long churn of connect/teardown with REJs, abandoned handshakes and lost
 /// RTUs mixed in. Returns (live, quarantined) on both hosts after quiesce.
 fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {

@@ -1076,6 +1076,7 @@ impl<C: Clock> Mux<C> {
                     let w = self.clamp(svc + self.window(e.vm_resp, e.ack, e.retries));
                     self.extend_deadline(slot, now, w);
                 }
+                self.req_tid_to_host(slot, m);
                 set_local(m, e.pv_cm_id);
                 Verdict::ToWire
             }
@@ -1098,6 +1099,7 @@ impl<C: Clock> Mux<C> {
                     Err(r) => return Verdict::Drop(r),
                 };
                 let pv = self.slab[slot as usize].pv_cm_id;
+                self.req_tid_to_host(slot, m);
                 set_local(m, pv);
                 self.connection_rejected(slot, now);
                 Verdict::ToWire
@@ -1116,6 +1118,7 @@ impl<C: Clock> Mux<C> {
                     _ if self.legacy() => {}
                     _ => return Verdict::Drop(DropReason::BadState),
                 }
+                self.req_tid_to_host(slot, m);
                 set_local(m, self.slab[slot as usize].pv_cm_id);
                 Verdict::ToWire
             }
@@ -1276,6 +1279,16 @@ impl<C: Clock> Mux<C> {
             State::ReqSent | State::RepRcvd if same => Retry::Forward,
             State::Quarantined if same && e.has(flag::IN_SL_MAP) => Retry::Drop,
             _ => Retry::New,
+        }
+    }
+
+    /// The active VM's RTU, REJ and MRA(REP) reuse its REQ's TID (as Linux's
+    /// `cm_format_rtu`/`rej`/`mra` do), whose low half is the VM's comm ID: on the wire
+    /// they carry the host REQ TID instead, as they would from a Linux host.
+    fn req_tid_to_host(&self, slot: u32, m: &mut CmMad<&mut [u8]>) {
+        let e = &self.slab[slot as usize];
+        if e.has(flag::ACTIVE) && e.pv_cm_id != 0 && m.tid() == e.vm_tid_req {
+            m.set_tid(self.tids.tid(TidKind::Req, e.pv_cm_id));
         }
     }
 
