@@ -852,6 +852,78 @@ fn active_vm_answers_carry_the_host_req_tid() {
     assert_eq!(view(&m).tid(), view(&got).tid());
 }
 
+/// A REJ with Local Comm ID 0 from the VM (Linux `cm_issue_rej`: no listener, no
+/// resources, ...) retires the entry the REQ it answers created: it must not pin the
+/// VM's quota until the peer's REQ window closes. A REJ naming a REQ delivered to
+/// another VM is refused and retires nothing.
+#[test]
+fn stateless_rej_from_the_vm_retires_the_req_entry() {
+    let mut n = Net::new(Policy::Default);
+    let mut cfg = VmConfig::new("small", gid(2, 1));
+    cfg.quota = Some(1);
+    n.b.vms.push((n.b.mux.attach_vm(cfg.clone()).unwrap(), cfg));
+    n.b.add_vm("b1", gid(2, 2));
+    let r = VmConfig::new("r", gid(9, 1));
+    for comm in 1..=5u32 {
+        let mut m = req(
+            &r,
+            comm,
+            0x70 + u64::from(comm),
+            n.b.gid(0),
+            0x10000,
+            &LINUX,
+        );
+        assert_eq!(
+            n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+            Verdict::ToVm(n.b.id(0)),
+            "REQ {comm}: the earlier rejects freed the quota"
+        );
+        assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 1);
+        let mut m = rej(
+            0x70 + u64::from(comm),
+            0,
+            comm,
+            RejReason::InvalidServiceId,
+            &[],
+        );
+        assert_eq!(
+            n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
+            Verdict::ToWire
+        );
+        assert_eq!(view(&m).remote_comm_id(), Some(comm), "passes unchanged");
+        assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 0);
+        assert_eq!(n.b.mux.live_entries(), 0);
+        // No ID of ours ever went on the wire: nothing to quarantine.
+        assert_eq!(n.b.mux.quarantined_entries(), 0);
+    }
+    // b1 names the REQ that went to b0: dropped, b0's entry stays.
+    let mut m = req(&r, 9, 0x79, n.b.gid(0), 0x10000, &LINUX);
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
+        Verdict::ToVm(n.b.id(0))
+    );
+    let mut m = rej(0x79, 0, 9, RejReason::NoResources, &[]);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(1), &mut m, r.gid),
+        Verdict::Drop(DropReason::UnknownConnection)
+    );
+    assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 1);
+    // b0 can still answer it (here with a stateful REJ: into quarantine).
+    let mut m = rej(0x79, 0x42, 9, RejReason::ConsumerDefined, &[]);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
+        Verdict::ToWire
+    );
+    assert_eq!(n.b.mux.live_entries(), 0);
+    assert_eq!(n.b.mux.quarantined_entries(), 1);
+    // A stateless REJ naming nothing pending passes, as before.
+    let mut m = rej(1, 0, 0x999, RejReason::InvalidServiceId, &[]);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(1), &mut m, r.gid),
+        Verdict::ToWire
+    );
+}
+
 /// Seed 003: long churn of connect/teardown with REJs, abandoned handshakes and lost
 /// RTUs mixed in. Returns (live, quarantined) on both hosts after quiesce.
 fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {

@@ -1091,7 +1091,13 @@ impl<C: Clock> Mux<C> {
                     return Verdict::Drop(DropReason::SpoofedCaGuid);
                 }
                 if sl == 0 {
-                    // A stateless reject (Linux cm_issue_rej): no ID of the VM's to hide.
+                    // A stateless reject (Linux cm_issue_rej): no ID of the VM's to hide,
+                    // but the REQ it answers leaves no entry behind.
+                    if !self.legacy()
+                        && let Err(r) = self.stateless_rej(vm, m, dst, now)
+                    {
+                        return Verdict::Drop(r);
+                    }
                     return Verdict::ToWire;
                 }
                 let slot = match self.guest_entry(vm, m, dst, now) {
@@ -1257,6 +1263,41 @@ impl<C: Clock> Mux<C> {
                 Verdict::ToWire
             }
         }
+    }
+
+    /// A REJ with Local Comm ID 0 from the VM (INVALID_SERVICE_ID, NO_RESOURCES, ...):
+    /// its CM keeps no state for the REQ it rejects, so neither does the mux. Its Remote
+    /// Comm ID is the peer's comm ID from that REQ: with the peer's CA GUID (that of the
+    /// REJ's destination) it names the entry the REQ created, which retires (quarantine
+    /// if the VM had named it, else freed at once: no ID of ours was on the wire). A REJ
+    /// naming a REQ delivered to another VM is dropped: it would make the peer abandon
+    /// that VM's connection (Linux finds a rejected REQ by the Remote Comm ID alone).
+    fn stateless_rej(
+        &mut self,
+        vm: u32,
+        m: &CmMad<&mut [u8]>,
+        dst: Gid,
+        now: u64,
+    ) -> Result<(), DropReason> {
+        let remote = m.remote_comm_id().unwrap_or(0);
+        let Some(ca_guid) = self.peers.by_gid(&dst).map(|p| p.ca_guid) else {
+            return Ok(());
+        };
+        let key = RejTimeoutKey {
+            ca_guid,
+            comm_id: remote,
+        };
+        let Some(&s) = self.remote_map.get(&key).filter(|_| remote != 0) else {
+            return Ok(()); // nothing pending under that ID: pass, as before
+        };
+        let e = self.slab[s as usize];
+        if e.vm != vm {
+            return Err(DropReason::UnknownConnection);
+        }
+        if e.state == State::ReqRcvd {
+            self.retire(s, now);
+        }
+        Ok(())
     }
 
     /// Whether a REQ from the VM naming the entry in `slot` (found by the VM's comm ID)
