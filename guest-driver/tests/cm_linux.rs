@@ -9,9 +9,11 @@ mod support;
 
 use pvcm_guest::cm::rdma_cm::{CmaHdr, req_private_data, roce_flow_label, tcp_service_id};
 use pvcm_guest::cm::{
-    AcceptOptions, Agent, AgentConfig, ConnectOptions, DEFAULT_MAX_RD_ATOM, cm_ack_timeout,
+    AcceptOptions, Agent, AgentConfig, CM_MRA_SETTING, ConnectOptions, DEFAULT_MAX_RD_ATOM, Event,
+    Group, State, cm_ack_timeout,
 };
-use pvcm_wire::cm::CmRepr;
+use pvcm_wire::cm::{CmRepr, MsgResponse};
+use pvcm_wire::mad::AttributeId;
 use support::*;
 
 fn agent_with(f: impl FnOnce(&mut AgentConfig)) -> Agent {
@@ -202,4 +204,135 @@ fn c13_rep_defaults_are_librdmacms_and_options_win() {
     assert_eq!((rep.responder_resources, rep.initiator_depth), (1, 2));
     assert!(rep.end_to_end_flow_control);
     assert_eq!(rep.rnr_retry_count, 3);
+}
+
+// ------------------------------------------------------ #3 no unsolicited MRA
+
+/// A Linux peer's REQ timing (rdma_cm on RoCE): 2 x ms(16) + ms(20) per attempt.
+const LINUX_ATTEMPT: u64 = 4608;
+
+#[test]
+fn c3_a_slow_application_never_causes_an_mra_on_a_timer() {
+    let mut a = agent();
+    a.listen(SID).unwrap();
+    let req = req_mad(0xABC, peer_req(0x10, 0x800));
+    a.handle_mad(&req, peer_gid(), ms(0));
+    let id = events(&mut a)[0].id();
+    // The application sits on it: past mra_delay nothing goes out, the state moves.
+    let (out, _) = poll_at(&mut a, ms(LINUX_ATTEMPT - 1));
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(a.state(id), Some(State::MraReqSent));
+    assert_eq!(a.counters().get(Group::TxMsgs, AttributeId::Mra), 0);
+    // The Linux peer's first retry (a duplicate) is what draws the MRA.
+    a.handle_mad(&req, peer_gid(), ms(LINUX_ATTEMPT));
+    let m = one(&mut a);
+    let (h, CmRepr::Mra(mra)) = parse(&m) else {
+        panic!("not an MRA")
+    };
+    assert_eq!(h.tid, 0xABC);
+    assert_eq!(mra.message_mraed, MsgResponse::Req);
+    assert_eq!(mra.service_timeout, CM_MRA_SETTING);
+    // Answering after all still works.
+    a.accept(id, &[], ms(LINUX_ATTEMPT + 1)).unwrap();
+    assert!(matches!(parse(&one(&mut a)).1, CmRepr::Rep(_)));
+}
+
+#[test]
+fn c3_an_answer_before_the_peers_retry_sends_no_mra_at_all() {
+    // A slow application (3 s, past mra_delay) answering before the Linux peer's first
+    // retry: the peer sees REQ -> REP, no MRA (it used to see an MRA at 100 ms). Without
+    // mra_delay a duplicate is simply dropped, as in REQ_RCVD.
+    for delay in [true, false] {
+        let mut a = agent_with(|c| {
+            if !delay {
+                c.mra_delay = None;
+            }
+        });
+        a.listen(SID).unwrap();
+        a.handle_mad(&req_mad(0xABC, peer_req(0x10, 0x800)), peer_gid(), ms(0));
+        let id = events(&mut a)[0].id();
+        let (out, _) = poll_at(&mut a, ms(3000));
+        assert!(out.is_empty());
+        a.accept(id, &[], ms(3000)).unwrap();
+        assert!(matches!(parse(&one(&mut a)).1, CmRepr::Rep(_)));
+        assert_eq!(a.counters().get(Group::TxMsgs, AttributeId::Mra), 0);
+    }
+    let mut a = agent_with(|c| c.mra_delay = None);
+    a.listen(SID).unwrap();
+    let req = req_mad(0xABC, peer_req(0x10, 0x800));
+    for k in 0..16u64 {
+        a.handle_mad(&req, peer_gid(), ms(k * LINUX_ATTEMPT));
+        assert!(take(&mut a).is_empty(), "attempt {k}");
+    }
+    assert_eq!(a.counters().get(Group::RxDuplicates, AttributeId::Req), 15);
+}
+
+#[test]
+fn c3_an_unconfirmed_rep_enters_mra_rep_sent_silently() {
+    let mut a = agent();
+    let o = ConnectOptions {
+        auto_rtu: false,
+        ..Default::default()
+    };
+    let id = a.connect(peer_gid(), SID, &[], &o, ms(0)).unwrap();
+    let m = one(&mut a);
+    let (h, CmRepr::Req(r)) = parse(&m) else {
+        panic!()
+    };
+    let (local, tid) = (r.local_comm_id, h.tid);
+    let rep = rep_mad(tid, peer_rep(0x44, local, 0x700));
+    a.handle_mad(&rep, peer_gid(), ms(10));
+    events(&mut a);
+    let (out, _) = poll_at(&mut a, ms(4000));
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(a.state(id), Some(State::MraRepSent));
+    a.handle_mad(&rep, peer_gid(), ms(4096));
+    let m = one(&mut a);
+    let (_, CmRepr::Mra(mra)) = parse(&m) else {
+        panic!("not an MRA")
+    };
+    assert_eq!(mra.message_mraed, MsgResponse::Rep);
+}
+
+// --------------------------------------- #4 the MRA's wait for every retry
+
+#[test]
+fn c4_an_mra_stretches_every_remaining_req_retry() {
+    let mut a = agent();
+    let o = ConnectOptions {
+        max_cm_retries: 3,
+        ..Default::default()
+    };
+    let id = a.connect(peer_gid(), SID, &[], &o, ms(0)).unwrap();
+    let m = one(&mut a);
+    let (h, CmRepr::Req(r)) = parse(&m) else {
+        panic!()
+    };
+    let (local, tid) = (r.local_comm_id, h.tid);
+    // A Linux server MRAs: service timeout 24 (ms 65536) + packet life (ms(17) = 512).
+    let wait = 65_536 + 512;
+    a.handle_mad(
+        &mra_mad(tid, 0x99, local, MsgResponse::Req, 24),
+        peer_gid(),
+        ms(100),
+    );
+    let mut t = 100;
+    for k in 1..=3 {
+        t += wait;
+        let (out, ev) = poll_at(&mut a, ms(t - 1));
+        assert!(out.is_empty() && ev.is_empty(), "retry {k} early");
+        let (out, _) = poll_at(&mut a, ms(t));
+        assert_eq!(out.len(), 1, "retry {k}");
+        // The server MRAs each duplicate: counted, no further change.
+        a.handle_mad(
+            &mra_mad(tid, 0x99, local, MsgResponse::Req, 24),
+            peer_gid(),
+            ms(t + 1),
+        );
+    }
+    let (_, ev) = poll_at(&mut a, ms(t + wait));
+    assert_eq!(ev, vec![Event::Unreachable { id }]);
+    // Linux: 1 + 3 attempts of 66 s after the MRA (was: one 66 s wait, then 4.6 s ones).
+    assert_eq!(t + wait, 100 + 4 * wait);
+    assert_eq!(a.counters().get(Group::RxDuplicates, AttributeId::Mra), 3);
 }

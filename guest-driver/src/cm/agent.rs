@@ -6,8 +6,8 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{
-    AprStatus, CmMad, CmRepr, MsgResponse, RejReason, SidrStatus, apr, class_port_info, drep, dreq,
-    lap, mra, rej, rep, req, rtu, sidr_rep, sidr_req,
+    CmMad, CmRepr, MsgResponse, RejReason, SidrStatus, class_port_info, drep, dreq, lap, mra, rej,
+    rep, req, rtu, sidr_rep, sidr_req,
 };
 use pvcm_wire::mad::{self, AttributeId, Header, MAD_LEN, Method};
 use pvcm_wire::timeout::linux_ms;
@@ -74,8 +74,11 @@ pub(crate) struct Conn {
     pub av_timeout: u8,
     /// The MAD being retried (REQ, REP, DREQ, SIDR_REQ).
     pub msg: Option<[u8; MAD_LEN]>,
-    /// The last answer sent (MRA, RTU, DREP, APR), re-sent on duplicates.
+    /// The last answer sent (MRA, RTU, DREP), re-sent on duplicates.
     pub reply: Option<[u8; MAD_LEN]>,
+    /// `reply` is an MRA that has not gone out yet (MRA_REQ_SENT / MRA_REP_SENT entered
+    /// silently, Linux `IB_CM_MRA_FLAG_DELAY`): the first duplicate sends it.
+    pub reply_unsent: bool,
     /// Sequence number of the armed timer.
     pub timer: Option<u64>,
     pub deadline: Time,
@@ -86,8 +89,6 @@ pub(crate) struct Conn {
     /// The REQ's responder resources and initiator depth (mirrored in the REP).
     pub req_responder_resources: u8,
     pub req_initiator_depth: u8,
-    /// TID of the last LAP answered.
-    pub lap_tid: Option<u64>,
     /// SIDR_REQ_RCVD index key.
     pub sidr_key: Option<(Gid, u32)>,
     /// Listener: answer SIDR_REQs with this (QPN, Q_Key) without asking.
@@ -118,6 +119,7 @@ impl Conn {
             av_timeout: 0,
             msg: None,
             reply: None,
+            reply_unsent: false,
             timer: None,
             deadline: Time::NEVER,
             in_remote_ids: false,
@@ -126,7 +128,6 @@ impl Conn {
             auto_rtu: true,
             req_responder_resources: 0,
             req_initiator_depth: 0,
-            lap_tid: None,
             sidr_key: None,
             sidr_auto: None,
         }
@@ -147,7 +148,8 @@ pub struct Agent {
     pub(crate) comm_ids: CommIds,
     pub(crate) qpns: QpnPool,
     /// (remote CA GUID, remote comm ID) -> slot: duplicate REQ/REP detection and
-    /// REJ(TIMEOUT) lookup. Kept through TimeWait.
+    /// REJ(TIMEOUT) lookup. Left on entering TimeWait (Linux `cm_remove_remote()`), so a
+    /// REQ reusing the remote comm ID then is a new request.
     remote_ids: HashMap<(u64, u32), u32>,
     /// (remote CA GUID, remote QPN) -> slot of a *connected* connection (REQ_RCVD or
     /// REP_RCVD up to DREQ): stale-connection detection. Left on entering TimeWait.
@@ -414,6 +416,7 @@ impl Agent {
         let c = &mut self.conns[slot as usize];
         c.msg = None;
         c.reply = None;
+        c.reply_unsent = false;
         if c.holds_id {
             c.holds_id = false;
             let id = c.local_id;
@@ -445,10 +448,12 @@ impl Agent {
     }
 
     /// Linux `cm_enter_timewait()`: the QPN is no longer connected (it may be named by a
-    /// new REQ without being stale), the comm IDs stay held for the packet-lifetime-based
-    /// wait.
+    /// new REQ without being stale) and the remote comm ID is forgotten (a REQ reusing it
+    /// is new: `cm_remove_remote()` drops both); the local comm ID stays held for the
+    /// packet-lifetime-based wait.
     pub(crate) fn enter_timewait(&mut self, slot: u32, now: Time) {
         self.unindex_remote_qpn(slot);
+        self.unindex_remote_id(slot);
         let c = &mut self.conns[slot as usize];
         c.state = State::Timewait;
         c.msg = None;
@@ -504,7 +509,8 @@ impl Agent {
         None
     }
 
-    /// Runs every timer due at `now`: retries, give-ups, automatic MRAs, TimeWait ends.
+    /// Runs every timer due at `now`: retries, give-ups, the silent MRA states, TimeWait
+    /// ends.
     pub fn poll(&mut self, now: Time) {
         while let Some(Reverse((t, seq, slot))) = self.timers.peek().copied() {
             if t > now.0 {
@@ -552,8 +558,8 @@ impl Agent {
                     self.go_idle(slot);
                 }
             }
-            State::ReqRcvd => self.send_mra(slot, MsgResponse::Req, State::MraReqSent),
-            State::RepRcvd => self.send_mra(slot, MsgResponse::Rep, State::MraRepSent),
+            State::ReqRcvd => self.delay_mra(slot, MsgResponse::Req, State::MraReqSent),
+            State::RepRcvd => self.delay_mra(slot, MsgResponse::Rep, State::MraRepSent),
             State::Timewait => {
                 let id = self.id_of(slot);
                 let app = self.conns[slot as usize].app;
@@ -637,8 +643,12 @@ impl Agent {
         self.send(dst, &Header::cm_send(AttributeId::Rej, tid), &r, false);
     }
 
-    /// Sends MRA for a REQ or REP the application has not answered yet.
-    fn send_mra(&mut self, slot: u32, which: MsgResponse, next: State) {
+    /// The application has not answered a REQ or REP in time: enter MRA_REQ_SENT /
+    /// MRA_REP_SENT *without sending anything*, as rdma_cm's `ib_send_cm_mra()` with
+    /// `IB_CM_MRA_FLAG_DELAY` does. The MRA is built now and goes out only in answer to a
+    /// duplicate (Linux `cm_dup_req_handler` / `cm_dup_rep_handler`): an MRA on its own
+    /// would make a Linux peer wait `ms(service timeout)` (~66 s) per remaining retry.
+    fn delay_mra(&mut self, slot: u32, which: MsgResponse, next: State) {
         let c = &self.conns[slot as usize];
         let r = CmRepr::Mra(mra::Repr {
             local_comm_id: c.local_id,
@@ -647,20 +657,23 @@ impl Agent {
             service_timeout: self.cfg.mra_service_timeout,
             private_data: &[],
         });
-        let (dst, tid) = (c.remote_gid, c.tid);
-        let sent = self.send(dst, &Header::cm_send(AttributeId::Mra, tid), &r, false);
+        let tid = c.tid;
+        let built = self.encode(&Header::cm_send(AttributeId::Mra, tid), &r);
         let c = &mut self.conns[slot as usize];
-        c.reply = sent;
+        c.reply_unsent = built.is_some();
+        c.reply = built;
         c.state = next;
     }
 
-    /// Re-sends the last answer (MRA, RTU, APR) with this TID, as a retry.
+    /// Answers a duplicate with the last answer (MRA, RTU, DREP) and this TID. A re-sent
+    /// answer counts as a retry; a delayed MRA going out for the first time does not.
     fn resend_reply(&mut self, slot: u32, tid: u64) {
-        let c = &self.conns[slot as usize];
+        let c = &mut self.conns[slot as usize];
         if let Some(mut m) = c.reply {
+            let first = std::mem::take(&mut c.reply_unsent);
             mad::field::TID.set(&mut m, tid);
             let dst = c.remote_gid;
-            self.push(dst, m, true);
+            self.push(dst, m, !first);
         }
     }
 
@@ -794,7 +807,7 @@ impl Agent {
             CmRepr::Drep(r) => self.on_drep(&r, now),
             CmRepr::SidrReq(r) => self.on_sidr_req(&h, &r, src),
             CmRepr::SidrRep(r) => self.on_sidr_rep(&r),
-            CmRepr::Lap(r) => self.on_lap(&h, &r),
+            CmRepr::Lap(r) => self.on_lap(&r),
             CmRepr::Apr(_) => self.drops.bump(DropReason::Unsolicited),
             CmRepr::ClassPortInfo(_) => self.on_class_port_info(&h, src),
         }
@@ -805,26 +818,14 @@ impl Agent {
     }
 
     fn on_req(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid, now: Time) {
-        // Duplicate (Linux cm_match_req -> cm_dup_req_handler).
+        // Duplicate (Linux cm_match_req -> cm_dup_req_handler): the MRA if we are in
+        // MRA_REQ_SENT (sent now for the first time if it was delayed), else dropped. A
+        // connection in TimeWait is no longer indexed by its remote comm ID, so a REQ
+        // reusing it is a new request, as in Linux.
         if let Some(&slot) = self.remote_ids.get(&(r.local_ca_guid, r.local_comm_id)) {
             self.dup(AttributeId::Req);
-            let c = &self.conns[slot as usize];
-            match c.state {
-                State::MraReqSent => self.resend_reply(slot, h.tid),
-                State::Timewait => {
-                    let (dst, l, rid) = (c.remote_gid, c.local_id, c.remote_id);
-                    self.send_rej(
-                        dst,
-                        h.tid,
-                        l,
-                        rid,
-                        MsgResponse::Other,
-                        RejReason::StaleConn,
-                        &[],
-                        &[],
-                    );
-                }
-                _ => {}
+            if self.conns[slot as usize].state == State::MraReqSent {
+                self.resend_reply(slot, h.tid);
             }
             return;
         }
@@ -961,10 +962,12 @@ impl Agent {
         };
         let state = self.conns[slot as usize].state;
         if state == waiting {
-            // Linux cm_mra_handler: the wait becomes service timeout + packet life.
+            // Linux cm_mra_handler -> ib_modify_mad(): the wait becomes service timeout
+            // + packet life, for this attempt and every remaining retry.
             let c = &mut self.conns[slot as usize];
             c.state = extended;
             let wait = linux_ms(r.service_timeout) + linux_ms(c.av_timeout);
+            c.timeout_ms = wait;
             self.arm(slot, now.after_ms(wait));
         } else if state == extended {
             self.dup(AttributeId::Mra);
@@ -1020,18 +1023,9 @@ impl Agent {
 
     fn on_rep(&mut self, h: &Header, r: &rep::Repr<'_>, src: Gid, now: Time) {
         let Some(slot) = self.by_local(r.remote_comm_id) else {
-            // A REP for a connection we do not have (destroyed, or never ours).
+            // A REP for a connection we do not have (destroyed, or never ours): dropped
+            // and counted, as Linux's cm_rep_handler does (no REJ).
             self.drops.bump(DropReason::UnknownConnection);
-            self.send_rej(
-                src,
-                h.tid,
-                r.remote_comm_id,
-                r.local_comm_id,
-                MsgResponse::Rep,
-                RejReason::InvalidCommId,
-                &[],
-                &[],
-            );
             return;
         };
         let c = &self.conns[slot as usize];
@@ -1192,32 +1186,15 @@ impl Agent {
         }
     }
 
-    fn on_lap(&mut self, h: &Header, r: &lap::Repr<'_>) {
-        let Some(slot) = self.by_ids(r.remote_comm_id, r.local_comm_id) else {
-            self.drops.bump(DropReason::UnknownConnection);
-            return;
+    fn on_lap(&mut self, r: &lap::Repr<'_>) {
+        // Alternate paths do not exist on RoCE: Linux's cm_lap_handler returns -EINVAL
+        // there, so the LAP is dropped and nothing is sent (no APR, no MRA). Counted.
+        let reason = match self.by_ids(r.remote_comm_id, r.local_comm_id) {
+            None => DropReason::UnknownConnection,
+            Some(s) if self.conns[s as usize].state == State::Established => DropReason::LapOnRoce,
+            Some(_) => DropReason::BadState,
         };
-        let c = &self.conns[slot as usize];
-        if c.state != State::Established {
-            self.drops.bump(DropReason::BadState);
-            return;
-        }
-        // Alternate paths are not supported (as Linux on RoCE): APR(UNSUPPORTED) at once,
-        // so no MRA(LAP) is ever needed. A repeated LAP gets the same answer again.
-        let dup = c.lap_tid == Some(h.tid);
-        let a = CmRepr::Apr(apr::Repr {
-            local_comm_id: c.local_id,
-            remote_comm_id: c.remote_id,
-            ar_status: AprStatus::Unsupported,
-            additional_info: &[],
-            private_data: &[],
-        });
-        let dst = c.remote_gid;
-        if dup {
-            self.dup(AttributeId::Lap);
-        }
-        self.send(dst, &Header::cm_send(AttributeId::Apr, h.tid), &a, dup);
-        self.conns[slot as usize].lap_tid = Some(h.tid);
+        self.drops.bump(reason);
     }
 
     fn on_sidr_req(&mut self, h: &Header, r: &sidr_req::Repr<'_>, src: Gid) {

@@ -33,11 +33,14 @@ pub enum DropReason {
     Unsolicited,
     /// A message the agent built could not be encoded (never expected).
     EmitFailed,
+    /// A LAP for a connection: alternate paths are not supported on RoCE, and Linux
+    /// drops LAPs there too (`cm_lap_handler` returns `-EINVAL`); nothing is answered.
+    LapOnRoce,
 }
 
 impl DropReason {
     /// Every reason.
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 11] = [
         DropReason::Truncated,
         DropReason::WrongClass,
         DropReason::UnknownAttribute,
@@ -48,6 +51,7 @@ impl DropReason {
         DropReason::QpnMismatch,
         DropReason::Unsolicited,
         DropReason::EmitFailed,
+        DropReason::LapOnRoce,
     ];
 
     /// Short name for logs.
@@ -63,6 +67,7 @@ impl DropReason {
             DropReason::QpnMismatch => "qpn_mismatch",
             DropReason::Unsolicited => "unsolicited",
             DropReason::EmitFailed => "emit_failed",
+            DropReason::LapOnRoce => "lap_on_roce",
         }
     }
 
@@ -92,7 +97,7 @@ impl DropReason {
 
 /// Counted drops, one value per [`DropReason`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Drops([u64; 10]);
+pub struct Drops([u64; 11]);
 
 impl Drops {
     /// Drops for one reason.

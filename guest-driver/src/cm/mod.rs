@@ -19,21 +19,28 @@
 //!   the REQ's Max CM Retries bounds the retries. Exhausted REQ/REP/SIDR_REQ retries
 //!   report [`Event::Unreachable`]; exhausted DREQ retries report `Disconnected` and
 //!   enter TimeWait.
-//! - MRA: a received MRA extends the wait to `ms(service timeout) + ms(packet life)`;
-//!   the agent itself sends MRA(REQ) (and MRA(REP) for an active side that confirms
-//!   REPs itself) when the application has not answered within
-//!   [`AgentConfig::mra_delay`], offering [`AgentConfig::mra_service_timeout`].
+//! - MRA: a received MRA makes this attempt and every remaining retry wait
+//!   `ms(service timeout) + ms(packet life)` (Linux `ib_modify_mad`). When the
+//!   application has not answered a REQ (or, on an active side that confirms REPs itself,
+//!   a REP) within [`AgentConfig::mra_delay`], the connection enters MRA_REQ_SENT
+//!   (MRA_REP_SENT) silently, as rdma_cm's `IB_CM_MRA_FLAG_DELAY`: the MRA, offering
+//!   [`AgentConfig::mra_service_timeout`], goes out only in answer to a duplicate REQ
+//!   (REP), never on a timer.
 //! - REJ reasons produced: CONSUMER_DEFINED (application reject, or destroy during the
 //!   handshake), INVALID_SERVICE_ID (no listener), STALE_CONN, TIMEOUT (destroy in
 //!   REQ_SENT / MRA_REQ_RCVD: ARI = our CA GUID big-endian, Remote Comm ID 0),
-//!   NO_RESOURCES (over [`AgentConfig::max_connections`]), INVALID_COMM_ID (a REP for a
-//!   comm ID we do not have), INVALID_GID (a REQ whose primary remote GID is not ours).
-//! - Duplicates by (remote comm ID, remote CA GUID): a duplicate REQ re-sends the MRA
-//!   if one was sent, gets REJ(STALE_CONN) if its connection is in TimeWait, else is
-//!   dropped; a duplicate REP re-sends the RTU (or the MRA(REP)); a DREQ for an unknown
+//!   NO_RESOURCES (over [`AgentConfig::max_connections`]), INVALID_GID (a REQ whose
+//!   primary remote GID is not ours). A REP for a comm ID we do not have is dropped and
+//!   counted, as in Linux.
+//! - Duplicates by (remote comm ID, remote CA GUID), while the connection is not in
+//!   TimeWait (entering TimeWait forgets the remote comm ID, as Linux's
+//!   `cm_remove_remote()`: a REQ reusing it is a new request): a duplicate REQ gets the
+//!   MRA in MRA_REQ_SENT, else is dropped; a duplicate REP re-sends the RTU (or the
+//!   MRA(REP)); a DREQ for an unknown
 //!   connection gets a stateless DREP; a DREQ in TimeWait gets the DREP again; a DREQ
 //!   whose Remote QPN is not our QPN is dropped. All counted in `cm_rx_duplicates`
-//!   (answers to duplicates count as `cm_tx_retries`, as in Linux; unlike Linux, which
+//!   (answers to duplicates count as `cm_tx_retries`, except a delayed MRA going out
+//!   for the first time; unlike Linux, which
 //!   adds 2 to `cm_tx_msgs` for such an answer, every MAD sent counts once, so one
 //!   side's `cm_tx_msgs` equals the other's `cm_rx_msgs` on a lossless wire).
 //! - Stale connections (IBTA 12.4.1, 12.9.8.3.1): a REQ or REP naming a (CA GUID, QPN)
@@ -45,9 +52,9 @@
 //!   the allocator. Comm IDs: cyclic index XOR a random operand, never 0, never one
 //!   held. TIDs: `hi_tid << 32 | local comm ID` for REQ, DREQ and SIDR_REQ; answers
 //!   echo the TID they answer.
-//! - LAP is answered at once with APR status UNSUPPORTED (alternate paths are not
-//!   supported; Linux on RoCE ignores LAPs altogether), so no MRA(LAP) is ever needed;
-//!   a repeated LAP gets the APR again. APRs are never expected (we send no LAP).
+//! - LAP is dropped and counted ([`DropReason::LapOnRoce`]), nothing is answered: on
+//!   RoCE there are no alternate paths, and Linux's `cm_lap_handler` drops LAPs there
+//!   too. APRs are never expected (we send no LAP).
 //! - Handles (`CmId`) live until `destroy()`, as rdma_cm ids do; destroying one
 //!   withdraws its queued events.
 //! - ClassPortInfo GET is answered with GETRESP.
