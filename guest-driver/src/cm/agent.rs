@@ -16,6 +16,7 @@ use super::config::{AgentConfig, cm_ack_timeout};
 use super::counters::{CmCounters, DropReason, Drops, Group};
 use super::event::{CmId, Event, State};
 use super::ids::{CommIds, QpnPool, SplitMix64};
+use super::pacing::{Pace, PacingCounters, Window};
 use crate::time::Time;
 
 /// A MAD the agent wants sent, with its destination GID (the device ABI's addressing:
@@ -93,6 +94,8 @@ pub(crate) struct Conn {
     pub sidr_key: Option<(Gid, u32)>,
     /// Listener: answer SIDR_REQs with this (QPN, Q_Key) without asking.
     pub sidr_auto: Option<(u32, u32)>,
+    /// Where the connection's paced request (REQ, DREQ) stands.
+    pub pace: Pace,
 }
 
 impl Conn {
@@ -130,6 +133,7 @@ impl Conn {
             req_initiator_depth: 0,
             sidr_key: None,
             sidr_auto: None,
+            pace: Pace::Idle,
         }
     }
 }
@@ -164,6 +168,11 @@ pub struct Agent {
     pub(crate) counters: CmCounters,
     pub(crate) drops: Drops,
     pub(crate) connections: usize,
+    /// Per-destination request windows (see `pacing.rs`).
+    pub(crate) windows: HashMap<Gid, Window>,
+    /// Destinations whose window freed a slot since the last flush.
+    pub(crate) pace_dirty: Vec<Gid>,
+    pub(crate) pace_counters: PacingCounters,
 }
 
 impl Agent {
@@ -191,6 +200,9 @@ impl Agent {
             counters: CmCounters::default(),
             drops: Drops::default(),
             connections: 0,
+            windows: HashMap::new(),
+            pace_dirty: Vec::new(),
+            pace_counters: PacingCounters::default(),
         }
     }
 
@@ -261,7 +273,7 @@ impl Agent {
     }
 
     /// True when the agent holds no protocol state at all besides listeners: no
-    /// connection, comm ID, QPN, index entry, timer or unsent MAD.
+    /// connection, comm ID, QPN, index entry, timer, unsent MAD or paced request.
     pub fn is_quiescent(&self) -> bool {
         self.connections == 0
             && self.comm_ids.is_empty()
@@ -271,6 +283,7 @@ impl Agent {
             && self.sidr_rcvd.is_empty()
             && self.armed == 0
             && self.outbox.is_empty()
+            && self.windows.is_empty()
     }
 
     /// How many remembered connections are in each state.
@@ -310,6 +323,7 @@ impl Agent {
                 d.msg = None;
                 d.reply = None;
                 d.timer = None;
+                d.pace = Pace::Idle;
                 d.generation = d.generation.wrapping_add(1);
                 d
             })
@@ -407,9 +421,11 @@ impl Agent {
         }
     }
 
-    /// Releases what the protocol holds for a connection: comm ID, indexes, QPN,
-    /// retried MAD, timer. The record itself stays (the application may hold it).
+    /// Releases what the protocol holds for a connection: paced request, comm ID,
+    /// indexes, QPN, retried MAD, timer. The record itself stays (the application may
+    /// hold it).
     fn release_protocol(&mut self, slot: u32) {
+        self.pace_release(slot);
         self.disarm(slot);
         self.unindex_remote_id(slot);
         self.unindex_remote_qpn(slot);
@@ -458,7 +474,10 @@ impl Agent {
         c.state = State::Timewait;
         c.msg = None;
         let wait = linux_ms(c.av_timeout);
-        self.arm(slot, now.after_ms(wait));
+        // A DREQ still waiting for its window: the wait starts when it goes out.
+        if !self.pace_queued(slot) {
+            self.arm(slot, now.after_ms(wait));
+        }
     }
 
     // ----------------------------------------------------------------- timers
@@ -524,6 +543,7 @@ impl Agent {
             self.disarm(slot);
             self.fire(slot, now);
         }
+        self.pace_flush(now);
     }
 
     fn fire(&mut self, slot: u32, now: Time) {
@@ -541,10 +561,12 @@ impl Agent {
                 {
                     c.retries_left -= 1;
                     let (dst, t) = (c.remote_gid, c.timeout_ms);
+                    self.pace_timeout(slot);
                     self.push(dst, m, true);
                     self.arm(slot, now.after_ms(t));
                     return;
                 }
+                self.pace_release(slot);
                 let id = self.id_of(slot);
                 if state == State::DreqSent {
                     // Linux IB_CM_DREQ_ERROR -> rdma_cm DISCONNECTED.
@@ -702,15 +724,22 @@ impl Agent {
             private_data,
         });
         let dst = c.remote_gid;
-        let sent = self.send(dst, &Header::cm_send(AttributeId::Dreq, tid), &r, false);
+        // Paced like a REQ: a burst of disconnects must not overrun the peer either.
+        let Some(mad) = self.encode(&Header::cm_send(AttributeId::Dreq, tid), &r) else {
+            return;
+        };
         if retried {
             let c = &mut self.conns[slot as usize];
             c.tid = tid;
-            c.msg = sent;
+            c.msg = Some(mad);
             c.retries_left = c.max_retries;
             c.state = State::DreqSent;
             let t = c.timeout_ms;
-            self.arm(slot, now.after_ms(t));
+            if self.send_request(slot, dst, mad) {
+                self.arm(slot, now.after_ms(t));
+            }
+        } else {
+            self.send_request(slot, dst, mad);
         }
     }
 
@@ -778,6 +807,11 @@ impl Agent {
     /// `now` run first. Malformed input is counted in [`Agent::drops`], never a panic.
     pub fn handle_mad(&mut self, mad: &[u8], src: Gid, now: Time) {
         self.poll(now);
+        self.receive(mad, src, now);
+        self.pace_flush(now);
+    }
+
+    fn receive(&mut self, mad: &[u8], src: Gid, now: Time) {
         let mad = mad.get(..MAD_LEN).unwrap_or(mad);
         let attr = match CmMad::new_checked(mad) {
             Ok(m) => m.attr(),
@@ -962,6 +996,8 @@ impl Agent {
         };
         let state = self.conns[slot as usize].state;
         if state == waiting {
+            // The peer has the REQ: its window slot is free.
+            self.pace_answered(slot);
             // Linux cm_mra_handler -> ib_modify_mad(): the wait becomes service timeout
             // + packet life, for this attempt and every remaining retry.
             let c = &mut self.conns[slot as usize];
@@ -1005,6 +1041,7 @@ impl Agent {
                 return;
             }
         };
+        self.pace_answered(slot);
         if self.conns[slot as usize].app {
             self.event(Event::Rejected {
                 id,
@@ -1068,6 +1105,7 @@ impl Agent {
             }
             return;
         }
+        self.pace_answered(slot);
         let c = &mut self.conns[slot as usize];
         c.remote_id = r.local_comm_id;
         c.remote_ca_guid = r.local_ca_guid;
@@ -1140,6 +1178,9 @@ impl Agent {
         }
         match self.conns[slot as usize].state {
             State::RepSent | State::MraRepRcvd | State::DreqSent | State::Established => {
+                // Our own DREQ, if any, crossed the peer's: it is answered (or, still
+                // queued, moot), as Linux cancels it.
+                self.pace_answered(slot);
                 self.disarm(slot);
                 let c = &mut self.conns[slot as usize];
                 c.msg = None;
@@ -1176,6 +1217,11 @@ impl Agent {
             self.drops.bump(DropReason::UnknownConnection);
             return;
         };
+        // The DREP answers our DREQ, also the one DREQ of a destroyed connection that
+        // is in TimeWait already (a DREQ still queued was never sent: not this one's).
+        if !self.pace_queued(slot) {
+            self.pace_answered(slot);
+        }
         match self.conns[slot as usize].state {
             State::DreqSent | State::DreqRcvd => {
                 self.disarm(slot);

@@ -137,6 +137,9 @@ impl Agent {
     /// Starts a connection: sends a REQ to `dest` for `service_id` (state REQ_SENT),
     /// retried every `2 * ms(packet life) + ms(remote response timeout)` up to
     /// `max_cm_retries` times; then `Unreachable`. `destroy()` right after is legal.
+    /// With [`AgentConfig::pacing`](super::AgentConfig::pacing) the REQ may first wait
+    /// for a slot of the destination's window (state REQ_SENT all the same; its timers
+    /// start when it is sent).
     pub fn connect(
         &mut self,
         dest: Gid,
@@ -228,7 +231,7 @@ impl Agent {
             sap_supported: false,
             private_data,
         });
-        let Some(sent) = self.send(dest, &Header::cm_send(AttributeId::Req, tid), &r, false) else {
+        let Some(sent) = self.encode(&Header::cm_send(AttributeId::Req, tid), &r) else {
             self.free_slot(slot);
             return Err(CmError::NoResources);
         };
@@ -246,7 +249,11 @@ impl Agent {
         c.auto_rtu = opts.auto_rtu;
         c.msg = Some(sent);
         let t = c.timeout_ms;
-        self.arm(slot, now.after_ms(t));
+        // Through the destination's window: a REQ that has to wait is sent (and its
+        // timer started) when a slot frees up.
+        if self.send_request(slot, dest, sent) {
+            self.arm(slot, now.after_ms(t));
+        }
         Ok(self.id_of(slot))
     }
 
@@ -336,7 +343,13 @@ impl Agent {
     /// waiting for the application, a REP (REP_RCVD, MRA_REP_SENT) with REJ
     /// (CONSUMER_DEFINED) and this private data; the handle goes IDLE. On a SIDR request
     /// sends SIDR_REP(REJECT).
-    pub fn reject(&mut self, id: CmId, private_data: &[u8], _now: Time) -> Result<(), CmError> {
+    pub fn reject(&mut self, id: CmId, private_data: &[u8], now: Time) -> Result<(), CmError> {
+        let r = self.reject_inner(id, private_data);
+        self.pace_flush(now);
+        r
+    }
+
+    fn reject_inner(&mut self, id: CmId, private_data: &[u8]) -> Result<(), CmError> {
         let slot = self.slot(id)?;
         let state = self.conns[slot as usize].state;
         match state {
@@ -381,6 +394,12 @@ impl Agent {
     /// when the DREP comes or the retries run out); after a received DREQ (DREQ_RCVD)
     /// sends the DREP. Either way the connection then waits out its TimeWait.
     pub fn disconnect(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
+        let r = self.disconnect_inner(id, now);
+        self.pace_flush(now);
+        r
+    }
+
+    fn disconnect_inner(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
         let slot = self.slot(id)?;
         match self.conns[slot as usize].state {
             State::Established => {
@@ -402,14 +421,24 @@ impl Agent {
     /// REJ(CONSUMER_DEFINED) from the other handshake states; one DREQ (not retried)
     /// from ESTABLISHED; a DREP from DREQ_RCVD; SIDR_REP(REJECT) for a pending SIDR
     /// request. A connection that needs a TimeWait keeps its comm ID until the wait
-    /// ends.
+    /// ends. A connect whose REQ still waits for its destination's window leaves the
+    /// queue with no wire traffic at all.
     pub fn destroy(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
+        let r = self.destroy_inner(id, now);
+        self.pace_flush(now);
+        r
+    }
+
+    fn destroy_inner(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
         let slot = self.slot(id)?;
         self.conns[slot as usize].app = false;
         self.forget_events(id);
         match self.conns[slot as usize].state {
             State::Listen | State::Idle | State::SidrReqSent => self.free_slot(slot),
             State::SidrReqRcvd => self.sidr_answer(slot, SidrStatus::Reject, 0, 0, &[]),
+            // A REQ still waiting for its window never left: it leaves the queue and
+            // nothing goes on the wire.
+            State::ReqSent if self.pace_queued(slot) => self.go_idle(slot),
             State::ReqSent | State::MraReqRcvd => {
                 let c = &self.conns[slot as usize];
                 let (dst, tid, local) = (c.remote_gid, c.tid, c.local_id);

@@ -70,6 +70,7 @@ mod config;
 mod counters;
 mod event;
 mod ids;
+mod pacing;
 pub mod rdma_cm;
 
 pub use agent::{Agent, OutMad};
@@ -82,4 +83,5 @@ pub use config::{
 pub use counters::{CmCounters, DropReason, Drops, Group, MESSAGES};
 pub use event::{CmError, CmId, Event, State};
 pub use ids::{CommIds, QpnPool, SplitMix64};
+pub use pacing::{PacingCounters, WindowInfo};
 pub use pvcm_wire::cm::{RejReason, SidrStatus};
