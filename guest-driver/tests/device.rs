@@ -21,9 +21,11 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pvcm_guest::cm::rdma_cm::{CmaHdr, req_private_data, split_private_data, tcp_service_id};
-use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group, State};
-use pvcm_guest::device::cmtime::{self, ClientOptions, ServerOptions, Step};
+use pvcm_guest::cm::rdma_cm::{
+    CmaHdr, EPHEMERAL_PORTS, req_private_data, roce_flow_label, split_private_data, tcp_service_id,
+};
+use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group, RejReason, State};
+use pvcm_guest::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use pvcm_guest::device::{
     Device, DeviceError, DeviceEvent, DeviceOptions, Notice, RxDrop, Transport,
 };
@@ -902,4 +904,137 @@ fn cmtime_client_and_server_on_two_threads() {
     );
     assert_eq!(b.agent().listener_count(), 1);
     assert_eq!(a.stats().rx_dropped() + b.stats().rx_dropped(), 0);
+}
+
+// ----------------------------------------------------------------- honest reports
+
+#[test]
+fn cmtime_counts_timeouts_as_failures_and_never_reports_failed_0() {
+    let host = FakeHost::new();
+    let clock = ManualClock::new();
+    let mut a = start(&host, &clock, port(1), 64);
+    // Nobody at 10.0.0.9: the REQs draw SEND_ERRORs and are retried until the phase's
+    // time is up; nothing is established.
+    let r = cmtime::client(
+        &mut a,
+        &ClientOptions {
+            dest: gid(9),
+            port: PORT,
+            connections: 40,
+            timeout: Duration::from_secs(10),
+        },
+    )
+    .unwrap();
+    assert_eq!((r.established, r.failed, r.disconnected), (0, 40, 0), "{r}");
+    assert_eq!(r.failures.get(&Failure::Timeout), Some(&40));
+    assert_eq!(r.failures_of("timeout"), 40);
+    assert!(!r.success());
+    let text = r.to_string();
+    assert!(
+        text.contains("failed 40") && text.contains("timeout: 40"),
+        "{text}"
+    );
+    assert!(!text.contains("failed 0"), "{text}");
+    // Paced: one window went out, the rest waited and left the queue unsent when the
+    // run destroyed them.
+    assert_eq!((r.pacing.sent, r.pacing.waited), (32, 8), "{}", r.pacing);
+    assert_eq!(r.pacing.cancelled, 8);
+    assert!(text.contains("pacing"), "{text}");
+    // Every REQ carried its own ephemeral source port in rdma_cm's header, and the flow
+    // label rdma_cm derives from it.
+    let h = host.lock().unwrap();
+    let mut ports = std::collections::HashSet::new();
+    for (hd, payload) in &h.devs[0].log {
+        if hd.msg_type != MsgType::Mad {
+            continue;
+        }
+        if let Ok((_, pvcm_wire::cm::CmRepr::Req(req))) = pvcm_wire::cm::CmRepr::parse(payload) {
+            let (hdr, _) = split_private_data(req.private_data).unwrap();
+            assert!(EPHEMERAL_PORTS.contains(&hdr.src_port), "{}", hdr.src_port);
+            assert_eq!(
+                req.primary_path.flow_label,
+                roce_flow_label(hdr.src_port, PORT)
+            );
+            assert_eq!(req.path_mtu, abi::MTU_2048, "the port's MTU");
+            ports.insert(hdr.src_port);
+        }
+    }
+    assert_eq!(ports.len(), 32, "one port per connection sent");
+}
+
+#[test]
+fn cmtime_counts_rejects_with_their_reason() {
+    let host = FakeHost::new();
+    let (ta, qa) = vm(&host, port(1), 64, None);
+    let (tb, qb) = vm(&host, port(2), 64, None);
+    let mut a = Device::start(ta, qa, SystemClock::new(), opts(1)).unwrap();
+    let mut b = Device::start(tb, qb, SystemClock::new(), opts(2)).unwrap();
+    // B listens on nothing: every REQ is answered REJ(INVALID_SERVICE_ID).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = stop.clone();
+    let peer = std::thread::spawn(move || {
+        b.run_until(Duration::from_secs(60), |_| {
+            s.load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .unwrap();
+    });
+    const N: u32 = 50;
+    let r = cmtime::client(
+        &mut a,
+        &ClientOptions {
+            dest: gid(2),
+            port: 9001,
+            connections: N,
+            timeout: Duration::from_secs(30),
+        },
+    )
+    .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    peer.join().unwrap();
+    assert_eq!((r.established, r.failed, r.disconnected), (0, N, 0), "{r}");
+    let why = Failure::Rejected(RejReason::InvalidServiceId);
+    assert_eq!(r.failures.get(&why), Some(&N));
+    assert_eq!(why.to_string(), "rejected invalid_service_id(8)");
+    assert!(
+        r.to_string()
+            .contains(&format!("rejected invalid_service_id(8): {N}")),
+        "{r}"
+    );
+    assert!(!r.success());
+    // The window let every REJ free a slot: nothing timed out, nothing was cancelled.
+    assert_eq!(
+        (r.pacing.sent, r.pacing.answered),
+        (u64::from(N), u64::from(N))
+    );
+}
+
+#[test]
+fn an_attempt_ends_in_a_failure_with_its_reason() {
+    let id = {
+        let mut a =
+            pvcm_guest::cm::Agent::new(pvcm_guest::cm::AgentConfig::new(gid(1), 1, 0x100, 16, 1));
+        a.listen(1).unwrap()
+    };
+    assert_eq!(Failure::of_attempt(None), Some(Failure::Timeout));
+    assert_eq!(
+        Failure::of_attempt(Some(&Event::Unreachable { id })),
+        Some(Failure::Unreachable)
+    );
+    let rej = Event::Rejected {
+        id,
+        reason: RejReason::ConsumerDefined,
+        ari: vec![],
+        private_data: vec![],
+    };
+    assert_eq!(
+        Failure::of_attempt(Some(&rej)),
+        Some(Failure::Rejected(RejReason::ConsumerDefined))
+    );
+    let est = Event::Established {
+        id,
+        remote_qpn: 1,
+        private_data: vec![],
+    };
+    assert_eq!(Failure::of_attempt(Some(&est)), None);
+    assert_eq!(Failure::DisconnectTimeout.to_string(), "disconnect_timeout");
 }

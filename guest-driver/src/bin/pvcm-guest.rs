@@ -10,7 +10,9 @@
 //! prints one JSON object per line instead of text.
 //!
 //! Exit status: 0 success; 1 device or setup error; 2 usage error; 3 the CM operation
-//! failed (rejected, unreachable, timed out).
+//! failed (rejected, unreachable, timed out, no DREP), or, for `cmtime`, any connection
+//! failed or fewer than asked for were established and torn down. Every failure is
+//! reported with its reason (a REJ's reason name and number, `unreachable`, `timeout`).
 
 use std::fmt::Display;
 use std::path::PathBuf;
@@ -19,10 +21,13 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use pvcm_guest::cm::rdma_cm::{
-    CmaHdr, REQ_USER_PRIVATE_DATA_LEN, req_private_data, split_private_data, tcp_service_id,
+    CmaHdr, EphemeralPorts, REQ_USER_PRIVATE_DATA_LEN, req_private_data, split_private_data,
+    tcp_service_id,
 };
-use pvcm_guest::cm::{CmError, CmId, ConnectOptions, Event, Group, MESSAGES};
-use pvcm_guest::device::cmtime::{self, ClientOptions, ServerOptions, Step};
+use pvcm_guest::cm::{
+    CmError, CmId, ConnectOptions, Event, Group, MESSAGES, PacingCounters, RejReason,
+};
+use pvcm_guest::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use pvcm_guest::device::pci::{PciDevice, PciOptions};
 use pvcm_guest::device::{
     Device, DeviceError, DeviceEvent, DeviceOptions, Notice, Transport, random_seed,
@@ -168,6 +173,10 @@ enum Cmd {
         /// Seconds to stay connected before disconnecting.
         #[arg(long, default_value = "0", value_parser = parse_secs, value_name = "SECS")]
         hold: Duration,
+        /// Source port for rdma_cm's header (a bound id); default: an ephemeral port,
+        /// as rdma_cm picks for an unbound id.
+        #[arg(long, value_name = "PORT")]
+        src_port: Option<u16>,
     },
     /// Connect, then destroy at once (seed 002: the REQ, then REJ(TIMEOUT)).
     ConnectDestroy {
@@ -273,14 +282,18 @@ fn run(cli: &Cli, out: Out) -> Result<ExitCode, DeviceError> {
             data,
             timeout,
             hold,
+            src_port,
         } => connect(
             &mut dev,
             out,
-            *dest,
-            *port,
-            data.as_deref(),
-            *timeout,
-            *hold,
+            ConnectArgs {
+                dest: *dest,
+                port: *port,
+                data: data.as_deref(),
+                timeout: *timeout,
+                hold: *hold,
+                src_port: *src_port,
+            },
         ),
         Cmd::ConnectDestroy { dest, port, settle } => {
             connect_destroy(&mut dev, out, *dest, *port, *settle)
@@ -350,7 +363,8 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
         "device      {}\nname        {}\nabi         {}\nport        {}\ngid         {}\n\
          ca_guid     {:#018x}\nlid         {:#06x}\npkey        {:#06x}\n\
          qpns        {:#x}..{:#x} ({})\nquota       {} connections\n\
-         features    {:#x}\nqueues      tx {} rx {}\n{}{}",
+         mtu         {} (code {})\nack_delay   {}\n\
+         features    {:#x}\nqueues      tx {} rx {}\n{}{}\n{}",
         dev.transport().describe(),
         p.name,
         p.abi_version,
@@ -363,11 +377,15 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
         u64::from(p.qpn_base) + u64::from(p.qpn_count),
         p.qpn_count,
         p.max_entries,
+        128u32 << p.mtu_or_default(),
+        p.active_mtu,
+        p.ca_ack_delay,
         features,
         txs,
         rxs,
         dev.agent().counters(),
         dev.stats(),
+        dev.agent().pacing(),
     );
     out.emit(
         text,
@@ -383,12 +401,52 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
             "qpn_base": p.qpn_base,
             "qpn_count": p.qpn_count,
             "max_entries": p.max_entries,
+            "active_mtu": p.active_mtu,
+            "ca_ack_delay": p.ca_ack_delay,
             "features": format!("{features:#x}"),
             "queue_size": {"tx": txs, "rx": rxs},
             "counters": counters_json(dev),
+            "pacing": pacing_json(&dev.agent().pacing()),
         }),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn pacing_json(p: &PacingCounters) -> Value {
+    json!({
+        "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
+        "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
+        "decreases": p.decreases, "max_outstanding": p.max_outstanding,
+        "max_queued": p.max_queued, "min_window": p.min_window, "max_window": p.max_window,
+    })
+}
+
+/// A REJ reason for people and for JSON: `timeout(4)`; `reason` keeps the variant name
+/// (`Timeout`) that scripts match.
+fn rej_json(reason: RejReason) -> Value {
+    json!({
+        "reason": format!("{reason:?}"),
+        "reason_name": reason.name(),
+        "reason_code": reason.code(),
+    })
+}
+
+/// A failure as JSON fields: `failure` (its kind) and, for a REJ, its reason.
+fn failure_json(f: Failure) -> serde_json::Map<String, Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("failure".into(), json!(f.kind()));
+    if let Some(Value::Object(r)) = f.rej_reason().map(rej_json) {
+        m.extend(r);
+    }
+    m
+}
+
+/// `base` with `extra`'s fields added.
+fn with(mut base: Value, extra: serde_json::Map<String, Value>) -> Value {
+    if let Value::Object(m) = &mut base {
+        m.extend(extra);
+    }
+    base
 }
 
 fn device_event(out: Out, e: &DeviceEvent) {
@@ -480,8 +538,11 @@ fn listen<T: Transport, C: Clock>(
                 dev.destroy(id)?;
                 done += 1;
                 out.emit(
-                    format!("{id}: rejected by the peer ({reason:?})"),
-                    json!({"event": "rejected", "id": id.to_string(), "reason": format!("{reason:?}")}),
+                    format!("{id}: rejected by the peer: REJ reason {reason}"),
+                    with(
+                        json!({"event": "rejected", "id": id.to_string()}),
+                        failure_json(Failure::Rejected(reason)),
+                    ),
                 );
             }
             Notice::Cm(Event::Unreachable { id }) => {
@@ -539,18 +600,42 @@ fn failed<T: Transport, C: Clock>(
     Ok(ExitCode::from(EXIT_CM_FAILED))
 }
 
+/// What `connect` was asked to do.
+#[derive(Debug, Clone, Copy)]
+struct ConnectArgs<'a> {
+    dest: Gid,
+    port: u16,
+    data: Option<&'a str>,
+    timeout: Duration,
+    hold: Duration,
+    src_port: Option<u16>,
+}
+
+/// The source port of an rdma_cm id: the bound one, else an ephemeral one as rdma_cm
+/// picks (`cma_alloc_any_port()`).
+fn source_port<T: Transport, C: Clock>(dev: &Device<T, C>, bound: Option<u16>) -> u16 {
+    bound
+        .or_else(|| EphemeralPorts::new(dev.options().seed ^ u64::from(std::process::id())).alloc())
+        .unwrap_or(0)
+}
+
 fn connect<T: Transport, C: Clock>(
     dev: &mut Device<T, C>,
     out: Out,
-    dest: Gid,
-    port: u16,
-    data: Option<&str>,
-    timeout: Duration,
-    hold: Duration,
+    a: ConnectArgs<'_>,
 ) -> Result<ExitCode, DeviceError> {
+    let ConnectArgs {
+        dest,
+        port,
+        data,
+        timeout,
+        hold,
+        src_port,
+    } = a;
     let local = dev.agent().config().gid;
+    let sport = source_port(dev, src_port);
     let pd = req_private_data(
-        &CmaHdr::from_gids(local, dest, 0),
+        &CmaHdr::from_gids(local, dest, sport),
         data.unwrap_or("").as_bytes(),
     )
     .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
@@ -563,39 +648,40 @@ fn connect<T: Transport, C: Clock>(
         )
     })?;
     let took = ms(dev.now().since(t0));
-    match first {
-        Some(Event::Established {
-            remote_qpn,
-            private_data,
-            ..
-        }) => {
-            let text = pd_text(&private_data, false);
-            out.emit(
-                format!("{id}: established to {dest} port {port} in {took} ms (remote qpn {remote_qpn:#x}, data {text:?})"),
-                json!({"event": "established", "id": id.to_string(), "dest": dest.to_string(), "port": port, "ms": took, "remote_qpn": remote_qpn, "data": text}),
-            );
-        }
-        Some(Event::Rejected { reason, .. }) => {
-            out.emit(
-                format!("{id}: rejected by {dest} ({reason:?}) after {took} ms"),
-                json!({"event": "rejected", "id": id.to_string(), "reason": format!("{reason:?}"), "ms": took}),
-            );
-            return failed(dev, id);
-        }
-        Some(_) => {
-            out.emit(
-                format!("{id}: {dest} unreachable after {took} ms"),
-                json!({"event": "unreachable", "id": id.to_string(), "ms": took}),
-            );
-            return failed(dev, id);
-        }
-        None => {
-            out.emit(
-                format!("{id}: no answer within {timeout:?}; destroying (REJ timeout)"),
-                json!({"event": "timeout", "id": id.to_string(), "ms": took}),
-            );
-            return failed(dev, id);
-        }
+    if let Some(f) = Failure::of_attempt(first.as_ref()) {
+        let text = match f {
+            Failure::Rejected(r) => {
+                format!("{id}: failed: rejected by {dest}: REJ reason {r} after {took} ms")
+            }
+            Failure::Unreachable => {
+                format!("{id}: failed: {dest} unreachable (no answer to any retry) after {took} ms")
+            }
+            _ => format!(
+                "{id}: failed: timeout: no answer within {timeout:?}; destroying (REJ timeout)"
+            ),
+        };
+        // The event names scripts know: rejected / unreachable / timeout.
+        let event = f.kind();
+        out.emit(
+            text,
+            with(
+                json!({"event": event, "id": id.to_string(), "dest": dest.to_string(), "port": port, "ms": took}),
+                failure_json(f),
+            ),
+        );
+        return failed(dev, id);
+    }
+    if let Some(Event::Established {
+        remote_qpn,
+        private_data,
+        ..
+    }) = first
+    {
+        let text = pd_text(&private_data, false);
+        out.emit(
+            format!("{id}: established to {dest} port {port} from port {sport} in {took} ms (remote qpn {remote_qpn:#x}, data {text:?})"),
+            json!({"event": "established", "id": id.to_string(), "dest": dest.to_string(), "port": port, "src_port": sport, "ms": took, "remote_qpn": remote_qpn, "data": text}),
+        );
     }
     // Hold, watching for the peer's DREQ.
     let peer_left = wait_for(dev, out, id, hold, |e| {
@@ -604,6 +690,7 @@ fn connect<T: Transport, C: Clock>(
     .is_some();
     let t1 = dev.now();
     dev.disconnect(id)?;
+    let mut code = ExitCode::SUCCESS;
     if peer_left {
         out.emit(
             format!("{id}: disconnected by the peer"),
@@ -614,13 +701,22 @@ fn connect<T: Transport, C: Clock>(
             matches!(e, Event::Disconnected { .. })
         })?;
         let took = ms(dev.now().since(t1));
-        out.emit(
-            format!(
-                "{id}: disconnected in {took} ms{}",
-                if got.is_some() { "" } else { " (no DREP)" }
-            ),
-            json!({"event": "disconnected", "by": "us", "id": id.to_string(), "ms": took, "drep": got.is_some()}),
-        );
+        if got.is_some() {
+            out.emit(
+                format!("{id}: disconnected in {took} ms"),
+                json!({"event": "disconnected", "by": "us", "id": id.to_string(), "ms": took, "drep": true}),
+            );
+        } else {
+            // A teardown that timed out is a failure too.
+            out.emit(
+                format!("{id}: failed: disconnect_timeout: no DREP within {timeout:?}"),
+                with(
+                    json!({"event": "disconnected", "by": "us", "id": id.to_string(), "ms": took, "drep": false}),
+                    failure_json(Failure::DisconnectTimeout),
+                ),
+            );
+            code = ExitCode::from(EXIT_CM_FAILED);
+        }
     }
     dev.destroy(id)?;
     dev.flush(Duration::from_secs(1))?;
@@ -628,7 +724,7 @@ fn connect<T: Transport, C: Clock>(
         format!("{id}: destroyed"),
         json!({"event": "destroyed", "id": id.to_string()}),
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 fn connect_destroy<T: Transport, C: Clock>(
@@ -639,7 +735,8 @@ fn connect_destroy<T: Transport, C: Clock>(
     settle: Duration,
 ) -> Result<ExitCode, DeviceError> {
     let local = dev.agent().config().gid;
-    let pd = req_private_data(&CmaHdr::from_gids(local, dest, 0), &[])
+    let sport = source_port(dev, None);
+    let pd = req_private_data(&CmaHdr::from_gids(local, dest, sport), &[])
         .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
     let id = dev.connect(dest, tcp_service_id(port), &pd, &ConnectOptions::default())?;
     dev.destroy(id)?;
@@ -694,20 +791,24 @@ fn cmtime_client<T: Transport, C: Clock>(
             }),
         );
     }
+    let failures: Vec<Value> = r
+        .failures
+        .iter()
+        .map(|(f, n)| with(json!({"count": n}), failure_json(*f)))
+        .collect();
     out.emit(
         &r,
         json!({
             "connections": r.connections, "established": r.established,
-            "failed": r.failed, "disconnected": r.disconnected, "steps": steps,
+            "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
+            "steps": steps, "pacing": pacing_json(&r.pacing),
         }),
     );
-    Ok(
-        if r.established == r.connections && r.disconnected == r.connections {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(EXIT_CM_FAILED)
-        },
-    )
+    Ok(if r.success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CM_FAILED)
+    })
 }
 
 fn cmtime_server<T: Transport, C: Clock>(
@@ -813,17 +914,36 @@ mod tests {
                 data,
                 timeout,
                 hold,
+                src_port,
             } => {
                 assert_eq!(dest, Gid::from_ipv4([10, 0, 0, 2].into()));
                 assert_eq!(port, 18515);
                 assert_eq!(data.as_deref(), Some("hello"));
                 assert_eq!(timeout, Duration::from_millis(2500));
                 assert_eq!(hold, Duration::ZERO);
+                assert_eq!(src_port, None);
             }
             other => panic!("{other:?}"),
         }
         let c = parse(&["connect", "--dest", "fe80::1", "--port", "1"]).unwrap();
         assert!(matches!(c.cmd, Cmd::Connect { dest, .. } if dest.to_string() == "fe80::1"));
+        let c = parse(&[
+            "connect",
+            "--dest",
+            "10.0.0.2",
+            "--port",
+            "1",
+            "--src-port",
+            "4000",
+        ])
+        .unwrap();
+        assert!(matches!(
+            c.cmd,
+            Cmd::Connect {
+                src_port: Some(4000),
+                ..
+            }
+        ));
         assert!(parse(&["connect", "--dest", "nope", "--port", "1"]).is_err());
         assert!(parse(&["connect", "--dest", "10.0.0.2"]).is_err());
         assert!(parse(&["connect", "--dest", "10.0.0.2", "--port", "70000"]).is_err());
@@ -893,6 +1013,26 @@ mod tests {
         let e = parse(&["cmtime", "--server", "--dest", "10.0.0.1"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ArgumentConflict);
         assert!(parse(&[]).is_err(), "a command is required");
+    }
+
+    #[test]
+    fn failures_carry_their_reason() {
+        let r = failure_json(Failure::Rejected(RejReason::InvalidServiceId));
+        assert_eq!(r["failure"], "rejected");
+        assert_eq!(r["reason_name"], "invalid_service_id");
+        assert_eq!(r["reason_code"], 8);
+        assert_eq!(r["reason"], "InvalidServiceId");
+        // What e2e.sh matches for a REJ(TIMEOUT) ("imeout" in the reason).
+        let t = failure_json(Failure::Rejected(RejReason::Timeout));
+        assert!(t["reason"].as_str().unwrap().contains("imeout"));
+        let t = failure_json(Failure::Timeout);
+        assert_eq!(t["failure"], "timeout");
+        assert!(!t.contains_key("reason_code"));
+        let v = with(json!({"event": "x"}), failure_json(Failure::Unreachable));
+        assert_eq!(
+            (v["event"].as_str(), v["failure"].as_str()),
+            (Some("x"), Some("unreachable"))
+        );
     }
 
     #[test]

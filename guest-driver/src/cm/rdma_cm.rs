@@ -108,6 +108,15 @@ impl EphemeralPorts {
         None
     }
 
+    /// The next port of the range, whether held or not: for more ids than the range has
+    /// ports (Linux would refuse the bind; a benchmark shares ports instead).
+    pub fn shared(&mut self) -> u16 {
+        let (lo, hi) = (*EPHEMERAL_PORTS.start(), *EPHEMERAL_PORTS.end());
+        let p = self.next;
+        self.next = if p >= hi { lo } else { p + 1 };
+        p
+    }
+
     /// Gives a port back.
     pub fn release(&mut self, port: u16) {
         self.used.remove(&port);
@@ -327,6 +336,7 @@ mod tests {
             assert!(p.alloc().is_some());
         }
         assert_eq!(p.alloc(), None);
+        assert!(EPHEMERAL_PORTS.contains(&p.shared()));
         // Different seeds start elsewhere.
         assert_ne!(
             EphemeralPorts::new(1).alloc(),

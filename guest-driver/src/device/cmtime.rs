@@ -12,19 +12,28 @@
 //! A step's total runs from its first start to its last end, flushes to the device
 //! included. Connections use simulated QPs from the port's QPN range (cmtime without
 //! QPs); the service ID is rdma_cm's TCP one for the port and the REQ carries rdma_cm's
-//! private-data header, so either side can be an rdma_cm peer.
+//! private-data header with a source port of its own (an ephemeral port per connection,
+//! as rdma_cm binds an unbound id), so either side can be an rdma_cm peer.
+//!
+//! Every connection that is not established is a failure with its reason: the peer's
+//! REJ (reason name and number), unreachable (the REQ's retries ran out), or a timeout
+//! (no answer within the phase's time; the connection is then destroyed, which sends
+//! REJ(TIMEOUT)). So `established + failed == connections` always, and a teardown that
+//! did not complete in time is counted apart ([`Failure::DisconnectTimeout`]).
 //!
 //! The server listens on the port, accepts every request, answers each DREQ with a
 //! DREP and destroys the connection; it stops after N connections were torn down.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
 use pvcm_wire::Gid;
+use pvcm_wire::cm::RejReason;
 
 use super::{Device, DeviceError, Notice, Transport};
-use crate::cm::rdma_cm::{CmaHdr, req_private_data, tcp_service_id};
-use crate::cm::{CmId, ConnectOptions, Event};
+use crate::cm::rdma_cm::{CmaHdr, EphemeralPorts, req_private_data, tcp_service_id};
+use crate::cm::{CmId, ConnectOptions, Event, PacingCounters};
 use crate::time::{Clock, Time};
 
 /// cmtime's default port.
@@ -61,6 +70,60 @@ impl Step {
             Step::Establish => "establish",
             Step::Disconnect => "disconnect",
             Step::Destroy => "destroy",
+        }
+    }
+}
+
+/// Why a connection failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Failure {
+    /// The peer rejected it: REJ with this reason.
+    Rejected(RejReason),
+    /// No answer after every retry (the agent's `Unreachable`).
+    Unreachable,
+    /// Not established within the time allowed (then destroyed: REJ(TIMEOUT)).
+    Timeout,
+    /// Established, but the DREP did not come within the time allowed.
+    DisconnectTimeout,
+}
+
+impl Failure {
+    /// The failure an event that ends a connection attempt means (`None`: established,
+    /// or not an ending event); `None` for the event itself means the attempt timed out.
+    pub fn of_attempt(ev: Option<&Event>) -> Option<Failure> {
+        match ev {
+            None => Some(Failure::Timeout),
+            Some(Event::Rejected { reason, .. }) => Some(Failure::Rejected(*reason)),
+            Some(Event::Unreachable { .. }) => Some(Failure::Unreachable),
+            Some(_) => None,
+        }
+    }
+
+    /// Short name: `rejected`, `unreachable`, `timeout`, `disconnect_timeout`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Failure::Rejected(_) => "rejected",
+            Failure::Unreachable => "unreachable",
+            Failure::Timeout => "timeout",
+            Failure::DisconnectTimeout => "disconnect_timeout",
+        }
+    }
+
+    /// The REJ reason, for a rejection.
+    pub fn rej_reason(self) -> Option<RejReason> {
+        match self {
+            Failure::Rejected(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    /// `rejected invalid_service_id(8)`, `unreachable`, `timeout`, `disconnect_timeout`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Rejected(r) => write!(f, "rejected {r}"),
+            other => f.write_str(other.kind()),
         }
     }
 }
@@ -127,18 +190,39 @@ pub struct CmtimeReport {
     pub connections: u32,
     /// Connections established.
     pub established: u32,
-    /// Connections rejected or unreachable.
+    /// Connections not established: rejected, unreachable or timed out
+    /// (`established + failed == connections`).
     pub failed: u32,
     /// Connections whose teardown completed (DREP received).
     pub disconnected: u32,
+    /// Every failure by reason, teardown timeouts included.
+    pub failures: BTreeMap<Failure, u32>,
     /// Per step, in [`Step::ALL`] order.
     pub steps: [StepTimes; 4],
+    /// The agent's pacing counters at the end of the run.
+    pub pacing: PacingCounters,
 }
 
 impl CmtimeReport {
     /// The times of one step.
     pub fn step(&self, s: Step) -> &StepTimes {
         &self.steps[s as usize]
+    }
+
+    /// True when every connection was established and torn down.
+    pub fn success(&self) -> bool {
+        self.established == self.connections
+            && self.disconnected == self.connections
+            && self.failures.is_empty()
+    }
+
+    /// Failures of one kind ([`Failure::kind`]).
+    pub fn failures_of(&self, kind: &str) -> u32 {
+        self.failures
+            .iter()
+            .filter(|(f, _)| f.kind() == kind)
+            .map(|(_, n)| n)
+            .sum()
     }
 }
 
@@ -174,7 +258,14 @@ impl fmt::Display for CmtimeReport {
             f,
             "connections {} established {} failed {} disconnected {}",
             self.connections, self.established, self.failed, self.disconnected
-        )
+        )?;
+        if !self.failures.is_empty() {
+            write!(f, "\nfailures")?;
+            for (why, n) in &self.failures {
+                write!(f, " {why}: {n};")?;
+            }
+        }
+        write!(f, "\n{}", self.pacing)
     }
 }
 
@@ -245,8 +336,9 @@ pub fn client<T: Transport, C: Clock>(
     let n = o.connections as usize;
     let sid = tcp_service_id(o.port);
     let local = dev.agent().config().gid;
-    let pd = req_private_data(&CmaHdr::from_gids(local, o.dest, 0), &[])
-        .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
+    // rdma_cm binds each unbound id to an ephemeral source port (the flow label the
+    // agent derives hashes it); past the range's size ports are shared.
+    let mut ports = EphemeralPorts::new(dev.options().seed ^ 0x636d_7469_6d65);
     let opts = ConnectOptions::default();
     let mut steps = [StepTimes::default(); 4];
     let mut ids: Vec<CmId> = Vec::with_capacity(n);
@@ -258,6 +350,9 @@ pub fn client<T: Transport, C: Clock>(
     let t0 = dev.now();
     for i in 0..n {
         let s = dev.now();
+        let src_port = ports.alloc().unwrap_or_else(|| ports.shared());
+        let pd = req_private_data(&CmaHdr::from_gids(local, o.dest, src_port), &[])
+            .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
         let id = dev.connect(o.dest, sid, &pd, &opts)?;
         steps[Step::Connect as usize].add(dev.now().since(s));
         ids.push(id);
@@ -271,7 +366,7 @@ pub fn client<T: Transport, C: Clock>(
     let mut last = t0;
     let mut pending = n;
     let mut established = 0u32;
-    let mut failed = 0u32;
+    let mut failures: BTreeMap<Failure, u32> = BTreeMap::new();
     dev.run_until(o.timeout, |d| {
         while let Some(ev) = d.pop_cm_event() {
             let Some(&i) = index.get(&ev.id()) else {
@@ -290,7 +385,9 @@ pub fn client<T: Transport, C: Clock>(
                     if phase[i] == Phase::Connecting =>
                 {
                     phase[i] = Phase::Failed;
-                    failed += 1;
+                    if let Some(f) = Failure::of_attempt(Some(&ev)) {
+                        *failures.entry(f).or_default() += 1;
+                    }
                     pending -= 1;
                 }
                 _ => {}
@@ -299,6 +396,12 @@ pub fn client<T: Transport, C: Clock>(
         pending == 0
     })?;
     steps[Step::Establish as usize].total = last.since(t0);
+    // Whatever is still connecting has timed out (destroyed below: REJ(TIMEOUT)).
+    for p in phase.iter_mut().filter(|p| **p == Phase::Connecting) {
+        *p = Phase::Failed;
+        *failures.entry(Failure::Timeout).or_default() += 1;
+    }
+    let failed = failures.values().sum::<u32>();
 
     // disconnect
     let t1 = dev.now();
@@ -333,10 +436,15 @@ pub fn client<T: Transport, C: Clock>(
         pending == 0
     })?;
     steps[Step::Disconnect as usize].total = last.since(t1);
+    let stuck = phase.iter().filter(|p| **p == Phase::Disconnecting).count() as u32;
+    if stuck > 0 {
+        failures.insert(Failure::DisconnectTimeout, stuck);
+    }
 
-    // destroy
+    // destroy, newest first: a connect still waiting for its window leaves the queue
+    // unsent, instead of being sent because an older one's destroy freed a slot.
     let t2 = dev.now();
-    for id in &ids {
+    for id in ids.iter().rev() {
         let s = dev.now();
         dev.destroy(*id)?;
         steps[Step::Destroy as usize].add(dev.now().since(s));
@@ -351,7 +459,9 @@ pub fn client<T: Transport, C: Clock>(
         established,
         failed,
         disconnected,
+        failures,
         steps,
+        pacing: dev.agent().pacing(),
     })
 }
 
