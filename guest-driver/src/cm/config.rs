@@ -199,7 +199,8 @@ pub struct ConnectOptions {
     pub transport: TransportService,
     /// Send the RTU as soon as a REP arrives (rdma_cm with a QP). `false`: report
     /// `ConnectResponse` and wait for `accept()` on the active side (rdma_cm without a
-    /// QP), sending MRA(REP) if that takes longer than `mra_delay`.
+    /// QP); past `mra_delay` the connection is in MRA_REP_SENT and a duplicate REP
+    /// draws an MRA(REP).
     pub auto_rtu: bool,
     /// Starting PSN (24 bits); `None`: random.
     pub starting_psn: Option<u32>,
