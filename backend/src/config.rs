@@ -23,15 +23,14 @@ use std::str::FromStr;
 use clap::{Args, Parser, Subcommand};
 use pvcm_wire::Gid;
 
+use crate::backlog;
 use crate::mux::{Policy, VmConfig};
 use crate::wire::RxMode;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
-/// Default bound on messages waiting for a VM's rx buffers.
-pub const DEFAULT_RX_BACKLOG: usize = 256;
-/// Largest accepted `--rx-backlog`.
-pub const MAX_RX_BACKLOG: usize = 1 << 20;
+/// Largest accepted backlog budget, per VM or host-wide (64 GiB).
+pub const MAX_BACKLOG_BYTES: usize = 64 << 30;
 
 /// A configuration error: what was wrong, in words for the operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -233,8 +232,16 @@ pub struct ServeArgs {
     /// Capture every frame sent and received to this pcap file (IPv4, LINKTYPE_RAW).
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<PathBuf>,
-    /// Messages kept per VM while its rx queue has no buffers; further ones are dropped
-    /// and counted.
+    /// Memory for messages kept per VM while its rx queue has no buffers (K, M, G
+    /// suffixes; default 32M, about 100,000 MADs); past it they are dropped and counted
+    /// (rx_backlog_full).
+    #[arg(long, value_name = "SIZE")]
+    pub rx_backlog_bytes: Option<String>,
+    /// Memory for the rx backlogs of all VMs together (default 512M); past it messages
+    /// are dropped and counted (rx_host_budget).
+    #[arg(long, value_name = "SIZE")]
+    pub rx_host_backlog_bytes: Option<String>,
+    /// The per-VM budget as a number of messages (older form of --rx-backlog-bytes).
     #[arg(long, value_name = "N")]
     pub rx_backlog: Option<String>,
     /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
@@ -302,8 +309,10 @@ pub struct Config {
     pub metrics: Option<SocketAddr>,
     /// Capture file.
     pub pcap: Option<PathBuf>,
-    /// Per-VM rx backlog bound.
-    pub rx_backlog: usize,
+    /// Per-VM rx backlog budget, bytes.
+    pub rx_backlog_bytes: usize,
+    /// Host-wide rx backlog budget, bytes.
+    pub rx_host_backlog_bytes: usize,
     /// UDP port.
     pub bind_port: u16,
     /// How the soft port receives.
@@ -321,7 +330,8 @@ impl Config {
             control: None,
             metrics: None,
             pcap: None,
-            rx_backlog: DEFAULT_RX_BACKLOG,
+            rx_backlog_bytes: backlog::DEFAULT_VM_BYTES,
+            rx_host_backlog_bytes: backlog::DEFAULT_HOST_BYTES,
             bind_port: DEFAULT_PORT,
             wire_rx: RxMode::Auto,
             seed: None,
@@ -353,10 +363,24 @@ impl Config {
         cfg.pcap = args.pcap.clone();
         if let Some(n) = &args.rx_backlog {
             let n = parse_u64("--rx-backlog", n)?;
-            if n == 0 || n > MAX_RX_BACKLOG as u64 {
-                return err(format!("--rx-backlog {n}: must be 1 to {MAX_RX_BACKLOG}"));
+            let max = (MAX_BACKLOG_BYTES / backlog::MSG_COST) as u64;
+            if n == 0 || n > max {
+                return err(format!("--rx-backlog {n}: must be 1 to {max} messages"));
             }
-            cfg.rx_backlog = n as usize;
+            cfg.rx_backlog_bytes = n as usize * backlog::MSG_COST;
+        }
+        let size = |opt: &str, v: &str| match backlog::parse_size(v) {
+            Some(b) if (backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&b) => Ok(b),
+            _ => err(format!(
+                "{opt} {v:?}: a size from {} bytes (one message) to 64G, e.g. 32M",
+                backlog::MSG_COST
+            )),
+        };
+        if let Some(v) = &args.rx_backlog_bytes {
+            cfg.rx_backlog_bytes = size("--rx-backlog-bytes", v)?;
+        }
+        if let Some(v) = &args.rx_host_backlog_bytes {
+            cfg.rx_host_backlog_bytes = size("--rx-host-backlog-bytes", v)?;
         }
         if let Some(p) = &args.bind_port {
             let n = parse_u64("--bind-port", p)?;
@@ -397,8 +421,16 @@ impl Config {
                 return err("the control socket is also a VM socket");
             }
         }
-        if self.rx_backlog == 0 || self.rx_backlog > MAX_RX_BACKLOG {
-            return err(format!("rx backlog must be 1 to {MAX_RX_BACKLOG}"));
+        for (what, b) in [
+            ("per-VM", self.rx_backlog_bytes),
+            ("host", self.rx_host_backlog_bytes),
+        ] {
+            if !(backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&b) {
+                return err(format!(
+                    "{what} rx backlog budget {b}: must be {} bytes to 64G",
+                    backlog::MSG_COST
+                ));
+            }
         }
         if self.bind_port == 0 {
             return err("bind port must not be 0");
@@ -460,6 +492,14 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
         metrics: cli.metrics.clone().or_else(|| file.metrics.clone()),
         pcap: cli.pcap.clone().or_else(|| file.pcap.clone()),
         rx_backlog: cli.rx_backlog.clone().or_else(|| file.rx_backlog.clone()),
+        rx_backlog_bytes: cli
+            .rx_backlog_bytes
+            .clone()
+            .or_else(|| file.rx_backlog_bytes.clone()),
+        rx_host_backlog_bytes: cli
+            .rx_host_backlog_bytes
+            .clone()
+            .or_else(|| file.rx_host_backlog_bytes.clone()),
         bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
         wire_rx: cli.wire_rx.clone().or_else(|| file.wire_rx.clone()),
         seed: cli.seed.clone().or_else(|| file.seed.clone()),
@@ -537,7 +577,10 @@ mod tests {
         .unwrap();
         assert_eq!(c.vms.len(), 2);
         assert_eq!(c.policy, Policy::Mlx4Post2020);
-        assert_eq!((c.rx_backlog, c.bind_port), (8, 4792));
+        assert_eq!(
+            (c.rx_backlog_bytes, c.bind_port),
+            (8 * backlog::MSG_COST, 4792)
+        );
         assert!(c.metrics.is_some());
         for (args, want) in [
             (
@@ -603,7 +646,7 @@ mod tests {
         assert_eq!(c.vms.len(), 2);
         assert_eq!(c.vms[0].vm.name, "p");
         assert_eq!(c.policy, Policy::Mlx4Pre2020);
-        assert_eq!(c.rx_backlog, 32);
+        assert_eq!(c.rx_backlog_bytes, 32 * backlog::MSG_COST);
         std::fs::write(&f, "colour blue\n").unwrap();
         let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
         assert!(e.0.contains("--config"), "{e}");

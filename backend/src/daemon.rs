@@ -17,7 +17,7 @@
 //! waits for SIGTERM/SIGINT and shuts down cleanly: VM sessions end, their connections
 //! are released on the wire, the capture is flushed and the sockets removed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpListener};
@@ -38,6 +38,7 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
+use crate::backlog::{HostBudget, RxBacklog};
 use crate::config::{Config, VmSpec};
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, Verdict, VmId};
@@ -175,8 +176,7 @@ pub struct VmPort {
     pub(crate) spec: VmSpec,
     pub(crate) wire: WirePort,
     current: Mutex<Option<VmId>>,
-    rx: Mutex<VecDeque<RxMsg>>,
-    rx_cap: usize,
+    rx: Mutex<RxBacklog>,
     pub(crate) rx_wake: EventFd,
     pub(crate) counters: DevCounters,
     session: Mutex<Option<Session>>,
@@ -189,21 +189,21 @@ impl VmPort {
         *lock(&self.current)
     }
 
-    pub(crate) fn lock_rx(&self) -> MutexGuard<'_, VecDeque<RxMsg>> {
+    pub(crate) fn lock_rx(&self) -> MutexGuard<'_, RxBacklog> {
         lock(&self.rx)
     }
 
     /// Queues a message for the VM's rx; false (and counted) when the backlog is full.
     pub(crate) fn push_rx(&self, m: RxMsg) -> bool {
-        let mut q = lock(&self.rx);
-        if q.len() >= self.rx_cap {
-            drop(q);
-            self.counters.drop(DevDrop::RxBacklogFull);
-            tracing::debug!(parent: &self.span, "rx backlog full: message dropped");
-            return false;
+        let r = lock(&self.rx).push(m);
+        match r {
+            Ok(()) => true,
+            Err(reason) => {
+                self.counters.drop(reason);
+                tracing::debug!(parent: &self.span, reason = reason.name(), "rx backlog budget spent: message dropped");
+                false
+            }
         }
-        q.push_back(m);
-        true
     }
 
     /// Wakes the VM's worker to deliver its backlog.
@@ -852,6 +852,7 @@ impl Daemon {
         let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
         let mut ports = Vec::new();
         let mut by_gid = HashMap::new();
+        let host_budget = HostBudget::new(cfg.rx_host_backlog_bytes);
         let addrs: Vec<std::net::Ipv4Addr> = cfg.vms.iter().map(VmSpec::ipv4).collect();
         let raw = open_raw_rx(cfg.wire_rx, cfg.bind_port, &addrs)?;
         for (i, spec) in cfg.vms.iter().enumerate() {
@@ -867,8 +868,7 @@ impl Daemon {
                 spec: spec.clone(),
                 wire,
                 current: Mutex::new(None),
-                rx: Mutex::new(VecDeque::new()),
-                rx_cap: cfg.rx_backlog,
+                rx: Mutex::new(RxBacklog::new(cfg.rx_backlog_bytes, host_budget.clone())),
                 rx_wake: EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?,
                 counters: DevCounters::default(),
                 session: Mutex::new(None),

@@ -15,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backlog;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -56,6 +56,8 @@ dev_drops! {
     NotAttached => "not_attached",
     /// rx: the VM had no rx buffer and its backlog was full.
     RxBacklogFull => "rx_backlog_full",
+    /// rx: the VM had no rx buffer and the host-wide backlog budget was spent.
+    RxHostBudget => "rx_host_budget",
     /// rx: an rx buffer that was too short, read-only or outside guest memory.
     RxBadBuffer => "rx_bad_buffer",
     /// wire: a datagram that is not 280 bytes (or a padded frame).

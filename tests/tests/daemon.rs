@@ -530,7 +530,7 @@ fn stuck_vm_backlog_is_bounded() {
     let sb = LabVmSpec::new("b", ip(15, 1, 2));
     let sc = LabVmSpec::new("stuck", ip(15, 1, 3));
     let mut cfg = backend::config(dir.path(), "h", &[&sa, &sb, &sc], 1);
-    cfg.rx_backlog = 4;
+    cfg.rx_backlog_bytes = 4 * pvcm_backend::backlog::MSG_COST;
     let h = backend::start(cfg);
     let mut a = connect(dir.path(), "a");
     let mut b = connect(dir.path(), "b");
