@@ -128,3 +128,22 @@ pvcm_qemu_key() {
         sed -n '/^CONFIGURE_FLAGS=(/,/^)/p' "$PVCM_SCRIPTS_DIR/build-qemu.sh"
     } | short_hash
 }
+
+# debian_qemu10 WHY: prints the path of Debian's QEMU 10 (/usr/bin/qemu-system-x86_64),
+# installing qemu-system-x86 from $PVCM_DEB_SUITE if it is missing or older.
+debian_qemu10() {
+    local qemu=/usr/bin/qemu-system-x86_64
+    if ! { [ -x "$qemu" ] && "$qemu" --version 2>/dev/null | grep "version 10\." >/dev/null; }; then
+        log "installing Debian's qemu-system-x86 from $PVCM_DEB_SUITE ($1)"
+        ensure_deb_suite
+        need_root "installing qemu-system-x86"
+        mkdir -p "$PVCM_CACHE"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            -t "$PVCM_DEB_SUITE" qemu-system-x86 >/dev/null 2>"$PVCM_CACHE/apt-qemu.err" || {
+            cat "$PVCM_CACHE/apt-qemu.err" >&2
+            die "apt-get install -t $PVCM_DEB_SUITE qemu-system-x86 failed"
+        }
+        "$qemu" --version | grep "version 10\." >/dev/null || die "$qemu is not QEMU 10 after installing"
+    fi
+    echo "$qemu"
+}

@@ -125,18 +125,7 @@ if [ -z "$qemu" ]; then
     if [ "$route" = generic ]; then
         qemu="$("$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path)" || die "building the patched QEMU failed"
     else
-        qemu=/usr/bin/qemu-system-x86_64
-        if ! { [ -x "$qemu" ] && "$qemu" --version 2>/dev/null | grep "version 10\." >/dev/null; }; then
-            say "installing Debian's qemu-system-x86 from $PVCM_DEB_SUITE (for the gpio-stub route)"
-            ensure_deb_suite
-            need_root "installing qemu-system-x86"
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-                -t "$PVCM_DEB_SUITE" qemu-system-x86 >/dev/null 2>"$PVCM_CACHE/apt-qemu.err" || {
-                cat "$PVCM_CACHE/apt-qemu.err" >&2
-                die "apt-get install -t $PVCM_DEB_SUITE qemu-system-x86 failed"
-            }
-            "$qemu" --version | grep "version 10\." >/dev/null || die "$qemu is not QEMU 10 after installing"
-        fi
+        qemu="$(debian_qemu10 "for the gpio-stub route")" || exit 1
     fi
 fi
 [ -x "$qemu" ] || die "QEMU binary not executable: $qemu"

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# pvcm against the real Linux kernel CM: interop tests over RoCEv2 with rxe-peer.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+Usage: qemu-scripts/interop.sh [--conns N] [--only LIST] [--workdir DIR] [--pcap FILE]
+
+Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe (../shared/tools/rxe-peer): two
+TCG guests with the kernel CM (k 10.99.0.2 with a cmtime listener, j 10.99.0.3) and,
+on the same bridge in a private network namespace, a pvcm-backend whose VM address is
+10.99.0.1 with a pvcm QEMU VM (TCG, patched QEMU) on it. Tests:
+
+  1 kernel -> kernel: cmtime -s k -c N (the baseline figures)
+  2 pvcm VM -> kernel listener: pvcm-guest cmtime, N connections up and down
+  3 pvcm VM -> a kernel port nobody listens on: rejected, invalid service ID (8)
+  4 pvcm VM connect-and-destroy -> a kernel listener (kcm listen, built here from
+    interop/kcm.c, which destroys each child cm_id when its connection ends): the
+    kernel keeps only its listener (rdma res show cm_id) and sends no REP retry
+  5 kernel -> pvcm VM: cmtime -s VM -c N against pvcm-guest cmtime --server
+  6 kernel (ucmatose) -> a pvcm VM port nobody listens on: rejected by pvcm
+  7 kernel connect-and-destroy (kcm withdraw)
+    -> pvcm listener: every request reported withdrawn, none established
+  8 counters: the kernels' infiniband_cm counters show no retries or duplicates,
+    pvcm-backend shows 0 drops and 0 retries, and every MAD pvcm sent was taken by a
+    kernel CM
+
+Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run. The last
+line reads "interop: N passed, N failed". Exit 0 when all selected tests passed.
+
+Options:
+  --conns N      connections for tests 1, 2 and 5 (default 1000)
+  --only LIST    comma-separated test numbers (default: all; 8 always runs)
+  --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
+  --pcap FILE    capture br0 to FILE (dumpcap) and check its tshark decode
+  -h, --help     this help
+
+Needs root (network namespace, taps, raw socket), and installs what it needs:
+Debian's QEMU 10, librdmacm-dev (for kcm-withdraw), tshark with --pcap.
+USAGE
+}
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --conns | --only | --workdir | --pcap)
+        [ $# -ge 2 ] || die "$1 needs a value"
+        case "$1" in
+        --conns) conns="$2" ;;
+        --only) only="$2,8" ;;
+        --workdir) workdir="$2" ;;
+        --pcap) pcap="$2" ;;
+        esac
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown option '$1' (see --help)" ;;
+    esac
+    shift
+done
+need_root "interop.sh (network namespace, raw socket)"
+rxe_peer="$PVCM_REPO_DIR/../shared/tools/rxe-peer"
+[ -x "$rxe_peer/run.sh" ] || [ -f "$rxe_peer/run.sh" ] || die "no rxe-peer at $rxe_peer"
+
+keep=1
+if [ -z "$workdir" ]; then
+    workdir="$(mktemp -d /tmp/pvcm-interop.XXXXXX)"
+    keep=0
+fi
+mkdir -p "$workdir"
+workdir="$(cd "$workdir" && pwd)"
+share="$workdir/share"
+rm -rf "$share"
+mkdir -p "$share/q" "$share/bin"
+
+echo "== build (cached)"
+t="$(now_s)"
+apt_install iproute2 util-linux busybox gcc librdmacm-dev
+[ -z "$pcap" ] || apt_install tshark
+qemu="$(debian_qemu10 "for rxe-peer's kernel-CM guests")"
+bash "$rxe_peer/build.sh" >"$workdir/rxe-build.log" 2>&1 || {
+    cat "$workdir/rxe-build.log"
+    die "rxe-peer build.sh failed"
+}
+(cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend) ||
+    die "cargo build -p pvcm-backend failed"
+backend="${CARGO_TARGET_DIR:-$PVCM_REPO_DIR/target}/release/pvcm-backend"
+guest_dir="$("$PVCM_SCRIPTS_DIR/build-guest.sh" --print-dir 2>"$workdir/build-guest.log")" || {
+    cat "$workdir/build-guest.log"
+    die "build-guest.sh failed"
+}
+"$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
+gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
+    "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
+cp "$PVCM_SCRIPTS_DIR/interop/kpeer.sh" "$share/kpeer.sh"
+echo "   ready in $(elapsed "$t") s"
+
+echo "== run: kernel CM guests k, j + pvcm-backend and a pvcm VM on one bridge"
+pcap_args=()
+[ -z "$pcap" ] || pcap_args=(--pcap "$pcap")
+rc=0
+IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
+    IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_CONNS="$conns" \
+    IOP_ONLY="$only" PVCM_CACHE="$PVCM_CACHE" \
+    bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
+    --logdir "$workdir/rxe" --timeout 900 -q "${pcap_args[@]}" \
+    --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \
+    --peer j 10.99.0.3/24 'sh /host/kpeer.sh j' \
+    --host-after j --host-cmd "bash $PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
+cat "$workdir/rxe/host.out" 2>/dev/null | grep -E '^(==|PASS|FAIL)' || true
+echo "== figures (one run, $conns connections, totals in ms)"
+cat "$workdir/figures.txt" 2>/dev/null || true
+
+if [ -n "$pcap" ] && [ -s "$pcap" ]; then
+    echo "== tshark decode of $pcap"
+    python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" "$pcap" | tee "$workdir/decode.txt" || rc=1
+fi
+
+passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"
+failed="$(grep -c '^FAIL' "$workdir/results.txt" 2>/dev/null || true)"
+[ -n "$passed" ] || passed=0
+[ -n "$failed" ] || failed=0
+[ "$passed" -gt 0 ] || failed=$((failed + 1))
+if [ "$failed" != 0 ] || [ "$rc" != 0 ]; then
+    echo "== logs: $workdir (run.sh exit $rc)"
+    for f in "$workdir"/backend.log "$workdir"/rxe/host.out "$workdir"/*.err; do
+        [ -s "$f" ] && { echo "----- $f"; tail -n 60 "$f"; }
+    done
+    [ "$failed" != 0 ] || failed=1
+    keep=1
+fi
+echo "interop: $passed passed, $failed failed"
+[ "$keep" = 1 ] || rm -rf "$workdir"
+[ "$failed" = 0 ]

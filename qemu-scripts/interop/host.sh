@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# The host side of qemu-scripts/interop.sh. It runs inside rxe-peer's network namespace
+# (run.sh --host-cmd), where br0 holds the pvcm VM's address 10.99.0.1. Two kernel-CM
+# guests are on the bridge: k (10.99.0.2, cmtime listener on 7471) and j (10.99.0.3).
+# Both run kpeer.sh, so this script can run commands in them through the 9p share.
+#
+# Environment (set by interop.sh): IOP_WORK, IOP_SHARE, IOP_BACKEND, IOP_RUNVM,
+# IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY.
+set -uo pipefail
+
+work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
+vm_ip=10.99.0.1 k_ip=10.99.0.2 j_ip=10.99.0.3
+results="$work/results.txt"
+figures="$work/figures.txt"
+: >"$results"
+: >"$figures"
+pass=0 fail=0
+
+say() { echo "== $*"; }
+result() { # result NAME pass|fail TEXT
+    printf '%-5s %s: %s\n' "$(echo "$2" | tr a-z A-Z)" "$1" "$3" | tee -a "$results"
+    if [ "$2" = pass ]; then pass=$((pass + 1)); else fail=$((fail + 1)); fi
+}
+selected() { [[ ",$only," == *",$1,"* ]]; }
+
+# kexec PEER NAME TIMEOUT 'CMD': runs CMD in kernel guest PEER; prints its output to
+# $work/PEER.NAME.out; returns its status (124 on timeout).
+seq_no=0
+kexec() {
+    local peer="$1" name="$2" t="$3" cmd="$4" q
+    seq_no=$((seq_no + 1))
+    q="$share/q/$peer.$seq_no-$name"
+    printf '%s\n' "$cmd" >"$q.tmp" && mv "$q.tmp" "$q.sh"
+    local i
+    for ((i = 0; i < t * 10; i++)); do
+        if [ -e "$q.rc" ]; then
+            cp "$q.out" "$work/$peer.$name.out"
+            return "$(cat "$q.rc")"
+        fi
+        sleep 0.1
+    done
+    echo "kexec $peer $name: no answer in $t s" >"$work/$peer.$name.out"
+    return 124
+}
+
+# The kernel CM's counters of rxe0 port 1: "group/message value" lines. Linux 6.1
+# keeps them under the port (ib_port_register_client_groups); older kernels had
+# /sys/class/infiniband_cm/rxe0/1.
+kcounters() { # kcounters PEER TAG
+    kexec "$1" "counters-$2" 20 'for d in /sys/class/infiniband/rxe0/ports/1 /sys/class/infiniband_cm/rxe0/1; do [ -d $d/cm_rx_msgs ] && break; done; cd $d && for g in cm_tx_msgs cm_tx_retries cm_rx_msgs cm_rx_duplicates; do for f in $g/*; do echo "$f $(cat $f)"; done; done'
+}
+
+# ---- the pvcm side: one backend, one VM address on br0
+rm -f "$work/vm.sock" "$work/h.ctl"
+RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" \
+    --vm "socket=$work/vm.sock,gid=::ffff:$vm_ip,name=vm" --control "$work/h.ctl" \
+    >"$work/backend.log" 2>&1 &
+backend_pid=$!
+for _ in $(seq 100); do [ -S "$work/h.ctl" ] && [ -S "$work/vm.sock" ] && break; sleep 0.1; done
+stat_json() { "$IOP_BACKEND" stat --control "$work/h.ctl" --json >"$work/$1.stat.json"; }
+
+# vm_start NAME 'CMD': a pvcm QEMU VM (TCG) on the backend, in the background.
+vm_start() {
+    "$IOP_RUNVM" --quiet --socket "$work/vm.sock" --name "$1" --guest-dir "$IOP_GUEST_DIR" \
+        --log "$work/$1.console.log" --timeout 300 --cmd "$2" >"$work/$1.out" 2>"$work/$1.err" &
+    eval "vmpid_$1=$!"
+}
+vm_wait() { local p; eval "p=\$vmpid_$1"; wait "$p"; }
+vm_console() { # vm_console NAME PATTERN SECS
+    local i p
+    eval "p=\$vmpid_$1"
+    for ((i = 0; i < $3 * 5; i++)); do
+        grep -Eq "$2" "$work/$1.console.log" 2>/dev/null && return 0
+        kill -0 "$p" 2>/dev/null || return 1
+        sleep 0.2
+    done
+    return 1
+}
+
+for p in k j; do
+    for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
+done
+kcounters k before
+kcounters j before
+
+# ---- 1. kernel -> kernel, the baseline (figures only)
+if selected 1; then
+    say "1. kernel -> kernel: cmtime -s $k_ip -c $conns"
+    if kexec j kk 300 "cmtime -s $k_ip -c $conns"; then
+        result 1 pass "kernel -> kernel, $conns connections"
+    else
+        result 1 fail "kernel -> kernel cmtime failed: $(tail -n 3 "$work/j.kk.out")"
+    fi
+fi
+
+# ---- 2-4. the pvcm VM as the active side, in one VM session
+if selected 2 || selected 3 || selected 4; then
+    say "2-4. pvcm VM -> kernel: cmtime, connect to a closed port, connect-destroy"
+    kexec k kcm-listen 20 '/host/bin/kcm listen -p 7473 >/host/kcm-listen.log 2>&1 &'
+    vm_start client "
+echo '@@ cmtime'; pvcm-guest cmtime --dest $k_ip --connections $conns --timeout 120; echo \"@@ rc \$?\"
+echo '@@ closed'; pvcm-guest --json connect --dest $k_ip --port 7999 --timeout 10; echo \"@@ rc \$?\"
+echo '@@ withdraw'; pvcm-guest --json connect-destroy --dest $k_ip --port 7473 --settle 3; echo \"@@ rc \$?\"
+true"
+    vm_wait client
+    stat_json client
+    sleep 1
+    kexec k res-after-withdraw 20 'rdma res show cm_id | grep "src-addr 0.0.0.0:7473\|dst-addr 10.99.0.1"; echo "-- kcm listen:"; cat /host/kcm-listen.log'
+    python3 - "$work" "$conns" <<'PY' | tee -a "$results"
+import json, re, sys
+wd, conns = sys.argv[1], int(sys.argv[2])
+out = open(f"{wd}/client.out", errors="replace").read()
+parts = dict(re.findall(r"@@ (\w+)\n(.*?)@@ rc", out, re.S))
+rcs = re.findall(r"@@ rc (\d+)", out)
+bad = {"2": [], "3": [], "4": []}
+m = re.search(r"connections (\d+) established (\d+) failed (\d+) disconnected (\d+)", parts.get("cmtime", ""))
+if not m:
+    bad["2"].append("no cmtime summary")
+else:
+    n, est, failed, disc = map(int, m.groups())
+    if (n, est, failed, disc) != (conns, conns, 0, conns):
+        bad["2"].append(f"connections {n} established {est} failed {failed} disconnected {disc}")
+if not rcs or rcs[0] != "0":
+    bad["2"].append(f"cmtime exit {rcs[:1]}")
+closed = [json.loads(l) for l in parts.get("closed", "").splitlines() if l.startswith("{")]
+rej = [e for e in closed if e.get("event") == "rejected"]
+if not rej:
+    bad["3"].append(f"no rejected event: {closed}")
+elif "InvalidServiceId" not in str(rej[0].get("reason")) and "8" not in str(rej[0].get("reason")):
+    bad["3"].append(f"rejected, but reason {rej[0].get('reason')}")
+if len(rcs) < 2 or rcs[1] != "3":
+    bad["3"].append(f"connect exit {rcs[1:2]} (want 3: rejected)")
+wd_ev = [json.loads(l) for l in parts.get("withdraw", "").splitlines() if l.startswith("{")]
+if not any(e.get("event") == "connect_destroy" for e in wd_ev):
+    bad["4"].append("no connect_destroy report")
+res = open(f"{wd}/k.res-after-withdraw.out", errors="replace").read()
+ids = [l for l in res.splitlines() if "cm-idn" in l]
+if len(ids) != 1 or "LISTEN" not in ids[0]:
+    bad["4"].append("kernel cm_ids of port 7473 after connect-destroy: " + " | ".join(ids))
+if "CONNECT_REQUEST" not in res:
+    bad["4"].append("the kernel listener never saw the REQ")
+names = {"2": f"pvcm VM -> kernel cmtime, {conns} connections established and torn down",
+         "3": "pvcm VM -> kernel closed port: rejected, invalid service ID",
+         "4": "pvcm VM connect-destroy: the kernel keeps only its listener (rdma res show cm_id)"}
+for t in ("2", "3", "4"):
+    print(("FAIL  " if bad[t] else "PASS  ") + t + ": " + (names[t] if not bad[t] else "; ".join(bad[t])))
+PY
+fi
+
+# ---- 5-7. the pvcm VM as the passive side, in one VM session
+if selected 5 || selected 6 || selected 7; then
+    say "5-7. kernel -> pvcm VM: cmtime, a closed port, connect-and-destroy"
+    vm_start server "
+echo '@@ server'; pvcm-guest cmtime --server --connections $conns --timeout 200; echo \"@@ rc \$?\"
+echo '@@ listen'; timeout 30 pvcm-guest --json listen --port 7472; echo \"@@ rc \$?\"
+true"
+    if vm_console server 'listening|cmtime server' 120; then
+        sleep 1
+        kexec j closed 30 "ucmatose -s $vm_ip -p 7999 -C 1 -c 1"
+        kexec j kp 300 "cmtime -s $vm_ip -c $conns"
+        echo $? >"$work/j.kp.rc"
+        vm_console server '"event": ?"listening"' 120 && sleep 1
+        kexec j withdraw 60 "/host/bin/kcm withdraw -s $vm_ip -p 7472 -c 10"
+        echo $? >"$work/j.withdraw.rc"
+    fi
+    vm_wait server
+    stat_json server
+    python3 - "$work" "$conns" <<'PY' | tee -a "$results"
+import json, re, sys
+wd, conns = sys.argv[1], int(sys.argv[2])
+def read(n):
+    try:
+        return open(f"{wd}/{n}", errors="replace").read()
+    except OSError:
+        return ""
+out = read("server.out")
+parts = dict(re.findall(r"@@ (\w+)\n(.*?)@@ rc", out, re.S))
+bad = {"5": [], "6": [], "7": []}
+kp = read("j.kp.out")
+if read("j.kp.rc").strip() != "0":
+    bad["5"].append(f"kernel cmtime exit {read('j.kp.rc').strip()}: {kp[-300:]}")
+for step in ("connect", "disconnect"):
+    if not re.search(rf"^{step}\s*:", kp, re.M):
+        bad["5"].append(f"kernel cmtime printed no {step} line")
+m = re.search(r"accepted (\d+) established (\d+) disconnected (\d+) failed (\d+)", parts.get("server", ""))
+if not m or tuple(map(int, m.groups())) != (conns, conns, conns, 0):
+    bad["5"].append(f"pvcm server summary: {m.group(0) if m else 'none'}")
+closed = read("j.closed.out")
+if "REJECTED" not in closed:
+    bad["6"].append(f"ucmatose to a closed port was not rejected: {closed[-300:]}")
+wd_out = read("j.withdraw.out")
+if read("j.withdraw.rc").strip() != "0":
+    bad["7"].append(f"kcm-withdraw failed: {wd_out[-300:]}")
+ev = [json.loads(l) for l in parts.get("listen", "").splitlines() if l.startswith("{")]
+# Withdrawn before pvcm answered, or (when the REP crossed the destroy on a loaded
+# machine) rejected by the kernel's REJ(TIMEOUT) or REJ(CONSUMER_DEFINED) after it.
+reqs = {e.get("id") for e in ev if e.get("event") == "connect_request"}
+gone = {e.get("id") for e in ev if e.get("event") == "withdrawn"
+        or (e.get("event") == "rejected" and e.get("reason") in ("Timeout", "ConsumerDefined"))}
+if any(e.get("event") == "established" for e in ev):
+    bad["7"].append("a withdrawn request was established")
+if len(reqs) != 10 or gone != reqs:
+    bad["7"].append(f"{len(reqs)} requests, {len(gone & reqs)} reported withdrawn: {[e.get('event') for e in ev]}")
+names = {"5": f"kernel cmtime -> pvcm VM, {conns} connections established and torn down",
+         "6": "kernel -> pvcm VM closed port: rejected by pvcm",
+         "7": "kernel connect-and-destroy -> pvcm listener: 10 requests withdrawn"}
+for t in ("5", "6", "7"):
+    print(("FAIL  " if bad[t] else "PASS  ") + t + ": " + (names[t] if not bad[t] else "; ".join(bad[t])))
+PY
+fi
+
+# ---- 8. counters on both sides
+kcounters k after
+kcounters j after
+sleep 0.5
+stat_json final
+python3 - "$work" "$figures" <<'PY' | tee -a "$results"
+import json, re, sys
+wd, figures = sys.argv[1], sys.argv[2]
+def counters(peer, tag):
+    c = {}
+    for l in open(f"{wd}/{peer}.counters-{tag}.out", errors="replace"):
+        p = l.split()
+        if len(p) == 2 and p[1].isdigit():
+            c[p[0]] = int(p[1])
+    return c
+bad = []
+for peer in ("k", "j"):
+    b, a = counters(peer, "before"), counters(peer, "after")
+    if not a:
+        bad.append(f"{peer}: no infiniband_cm counters")
+    for k, v in a.items():
+        d = v - b.get(k, 0)
+        if d and (k.startswith("cm_tx_retries/") or k.startswith("cm_rx_duplicates/")):
+            bad.append(f"kernel {peer}: {k} +{d}")
+s = json.load(open(f"{wd}/final.stat.json"))["host"]
+drops = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+if drops:
+    bad.append(f"pvcm-backend drops: {drops}")
+r = sum(s["cm"]["cm_tx_retries"].values())
+if r:
+    bad.append(f"pvcm-backend: {r} retries passed")
+# Every MAD pvcm sent was taken by the kernel CM (rxe drops a bad ICRC silently).
+ka, kb = counters("k", "after"), counters("k", "before")
+ja, jb = counters("j", "after"), counters("j", "before")
+krx = {m: ka.get(f"cm_rx_msgs/{m}", 0) - kb.get(f"cm_rx_msgs/{m}", 0)
+          + ja.get(f"cm_rx_msgs/{m}", 0) - jb.get(f"cm_rx_msgs/{m}", 0)
+       for m in s["cm"]["cm_tx_msgs"]}
+ktx_to_k = {}  # what the kernels sent each other (test 1) counts on both sides: subtract it
+for m in s["cm"]["cm_tx_msgs"]:
+    ktx_to_k[m] = (ka.get(f"cm_tx_msgs/{m}", 0) - kb.get(f"cm_tx_msgs/{m}", 0)
+                   + ja.get(f"cm_tx_msgs/{m}", 0) - jb.get(f"cm_tx_msgs/{m}", 0)
+                   - s["cm"]["cm_rx_msgs"][m])
+for m, sent in s["cm"]["cm_tx_msgs"].items():
+    got = krx.get(m, 0) - ktx_to_k.get(m, 0)
+    if sent != got:
+        bad.append(f"{m}: pvcm sent {sent}, the kernel CMs took {got}")
+print(("FAIL  8: " + "; ".join(bad)) if bad else
+      "PASS  8: kernel counters show no duplicates or retries; pvcm-backend 0 drops; every pvcm MAD taken by the kernel")
+# Figures: connect/disconnect totals from this one run.
+def kernel(path):
+    t = open(path, errors="replace").read() if __import__("os").path.exists(path) else ""
+    f = {}
+    for step in ("connect", "disconnect"):
+        m = re.search(rf"^{step}\s*:\s*([\d.]+)", t, re.M)
+        f[step] = float(m.group(1)) if m else None
+    return f
+def pvcm(text):
+    f = {}
+    for step, key in (("establish", "connect"), ("disconnect", "disconnect")):
+        m = re.search(rf"^{step}\s+([\d.]+)", text, re.M)
+        f[key] = float(m.group(1)) if m else None
+    return f
+kk = kernel(f"{wd}/j.kk.out")
+pk = pvcm(open(f"{wd}/client.out", errors="replace").read() if __import__("os").path.exists(f"{wd}/client.out") else "")
+kp = kernel(f"{wd}/j.kp.out")
+with open(figures, "w") as fo:
+    fo.write("direction             connect ms   disconnect ms\n")
+    for name, f in (("kernel -> kernel", kk), ("pvcm VM -> kernel", pk), ("kernel -> pvcm VM", kp)):
+        fo.write(f"{name:<20} {f['connect'] if f['connect'] is not None else '-':>11} {f['disconnect'] if f['disconnect'] is not None else '-':>15}\n")
+    if kk["connect"] and pk["connect"]:
+        fo.write(f"pvcm VM -> kernel / kernel -> kernel: connect {pk['connect'] / kk['connect']:.2f}x, "
+                 f"disconnect {pk['disconnect'] / kk['disconnect']:.2f}x (time ratio; < 1 is faster)\n")
+    fo.write(f"pvcm-backend: cm_tx_msgs {s['cm']['cm_tx_msgs']}\n")
+PY
+
+touch "$share/flag.stop"
+kill "$backend_pid" 2>/dev/null
+wait "$backend_pid" 2>/dev/null
+cat "$figures"
+grep -c '^PASS' "$results" >/dev/null
+! grep -q '^FAIL' "$results"
