@@ -66,7 +66,7 @@ fn through_backend(n: u64) -> (Run, pvcm_backend::stats::Snapshot) {
     let sa = LabVmSpec::new("a", Ipv4Addr::new(127, 41, 0, 1));
     let sb = LabVmSpec::new("b", Ipv4Addr::new(127, 41, 0, 2));
     let mut cfg = backend::config(dir.path(), "h", &[&sa, &sb], 1);
-    cfg.rx_backlog = 4096;
+    cfg.rx_backlog_bytes = 4096 * pvcm_backend::backlog::MSG_COST;
     let h = backend::start(cfg);
     let opts = VmOpts {
         queue_size: 1024,
