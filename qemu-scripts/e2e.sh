@@ -20,6 +20,10 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
   3 multi-VM teardown: 2 hosts x 2 VMs, cmtime with PVCM_E2E_CONNS (default 150)
     connections per client pair, torn down concurrently: 0 retries, 0 leaked entries.
   4 test 1 through Debian's stock QEMU 10 and vhost-user-gpio-pci (ID 41).
+  5 burst: one backend, two VMs, PVCM_E2E_BURST (default 4000) connections set up at
+    once and torn down at once with cmtime, on default options: 0 drops, 0 retries,
+    every connection up and down, live entries drain to 0.
+  6 test 5 through the gpio-stub route (stock QEMU, queues fixed at 64).
 
 A test whose pieces are missing (no pvcm-backend or pvcm-guest binary, a missing
 subcommand) prints SKIP with the reason. Exit status: 0 if every selected test passed
@@ -29,12 +33,12 @@ backends' logs and counters are printed.
 
 Options:
   --allow-missing  exit 0 when tests were skipped for missing pieces
-  --only LIST      comma-separated test numbers (default 1,2,3,4)
+  --only LIST      comma-separated test numbers (default 1,2,3,4,5,6)
   --workdir DIR    keep logs here (default: a new dir under /tmp, removed on success)
-  --budget SECS    overall deadline (default 600); tests not started by then fail
+  --budget SECS    overall deadline (default 900); tests not started by then fail
   -h, --help       this help
 
-Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_VM_TIMEOUT (per VM,
+Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6), PVCM_E2E_VM_TIMEOUT (per VM,
 default 150 s), PVCM_E2E_NET (first two octets of the loopback addresses, default
 127.10; change it when another run uses those addresses).
 EOF
@@ -43,7 +47,7 @@ EOF
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-allow_missing=0 only="1,2,3,4" workdir="" budget=600
+allow_missing=0 only="1,2,3,4,5,6" workdir="" budget=900
 while [ $# -gt 0 ]; do
     case "$1" in
     --allow-missing) allow_missing=1 ;;
@@ -66,6 +70,7 @@ while [ $# -gt 0 ]; do
 done
 
 conns="${PVCM_E2E_CONNS:-150}"
+burst="${PVCM_E2E_BURST:-4000}"
 net="${PVCM_E2E_NET:-127.10}" # host H's VM V is at $net.H.V (loopback)
 vm_timeout="${PVCM_E2E_VM_TIMEOUT:-150}"
 t_start="$(now_s)"
@@ -531,10 +536,83 @@ PY
     fi
 }
 
+# A burst between two VMs on one backend, on default options: N connections set up at
+# once and torn down at once; 0 drops, 0 retries, every connection up and down, and the
+# live entries drain to 0. Tests 5 (generic route) and 6 (gpio-stub: queues of 64).
+run_burst() { # N ROUTE DEVICE_OPT PORT
+    local n="$1" route="$2" dev="$3" port="$4" h="t${1}h" s="t${1}s" c="t${1}c" why ok=1 t0
+    why="$(need_guest_cmd cmtime)"
+    [ -z "$missing_backend" ] || why="$missing_backend"
+    [ -z "$missing_qemu" ] || why="$missing_qemu"
+    if [ -n "$why" ]; then
+        result "$n" skip "$why"
+        return
+    fi
+    budget_left || {
+        result "$n" fail "over the ${budget} s budget before it started"
+        return
+    }
+    t0="$(now_s)"
+    start_backend "$h" "$s:$net.$n.1" "$c:$net.$n.2" || {
+        result "$n" fail "backend did not start"
+        dump "$h"
+        return
+    }
+    start_vm "$s" "$route" "pvcm-guest $dev cmtime --server --port $port --connections $burst --timeout 200"
+    if wait_console "$s" 'cmtime server on' 120; then
+        start_vm "$c" "$route" "pvcm-guest $dev cmtime --dest $net.$n.1 --port $port --connections $burst --timeout 120"
+    else
+        echo "   $s never listened"
+        ok=0
+    fi
+    local rcs="" vm r
+    for vm in "$s" "$c"; do
+        r=0
+        eval "[ -n \"\${vmpid_$vm:-}\" ]" || continue
+        wait_vm "$vm" || r=$?
+        rcs="$rcs $vm=$r"
+        [ "$r" = 0 ] || ok=0
+    done
+    echo "   exit codes:$rcs"
+    local drained=1
+    wait_drained "$h" 60 || drained=0
+    stat_json "$h" || ok=0
+    check_py "$workdir" "$h" "$drained" "$burst" <<'PY' || ok=0
+import json, sys
+wd, h, drained, conns = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
+bad = []
+s = json.load(open(f"{wd}/{h}.stat.json"))["host"]
+cm = s["cm"]
+r = sum(cm["cm_tx_retries"].values())
+d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+print(f"   {h}: REQ {cm['cm_tx_msgs']['req']} DREQ {cm['cm_tx_msgs']['dreq']} retries {r} drops {d} live {s['live']}")
+if r: bad.append(f"{h}: {r} retries")
+if d: bad.append(f"{h}: drops {d}")
+if s["live"]: bad.append(f"{h}: {s['live']} live entries")
+if cm["cm_tx_msgs"]["req"] != conns or cm["cm_tx_msgs"]["dreq"] != conns:
+    bad.append(f"{h}: REQ {cm['cm_tx_msgs']['req']} DREQ {cm['cm_tx_msgs']['dreq']}, want {conns} each")
+if not drained: bad.append("live entries did not drain to 0 within 60 s")
+for x in bad: print("   check:", x)
+sys.exit(1 if bad else 0)
+PY
+    for vm in "$s" "$c"; do
+        echo "   $vm: $(grep -E '^(step|establish|disconnect|connections|accepted|pacing)' "$workdir/$vm.out" | tr '\n' ' ' | cut -c1-400)"
+    done
+    stop_backend "$h"
+    if [ "$ok" = 1 ]; then
+        result "$n" pass "$route route: $burst connections at once between 2 VMs on default options, 0 drops, 0 retries ($(elapsed "$t0") s)"
+    else
+        result "$n" fail "$route route burst of $burst ($(elapsed "$t0") s)"
+        dump "$s" "$c" "$h"
+    fi
+}
+
 selected 1 && run_connect_disconnect 1 generic "" 7001
 selected 2 && test2
 selected 3 && test3
 selected 4 && run_connect_disconnect 4 gpio-stub "--device pci:41" 7004
+selected 5 && run_burst 5 generic "" 7005
+selected 6 && run_burst 6 gpio-stub "--device pci:41" 7006
 
 echo
 echo "== summary ($(elapsed "$t_start") s, logs in $workdir)"
