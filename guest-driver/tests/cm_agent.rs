@@ -706,7 +706,7 @@ fn dreq_for_unknown_connection_gets_stateless_drep() {
 
 #[test]
 fn dreq_received_waits_for_the_application_then_timewait_redrep() {
-    let mut a = agent();
+    let mut a = linux_drep_agent();
     let (id, local, qpn, _) = establish_active(&mut a, 0x55, 0x600, ms(0));
     let dreq = dreq_mad(0xD2, 0x55, local, qpn);
     a.handle_mad(&dreq, peer_gid(), ms(10));
@@ -787,7 +787,7 @@ fn dreq_retries_then_disconnected_and_timewait() {
 
 #[test]
 fn simultaneous_disconnect() {
-    let mut a = agent();
+    let mut a = linux_drep_agent();
     let (id, local, qpn, _) = establish_active(&mut a, 0x55, 0x600, ms(0));
     a.disconnect(id, ms(1)).unwrap();
     let m = one(&mut a);

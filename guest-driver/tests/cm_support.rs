@@ -40,6 +40,14 @@ pub fn agent() -> Agent {
     Agent::new(config())
 }
 
+/// Linux's DREQ handling: the DREP waits for the application's `disconnect()`.
+pub fn linux_drep_agent() -> Agent {
+    Agent::new(AgentConfig {
+        auto_drep: false,
+        ..config()
+    })
+}
+
 pub fn ms(t: u64) -> Time {
     Time::from_millis(t)
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use pvcm_guest::cm::rdma_cm::{
     CmaHdr, EPHEMERAL_PORTS, req_private_data, roce_flow_label, split_private_data, tcp_service_id,
 };
-use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group, RejReason, State};
+use pvcm_guest::cm::{AgentConfig, CmId, ConnectOptions, Event, Group, RejReason, State};
 use pvcm_guest::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use pvcm_guest::device::{
     Device, DeviceError, DeviceEvent, DeviceOptions, Notice, RxDrop, Transport,
@@ -47,8 +47,22 @@ fn opts(seed: u64) -> DeviceOptions {
 }
 
 fn start(host: &Arc<Mutex<FakeHost>>, clock: &ManualClock, info: PortInfo, size: u16) -> Dev {
+    start_with(host, clock, info, size, None)
+}
+
+fn start_with(
+    host: &Arc<Mutex<FakeHost>>,
+    clock: &ManualClock,
+    info: PortInfo,
+    size: u16,
+    configure: Option<fn(&mut AgentConfig)>,
+) -> Dev {
     let (t, q) = vm(host, info, size, Some(clock.clone()));
-    Device::start(t, q, clock.clone(), opts(u64::from(size))).unwrap()
+    let o = DeviceOptions {
+        configure,
+        ..opts(u64::from(size))
+    };
+    Device::start(t, q, clock.clone(), o).unwrap()
 }
 
 /// Two VMs (10.0.0.1 and 10.0.0.2) on one fake host, in virtual time.
@@ -67,11 +81,20 @@ impl Net {
         Self::with_sizes(64, 64)
     }
 
+    /// Both agents with Linux's DREQ handling (the DREP waits for `disconnect()`).
+    fn linux_drep() -> Net {
+        Self::build(64, 64, Some(|c: &mut AgentConfig| c.auto_drep = false))
+    }
+
     fn with_sizes(sa: u16, sb: u16) -> Net {
+        Self::build(sa, sb, None)
+    }
+
+    fn build(sa: u16, sb: u16, configure: Option<fn(&mut AgentConfig)>) -> Net {
         let host = FakeHost::new();
         let clock = ManualClock::new();
-        let a = start(&host, &clock, port(1), sa);
-        let b = start(&host, &clock, port(2), sb);
+        let a = start_with(&host, &clock, port(1), sa, configure);
+        let b = start_with(&host, &clock, port(2), sb, configure);
         Net {
             host,
             clock,
@@ -323,7 +346,7 @@ fn a_96_byte_port_info_from_an_older_device_is_taken_with_link_defaults() {
 
 #[test]
 fn two_vms_connect_accept_disconnect_and_leave_nothing() {
-    let mut n = Net::new();
+    let mut n = Net::linux_drep();
     let listener = n.b.listen(tcp_service_id(PORT)).unwrap();
     let (ida, idb) = n.connect(listener, b"hello");
 

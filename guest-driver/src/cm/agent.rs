@@ -1186,11 +1186,15 @@ impl Agent {
                 c.msg = None;
                 c.state = State::DreqRcvd;
                 c.tid = h.tid;
-                self.report_disconnect(slot);
+                // By default the DREP goes out at once (the QP would go to error), then
+                // TimeWait, then the application hears of it: a late application never
+                // makes the peer retry its DREQ. `auto_drep: false` (Linux): the DREP
+                // waits for `disconnect()`/`destroy()`.
                 if self.cfg.auto_drep || !self.conns[slot as usize].app {
                     self.send_drep(slot, &[]);
                     self.enter_timewait(slot, now);
                 }
+                self.report_disconnect(slot);
             }
             State::Timewait => {
                 self.dup(AttributeId::Dreq);

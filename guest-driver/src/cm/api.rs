@@ -392,7 +392,10 @@ impl Agent {
 
     /// Disconnects: from ESTABLISHED sends a DREQ (DREQ_SENT, retried; `Disconnected`
     /// when the DREP comes or the retries run out); after a received DREQ (DREQ_RCVD)
-    /// sends the DREP. Either way the connection then waits out its TimeWait.
+    /// sends the DREP. Either way the connection then waits out its TimeWait. Once
+    /// disconnected (in TimeWait or after it, e.g. when the peer's DREQ was answered at
+    /// once, see [`AgentConfig::auto_drep`](super::AgentConfig::auto_drep)) it sends
+    /// nothing and succeeds.
     pub fn disconnect(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
         let r = self.disconnect_inner(id, now);
         self.pace_flush(now);
@@ -411,6 +414,11 @@ impl Agent {
                 self.enter_timewait(slot, now);
                 Ok(())
             }
+            // Already disconnected (the peer's DREQ was answered at once, or ours was),
+            // maybe with the TimeWait over by now: nothing to send, and success, as
+            // `rdma_disconnect()` then.
+            State::Timewait => Ok(()),
+            State::Idle if self.conns[slot as usize].disconnect_reported => Ok(()),
             s => Err(CmError::InvalidState(s)),
         }
     }

@@ -95,8 +95,12 @@ pub struct AgentConfig {
     pub mra_delay: Option<Duration>,
     /// Service timeout the agent's MRAs offer (5-bit exponent; Linux 24).
     pub mra_service_timeout: u8,
-    /// Answer a DREQ with a DREP at once instead of waiting for the application's
-    /// `disconnect()`/`destroy()` (rdma_cm waits).
+    /// Answer a DREQ with a DREP at once (the default): the connection enters TimeWait
+    /// and then the application gets `Disconnected`; its later `disconnect()` or
+    /// `destroy()` sends nothing. An application that reacts late then never makes the
+    /// peer retry its DREQ. `false`: Linux's behaviour, where rdma_cm sends the DREP only
+    /// when the application calls `rdma_disconnect()` (here `disconnect()`/`destroy()`)
+    /// and the DREQ is retried meanwhile (`pvcm-guest --linux-drep`).
     pub auto_drep: bool,
     /// The CM's response time value (5-bit exponent) reported in ClassPortInfo.
     pub resp_time: u8,
@@ -131,7 +135,7 @@ impl AgentConfig {
             ack_delay: 0,
             mra_delay: Some(Duration::from_millis(100)),
             mra_service_timeout: CM_MRA_SETTING,
-            auto_drep: false,
+            auto_drep: true,
             resp_time: CMA_CM_RESPONSE_TIMEOUT,
             active_mtu: MTU_1024,
             max_responder_resources: DEFAULT_MAX_RD_ATOM,

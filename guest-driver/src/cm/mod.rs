@@ -58,8 +58,10 @@
 //! - Handles (`CmId`) live until `destroy()`, as rdma_cm ids do; destroying one
 //!   withdraws its queued events.
 //! - ClassPortInfo GET is answered with GETRESP.
-//! - DREQ: as rdma_cm, the DREP waits for the application's `disconnect()` or
-//!   `destroy()` unless [`AgentConfig::auto_drep`].
+//! - DREQ: unlike rdma_cm, the DREP goes out at once, then TimeWait, then
+//!   `Disconnected`; a later `disconnect()`/`destroy()` sends nothing. With
+//!   [`AgentConfig::auto_drep`] off, as rdma_cm, the DREP waits for the application's
+//!   `disconnect()` or `destroy()`.
 //!
 //! Left out: alternate paths and path migration, sending LAP, RD/EEC, the device's
 //! SEND_ERROR feedback (a MAD the device refused is retried like a lost one).
