@@ -7,7 +7,9 @@
 //!
 //! Commands: `info`, `listen`, `connect`, `connect-destroy` (seed 002: connect, then
 //! destroy at once) and `cmtime` (rdma-core's connection-rate benchmark). `--json`
-//! prints one JSON object per line instead of text.
+//! prints one JSON object per line instead of text. `--linux-drep` makes the agent
+//! answer a peer's DREQ only when the application disconnects, as Linux does (by
+//! default the DREP goes out at once).
 //!
 //! Exit status: 0 success; 1 device or setup error; 2 usage error; 3 the CM operation
 //! failed (rejected, unreachable, timed out, no DREP), or, for `cmtime`, any connection
@@ -25,7 +27,7 @@ use pvcm_guest::cm::rdma_cm::{
     tcp_service_id,
 };
 use pvcm_guest::cm::{
-    CmError, CmId, ConnectOptions, Event, Group, MESSAGES, PacingCounters, RejReason,
+    AgentConfig, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, PacingCounters, RejReason,
 };
 use pvcm_guest::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use pvcm_guest::device::pci::{PciDevice, PciOptions};
@@ -133,6 +135,11 @@ struct Cli {
     /// One JSON object per line instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// Answer a peer's DREQ only when the application disconnects, as Linux's rdma_cm
+    /// does (default: the DREP goes out at once, so a late application never makes the
+    /// peer retry its DREQ).
+    #[arg(long, global = true)]
+    linux_drep: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -261,9 +268,16 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
     let (t, q) = PciDevice::open(&o)?;
     let opts = DeviceOptions {
         seed: cli.seed.unwrap_or_else(random_seed),
+        configure: agent_configure(cli),
         ..DeviceOptions::default()
     };
     Device::start(t, q, SystemClock::new(), opts)
+}
+
+/// The agent options the command line changes.
+fn agent_configure(cli: &Cli) -> Option<fn(&mut AgentConfig)> {
+    cli.linux_drep
+        .then_some(|c: &mut AgentConfig| c.auto_drep = false)
 }
 
 fn run(cli: &Cli, out: Out) -> Result<ExitCode, DeviceError> {
@@ -860,6 +874,22 @@ mod tests {
         assert_eq!(c.queue_size, 256);
         assert!(!c.json && c.seed.is_none() && c.pci_addr.is_none());
         assert!(matches!(c.cmd, Cmd::Info));
+        assert!(!c.linux_drep && agent_configure(&c).is_none());
+    }
+
+    #[test]
+    fn linux_drep_turns_the_immediate_drep_off() {
+        for args in [
+            &["--linux-drep", "listen", "--port", "1"][..],
+            &["cmtime", "--server", "--linux-drep"][..],
+        ] {
+            let c = parse(args).unwrap();
+            assert!(c.linux_drep);
+            let mut cfg = AgentConfig::new(Gid::from_ipv4([10, 0, 0, 1].into()), 1, 0, 1, 1);
+            assert!(cfg.auto_drep, "the default answers at once");
+            agent_configure(&c).unwrap()(&mut cfg);
+            assert!(!cfg.auto_drep);
+        }
     }
 
     #[test]
