@@ -70,11 +70,48 @@ fn teardown_small() {
     }
 }
 
-/// Seed 000: a guest application slower than mlx4's 5 s timer but faster than the DREQ
-/// attempt (6.1 s with rdma_cm's pre-2020 RoCE timeouts). With an agent that waited for
-/// the application's disconnect() (Linux's DREP), the legacy policy had dropped the entry
-/// when the DREP came, so the peer retried (and gave up). The guest agent now answers a
-/// DREQ at once (`AgentConfig::auto_drep`), so neither policy sees a retry.
+/// Seed 000: a guest slower than mlx4's 5 s timer but faster than the DREQ attempt
+/// (6.1 s with rdma_cm's pre-2020 RoCE timeouts), with guests that send the DREP only
+/// when the application disconnects, as Linux's rdma_cm (`--linux-drep`). Legacy: the
+/// entry is gone when the DREP comes, so the peer retries (and gives up); default: no
+/// retry at all.
+#[test]
+fn teardown_slow_guest_legacy_storm_vs_default() {
+    let base = |policy, net| {
+        let mut o = opts(ScenarioName::Teardown, net);
+        o.vms_per_host = 1;
+        o.procs = 2;
+        o.policy = policy;
+        o.cm = CmTimeouts {
+            retries: 1,
+            ..CmTimeouts::LINUX_PRE2020
+        };
+        o.slow_guest = Duration::from_millis(5500);
+        o.linux_drep = true;
+        o
+    };
+    let legacy = base(Policy::Mlx4Pre2020, 62);
+    let default = base(Policy::Default, 63);
+    let (l, d) = std::thread::scope(|s| {
+        let l = s.spawn(|| run(&legacy));
+        let d = s.spawn(|| run(&default));
+        (l.join().unwrap(), d.join().unwrap())
+    });
+    assert_ok(&d);
+    assert_eq!(d.num("dreq_retries_guests"), 0.0, "{}", d.render());
+    assert_eq!(d.num("drops_mux"), 0.0, "{}", d.render());
+    assert!(d.secs("teardown") < 6.0, "{}", d.render());
+    assert!(l.num("dreq_retries_guests") > 0.0, "{}", l.render());
+    assert!(l.num("drops_mux") > 0.0, "{}", l.render());
+    assert!(
+        l.secs("teardown") > d.secs("teardown") + 5.0,
+        "{}",
+        l.render()
+    );
+}
+
+/// Seed 000 with guests that answer a DREQ at once (the agent's default,
+/// `AgentConfig::auto_drep`): however slow the application, neither policy sees a retry.
 #[test]
 fn teardown_slow_guest_no_dreq_retry_under_either_policy() {
     let base = |policy, net| {
@@ -89,8 +126,8 @@ fn teardown_slow_guest_no_dreq_retry_under_either_policy() {
         o.slow_guest = Duration::from_millis(5500);
         o
     };
-    let legacy = base(Policy::Mlx4Pre2020, 62);
-    let default = base(Policy::Default, 63);
+    let legacy = base(Policy::Mlx4Pre2020, 90);
+    let default = base(Policy::Default, 91);
     let (l, d) = std::thread::scope(|s| {
         let l = s.spawn(|| run(&legacy));
         let d = s.spawn(|| run(&default));

@@ -4,7 +4,7 @@
 //! pvcm-lab <SCENARIO> [options]
 //! pvcm-lab teardown                                   # small: 2 hosts x 4 VMs x 8 processes
 //! pvcm-lab teardown --vms-per-host 16 --procs 64      # seed 000 at full scale
-//! pvcm-lab teardown --policy mlx4-pre2020 --slow-guest 5500 --cm-retries 1
+//! pvcm-lab teardown --policy mlx4-pre2020 --slow-guest 5500 --linux-drep --cm-retries 1
 //! pvcm-lab churn --loss 0.01 --reorder 0.05 --json
 //! ```
 
@@ -66,6 +66,10 @@ pub struct LabArgs {
     /// How many VMs per host are slow (default: all, when --slow-guest is given).
     #[arg(long, value_name = "N")]
     pub slow_vms: Option<usize>,
+    /// Guests send the DREP only when the application disconnects, as Linux's rdma_cm
+    /// (default: at once); with --slow-guest this shows seed 000's retry storm.
+    #[arg(long)]
+    pub linux_drep: bool,
     /// CM response timeout of every connection (5-bit exponent: 4.096 us x 2^T).
     #[arg(long, value_name = "T")]
     pub cm_timeout: Option<u8>,
@@ -166,6 +170,7 @@ impl LabArgs {
             o.slow_guest = Duration::from_millis(ms);
         }
         o.slow_vms = self.slow_vms;
+        o.linux_drep = self.linux_drep;
         if let Some(t) = self.cm_timeout {
             o.cm.response = t;
         }

@@ -144,6 +144,10 @@ pub struct LabOptions {
     pub slow_guest: Duration,
     /// How many VMs per host are slow (`None`: all, when `slow_guest` is set).
     pub slow_vms: Option<usize>,
+    /// Guests answer a DREQ only when the application disconnects, as Linux's rdma_cm
+    /// does (`AgentConfig::auto_drep = false`), instead of at once: with `slow_guest`
+    /// this brings back seed 000's retry storm under the mlx4 policies.
+    pub linux_drep: bool,
     /// CM timeouts of every connection.
     pub cm: CmTimeouts,
     /// Rounds (churn, rej-timeout).
@@ -209,6 +213,7 @@ impl LabOptions {
             faults: Faults::default(),
             slow_guest: Duration::ZERO,
             slow_vms: None,
+            linux_drep: false,
             cm: CmTimeouts::SHORT,
             rounds: 25,
             connections: 500,

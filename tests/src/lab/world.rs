@@ -9,7 +9,7 @@ use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use pvcm_backend::stats::Snapshot;
-use pvcm_guest::cm::{DropReason, Group, MESSAGES};
+use pvcm_guest::cm::{AgentConfig, DropReason, Group, MESSAGES};
 use pvcm_guest::device::{DeviceError, Notice};
 use serde::Serialize;
 
@@ -612,6 +612,10 @@ fn vm_thread<O, F>(
     let gopts = GuestOpts {
         queue_size: env.opts.queue_size,
         seed: env.opts.seed ^ ((slot.global as u64 + 1) << 32) ^ u64::from(env.run_id),
+        configure: env
+            .opts
+            .linux_drep
+            .then_some((|c: &mut AgentConfig| c.auto_drep = false) as fn(&mut AgentConfig)),
         ..GuestOpts::default()
     };
     let mut vm = match GuestVm::connect(&slot.socket, &gopts) {
