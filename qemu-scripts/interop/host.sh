@@ -235,6 +235,15 @@ for peer in ("k", "j"):
             bad.append(f"kernel {peer}: {k} +{d}")
 s = json.load(open(f"{wd}/final.stat.json"))["host"]
 drops = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+# Test 7 races on purpose: the kernel withdraws each request at once, so a pvcm REP can
+# cross the kernel's REJ; the mux has retired the entry and refuses that REP with a
+# SEND_ERROR (unknown_connection). Those (at most one per withdrawn request) are the
+# only drops allowed, and they are printed.
+crossed = drops.pop("unknown_connection", 0)
+if crossed > 10:
+    drops["unknown_connection"] = crossed
+elif crossed:
+    print(f"note  8: {crossed} pvcm REP(s) crossed the kernel's withdrawal in test 7 (refused by the mux, unknown_connection)")
 if drops:
     bad.append(f"pvcm-backend drops: {drops}")
 r = sum(s["cm"]["cm_tx_retries"].values())
