@@ -70,13 +70,10 @@ fn teardown_small() {
     }
 }
 
-/// Seed 000: a guest slower than mlx4's 5 s timer but faster than the DREQ attempt
-/// (6.1 s with rdma_cm's pre-2020 RoCE timeouts), with guests that send the DREP only
-/// when the application disconnects, as Linux's rdma_cm (`--linux-drep`). Legacy: the
-/// entry is gone when the DREP comes, so the peer retries (and gives up); default: no
-/// retry at all.
-#[test]
-fn teardown_slow_guest_legacy_storm_vs_default() {
+/// Seed 000's slow-guest teardown (one VM per host, 5.5 s late applications, rdma_cm's
+/// pre-2020 RoCE timeouts with one retry) under mlx4-pre2020 and the default policy, run
+/// side by side on networks `nets`; returns (legacy, default).
+fn slow_teardown_pair(linux_drep: bool, nets: (u8, u8)) -> (Report, Report) {
     let base = |policy, net| {
         let mut o = opts(ScenarioName::Teardown, net);
         o.vms_per_host = 1;
@@ -87,16 +84,26 @@ fn teardown_slow_guest_legacy_storm_vs_default() {
             ..CmTimeouts::LINUX_PRE2020
         };
         o.slow_guest = Duration::from_millis(5500);
-        o.linux_drep = true;
+        o.linux_drep = linux_drep;
         o
     };
-    let legacy = base(Policy::Mlx4Pre2020, 62);
-    let default = base(Policy::Default, 63);
-    let (l, d) = std::thread::scope(|s| {
+    let legacy = base(Policy::Mlx4Pre2020, nets.0);
+    let default = base(Policy::Default, nets.1);
+    std::thread::scope(|s| {
         let l = s.spawn(|| run(&legacy));
         let d = s.spawn(|| run(&default));
         (l.join().unwrap(), d.join().unwrap())
-    });
+    })
+}
+
+/// Seed 000: a guest slower than mlx4's 5 s timer but faster than the DREQ attempt
+/// (6.1 s with rdma_cm's pre-2020 RoCE timeouts), with guests that send the DREP only
+/// when the application disconnects, as Linux's rdma_cm (`--linux-drep`). Legacy: the
+/// entry is gone when the DREP comes, so the peer retries (and gives up); default: no
+/// retry at all.
+#[test]
+fn teardown_slow_guest_legacy_storm_vs_default() {
+    let (l, d) = slow_teardown_pair(true, (62, 63));
     assert_ok(&d);
     assert_eq!(d.num("dreq_retries_guests"), 0.0, "{}", d.render());
     assert_eq!(d.num("drops_mux"), 0.0, "{}", d.render());
@@ -114,25 +121,7 @@ fn teardown_slow_guest_legacy_storm_vs_default() {
 /// `AgentConfig::auto_drep`): however slow the application, neither policy sees a retry.
 #[test]
 fn teardown_slow_guest_no_dreq_retry_under_either_policy() {
-    let base = |policy, net| {
-        let mut o = opts(ScenarioName::Teardown, net);
-        o.vms_per_host = 1;
-        o.procs = 2;
-        o.policy = policy;
-        o.cm = CmTimeouts {
-            retries: 1,
-            ..CmTimeouts::LINUX_PRE2020
-        };
-        o.slow_guest = Duration::from_millis(5500);
-        o
-    };
-    let legacy = base(Policy::Mlx4Pre2020, 90);
-    let default = base(Policy::Default, 91);
-    let (l, d) = std::thread::scope(|s| {
-        let l = s.spawn(|| run(&legacy));
-        let d = s.spawn(|| run(&default));
-        (l.join().unwrap(), d.join().unwrap())
-    });
+    let (l, d) = slow_teardown_pair(false, (90, 91));
     assert_ok(&d);
     assert_eq!(d.num("dreq_retries_guests"), 0.0, "{}", d.render());
     assert_eq!(d.num("drops_mux"), 0.0, "{}", d.render());
