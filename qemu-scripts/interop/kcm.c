@@ -44,6 +44,18 @@ static int wait_event(struct rdma_event_channel *ch, enum rdma_cm_event_type wan
 	return 0;
 }
 
+/* The connection parameters of both programs: a made-up QP number (no QP exists),
+ * rdma-core's usual one outstanding READ each way and unlimited RNR retries. */
+static void conn_param(struct rdma_conn_param *p, unsigned qpn)
+{
+	memset(p, 0, sizeof(*p));
+	p->qp_num = qpn;
+	p->responder_resources = 1;
+	p->initiator_depth = 1;
+	p->retry_count = 7;
+	p->rnr_retry_count = 7;
+}
+
 static int listen_forever(int port)
 {
 	struct rdma_event_channel *ch = rdma_create_event_channel();
@@ -83,11 +95,7 @@ static int listen_forever(int port)
 		case RDMA_CM_EVENT_CONNECT_REQUEST: {
 			struct rdma_conn_param p;
 
-			memset(&p, 0, sizeof(p));
-			p.qp_num = qpn++;
-			p.responder_resources = 1;
-			p.initiator_depth = 1;
-			p.rnr_retry_count = 7;
+			conn_param(&p, qpn++);
 			if (rdma_accept(id, &p)) {
 				perror("rdma_accept");
 				rdma_destroy_id(id);
@@ -175,12 +183,7 @@ int main(int argc, char **argv)
 			rdma_destroy_id(id);
 			break;
 		}
-		memset(&p, 0, sizeof(p));
-		p.qp_num = 0x4000 + i;
-		p.responder_resources = 1;
-		p.initiator_depth = 1;
-		p.retry_count = 7;
-		p.rnr_retry_count = 7;
+		conn_param(&p, 0x4000 + i);
 		if (rdma_connect(id, &p)) {
 			perror("rdma_connect");
 			rdma_destroy_id(id);
