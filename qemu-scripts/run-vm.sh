@@ -40,7 +40,7 @@ Options:
   --guest-dir DIR    image directory (default: build-guest.sh --print-dir)
   --append ARGS      extra kernel command line arguments
   --virtio-id N      generic route: virtio device ID (default 63)
-  --vq-size N        generic route: queue size (default 256)
+  --vq-size N        generic route: queue size (default 1024, QEMU's maximum)
   --num-vqs N        generic route: number of queues (default 2)
   --config-size N    generic route: config space bytes (default 8)
   --name NAME        VM name (log file names, QEMU -name)
@@ -59,7 +59,7 @@ EOF
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 route=generic socket="" cmd="uname -a" cmd_file="" mem=512M smp=1 hugepages=64
-log_file="" timeout=120 qemu="" kvm=0 guest_dir="" append="" virtio_id=63 vq_size=256
+log_file="" timeout=120 qemu="" kvm=0 guest_dir="" append="" virtio_id=63 vq_size=1024
 num_vqs=2 config_size=8 name="" quiet=0 print_cmdline=0 reconnect_ms=""
 files=()
 usage_error() {

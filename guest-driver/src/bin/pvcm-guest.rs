@@ -126,8 +126,9 @@ struct Cli {
     /// sysfs mount.
     #[arg(long, global = true, default_value = "/sys", value_name = "DIR")]
     sysfs: PathBuf,
-    /// Queue size (power of two, at most the device's).
-    #[arg(long, global = true, default_value_t = 256, value_name = "N")]
+    /// Queue size (power of two; the device's maximum caps it, so the default takes
+    /// what the VMM allows, up to 1024).
+    #[arg(long, global = true, default_value_t = 1024, value_name = "N")]
     queue_size: u16,
     /// Seed of comm IDs, TIDs and PSNs (default: random).
     #[arg(long, global = true, value_name = "N")]
@@ -162,6 +163,11 @@ enum Cmd {
         /// Reject every request instead (REJ consumer-defined).
         #[arg(long)]
         reject: bool,
+        /// Act like an application that reacts late: destroy a connection the peer
+        /// disconnected only this many seconds after the event (the agent has answered
+        /// the DREQ already unless --linux-drep).
+        #[arg(long, default_value = "0", value_parser = parse_secs, value_name = "SECS")]
+        react_after: Duration,
     },
     /// Connect, report, disconnect and destroy.
     Connect {
@@ -289,7 +295,18 @@ fn run(cli: &Cli, out: Out) -> Result<ExitCode, DeviceError> {
             count,
             data,
             reject,
-        } => listen(&mut dev, out, *port, *count, data.as_deref(), *reject),
+            react_after,
+        } => listen(
+            &mut dev,
+            out,
+            ListenArgs {
+                port: *port,
+                count: *count,
+                data: data.as_deref(),
+                reject: *reject,
+                react_after: *react_after,
+            },
+        ),
         Cmd::Connect {
             dest,
             port,
@@ -470,14 +487,30 @@ fn device_event(out: Out, e: &DeviceEvent) {
     );
 }
 
+/// What `listen` was asked.
+struct ListenArgs<'a> {
+    port: u16,
+    count: Option<u32>,
+    data: Option<&'a str>,
+    reject: bool,
+    react_after: Duration,
+}
+
 fn listen<T: Transport, C: Clock>(
     dev: &mut Device<T, C>,
     out: Out,
-    port: u16,
-    count: Option<u32>,
-    data: Option<&str>,
-    reject: bool,
+    a: ListenArgs<'_>,
 ) -> Result<ExitCode, DeviceError> {
+    let ListenArgs {
+        port,
+        count,
+        data,
+        reject,
+        react_after,
+    } = a;
+    // Connections the peer ended, destroyed by the "application" at these instants.
+    let mut late: std::collections::VecDeque<(std::time::Instant, CmId)> =
+        std::collections::VecDeque::new();
     let sid = tcp_service_id(port);
     let mut lid = dev.listen(sid)?;
     let gid = dev.agent().config().gid;
@@ -488,7 +521,26 @@ fn listen<T: Transport, C: Clock>(
     let reply = data.unwrap_or("").as_bytes().to_vec();
     let mut done = 0u32;
     loop {
-        let Some(n) = dev.next_notice(Duration::from_secs(3600))? else {
+        while let Some(&(at, id)) = late.front() {
+            if std::time::Instant::now() < at {
+                break;
+            }
+            late.pop_front();
+            dev.destroy(id)?;
+            done += 1;
+            out.emit(
+                format!("{id}: destroyed {:.1} s after the peer disconnected", react_after.as_secs_f64()),
+                json!({"event": "destroyed_late", "id": id.to_string(), "secs": react_after.as_secs_f64()}),
+            );
+        }
+        if count.is_some_and(|c| done >= c) {
+            dev.flush(Duration::from_secs(1))?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        let wait = late.front().map_or(Duration::from_secs(3600), |&(at, _)| {
+            at.saturating_duration_since(std::time::Instant::now())
+        });
+        let Some(n) = dev.next_notice(wait)? else {
             continue;
         };
         match n {
@@ -540,13 +592,17 @@ fn listen<T: Transport, C: Clock>(
                 json!({"event": "established", "id": id.to_string(), "remote_qpn": remote_qpn}),
             ),
             Notice::Cm(Event::Disconnected { id }) => {
-                // DREP, then the agent keeps the comm ID through TimeWait.
-                dev.destroy(id)?;
-                done += 1;
                 out.emit(
                     format!("{id}: disconnected"),
                     json!({"event": "disconnected", "id": id.to_string()}),
                 );
+                if react_after.is_zero() {
+                    // The agent keeps the comm ID through TimeWait.
+                    dev.destroy(id)?;
+                    done += 1;
+                } else {
+                    late.push_back((std::time::Instant::now() + react_after, id));
+                }
             }
             Notice::Cm(Event::Rejected { id, reason, .. }) => {
                 dev.destroy(id)?;
@@ -568,10 +624,6 @@ fn listen<T: Transport, C: Clock>(
                 );
             }
             Notice::Cm(_) => {}
-        }
-        if count.is_some_and(|c| done >= c) {
-            dev.flush(Duration::from_secs(1))?;
-            return Ok(ExitCode::SUCCESS);
         }
     }
 }
@@ -871,7 +923,7 @@ mod tests {
         assert_eq!(c.device, DeviceSpec::Pci { virtio_id: 63 });
         assert_eq!(c.sysfs, PathBuf::from("/sys"));
         assert_eq!(c.hugepages, PathBuf::from("/dev/hugepages"));
-        assert_eq!(c.queue_size, 256);
+        assert_eq!(c.queue_size, 1024);
         assert!(!c.json && c.seed.is_none() && c.pci_addr.is_none());
         assert!(matches!(c.cmd, Cmd::Info));
         assert!(!c.linux_drep && agent_configure(&c).is_none());
@@ -916,7 +968,9 @@ mod tests {
                 count,
                 data,
                 reject,
+                react_after,
             } => {
+                assert_eq!(react_after, Duration::ZERO);
                 assert_eq!(
                     (port, count, data.as_deref(), reject),
                     (7471, Some(3), Some("hi"), false)

@@ -60,7 +60,7 @@ impl Default for PciOptions {
             virtio_id: abi::DEFAULT_VIRTIO_ID,
             bdf: None,
             hugetlbfs: PathBuf::from("/dev/hugepages"),
-            queue_size: 256,
+            queue_size: 1024,
             poll_interval: Duration::from_micros(100),
         }
     }
