@@ -24,6 +24,9 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
     once and torn down at once with cmtime, on default options: 0 drops, 0 retries,
     every connection up and down, live entries drain to 0.
   6 test 5 through the gpio-stub route (stock QEMU, queues fixed at 64).
+  7 an application that reacts 8 s late to a disconnect: 0 DREQ retries (the agent
+    answers the DREQ at once).
+  8 the control for 7: the same with --linux-drep, where the peer must retry its DREQ.
 
 A test whose pieces are missing (no pvcm-backend or pvcm-guest binary, a missing
 subcommand) prints SKIP with the reason. Exit status: 0 if every selected test passed
@@ -33,7 +36,7 @@ backends' logs and counters are printed.
 
 Options:
   --allow-missing  exit 0 when tests were skipped for missing pieces
-  --only LIST      comma-separated test numbers (default 1,2,3,4,5,6)
+  --only LIST      comma-separated test numbers (default 1-8)
   --workdir DIR    keep logs here (default: a new dir under /tmp, removed on success)
   --budget SECS    overall deadline (default 900); tests not started by then fail
   -h, --help       this help
@@ -47,7 +50,7 @@ EOF
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-allow_missing=0 only="1,2,3,4,5,6" workdir="" budget=900
+allow_missing=0 only="1,2,3,4,5,6,7,8" workdir="" budget=900
 while [ $# -gt 0 ]; do
     case "$1" in
     --allow-missing) allow_missing=1 ;;
@@ -607,12 +610,83 @@ PY
     fi
 }
 
+# A late application (seed 000's mechanism at its source): VM B's application destroys
+# a connection the peer disconnected only 8 s later, past one DREQ attempt (~6.1 s with
+# rdma_cm's timeouts; pvcm's ~4.3 s). Test 7: by default B's agent answers the DREQ at
+# once, so A's host counts 0 DREQ retries. Test 8, the control that shows test 7 can
+# fail: with --linux-drep on B (DREP only when the application acts, as rdma_cm), A
+# retries its DREQ.
+run_late_app() { # N LINUX_DREP(0|1) PORT
+    local n="$1" linux="$2" port="$3" h="t${1}h" a="t${1}a" b="t${1}b" why ok=1 t0 flag=""
+    [ "$linux" = 1 ] && flag="--linux-drep"
+    why="$(need_guest_cmd listen connect)"
+    [ -z "$missing_backend" ] || why="$missing_backend"
+    [ -z "$missing_qemu" ] || why="$missing_qemu"
+    if [ -n "$why" ]; then
+        result "$n" skip "$why"
+        return
+    fi
+    budget_left || {
+        result "$n" fail "over the ${budget} s budget before it started"
+        return
+    }
+    t0="$(now_s)"
+    start_backend "$h" "$a:$net.$n.1" "$b:$net.$n.2" || {
+        result "$n" fail "backend did not start"
+        dump "$h"
+        return
+    }
+    start_vm "$b" generic "pvcm-guest $flag --json listen --port $port --count 1 --react-after 8"
+    if wait_console "$b" '"event": ?"listening"' 120; then
+        start_vm "$a" generic "pvcm-guest --json connect --dest $net.$n.2 --port $port --timeout 20"
+    else
+        echo "   $b never listened"
+        ok=0
+    fi
+    local vm r rcs=""
+    for vm in "$a" "$b"; do
+        r=0
+        eval "[ -n \"\${vmpid_$vm:-}\" ]" || continue
+        wait_vm "$vm" || r=$?
+        rcs="$rcs $vm=$r"
+        [ "$r" = 0 ] || ok=0
+    done
+    echo "   exit codes:$rcs"
+    stat_json "$h" || ok=0
+    check_py "$workdir" "$h" "$linux" <<'PY' || ok=0
+import json, sys
+wd, h, linux = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+s = json.load(open(f"{wd}/{h}.stat.json"))["host"]
+cm = s["cm"]
+r = cm["cm_tx_retries"]["dreq"]
+d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+print(f"   {h}: DREQ {cm['cm_tx_msgs']['dreq']} DREQ retries {r} DREP {cm['cm_tx_msgs']['drep']} drops {d}")
+bad = []
+if linux and r < 1: bad.append("with --linux-drep the late application should have caused a DREQ retry")
+if not linux and r: bad.append(f"{r} DREQ retries with the DREP answered at once")
+if d: bad.append(f"drops {d}")
+for x in bad: print("   check:", x)
+sys.exit(1 if bad else 0)
+PY
+    stop_backend "$h"
+    local what="application 8 s late, DREP at once: 0 DREQ retries"
+    [ "$linux" = 1 ] && what="control: application 8 s late with --linux-drep: the peer retries its DREQ"
+    if [ "$ok" = 1 ]; then
+        result "$n" pass "$what ($(elapsed "$t0") s)"
+    else
+        result "$n" fail "$what ($(elapsed "$t0") s)"
+        dump "$a" "$b" "$h"
+    fi
+}
+
 selected 1 && run_connect_disconnect 1 generic "" 7001
 selected 2 && test2
 selected 3 && test3
 selected 4 && run_connect_disconnect 4 gpio-stub "--device pci:41" 7004
 selected 5 && run_burst 5 generic "" 7005
 selected 6 && run_burst 6 gpio-stub "--device pci:41" 7006
+selected 7 && run_late_app 7 0 7007
+selected 8 && run_late_app 8 1 7008
 
 echo
 echo "== summary ($(elapsed "$t_start") s, logs in $workdir)"

@@ -5,6 +5,7 @@ set -euo pipefail
 usage() {
     cat <<'USAGE'
 Usage: qemu-scripts/interop.sh [--conns N] [--only LIST] [--workdir DIR] [--pcap FILE]
+       qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--workdir DIR]
 
 Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe (../shared/tools/rxe-peer): two
 TCG guests with the kernel CM (k 10.99.0.2 with a cmtime listener, j 10.99.0.3) and,
@@ -28,11 +29,19 @@ on the same bridge in a private network namespace, a pvcm-backend whose VM addre
 Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run. The last
 line reads "interop: N passed, N failed". Exit 0 when all selected tests passed.
 
+--bench runs the benchmark instead (interop/bench.sh): at each size, all in one run,
+kernel CM <-> kernel CM (cmtime between k and j) next to pvcm VM <-> pvcm VM (two TCG
+VMs on one pvcm-backend, default options): connect and disconnect totals, the speed-up
+and the CPU per connection on each side. It fails only when pvcm loses a connection,
+a MAD or needs a retry; the figures are for reading, not asserted.
+
 Options:
   --conns N      connections for tests 1, 2 and 5 (default 1000)
   --only LIST    comma-separated test numbers (default: all; 8 always runs)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   --pcap FILE    capture br0 to FILE (dumpcap) and check its tshark decode
+  --bench        run the benchmark instead of the tests
+  --sizes LIST   benchmark sizes (default 1000,4000)
   -h, --help     this help
 
 Needs root (network namespace, taps, raw socket), and installs what it needs:
@@ -43,16 +52,18 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap=""
+conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000"
 while [ $# -gt 0 ]; do
     case "$1" in
-    --conns | --only | --workdir | --pcap)
+    --bench) bench=1 ;;
+    --conns | --only | --workdir | --pcap | --sizes)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --conns) conns="$2" ;;
         --only) only="$2,8" ;;
         --workdir) workdir="$2" ;;
         --pcap) pcap="$2" ;;
+        --sizes) sizes="$2" ;;
         esac
         shift
         ;;
@@ -100,6 +111,23 @@ gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
     "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
 cp "$PVCM_SCRIPTS_DIR/interop/kpeer.sh" "$share/kpeer.sh"
 echo "   ready in $(elapsed "$t") s"
+
+if [ "$bench" = 1 ]; then
+    echo "== benchmark: kernel CM guests k, j + pvcm-backend and two pvcm VMs on one bridge"
+    rc=0
+    IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
+        IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_SIZES="$sizes" \
+        PVCM_CACHE="$PVCM_CACHE" \
+        bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
+        --logdir "$workdir/rxe" --timeout 1800 -q \
+        --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \
+        --peer j 10.99.0.3/24 'sh /host/kpeer.sh j' \
+        --host-after j --host-cmd "bash $PVCM_SCRIPTS_DIR/interop/bench.sh" || rc=$?
+    cat "$workdir/bench.txt" 2>/dev/null || tail -n 40 "$workdir/rxe/host.out"
+    [ "$rc" = 0 ] && [ "$keep" = 0 ] && rm -rf "$workdir"
+    [ "$rc" = 0 ] || echo "bench: failed (run.sh exit $rc), logs in $workdir"
+    exit "$rc"
+fi
 
 echo "== run: kernel CM guests k, j + pvcm-backend and a pvcm VM on one bridge"
 pcap_args=()

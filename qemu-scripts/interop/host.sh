@@ -23,63 +23,10 @@ result() { # result NAME pass|fail TEXT
 }
 selected() { [[ ",$only," == *",$1,"* ]]; }
 
-# kexec PEER NAME TIMEOUT 'CMD': runs CMD in kernel guest PEER; prints its output to
-# $work/PEER.NAME.out; returns its status (124 on timeout).
-seq_no=0
-kexec() {
-    local peer="$1" name="$2" t="$3" cmd="$4" q
-    seq_no=$((seq_no + 1))
-    q="$share/q/$peer.$seq_no-$name"
-    printf '%s\n' "$cmd" >"$q.tmp" && mv "$q.tmp" "$q.sh"
-    local i
-    for ((i = 0; i < t * 10; i++)); do
-        if [ -e "$q.rc" ]; then
-            cp "$q.out" "$work/$peer.$name.out"
-            return "$(cat "$q.rc")"
-        fi
-        sleep 0.1
-    done
-    echo "kexec $peer $name: no answer in $t s" >"$work/$peer.$name.out"
-    return 124
-}
-
-# The kernel CM's counters of rxe0 port 1: "group/message value" lines. Linux 6.1
-# keeps them under the port (ib_port_register_client_groups); older kernels had
-# /sys/class/infiniband_cm/rxe0/1.
-kcounters() { # kcounters PEER TAG
-    kexec "$1" "counters-$2" 20 'for d in /sys/class/infiniband/rxe0/ports/1 /sys/class/infiniband_cm/rxe0/1; do [ -d $d/cm_rx_msgs ] && break; done; cd $d && for g in cm_tx_msgs cm_tx_retries cm_rx_msgs cm_rx_duplicates; do for f in $g/*; do echo "$f $(cat $f)"; done; done'
-}
-
-# ---- the pvcm side: one backend, one VM address on br0
-rm -f "$work/vm.sock" "$work/h.ctl"
-RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" \
-    --vm "socket=$work/vm.sock,gid=::ffff:$vm_ip,name=vm" --control "$work/h.ctl" \
-    >"$work/backend.log" 2>&1 &
-backend_pid=$!
-for _ in $(seq 100); do [ -S "$work/h.ctl" ] && [ -S "$work/vm.sock" ] && break; sleep 0.1; done
-stat_json() { "$IOP_BACKEND" stat --control "$work/h.ctl" --json >"$work/$1.stat.json"; }
-
-# vm_start NAME 'CMD': a pvcm QEMU VM (TCG) on the backend, in the background.
-vm_start() {
-    "$IOP_RUNVM" --quiet --socket "$work/vm.sock" --name "$1" --guest-dir "$IOP_GUEST_DIR" \
-        --log "$work/$1.console.log" --timeout 300 --cmd "$2" >"$work/$1.out" 2>"$work/$1.err" &
-    eval "vmpid_$1=$!"
-}
-vm_wait() { local p; eval "p=\$vmpid_$1"; wait "$p"; }
-vm_console() { # vm_console NAME PATTERN SECS
-    local i p
-    eval "p=\$vmpid_$1"
-    for ((i = 0; i < $3 * 5; i++)); do
-        grep -Eq "$2" "$work/$1.console.log" 2>/dev/null && return 0
-        kill -0 "$p" 2>/dev/null || return 1
-        sleep 0.2
-    done
-    return 1
-}
-
-for p in k j; do
-    for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
-done
+# shellcheck source-path=SCRIPTDIR source=common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+start_backend "vm:$vm_ip"
+wait_kernel_peers
 kcounters k before
 kcounters j before
 

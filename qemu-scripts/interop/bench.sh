@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The host side of `qemu-scripts/interop.sh --bench`: connection-rate figures, all from
+# one run, of pvcm VM <-> pvcm VM (two TCG VMs on one pvcm-backend, default options)
+# next to kernel CM <-> kernel CM (two rxe-peer TCG guests, rdma-core's cmtime), at
+# each size in $IOP_SIZES. Runs inside rxe-peer's network namespace like host.sh.
+#
+# CPU per connection: the busy time (user + nice + system + irq + softirq) that each
+# guest's own /proc/stat counts over the benchmark command, both guests summed, plus the
+# pvcm-backend process's CPU time for the pvcm side. Every side is measured the same way
+# from inside its guests, so the figures compare; TCG inflates them all alike.
+set -uo pipefail
+
+work="$IOP_WORK" share="$IOP_SHARE"
+k_ip=10.99.0.2 srv_ip=10.99.0.1 cli_ip=10.99.0.4
+out="$work/bench.txt"
+: >"$out"
+
+# shellcheck source-path=SCRIPTDIR source=common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+start_backend "srv:$srv_ip" "cli:$cli_ip"
+wait_kernel_peers
+
+# Busy jiffies (USER_HZ 100) of the first /proc/stat line read by the awk below.
+busy='awk "/^cpu /{print \$2+\$3+\$4+\$7+\$8; exit}" /proc/stat'
+# The backend's CPU time in clock ticks (utime + stime).
+backend_ticks() { awk '{print $14 + $15}' "/proc/$backend_pid/stat"; }
+
+for n in ${IOP_SIZES//,/ }; do
+    echo "== $n connections: kernel CM <-> kernel CM"
+    kexec k "busy0-$n" 10 "$busy"
+    kexec j "kk-$n" 600 "$busy; cmtime -s $k_ip -c $n; $busy"
+    kexec k "busy1-$n" 10 "$busy"
+    echo "== $n connections: pvcm VM <-> pvcm VM"
+    vm_start "srv$n" "$busy; pvcm-guest cmtime --server --connections $n --timeout 300; echo \"rc \$?\"; $busy" srv
+    if vm_console "srv$n" 'cmtime server on' 120; then
+        t0="$(backend_ticks)"
+        vm_start "cli$n" "$busy; pvcm-guest cmtime --dest $srv_ip --connections $n --timeout 120; echo \"rc \$?\"; $busy" cli
+        vm_wait "cli$n"
+        vm_wait "srv$n"
+        t1="$(backend_ticks)"
+        echo "$t0 $t1" >"$work/backend-ticks-$n"
+    else
+        vm_wait "srv$n"
+        echo "server VM never listened" >"$work/backend-ticks-$n"
+    fi
+    stat_json "after-$n"
+done
+
+python3 - "$work" "$IOP_SIZES" "$(getconf CLK_TCK)" <<'PY' | tee "$out"
+import json, os, re, sys
+wd, sizes, tck = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+def read(n):
+    p = f"{wd}/{n}"
+    return open(p, errors="replace").read() if os.path.exists(p) else ""
+def nums(text):
+    return [int(x) for x in re.findall(r"^(\d+)\s*$", text, re.M)]
+def total(text, step):
+    m = re.search(rf"^{step}\s*:?\s+([\d.]+)", text, re.M)
+    return float(m.group(1)) if m else None
+bad = []
+print(f"{'N':>6} {'side':<22} {'connect ms':>11} {'disconnect ms':>14} {'CPU ms/conn':>12}")
+for n in sizes:
+    kk = read(f"j.kk-{n}.out")
+    jb = nums(kk)
+    kb = nums(read(f"k.busy0-{n}.out")) + nums(read(f"k.busy1-{n}.out"))
+    kcpu = None
+    if len(jb) >= 2 and len(kb) >= 2:
+        kcpu = ((jb[-1] - jb[0]) + (kb[1] - kb[0])) * 10.0 / n  # jiffies are 10 ms
+    kc, kd = total(kk, "connect"), total(kk, "disconnect")
+    cli, srv = read(f"cli{n}.out"), read(f"srv{n}.out")
+    pc, pd = total(cli, "establish"), total(cli, "disconnect")
+    cb, sb = nums(cli), nums(srv)
+    ticks = read(f"backend-ticks-{n}").split()
+    pcpu = None
+    if len(cb) >= 2 and len(sb) >= 2 and len(ticks) == 2 and all(t.isdigit() for t in ticks):
+        backend_ms = (int(ticks[1]) - int(ticks[0])) * 1000.0 / tck
+        pcpu = ((cb[-1] - cb[0]) + (sb[-1] - sb[0])) * 10.0 / n + backend_ms / n
+    ok = re.search(rf"connections {n} established {n} failed 0 disconnected {n}", cli)
+    if not ok: bad.append(f"pvcm {n}: not every connection established and torn down")
+    s = json.load(open(f"{wd}/after-{n}.stat.json"))["host"] if os.path.exists(f"{wd}/after-{n}.stat.json") else None
+    if s:
+        d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+        r = sum(s["cm"]["cm_tx_retries"].values())
+        if d or r: bad.append(f"pvcm {n}: drops {d} retries {r}")
+    f = lambda v, p=1: f"{v:.{p}f}" if v is not None else "-"
+    print(f"{n:>6} {'kernel CM <-> kernel CM':<22} {f(kc):>11} {f(kd):>14} {f(kcpu, 2):>12}")
+    print(f"{n:>6} {'pvcm VM <-> pvcm VM':<22} {f(pc):>11} {f(pd):>14} {f(pcpu, 2):>12}")
+    if kc and pc and kd and pd:
+        print(f"{n:>6} {'pvcm speed-up':<22} {kc / pc:>10.1f}x {kd / pd:>13.1f}x "
+              f"{(f'{kcpu / pcpu:.1f}x less' if kcpu and pcpu else '-'):>12}")
+for b in bad: print("bench: " + b)
+print("bench goal: pvcm at least 20x faster than the kernel CM in both steps at every size")
+sys.exit(1 if bad else 0)
+PY
+rc=$?
+touch "$share/flag.stop"
+kill "$backend_pid" 2>/dev/null
+wait "$backend_pid" 2>/dev/null
+exit "$rc"

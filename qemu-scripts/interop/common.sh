@@ -1,0 +1,74 @@
+# shellcheck shell=bash
+# Shared by the host-side scripts of qemu-scripts/interop.sh (host.sh: the interop
+# tests; bench.sh: the benchmark). Source it inside rxe-peer's network namespace with
+# $work, $share and the IOP_* variables set.
+
+# kexec PEER NAME TIMEOUT 'CMD': runs CMD in kernel guest PEER (kpeer.sh); its output
+# goes to $work/PEER.NAME.out; returns its status (124 on timeout).
+seq_no=0
+kexec() {
+    local peer="$1" name="$2" t="$3" cmd="$4" q i
+    seq_no=$((seq_no + 1))
+    q="$share/q/$peer.$seq_no-$name"
+    printf '%s\n' "$cmd" >"$q.tmp" && mv "$q.tmp" "$q.sh"
+    for ((i = 0; i < t * 10; i++)); do
+        if [ -e "$q.rc" ]; then
+            cp "$q.out" "$work/$peer.$name.out"
+            return "$(cat "$q.rc")"
+        fi
+        sleep 0.1
+    done
+    echo "kexec $peer $name: no answer in $t s" >"$work/$peer.$name.out"
+    return 124
+}
+
+# The kernel CM's counters of rxe0 port 1: "group/message value" lines. Linux 6.1
+# keeps them under the port (ib_port_register_client_groups); older kernels had
+# /sys/class/infiniband_cm/rxe0/1.
+kcounters() { # kcounters PEER TAG
+    kexec "$1" "counters-$2" 20 'for d in /sys/class/infiniband/rxe0/ports/1 /sys/class/infiniband_cm/rxe0/1; do [ -d $d/cm_rx_msgs ] && break; done; cd $d && for g in cm_tx_msgs cm_tx_retries cm_rx_msgs cm_rx_duplicates; do for f in $g/*; do echo "$f $(cat $f)"; done; done'
+}
+
+# wait_kernel_peers: until kpeer.sh runs in k and j.
+wait_kernel_peers() {
+    local p
+    for p in k j; do
+        for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
+    done
+}
+
+# start_backend NAME:IPV4...: one pvcm-backend with a VM per argument (socket
+# $work/NAME.sock, control $work/h.ctl); addresses not yet on br0 are added to it.
+start_backend() {
+    local spec args=() ip
+    for spec in "$@"; do
+        ip="${spec#*:}"
+        ip -4 addr show dev br0 | grep -q "inet $ip/" || ip addr add "$ip/24" dev br0
+        rm -f "$work/${spec%%:*}.sock"
+        args+=(--vm "socket=$work/${spec%%:*}.sock,gid=::ffff:$ip,name=${spec%%:*}")
+    done
+    rm -f "$work/h.ctl"
+    RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" "${args[@]}" --control "$work/h.ctl" \
+        >"$work/backend.log" 2>&1 &
+    backend_pid=$!
+    for _ in $(seq 100); do [ -S "$work/h.ctl" ] && break; sleep 0.1; done
+}
+stat_json() { "$IOP_BACKEND" stat --control "$work/h.ctl" --json >"$work/$1.stat.json"; }
+
+# vm_start NAME 'CMD' [SOCKET]: a pvcm QEMU VM (TCG) on the backend, in the background.
+vm_start() {
+    "$IOP_RUNVM" --quiet --socket "$work/${3:-vm}.sock" --name "$1" --guest-dir "$IOP_GUEST_DIR" \
+        --log "$work/$1.console.log" --timeout 300 --cmd "$2" >"$work/$1.out" 2>"$work/$1.err" &
+    eval "vmpid_$1=$!"
+}
+vm_wait() { local p; eval "p=\$vmpid_$1"; wait "$p"; }
+vm_console() { # vm_console NAME PATTERN SECS
+    local i p
+    eval "p=\$vmpid_$1"
+    for ((i = 0; i < $3 * 5; i++)); do
+        grep -Eq "$2" "$work/$1.console.log" 2>/dev/null && return 0
+        kill -0 "$p" 2>/dev/null || return 1
+        sleep 0.2
+    done
+    return 1
+}
