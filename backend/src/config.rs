@@ -25,7 +25,8 @@ use pvcm_wire::Gid;
 
 use crate::backlog;
 use crate::mux::{Policy, VmConfig};
-use crate::wire::RxMode;
+use crate::port::PortSpec;
+use crate::port::soft::RxMode;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -254,6 +255,15 @@ pub struct ServeArgs {
     /// warning.
     #[arg(long, value_name = "MODE")]
     pub wire_rx: Option<String>,
+    /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP) or
+    /// `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through /dev/infiniband/umadN,
+    /// e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not be loaded; see
+    /// docs/umad.md). --wire-rx and --bind-port apply to the soft port only.
+    #[arg(long, value_name = "PORT")]
+    pub port: Option<String>,
+    /// sysfs mount (the umad port reads the GID and P_Key tables there).
+    #[arg(long, value_name = "DIR", hide = true)]
+    pub sysfs: Option<PathBuf>,
     /// Seed of the mux's ID permutation (random unless given; for reproducible tests).
     #[arg(long, value_name = "N", hide = true)]
     pub seed: Option<String>,
@@ -283,7 +293,7 @@ pub enum Command {
     name = "pvcm-backend",
     version,
     about = "pvcm host daemon: para-virtual IB CM devices for VMs over vhost-user, \
-             multiplexed onto one soft RoCEv2 port",
+             multiplexed onto one RoCEv2 port (soft, or a device's QP1 via umad)",
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
@@ -317,6 +327,10 @@ pub struct Config {
     pub bind_port: u16,
     /// How the soft port receives.
     pub wire_rx: RxMode,
+    /// The wire port.
+    pub port: PortSpec,
+    /// sysfs mount, for the umad port.
+    pub sysfs: PathBuf,
     /// Mux seed (None: random).
     pub seed: Option<u64>,
 }
@@ -334,6 +348,8 @@ impl Config {
             rx_host_backlog_bytes: backlog::DEFAULT_HOST_BYTES,
             bind_port: DEFAULT_PORT,
             wire_rx: RxMode::Auto,
+            port: PortSpec::Soft,
+            sysfs: PathBuf::from("/sys"),
             seed: None,
         }
     }
@@ -392,6 +408,12 @@ impl Config {
         if let Some(m) = &args.wire_rx {
             cfg.wire_rx =
                 RxMode::from_str(m).map_err(|e| ConfigError(format!("--wire-rx: {e}")))?;
+        }
+        if let Some(p) = &args.port {
+            cfg.port = PortSpec::from_str(p).map_err(|e| ConfigError(format!("--port: {e}")))?;
+        }
+        if let Some(d) = &args.sysfs {
+            cfg.sysfs = d.clone();
         }
         if let Some(s) = &args.seed {
             cfg.seed = Some(parse_u64("--seed", s)?);
@@ -502,6 +524,8 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
             .or_else(|| file.rx_host_backlog_bytes.clone()),
         bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
         wire_rx: cli.wire_rx.clone().or_else(|| file.wire_rx.clone()),
+        port: cli.port.clone().or_else(|| file.port.clone()),
+        sysfs: cli.sysfs.clone().or_else(|| file.sysfs.clone()),
         seed: cli.seed.clone().or_else(|| file.seed.clone()),
     }
 }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, SocketAddrV4, TcpListener};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -43,10 +43,10 @@ use crate::config::{Config, VmSpec};
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, Verdict, VmId};
 use crate::pcap::Capture;
-use crate::stats::{DevCounters, DevDrop, Figures, Io, Snapshot, VmFigures};
-use crate::wire::{
-    InFrame, OutFrame, RawRx, RecvBatch, RxMode, WirePort, check_datagram, check_frame,
-};
+use crate::port::soft::SoftPort;
+use crate::port::umad::UmadPort;
+use crate::port::{InMad, PortCtx, PortSpec, TOKEN_LIMIT, WirePort};
+use crate::stats::{DevCounters, Figures, Io, Snapshot, VmFigures};
 
 /// A daemon error: what failed, for the operator.
 #[derive(Debug)]
@@ -104,7 +104,7 @@ impl RxMsg {
     }
 
     /// A MAD received from the wire.
-    pub fn from_wire(f: &InFrame, mad: &[u8; MAD_LEN]) -> RxMsg {
+    pub fn from_wire(f: &InMad, mad: &[u8; MAD_LEN]) -> RxMsg {
         let h = MsgHeader {
             remote_qpn: f.src_qp,
             qkey: f.qkey,
@@ -169,12 +169,11 @@ impl fmt::Debug for Session {
     }
 }
 
-/// One configured VM: its wire socket, rx backlog and counters, across sessions.
+/// One configured VM: its rx backlog and counters, across sessions.
 #[derive(Debug)]
 pub struct VmPort {
     pub(crate) index: usize,
     pub(crate) spec: VmSpec,
-    pub(crate) wire: WirePort,
     current: Mutex<Option<VmId>>,
     rx: Mutex<RxBacklog>,
     pub(crate) rx_wake: EventFd,
@@ -228,11 +227,12 @@ pub struct Shared {
     capture: Option<Capture>,
     timer_wake: EventFd,
     armed: AtomicU64,
-    port_num: u16,
     default_quota: u32,
     policy: String,
-    /// The receive mode in effect (raw or udp; never auto).
-    wire_rx: RxMode,
+    /// The wire port (soft or umad).
+    port: Box<dyn WirePort>,
+    /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
+    port_counters: DevCounters,
     stop: AtomicBool,
 }
 
@@ -262,41 +262,20 @@ impl Shared {
         }
     }
 
-    fn dst_addr(&self, gid: Gid) -> Option<SocketAddrV4> {
-        gid.to_ipv4().map(|a| SocketAddrV4::new(a, self.port_num))
+    fn port_ctx(&self) -> PortCtx<'_> {
+        PortCtx {
+            vms: &self.ports,
+            host: &self.port_counters,
+            capture: self.capture.as_ref(),
+        }
     }
 
     /// Sends MADs from `port` to their GIDs.
     pub(crate) fn send_mads(&self, port: &VmPort, mads: &[(Gid, [u8; MAD_LEN])]) {
-        let frames: Vec<OutFrame> = mads
-            .iter()
-            .filter_map(|(dst, mad)| match self.dst_addr(*dst) {
-                Some(a) => Some(port.wire.frame(a, mad)),
-                None => {
-                    port.counters.drop(DevDrop::BadRemoteGid);
-                    None
-                }
-            })
-            .collect();
-        self.send_frames(port, &frames);
-    }
-
-    fn send_frames(&self, port: &VmPort, frames: &[OutFrame]) {
-        if frames.is_empty() {
+        if mads.is_empty() {
             return;
         }
-        // Captured before the send, so an answer never precedes its request in the file.
-        if let Some(c) = &self.capture {
-            for f in frames {
-                c.record(port.wire.local(), f.dst, &f.frame);
-            }
-            c.flush();
-        }
-        let sent = port.wire.send_batch(frames);
-        port.counters.add(Io::WireTxFrames, sent as u64);
-        for _ in sent..frames.len() {
-            port.counters.drop(DevDrop::WireSendError);
-        }
+        self.port.send(&self.port_ctx(), port.index, mads);
     }
 
     /// Sends what the mux queued itself, each from its source VM's socket.
@@ -321,6 +300,10 @@ impl Shared {
         let mut cur = lock(&port.current);
         if let Some(vm) = *cur {
             return Some(vm);
+        }
+        if let Err(e) = self.port.attach(port.index) {
+            tracing::error!(parent: &port.span, error = %e, "attach refused");
+            return None;
         }
         let mut core = self.lock_core();
         match core.mux.attach_vm(port.spec.vm.clone()) {
@@ -387,10 +370,11 @@ impl Shared {
             });
         }
         drop(core);
-        let all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
+        let mut all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
+        all.push(&self.port_counters);
         Snapshot {
             policy: self.policy.clone(),
-            wire_rx: self.wire_rx.name().to_string(),
+            wire_rx: self.port.rx_mode(),
             vms,
             host: Figures::new(&host_stats, &all),
         }
@@ -447,15 +431,11 @@ impl Timer {
     }
 }
 
-const TOK_STOP: u64 = 1 << 40;
+const TOK_STOP: u64 = TOKEN_LIMIT;
 const TOK_TIMER: u64 = TOK_STOP + 1;
 const TOK_WAKE: u64 = TOK_STOP + 2;
 const TOK_CONTROL: u64 = TOK_STOP + 3;
 const TOK_METRICS: u64 = TOK_STOP + 4;
-const TOK_RAW: u64 = TOK_STOP + 5;
-
-/// Datagram batches taken from one socket before the loop looks at the others.
-const RX_ROUNDS: usize = 16;
 
 struct HostLoop {
     shared: Arc<Shared>,
@@ -463,13 +443,11 @@ struct HostLoop {
     timer: Timer,
     control: Option<UnixListener>,
     metrics: Option<TcpListener>,
-    raw: Option<RawRx>,
 }
 
 impl HostLoop {
     fn run(self) {
         let mut events = vec![EpollEvent::default(); 64];
-        let mut rb = RecvBatch::default();
         loop {
             self.arm_timer();
             let n = match self.epoll.wait(-1, &mut events) {
@@ -495,12 +473,15 @@ impl HostLoop {
                     }
                     TOK_CONTROL => self.accept_control(),
                     TOK_METRICS => self.accept_metrics(),
-                    TOK_RAW => self.on_raw(&mut rb),
-                    i => {
-                        if let Some(port) = self.shared.ports.get(i as usize).cloned() {
-                            self.on_wire(&port, &mut rb);
-                        }
+                    tok if tok < TOKEN_LIMIT => {
+                        let shared = &self.shared;
+                        shared
+                            .port
+                            .receive(&shared.port_ctx(), tok, &mut |vm, mads| {
+                                self.route(vm, mads)
+                            });
                     }
+                    _ => {}
                 }
             }
         }
@@ -530,122 +511,18 @@ impl HostLoop {
         }
     }
 
-    /// Takes datagrams from one VM address's socket, through the mux, to VMs.
-    fn on_wire(&self, port: &Arc<VmPort>, rb: &mut RecvBatch) {
-        let local = port.wire.local();
-        for _ in 0..RX_ROUNDS {
-            let n = match port.wire.recv_batch(rb) {
-                Ok(0) => return,
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!(parent: &port.span, error = %e, "wire receive failed");
-                    return;
-                }
-            };
-            port.counters.add(Io::WireRxFrames, n as u64);
-            let mut frames = Vec::with_capacity(n);
-            for i in 0..n {
-                let (src, dgram, truncated) = rb.get(i);
-                let Some(src) = src else {
-                    port.counters.drop(DevDrop::WireBadSource);
-                    continue;
-                };
-                if let Some(c) = &self.shared.capture {
-                    c.record(src, local, dgram);
-                }
-                if truncated {
-                    port.counters.drop(DevDrop::WireBadLength);
-                    continue;
-                }
-                match check_frame(local, src, dgram) {
-                    Ok(f) => frames.push(f),
-                    Err(r) => {
-                        tracing::debug!(parent: &port.span, %src, reason = r.name(), "wire frame dropped");
-                        port.counters.drop(r);
-                    }
-                }
-            }
-            if let Some(c) = &self.shared.capture {
-                c.flush();
-            }
-            self.route(port, frames);
-            if n < crate::wire::BATCH {
-                return;
-            }
-        }
-    }
-
-    /// Takes datagrams from the raw socket (raw mode): each is checked over its IPv4
-    /// header as received and routed to the port of its destination address.
-    fn on_raw(&self, rb: &mut RecvBatch) {
-        let Some(raw) = &self.raw else { return };
-        for _ in 0..RX_ROUNDS {
-            let n = match raw.recv_batch(rb) {
-                Ok(0) => return,
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!(error = %e, "raw wire receive failed");
-                    return;
-                }
-            };
-            let mut per_port: Vec<(usize, Vec<InFrame>)> = Vec::new();
-            for i in 0..n {
-                let (_, dgram, truncated) = rb.get(i);
-                // The destination decides whose counters a drop lands on; datagrams to
-                // an address that is not one of ours are not ours to count.
-                let Some(dst) = dgram.get(16..20).and_then(|b| <[u8; 4]>::try_from(b).ok()) else {
-                    continue;
-                };
-                let dst = std::net::Ipv4Addr::from(dst);
-                let Some(&p) = self.shared.by_gid.get(&Gid::from_ipv4(dst)) else {
-                    continue;
-                };
-                let Some(port) = self.shared.ports.get(p) else {
-                    continue;
-                };
-                port.counters.add(Io::WireRxFrames, 1);
-                if let Some(c) = &self.shared.capture {
-                    c.record_datagram(dgram);
-                }
-                if truncated {
-                    port.counters.drop(DevDrop::WireBadLength);
-                    continue;
-                }
-                match check_datagram(dgram) {
-                    Ok((to, f)) if to.port() == self.shared.port_num => {
-                        match per_port.iter_mut().find(|(q, _)| *q == p) {
-                            Some((_, v)) => v.push(f),
-                            None => per_port.push((p, vec![f])),
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(r) => {
-                        tracing::debug!(parent: &port.span, reason = r.name(), "wire frame dropped");
-                        port.counters.drop(r);
-                    }
-                }
-            }
-            if let Some(c) = &self.shared.capture {
-                c.flush();
-            }
-            for (p, frames) in per_port {
-                if let Some(port) = self.shared.ports.get(p).cloned() {
-                    self.route(&port, frames);
-                }
-            }
-            if n < crate::wire::BATCH {
-                return;
-            }
-        }
-    }
-
-    fn route(&self, port: &Arc<VmPort>, frames: Vec<InFrame>) {
+    /// Takes a batch of MADs the port received for VM `vm`'s address through the mux
+    /// to VMs (and replies to the wire).
+    fn route(&self, vm: usize, frames: Vec<InMad>) {
+        let Some(port) = self.shared.ports.get(vm).cloned() else {
+            return;
+        };
         if frames.is_empty() {
             return;
         }
         let dst = port.spec.vm.gid;
         let mut deliveries: Vec<(usize, RxMsg)> = Vec::new();
-        let mut replies: Vec<OutFrame> = Vec::new();
+        let mut replies: Vec<(Gid, [u8; MAD_LEN])> = Vec::new();
         let out: Vec<Outgoing>;
         let mut mads: Vec<[u8; MAD_LEN]> = frames.iter().map(|f| f.mad).collect();
         let addrs: Vec<(Gid, Gid)> = frames.iter().map(|f| (f.src, dst)).collect();
@@ -661,12 +538,9 @@ impl HostLoop {
                             deliveries.push((p, RxMsg::from_wire(f, mad)));
                         }
                     }
-                    // To the sender's RoCEv2 port: its UDP source port is entropy
-                    // (Linux rxe hashes the flow label into it), not where it listens.
-                    Verdict::Reply => replies.push(port.wire.frame(
-                        SocketAddrV4::new(*f.src_addr.ip(), self.shared.port_num),
-                        mad,
-                    )),
+                    // To the sender's GID (the soft port: its RoCEv2 port; its UDP source
+                    // port is entropy, as Linux rxe hashes the flow label into it).
+                    Verdict::Reply => replies.push((f.src, *mad)),
                     Verdict::ToWire => {
                         // The mux never forwards wire to wire; count it as a bad state.
                         tracing::debug!("mux returned ToWire for a wire MAD");
@@ -691,7 +565,7 @@ impl HostLoop {
                 vp.wake_rx();
             }
         }
-        self.shared.send_frames(port, &replies);
+        self.shared.send_mads(&port, &replies);
         if !out.is_empty() {
             self.shared.send_outgoing(out);
         }
@@ -788,36 +662,6 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
     tracing::debug!("VM thread done");
 }
 
-/// Opens the raw receive socket the mode asks for (None: udp mode).
-fn open_raw_rx(
-    mode: RxMode,
-    port: u16,
-    addrs: &[std::net::Ipv4Addr],
-) -> Result<Option<RawRx>, Error> {
-    const HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
-                       `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW \
-                       in a systemd unit); --wire-rx udp needs no privilege but accepts only \
-                       pvcm peers (see docs/daemon.md)";
-    match mode {
-        RxMode::Udp => Ok(None),
-        RxMode::Raw => RawRx::open(port, addrs)
-            .map(Some)
-            .map_err(|err| Error(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
-        RxMode::Auto => match RawRx::open(port, addrs) {
-            Ok(r) => Ok(Some(r)),
-            Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
-                tracing::warn!(
-                    "no raw socket ({err}): receiving in udp mode, which drops frames \
-                     from Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
-                     non-zero IP ID the ICRC covers); {HOW}"
-                );
-                Ok(None)
-            }
-            Err(err) => Err(Error(format!("raw wire socket: {err}"))),
-        },
-    }
-}
-
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -853,20 +697,34 @@ impl Daemon {
         let mut ports = Vec::new();
         let mut by_gid = HashMap::new();
         let host_budget = HostBudget::new(cfg.rx_host_backlog_bytes);
-        let addrs: Vec<std::net::Ipv4Addr> = cfg.vms.iter().map(VmSpec::ipv4).collect();
-        let raw = open_raw_rx(cfg.wire_rx, cfg.bind_port, &addrs)?;
+        let port: Box<dyn WirePort> = match &cfg.port {
+            PortSpec::Soft => {
+                let addrs: Vec<(String, std::net::Ipv4Addr)> = cfg
+                    .vms
+                    .iter()
+                    .map(|v| (v.vm.name.clone(), v.ipv4()))
+                    .collect();
+                Box::new(SoftPort::open(&addrs, cfg.bind_port, cfg.wire_rx)?)
+            }
+            PortSpec::Umad { device, port } => {
+                let vms: Vec<(String, Gid)> = cfg
+                    .vms
+                    .iter()
+                    .map(|v| (v.vm.name.clone(), v.vm.gid))
+                    .collect();
+                Box::new(UmadPort::open(
+                    std::path::Path::new(&cfg.sysfs),
+                    device,
+                    *port,
+                    &vms,
+                )?)
+            }
+        };
         for (i, spec) in cfg.vms.iter().enumerate() {
-            let wire = WirePort::bind(spec.ipv4(), cfg.bind_port).map_err(e(format!(
-                "VM {}: wire port {}:{} (is the address local?)",
-                spec.vm.name,
-                spec.ipv4(),
-                cfg.bind_port
-            )))?;
             by_gid.insert(spec.vm.gid, i);
             ports.push(Arc::new(VmPort {
                 index: i,
                 spec: spec.clone(),
-                wire,
                 current: Mutex::new(None),
                 rx: Mutex::new(RxBacklog::new(cfg.rx_backlog_bytes, host_budget.clone())),
                 rx_wake: EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?,
@@ -895,14 +753,10 @@ impl Daemon {
             capture,
             timer_wake,
             armed: AtomicU64::new(u64::MAX),
-            port_num: cfg.bind_port,
             default_quota,
             policy: cfg.policy.name().to_string(),
-            wire_rx: if raw.is_some() {
-                RxMode::Raw
-            } else {
-                RxMode::Udp
-            },
+            port,
+            port_counters: DevCounters::default(),
             stop: AtomicBool::new(false),
         });
         let mut listeners = Vec::new();
@@ -946,20 +800,8 @@ impl Daemon {
                 )
                 .map_err(e("epoll_ctl".into()))
         };
-        match &raw {
-            Some(r) => {
-                for p in &shared.ports {
-                    p.wire
-                        .discard_rx()
-                        .map_err(e(format!("VM {}: wire socket filter", p.spec.vm.name)))?;
-                }
-                add(r.as_raw_fd(), TOK_RAW)?;
-            }
-            None => {
-                for p in &shared.ports {
-                    add(p.wire.socket().as_raw_fd(), p.index as u64)?;
-                }
-            }
+        for (fd, tok) in shared.port.poll_fds() {
+            add(fd, tok)?;
         }
         add(stop.as_raw_fd(), TOK_STOP)?;
         add(timer.0.as_raw_fd(), TOK_TIMER)?;
@@ -976,7 +818,6 @@ impl Daemon {
             timer,
             control,
             metrics,
-            raw,
         };
         let host = std::thread::Builder::new()
             .name("pvcm-host".into())
@@ -997,8 +838,8 @@ impl Daemon {
         tracing::info!(
             vms = cfg.vms.len(),
             policy = cfg.policy.name(),
-            port = cfg.bind_port,
-            wire_rx = shared.wire_rx.name(),
+            port = %cfg.port,
+            wire_rx = %shared.port.rx_mode(),
             "pvcm-backend started"
         );
         Ok(Daemon {

@@ -4,7 +4,9 @@
 //!   REJ(TIMEOUT) routing, protocol-aware entry lifetimes, VM cleanup, anti-spoofing.
 //! - [`config`]: the daemon's command line and config file.
 //! - [`device`]: the pvcm virtio device served over vhost-user (ABI: `docs/device-abi.md`).
-//! - [`wire`]: the soft RoCE port (RoCEv2 over UDP, ICRC, `sendmmsg`/`recvmmsg`).
+//! - [`port`]: the wire port, one trait and two implementations: the soft RoCEv2 port
+//!   (RoCEv2 over UDP, ICRC, `sendmmsg`/`recvmmsg`) and the umad port (a real RDMA
+//!   device's QP1 through `/dev/infiniband/umadN`).
 //! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
 //! - [`control`]: the control socket, `pvcm-backend stat`, Prometheus metrics.
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
@@ -22,8 +24,8 @@ pub mod daemon;
 pub mod device;
 pub mod mux;
 pub mod pcap;
+pub mod port;
 pub mod stats;
-pub mod wire;
 
 pub use config::Config;
 pub use daemon::Daemon;

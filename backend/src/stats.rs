@@ -73,8 +73,12 @@ dev_drops! {
     WireBadIp => "wire_bad_ip",
     /// wire: a datagram from a non-IPv4 source.
     WireBadSource => "wire_bad_source",
-    /// wire: the socket refused a frame.
+    /// wire: the socket (soft port) or the kernel (umad port) refused a frame.
     WireSendError => "wire_send_error",
+    /// wire (umad port): a MAD of a class other than CM version 2.
+    WireNotCm => "wire_not_cm",
+    /// wire (umad port): a MAD for a local GID index no VM owns (host counters).
+    WireUnknownGid => "wire_unknown_gid",
 }
 
 /// Message and frame counts of the I/O paths.

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use pvcm_backend::wire::{OutFrame, RecvBatch, WirePort, check_frame};
+use pvcm_backend::port::soft::{OutFrame, RecvBatch, UdpPort, check_frame};
 use pvcm_guest::cm::SplitMix64;
 use pvcm_wire::mad::MAD_LEN;
 use serde::Serialize;
@@ -155,7 +155,7 @@ impl Ord for Held {
 impl Relay {
     /// Binds every relay socket and starts the thread.
     pub fn start(hosts: &[RelayHost], faults: Faults, seed: u64) -> io::Result<Relay> {
-        let mut socks: Vec<WirePort> = Vec::new();
+        let mut socks: Vec<UdpPort> = Vec::new();
         // (address, port) -> socket index; address -> host index.
         let mut by_addr: HashMap<SocketAddrV4, usize> = HashMap::new();
         let mut host_of: HashMap<Ipv4Addr, usize> = HashMap::new();
@@ -166,7 +166,7 @@ impl Relay {
                     if g == h {
                         continue;
                     }
-                    let p = WirePort::bind(*a, other.port).map_err(|e| {
+                    let p = UdpPort::bind(*a, other.port).map_err(|e| {
                         io::Error::new(e.kind(), format!("relay bind {a}:{}: {e}", other.port))
                     })?;
                     by_addr.insert(p.local(), socks.len());
@@ -227,7 +227,7 @@ impl Drop for Relay {
 }
 
 struct Runner {
-    socks: Vec<WirePort>,
+    socks: Vec<UdpPort>,
     by_addr: HashMap<SocketAddrV4, usize>,
     host_of: HashMap<Ipv4Addr, usize>,
     ports: Vec<u16>,
@@ -290,7 +290,7 @@ impl Runner {
                             }
                         }
                     }
-                    if n < pvcm_backend::wire::BATCH {
+                    if n < pvcm_backend::port::soft::BATCH {
                         break;
                     }
                 }
@@ -387,10 +387,10 @@ impl Sink {
     pub fn start(addr: Ipv4Addr, ports: &[u16]) -> io::Result<Sink> {
         let mut socks = Vec::new();
         for p in ports {
-            if socks.iter().any(|s: &WirePort| s.local().port() == *p) {
+            if socks.iter().any(|s: &UdpPort| s.local().port() == *p) {
                 continue;
             }
-            socks.push(WirePort::bind(addr, *p)?);
+            socks.push(UdpPort::bind(addr, *p)?);
         }
         let stop = Arc::new(AtomicBool::new(false));
         let frames = Arc::new(AtomicU64::new(0));

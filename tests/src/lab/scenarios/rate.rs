@@ -3,7 +3,7 @@
 //!
 //! - Baseline: 280-byte RoCEv2 frames from one loopback UDP socket to another with
 //!   `sendmmsg`/`recvmmsg` batches of 64 (the backends' own wire calls, via
-//!   `pvcm_backend::wire::WirePort`), a sender and a receiver thread.
+//!   `pvcm_backend::port::soft::UdpPort`), a sender and a receiver thread.
 //! - Through the backends: VM `a` on host 1 sends CM MADs (LAPs on established
 //!   connections, which the mux rewrites and forwards without creating state) in
 //!   batches of 64 per kick to VM `b` on host 2: a's tx queue, host 1's mux and
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pvcm_backend::mux::VmConfig;
-use pvcm_backend::wire::{RecvBatch, WirePort};
+use pvcm_backend::port::soft::{RecvBatch, UdpPort};
 use pvcm_wire::abi::MsgType;
 use pvcm_wire::mad::AttributeId;
 
@@ -48,8 +48,8 @@ fn baseline(net: u8, n: u64) -> LabResult<f64> {
 /// bound to `to` (port 4791), `sendmmsg`/`recvmmsg` batches of 64 through the wire
 /// port's own calls, at most 1024 in flight. Returns the wall time it took.
 pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Duration> {
-    let a = WirePort::bind(from, 4791).map_err(|e| format!("baseline socket: {e}"))?;
-    let b = WirePort::bind(to, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let a = UdpPort::bind(from, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let b = UdpPort::bind(to, 4791).map_err(|e| format!("baseline socket: {e}"))?;
     let mad = mads::ids(AttributeId::Lap, 1, 2, 3);
     let frames: Vec<_> = (0..BATCH).map(|_| a.frame(b.local(), &mad)).collect();
     let got = Arc::new(AtomicU64::new(0));

@@ -33,7 +33,9 @@ use pvcm_wire::roce::{
 };
 use pvcm_wire::{Error as WireError, Gid};
 
-use crate::stats::DevDrop;
+use crate::daemon::Error;
+use crate::port::{InMad, PortCtx};
+use crate::stats::{DevDrop, Io};
 
 /// How the soft port receives frames (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,7 +90,7 @@ pub struct OutFrame {
 
 /// One UDP socket bound to a VM's address.
 #[derive(Debug)]
-pub struct WirePort {
+pub struct UdpPort {
     sock: UdpSocket,
     local: SocketAddrV4,
     psn: AtomicU32,
@@ -122,10 +124,10 @@ fn setsockopt_int(
     .map(|_| ())
 }
 
-impl WirePort {
+impl UdpPort {
     /// Binds `addr:port`: non-blocking, close-on-exec, DF set (`IP_PMTUDISC_DO`), large
     /// buffers. Fails if the address is not local or the port is taken.
-    pub fn bind(addr: Ipv4Addr, port: u16) -> io::Result<WirePort> {
+    pub fn bind(addr: Ipv4Addr, port: u16) -> io::Result<UdpPort> {
         // SAFETY: plain socket(2) call; the result is checked before use.
         let fd = cvt(unsafe {
             libc::socket(
@@ -164,7 +166,7 @@ impl WirePort {
         })
         .map_err(|e| io::Error::new(e.kind(), format!("bind {addr}:{port}: {e}")))?;
         let sock = UdpSocket::from(fd);
-        Ok(WirePort {
+        Ok(UdpPort {
             sock,
             local: SocketAddrV4::new(addr, port),
             psn: AtomicU32::new(0),
@@ -601,14 +603,305 @@ pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddrV4, InFrame), DevDrop> 
     Ok((dst, in_frame(src, &frame, &bth, &deth)))
 }
 
+impl From<InFrame> for InMad {
+    fn from(f: InFrame) -> InMad {
+        InMad {
+            src: f.src,
+            src_qp: f.src_qp,
+            qkey: f.qkey,
+            pkey: f.pkey,
+            mad: f.mad,
+        }
+    }
+}
+
+/// The epoll token of the raw receive socket (the per-VM sockets use their VM index).
+const TOK_RAW: u64 = 1 << 39;
+
+/// Datagram batches taken from one socket before the loop looks at the others.
+const RX_ROUNDS: usize = 16;
+
+/// The soft RoCEv2 port: one UDP socket per VM address (index = VM index) and, in raw
+/// mode, the raw receive socket.
+#[derive(Debug)]
+pub struct SoftPort {
+    socks: Vec<UdpPort>,
+    raw: Option<RawRx>,
+    port_num: u16,
+    by_addr: std::collections::HashMap<Ipv4Addr, usize>,
+}
+
+/// Opens the raw receive socket the mode asks for (None: udp mode).
+fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<RawRx>, Error> {
+    const HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
+                       `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW \
+                       in a systemd unit); --wire-rx udp needs no privilege but accepts only \
+                       pvcm peers (see docs/daemon.md)";
+    match mode {
+        RxMode::Udp => Ok(None),
+        RxMode::Raw => RawRx::open(port, addrs)
+            .map(Some)
+            .map_err(|err| Error(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
+        RxMode::Auto => match RawRx::open(port, addrs) {
+            Ok(r) => Ok(Some(r)),
+            Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
+                tracing::warn!(
+                    "no raw socket ({err}): receiving in udp mode, which drops frames \
+                     from Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
+                     non-zero IP ID the ICRC covers); {HOW}"
+                );
+                Ok(None)
+            }
+            Err(err) => Err(Error(format!("raw wire socket: {err}"))),
+        },
+    }
+}
+
+impl SoftPort {
+    /// Binds every VM address (`names` for the errors) and opens the receive path the
+    /// mode asks for.
+    pub fn open(
+        addrs: &[(String, Ipv4Addr)],
+        port_num: u16,
+        mode: RxMode,
+    ) -> Result<SoftPort, Error> {
+        let ips: Vec<Ipv4Addr> = addrs.iter().map(|(_, a)| *a).collect();
+        let raw = open_raw_rx(mode, port_num, &ips)?;
+        let mut socks = Vec::new();
+        let mut by_addr = std::collections::HashMap::new();
+        for (i, (name, a)) in addrs.iter().enumerate() {
+            let s = UdpPort::bind(*a, port_num).map_err(|err| {
+                Error(format!(
+                    "VM {name}: wire port {a}:{port_num} (is the address local?): {err}"
+                ))
+            })?;
+            by_addr.insert(*a, i);
+            socks.push(s);
+        }
+        if raw.is_some() {
+            for (s, (name, _)) in socks.iter().zip(addrs) {
+                s.discard_rx()
+                    .map_err(|err| Error(format!("VM {name}: wire socket filter: {err}")))?;
+            }
+        }
+        Ok(SoftPort {
+            socks,
+            raw,
+            port_num,
+            by_addr,
+        })
+    }
+
+    fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
+        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+            return;
+        };
+        if frames.is_empty() {
+            return;
+        }
+        // Captured before the send, so an answer never precedes its request in the file.
+        if let Some(c) = ctx.capture {
+            for f in frames {
+                c.record(sock.local(), f.dst, &f.frame);
+            }
+            c.flush();
+        }
+        let sent = sock.send_batch(frames);
+        port.counters.add(Io::WireTxFrames, sent as u64);
+        for _ in sent..frames.len() {
+            port.counters.drop(DevDrop::WireSendError);
+        }
+    }
+
+    /// Takes datagrams from one VM address's socket (udp mode).
+    fn on_udp(
+        &self,
+        ctx: &PortCtx<'_>,
+        vm: usize,
+        rb: &mut RecvBatch,
+        route: &mut dyn FnMut(usize, Vec<InMad>),
+    ) {
+        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+            return;
+        };
+        let local = sock.local();
+        for _ in 0..RX_ROUNDS {
+            let n = match sock.recv_batch(rb) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(parent: &port.span, error = %e, "wire receive failed");
+                    return;
+                }
+            };
+            port.counters.add(Io::WireRxFrames, n as u64);
+            let mut frames = Vec::with_capacity(n);
+            for i in 0..n {
+                let (src, dgram, truncated) = rb.get(i);
+                let Some(src) = src else {
+                    port.counters.drop(DevDrop::WireBadSource);
+                    continue;
+                };
+                if let Some(c) = ctx.capture {
+                    c.record(src, local, dgram);
+                }
+                if truncated {
+                    port.counters.drop(DevDrop::WireBadLength);
+                    continue;
+                }
+                match check_frame(local, src, dgram) {
+                    Ok(f) => frames.push(InMad::from(f)),
+                    Err(r) => {
+                        tracing::debug!(parent: &port.span, %src, reason = r.name(), "wire frame dropped");
+                        port.counters.drop(r);
+                    }
+                }
+            }
+            if let Some(c) = ctx.capture {
+                c.flush();
+            }
+            if !frames.is_empty() {
+                route(vm, frames);
+            }
+            if n < BATCH {
+                return;
+            }
+        }
+    }
+
+    /// Takes datagrams from the raw socket (raw mode): each is checked over its IPv4
+    /// header as received and routed to the VM of its destination address.
+    fn on_raw(
+        &self,
+        ctx: &PortCtx<'_>,
+        rb: &mut RecvBatch,
+        route: &mut dyn FnMut(usize, Vec<InMad>),
+    ) {
+        let Some(raw) = &self.raw else { return };
+        for _ in 0..RX_ROUNDS {
+            let n = match raw.recv_batch(rb) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "raw wire receive failed");
+                    return;
+                }
+            };
+            let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
+            for i in 0..n {
+                let (_, dgram, truncated) = rb.get(i);
+                // The destination decides whose counters a drop lands on; datagrams to
+                // an address that is not one of ours are not ours to count.
+                let Some(dst) = dgram.get(16..20).and_then(|b| <[u8; 4]>::try_from(b).ok()) else {
+                    continue;
+                };
+                let Some(&p) = self.by_addr.get(&Ipv4Addr::from(dst)) else {
+                    continue;
+                };
+                let Some(port) = ctx.vms.get(p) else {
+                    continue;
+                };
+                port.counters.add(Io::WireRxFrames, 1);
+                if let Some(c) = ctx.capture {
+                    c.record_datagram(dgram);
+                }
+                if truncated {
+                    port.counters.drop(DevDrop::WireBadLength);
+                    continue;
+                }
+                match check_datagram(dgram) {
+                    Ok((to, f)) if to.port() == self.port_num => {
+                        match per_vm.iter_mut().find(|(q, _)| *q == p) {
+                            Some((_, v)) => v.push(InMad::from(f)),
+                            None => per_vm.push((p, vec![InMad::from(f)])),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(r) => {
+                        tracing::debug!(parent: &port.span, reason = r.name(), "wire frame dropped");
+                        port.counters.drop(r);
+                    }
+                }
+            }
+            if let Some(c) = ctx.capture {
+                c.flush();
+            }
+            for (p, frames) in per_vm {
+                route(p, frames);
+            }
+            if n < BATCH {
+                return;
+            }
+        }
+    }
+}
+
+impl crate::port::WirePort for SoftPort {
+    fn rx_mode(&self) -> String {
+        if self.raw.is_some() {
+            RxMode::Raw.name().to_string()
+        } else {
+            RxMode::Udp.name().to_string()
+        }
+    }
+
+    fn poll_fds(&self) -> Vec<(RawFd, u64)> {
+        match &self.raw {
+            Some(r) => vec![(r.as_raw_fd(), TOK_RAW)],
+            None => self
+                .socks
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (s.socket().as_raw_fd(), i as u64))
+                .collect(),
+        }
+    }
+
+    fn attach(&self, _vm: usize) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]) {
+        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+            return;
+        };
+        let frames: Vec<OutFrame> = mads
+            .iter()
+            .filter_map(|(dst, mad)| match dst.to_ipv4() {
+                Some(a) => Some(sock.frame(SocketAddrV4::new(a, self.port_num), mad)),
+                None => {
+                    port.counters.drop(DevDrop::BadRemoteGid);
+                    None
+                }
+            })
+            .collect();
+        self.send_frames(ctx, vm, &frames);
+    }
+
+    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+        thread_local! {
+            static RB: std::cell::RefCell<Option<RecvBatch>> = const { std::cell::RefCell::new(None) };
+        }
+        RB.with(|rb| {
+            let mut rb = rb.borrow_mut();
+            let rb = rb.get_or_insert_with(RecvBatch::default);
+            if token == TOK_RAW {
+                self.on_raw(ctx, rb, route);
+            } else {
+                self.on_udp(ctx, token as usize, rb, route);
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn loopback_batch_and_checks() {
-        let a = WirePort::bind(Ipv4Addr::new(127, 77, 0, 1), 4791).unwrap();
-        let b = WirePort::bind(Ipv4Addr::new(127, 77, 0, 2), 4791).unwrap();
+        let a = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 1), 4791).unwrap();
+        let b = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 2), 4791).unwrap();
         let mut mad = [0u8; MAD_LEN];
         mad[1] = 7;
         let frames: Vec<_> = (0..100u8)
@@ -771,7 +1064,7 @@ mod tests {
             Err(e) => panic!("raw socket: {e}"),
         };
         // Bound like the daemon binds it, so the kernel never answers ICMP.
-        let udp = WirePort::bind(ours, port).unwrap();
+        let udp = UdpPort::bind(ours, port).unwrap();
         udp.discard_rx().unwrap();
         let good = rxe_datagram(sender, ours, port, 0x5a17, 1);
         let mut bad_icrc = rxe_datagram(sender, ours, port, 0x5a18, 2);
@@ -802,7 +1095,7 @@ mod tests {
             DevDrop::WireBadIcrc
         );
         // A pvcm peer's frame (ID 0, DF, from the UDP socket) passes raw mode too.
-        let peer = WirePort::bind(sender, port).unwrap();
+        let peer = UdpPort::bind(sender, port).unwrap();
         let mut mad = [0u8; MAD_LEN];
         mad[1] = 7;
         mad[255] = 5;

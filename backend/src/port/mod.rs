@@ -1,0 +1,167 @@
+//! The host's CM port: where the VMs' MADs meet the wire.
+//!
+//! One trait, [`WirePort`], with two implementations driven by the same host loop
+//! (`daemon.rs`):
+//!
+//! - [`soft`]: pvcm's own RoCEv2 port: UDP sockets on the VMs' addresses, frames and
+//!   ICRC built and checked in user space (`--port soft`, the default).
+//! - [`umad`]: a real RDMA device's QP1 through the kernel's user MAD interface
+//!   (`/dev/infiniband/umadN`), exactly as a real HCA carries CM MADs (`--port
+//!   umad:DEVICE[:PORT]`, see `docs/umad.md`).
+//!
+//! A port knows the VMs by their index in the configuration (the daemon's `VmPort`
+//! index). It counts its frames and drops on the VM's counters, or on the host's when no
+//! VM owns what it received.
+
+use std::fmt;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use pvcm_wire::Gid;
+use pvcm_wire::mad::MAD_LEN;
+
+use crate::daemon::VmPort;
+use crate::pcap::Capture;
+use crate::stats::DevCounters;
+
+pub mod soft;
+pub mod umad;
+
+/// Which port the daemon runs (`--port`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PortSpec {
+    /// The soft RoCEv2 port (UDP on the VMs' addresses).
+    #[default]
+    Soft,
+    /// A device port's QP1 through ib_umad.
+    Umad {
+        /// The RDMA device (`rxe0`, `mlx4_0`).
+        device: String,
+        /// The port number (1-based).
+        port: u8,
+    },
+}
+
+impl fmt::Display for PortSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PortSpec::Soft => f.write_str("soft"),
+            PortSpec::Umad { device, port } => write!(f, "umad:{device}:{port}"),
+        }
+    }
+}
+
+impl std::str::FromStr for PortSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<PortSpec, String> {
+        if s == "soft" {
+            return Ok(PortSpec::Soft);
+        }
+        let Some(rest) = s.strip_prefix("umad:") else {
+            return Err(format!(
+                "{s:?} is not a port (soft, or umad:DEVICE[:PORT], e.g. umad:rxe0:1)"
+            ));
+        };
+        let (device, port) = match rest.split_once(':') {
+            Some((d, p)) => (
+                d,
+                p.parse::<u8>()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("{s:?}: port {p:?} is not a number from 1 to 255"))?,
+            ),
+            None => (rest, 1),
+        };
+        if device.is_empty() || device.contains('/') || device.starts_with('.') {
+            return Err(format!("{s:?}: {device:?} is not an RDMA device name"));
+        }
+        Ok(PortSpec::Umad {
+            device: device.to_string(),
+            port,
+        })
+    }
+}
+
+/// A MAD received from the wire that passed the port's checks, with its addressing.
+#[derive(Debug, Clone)]
+pub struct InMad {
+    /// Sender's GID.
+    pub src: Gid,
+    /// The sender's QP (1) for the rx header.
+    pub src_qp: u32,
+    /// Q_Key.
+    pub qkey: u32,
+    /// P_Key.
+    pub pkey: u16,
+    /// The MAD.
+    pub mad: [u8; MAD_LEN],
+}
+
+/// What a port may touch of the daemon while it sends or receives.
+#[derive(Debug, Clone, Copy)]
+pub struct PortCtx<'a> {
+    /// The VMs, by index (their counters).
+    pub vms: &'a [Arc<VmPort>],
+    /// Counters for what no VM owns (a MAD for a GID index nobody has).
+    pub host: &'a DevCounters,
+    /// The capture, if `--pcap`.
+    pub capture: Option<&'a Capture>,
+}
+
+/// Tokens below this are the port's own epoll tokens.
+pub const TOKEN_LIMIT: u64 = 1 << 40;
+
+/// The host's CM port (see the module docs).
+pub trait WirePort: Send + Sync + fmt::Debug {
+    /// How the port receives, as `stat` shows it (`raw`, `udp`, `umad rxe0:1`).
+    fn rx_mode(&self) -> String;
+    /// The descriptors the host loop polls for input, each with its token (below
+    /// [`TOKEN_LIMIT`]).
+    fn poll_fds(&self) -> Vec<(RawFd, u64)>;
+    /// A session of VM `vm` begins: checks the VM can use the port (umad: its GID is in
+    /// the port's GID table). An error refuses the attach and says why.
+    fn attach(&self, vm: usize) -> Result<(), String>;
+    /// Sends MADs from VM `vm` to their GIDs; counts frames and drops on the VM.
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]);
+    /// Reads what is waiting on `token`'s descriptor, in batches, and hands every batch
+    /// of checked MADs to `route` with the index of the VM they are addressed to.
+    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_spec_parses() {
+        assert_eq!("soft".parse::<PortSpec>(), Ok(PortSpec::Soft));
+        assert_eq!(
+            "umad:rxe0".parse::<PortSpec>(),
+            Ok(PortSpec::Umad {
+                device: "rxe0".into(),
+                port: 1
+            })
+        );
+        assert_eq!(
+            "umad:mlx4_0:2".parse::<PortSpec>(),
+            Ok(PortSpec::Umad {
+                device: "mlx4_0".into(),
+                port: 2
+            })
+        );
+        assert!("umad:".parse::<PortSpec>().is_err());
+        assert!("umad:rxe0:0".parse::<PortSpec>().is_err());
+        assert!("umad:rxe0:x".parse::<PortSpec>().is_err());
+        assert!("umad:../x".parse::<PortSpec>().is_err());
+        assert!("udp".parse::<PortSpec>().is_err());
+        assert_eq!(
+            PortSpec::Umad {
+                device: "rxe0".into(),
+                port: 1
+            }
+            .to_string(),
+            "umad:rxe0:1"
+        );
+    }
+}

@@ -1,0 +1,872 @@
+//! The umad port: CM MADs through a real RDMA device's QP1, via the kernel's user MAD
+//! interface (`ib_umad`, `/dev/infiniband/umadN`), as a real HCA carries them.
+//!
+//! At startup the port opens the umad file of `DEVICE` port `PORT`, switches it to the
+//! header with a P_Key index (`IB_USER_MAD_ENABLE_PKEY`) and registers one agent for the
+//! CM class (0x07, version 2) on QP1 for the SEND method, the only one CM uses. The
+//! kernel's own retries and response matching stay off: every MAD is written with
+//! timeout 0 and 0 retries, so the VMs' agents do the retries as on the soft port.
+//! When the kernel CM (`ib_cm`) is loaded it owns the class and registration fails:
+//! the error says so and how to unload it.
+//!
+//! Addressing is by GID table index. A VM's GID must be a "RoCE v2" entry of the port's
+//! GID table (`/sys/class/infiniband/DEV/ports/N/gids/*`, `gid_attrs/types/*`); the
+//! kernel adds one for every IP address of the device's netdev, so a VM's address is
+//! added there (docs/umad.md). The index is looked up at startup and again when the VM
+//! attaches; a VM whose GID is not in the table is refused at attach. Each MAD goes out
+//! with a GRH from the VM's GID index to the remote GID, with the default P_Key's index.
+//! On receive the kernel reports the local GID index the frame was addressed to and the
+//! sender's GID (from the GRH); the index picks the VM.
+//!
+//! Bad input is a counted drop, never a panic: a short read (`wire_bad_length`), a MAD
+//! of another class (`wire_not_cm`), no GRH (`wire_bad_source`), a MAD for a GID index
+//! no VM owns (`wire_unknown_gid`, on the host's counters), a send the kernel refuses
+//! (`wire_send_error`).
+//!
+//! The ABI is `include/uapi/rdma/ib_user_mad.h` (ABI version 5); the layouts below are
+//! written from its field list, little-endian hosts.
+
+use std::fs;
+use std::io;
+use std::net::SocketAddrV4;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use pvcm_wire::Gid;
+use pvcm_wire::mad::{MAD_LEN, MGMT_CLASS_CM};
+use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr};
+
+use crate::daemon::Error;
+use crate::port::{InMad, PortCtx, WirePort};
+use crate::stats::{DevDrop, Io};
+
+/// `struct ib_user_mad_hdr` with the P_Key index (after `IB_USER_MAD_ENABLE_PKEY`).
+pub const HDR_LEN: usize = 64;
+/// One CM MAD as read or written: header + 256 bytes.
+pub const MSG_LEN: usize = HDR_LEN + MAD_LEN;
+/// The CM class version.
+pub const CM_CLASS_VERSION: u8 = 2;
+/// The SEND method, the only one CM uses.
+const METHOD_SEND: u8 = 0x03;
+/// Hop limit of the GRH (the IPv4 TTL on RoCEv2), as the kernel CM's paths.
+const HOP_LIMIT: u8 = 64;
+/// Reads per readiness event before the host loop looks at its other descriptors.
+const RX_READS: usize = 1024;
+/// MADs per batch handed to the mux.
+const RX_BATCH: usize = 64;
+
+/// `struct ib_user_mad_reg_req`: 28 bytes (the method mask is four 4-aligned words).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct RegReq {
+    id: u32,
+    method_mask: [u32; 4],
+    qpn: u8,
+    mgmt_class: u8,
+    mgmt_class_version: u8,
+    oui: [u8; 3],
+    rmpp_version: u8,
+    _pad: u8,
+}
+
+const _: () = assert!(std::mem::size_of::<RegReq>() == 28);
+
+const IOC_MAGIC: u64 = 0x1b;
+/// `_IOWR(0x1b, 1, struct ib_user_mad_reg_req)`.
+const IOCTL_REGISTER_AGENT: u64 = (3 << 30) | (28 << 16) | (IOC_MAGIC << 8) | 1;
+/// `_IO(0x1b, 3)`.
+const IOCTL_ENABLE_PKEY: u64 = (IOC_MAGIC << 8) | 3;
+
+/// The header of one MAD read from or written to the umad file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UmadHdr {
+    /// The agent ID.
+    pub id: u32,
+    /// Status (non-zero: a send completion in error).
+    pub status: u32,
+    /// Response timeout (0: no response expected, no kernel retries).
+    pub timeout_ms: u32,
+    /// Kernel retries.
+    pub retries: u32,
+    /// Length of the MAD (receive).
+    pub length: u32,
+    /// Remote QP.
+    pub qpn: u32,
+    /// Q_Key.
+    pub qkey: u32,
+    /// Remote LID (unused on RoCE).
+    pub lid: u16,
+    /// A GRH is present / to be sent.
+    pub grh_present: bool,
+    /// Local GID index (send: source; receive: the one the frame was addressed to).
+    pub gid_index: u8,
+    /// GRH hop limit.
+    pub hop_limit: u8,
+    /// GRH traffic class.
+    pub traffic_class: u8,
+    /// Remote GID (send: destination; receive: the sender's).
+    pub gid: [u8; 16],
+    /// GRH flow label.
+    pub flow_label: u32,
+    /// P_Key index.
+    pub pkey_index: u16,
+}
+
+impl UmadHdr {
+    /// Writes the header's 64 bytes.
+    pub fn emit(&self, b: &mut [u8; HDR_LEN]) {
+        *b = [0; HDR_LEN];
+        b[0..4].copy_from_slice(&self.id.to_ne_bytes());
+        b[4..8].copy_from_slice(&self.status.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.timeout_ms.to_ne_bytes());
+        b[12..16].copy_from_slice(&self.retries.to_ne_bytes());
+        b[16..20].copy_from_slice(&self.length.to_ne_bytes());
+        b[20..24].copy_from_slice(&self.qpn.to_be_bytes());
+        b[24..28].copy_from_slice(&self.qkey.to_be_bytes());
+        b[28..30].copy_from_slice(&self.lid.to_be_bytes());
+        b[32] = u8::from(self.grh_present);
+        b[33] = self.gid_index;
+        b[34] = self.hop_limit;
+        b[35] = self.traffic_class;
+        b[36..52].copy_from_slice(&self.gid);
+        b[52..56].copy_from_slice(&self.flow_label.to_be_bytes());
+        b[56..58].copy_from_slice(&self.pkey_index.to_ne_bytes());
+    }
+
+    /// Reads a header (None if shorter than 64 bytes).
+    pub fn parse(b: &[u8]) -> Option<UmadHdr> {
+        let b: &[u8; HDR_LEN] = b.get(..HDR_LEN)?.try_into().ok()?;
+        let u32ne = |o: usize| u32::from_ne_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u32be = |o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[36..52]);
+        Some(UmadHdr {
+            id: u32ne(0),
+            status: u32ne(4),
+            timeout_ms: u32ne(8),
+            retries: u32ne(12),
+            length: u32ne(16),
+            qpn: u32be(20),
+            qkey: u32be(24),
+            lid: u16::from_be_bytes([b[28], b[29]]),
+            grh_present: b[32] != 0,
+            gid_index: b[33],
+            hop_limit: b[34],
+            traffic_class: b[35],
+            gid,
+            flow_label: u32be(52),
+            pkey_index: u16::from_ne_bytes([b[56], b[57]]),
+        })
+    }
+}
+
+/// One MAD received, checked: the local GID index it was addressed to and the MAD.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// The local GID index (picks the VM).
+    pub gid_index: u8,
+    /// The P_Key index it came in on.
+    pub pkey_index: u16,
+    /// The MAD and its sender.
+    pub mad: InMad,
+}
+
+/// Checks one read: its length, status, GRH and class. `pkeys` maps the P_Key index.
+pub fn parse_read(msg: &[u8], pkeys: &[u16]) -> Result<Received, DevDrop> {
+    let hdr = UmadHdr::parse(msg).ok_or(DevDrop::WireBadLength)?;
+    if hdr.status != 0 {
+        // A send reported back in error (only with a timeout, which pvcm never sets).
+        return Err(DevDrop::WireSendError);
+    }
+    if msg.len() != MSG_LEN {
+        return Err(DevDrop::WireBadLength);
+    }
+    let mut mad = [0u8; MAD_LEN];
+    mad.copy_from_slice(&msg[HDR_LEN..]);
+    if mad[1] != MGMT_CLASS_CM || mad[2] != CM_CLASS_VERSION {
+        return Err(DevDrop::WireNotCm);
+    }
+    if !hdr.grh_present {
+        // RoCE always carries one; without it there is no sender GID to route by.
+        return Err(DevDrop::WireBadSource);
+    }
+    if hdr.qpn != GSI_QPN {
+        return Err(DevDrop::WireBadDeth);
+    }
+    let pkey = pkeys
+        .get(usize::from(hdr.pkey_index))
+        .copied()
+        .unwrap_or(0xFFFF);
+    Ok(Received {
+        gid_index: hdr.gid_index,
+        pkey_index: hdr.pkey_index,
+        mad: InMad {
+            src: Gid(hdr.gid),
+            src_qp: hdr.qpn,
+            qkey: GSI_QKEY,
+            pkey,
+            mad,
+        },
+    })
+}
+
+/// A port's GID table entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Its index.
+    pub index: u8,
+    /// The GID.
+    pub gid: Gid,
+    /// Its type is "RoCE v2".
+    pub roce_v2: bool,
+}
+
+fn parse_sysfs_gid(s: &str) -> Option<Gid> {
+    let groups: Vec<&str> = s.trim().split(':').collect();
+    if groups.len() != 8 {
+        return None;
+    }
+    let mut g = [0u8; 16];
+    for (i, h) in groups.iter().enumerate() {
+        let v = u16::from_str_radix(h, 16).ok()?;
+        g[2 * i..2 * i + 2].copy_from_slice(&v.to_be_bytes());
+    }
+    Some(Gid(g))
+}
+
+/// Reads the port's GID table (`ports/N/gids/*` and `gid_attrs/types/*`): the non-zero
+/// entries, with their types.
+pub fn read_gid_table(port_dir: &Path) -> io::Result<Vec<GidEntry>> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(port_dir.join("gids"))? {
+        let e = e?;
+        let Some(index) = e.file_name().to_str().and_then(|n| n.parse::<u8>().ok()) else {
+            continue;
+        };
+        let Some(gid) = fs::read_to_string(e.path())
+            .ok()
+            .and_then(|s| parse_sysfs_gid(&s))
+        else {
+            continue;
+        };
+        if gid.0 == [0; 16] {
+            continue;
+        }
+        // An entry being removed has no type any more (the read fails): not usable.
+        let ty = fs::read_to_string(
+            port_dir
+                .join("gid_attrs")
+                .join("types")
+                .join(index.to_string()),
+        )
+        .unwrap_or_default();
+        out.push(GidEntry {
+            index,
+            gid,
+            roce_v2: ty.trim() == "RoCE v2",
+        });
+    }
+    out.sort_by_key(|e| e.index);
+    Ok(out)
+}
+
+/// Reads the P_Key table (`ports/N/pkeys/*`), index -> value (missing: 0xFFFF at 0).
+pub fn read_pkeys(port_dir: &Path) -> Vec<u16> {
+    let mut v: Vec<(usize, u16)> = Vec::new();
+    if let Ok(rd) = fs::read_dir(port_dir.join("pkeys")) {
+        for e in rd.flatten() {
+            let Some(i) = e.file_name().to_str().and_then(|n| n.parse::<usize>().ok()) else {
+                continue;
+            };
+            let Ok(s) = fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let s = s.trim();
+            let s = s.strip_prefix("0x").unwrap_or(s);
+            if let Ok(k) = u16::from_str_radix(s, 16) {
+                v.push((i, k));
+            }
+        }
+    }
+    if v.is_empty() || v.len() > 1 << 16 {
+        return vec![0xFFFF];
+    }
+    let len = v.iter().map(|(i, _)| *i + 1).max().unwrap_or(1);
+    let mut t = vec![0u16; len];
+    for (i, k) in v {
+        t[i] = k;
+    }
+    t
+}
+
+/// The index of the default P_Key (full 0xFFFF first, else limited 0x7FFF).
+pub fn default_pkey_index(pkeys: &[u16]) -> Option<u16> {
+    pkeys
+        .iter()
+        .position(|&k| k == 0xFFFF)
+        .or_else(|| pkeys.iter().position(|&k| k & 0x7FFF == 0x7FFF))
+        .and_then(|i| u16::try_from(i).ok())
+}
+
+/// Finds the `umadN` of `device` port `port` under `sysfs/class/infiniband_mad`.
+pub fn find_umad(sysfs: &Path, device: &str, port: u8) -> io::Result<String> {
+    let dir = sysfs.join("class/infiniband_mad");
+    for e in fs::read_dir(&dir)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("umad") {
+            continue;
+        }
+        let dev = fs::read_to_string(e.path().join("ibdev")).unwrap_or_default();
+        let p = fs::read_to_string(e.path().join("port")).unwrap_or_default();
+        if dev.trim() == device && p.trim().parse::<u8>().ok() == Some(port) {
+            return Ok(name);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!(
+            "no umad device for {device} port {port} in {}",
+            dir.display()
+        ),
+    ))
+}
+
+/// Which VM has which GID index.
+#[derive(Debug)]
+struct Indices {
+    of_vm: Vec<Option<u8>>,
+    vm_of: [Option<usize>; 256],
+}
+
+/// The umad port (see the module docs).
+#[derive(Debug)]
+pub struct UmadPort {
+    name: String,
+    fd: OwnedFd,
+    agent: u32,
+    port_dir: PathBuf,
+    vms: Vec<(String, Gid)>,
+    indices: Mutex<Indices>,
+    pkeys: Vec<u16>,
+    pkey_index: u16,
+}
+
+fn ioctl(fd: RawFd, req: u64, arg: *mut libc::c_void) -> io::Result<()> {
+    // SAFETY: `fd` is an open umad file; each caller passes a pointer to a live value of
+    // the size the request encodes (or null for requests without an argument).
+    let r = unsafe { libc::ioctl(fd, req as _, arg) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+impl UmadPort {
+    /// Opens `device` port `port`, registers the CM agent and looks the VMs' GIDs up.
+    pub fn open(
+        sysfs: &Path,
+        device: &str,
+        port: u8,
+        vms: &[(String, Gid)],
+    ) -> Result<UmadPort, Error> {
+        let name = format!("umad:{device}:{port}");
+        let port_dir = sysfs
+            .join("class/infiniband")
+            .join(device)
+            .join("ports")
+            .join(port.to_string());
+        if !port_dir.is_dir() {
+            return Err(Error(format!(
+                "--port {name}: no such RDMA device port ({} does not exist; `rdma link \
+                 show` lists the devices)",
+                port_dir.display()
+            )));
+        }
+        let umad = find_umad(sysfs, device, port).map_err(|e| {
+            Error(format!(
+                "--port {name}: {e}: is ib_umad loaded (`modprobe ib_umad`)?"
+            ))
+        })?;
+        let path = Path::new("/dev/infiniband").join(&umad);
+        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error(format!("--port {name}: bad path {}", path.display())))?;
+        // SAFETY: `c_path` is a NUL-terminated path that lives across the call.
+        let fd = unsafe {
+            libc::open(
+                c_path.as_ptr(),
+                libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            let hint = if e.kind() == io::ErrorKind::PermissionDenied {
+                "; the umad files are root's by default: run as root, or give the daemon's \
+                 user access with a udev rule (docs/umad.md)"
+            } else {
+                ""
+            };
+            return Err(Error(format!(
+                "--port {name}: open {}: {e}{hint}",
+                path.display()
+            )));
+        }
+        // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        ioctl(fd.as_raw_fd(), IOCTL_ENABLE_PKEY, std::ptr::null_mut()).map_err(|e| {
+            Error(format!(
+                "--port {name}: IB_USER_MAD_ENABLE_PKEY on {}: {e} (kernel too old?)",
+                path.display()
+            ))
+        })?;
+        let mut req = RegReq {
+            qpn: GSI_QPN as u8,
+            mgmt_class: MGMT_CLASS_CM,
+            mgmt_class_version: CM_CLASS_VERSION,
+            ..RegReq::default()
+        };
+        // The mask is a bitmap of unsigned longs; on a little-endian host bit n of the
+        // whole is bit n%32 of word n/32.
+        req.method_mask[usize::from(METHOD_SEND / 32)] |= 1 << (METHOD_SEND % 32);
+        if let Err(e) = ioctl(
+            fd.as_raw_fd(),
+            IOCTL_REGISTER_AGENT,
+            (&mut req as *mut RegReq).cast(),
+        ) {
+            let cm_loaded = sysfs.join("module/ib_cm").exists();
+            let why = if cm_loaded {
+                "the CM class (0x07 version 2) is already taken on this port: the kernel CM \
+                 (ib_cm) is loaded and owns it. Unload the kernel CM and what uses it: \
+                 `modprobe -r rdma_ucm rdma_cm ib_cm` (ib_ipoib, ib_srp, rpcrdma, nvme_rdma, \
+                 ib_isert, iw_cm users also hold it: unload them first), and keep them \
+                 unloaded (blacklist ib_cm; see docs/umad.md)"
+            } else {
+                "the kernel refused the CM agent (another user-space CM agent may hold the \
+                 class on this port)"
+            };
+            return Err(Error(format!(
+                "--port {name}: registering a CM agent on {}: {e}: {why}",
+                path.display()
+            )));
+        }
+        let pkeys = read_pkeys(&port_dir);
+        let pkey_index = default_pkey_index(&pkeys).ok_or_else(|| {
+            Error(format!(
+                "--port {name}: no default P_Key (0xFFFF or 0x7FFF) in {}",
+                port_dir.join("pkeys").display()
+            ))
+        })?;
+        let p = UmadPort {
+            name,
+            fd,
+            agent: req.id,
+            port_dir,
+            vms: vms.to_vec(),
+            indices: Mutex::new(Indices {
+                of_vm: vec![None; vms.len()],
+                vm_of: [None; 256],
+            }),
+            pkeys,
+            pkey_index,
+        };
+        let table = read_gid_table(&p.port_dir).map_err(|e| {
+            Error(format!(
+                "--port {}: GID table {}: {e}",
+                p.name,
+                p.port_dir.display()
+            ))
+        })?;
+        for vm in 0..vms.len() {
+            if let Err(e) = p.resolve(vm, &table) {
+                tracing::warn!("{e} (the VM will be refused until it is)");
+            }
+        }
+        tracing::info!(port = %p.name, umad = %umad, agent = p.agent, pkey_index, "umad port open: CM agent registered");
+        Ok(p)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Indices> {
+        self.indices.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Finds VM `vm`'s GID in `table` and records its index.
+    fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<u8, String> {
+        let Some((name, gid)) = self.vms.get(vm) else {
+            return Err(format!("no VM {vm}"));
+        };
+        let Some(e) = table.iter().find(|e| e.gid == *gid && e.roce_v2) else {
+            let addr = gid
+                .to_ipv4()
+                .map_or_else(|| gid.to_string(), |a| a.to_string());
+            return Err(format!(
+                "VM {name}: GID {gid} is not a RoCE v2 entry of {}'s GID table ({}): add \
+                 the VM's address to the device's netdev (e.g. `ip addr add {addr}/32 dev \
+                 eth0`), see docs/umad.md",
+                self.name,
+                self.port_dir.join("gids").display()
+            ));
+        };
+        let mut ix = self.lock();
+        if let Some(old) = ix.of_vm.get(vm).copied().flatten() {
+            ix.vm_of[usize::from(old)] = None;
+        }
+        // An index another VM had (its entry went and came back elsewhere) is ours now.
+        if let Some(other) = ix.vm_of[usize::from(e.index)] {
+            if let Some(o) = ix.of_vm.get_mut(other) {
+                *o = None;
+            }
+        }
+        ix.vm_of[usize::from(e.index)] = Some(vm);
+        if let Some(o) = ix.of_vm.get_mut(vm) {
+            *o = Some(e.index);
+        }
+        Ok(e.index)
+    }
+
+    fn write_mad(&self, msg: &[u8; MSG_LEN]) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            // SAFETY: `msg` is a live buffer of MSG_LEN bytes; the kernel only reads it.
+            let r = unsafe { libc::write(self.fd.as_raw_fd(), msg.as_ptr().cast(), MSG_LEN) };
+            if r == MSG_LEN as isize {
+                return Ok(());
+            }
+            let e = if r < 0 {
+                io::Error::last_os_error()
+            } else {
+                io::Error::other(format!("short write {r}"))
+            };
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // EINVAL also means "a send with this TID and class is still in flight"
+                // (ib_umad refuses duplicates until the first one completes, which is
+                // microseconds); ENOMEM/EAGAIN are transient too.
+                Some(libc::EINVAL | libc::ENOMEM | libc::EAGAIN) if tries < 20 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                _ => return Err(e),
+            }
+        }
+    }
+
+    fn record(ctx: &PortCtx<'_>, src: Gid, dst: Gid, mad: &[u8; MAD_LEN]) {
+        let (Some(c), Some(s), Some(d)) = (ctx.capture, src.to_ipv4(), dst.to_ipv4()) else {
+            return;
+        };
+        let mut frame = [0u8; FRAME_LEN];
+        let _ = FrameRepr::gsi(0, mad).emit(&mut frame, &Ipv4Repr::new(s, d), &UdpRepr::new(4791));
+        c.record(
+            SocketAddrV4::new(s, 4791),
+            SocketAddrV4::new(d, 4791),
+            &frame,
+        );
+    }
+
+    fn deliver(&self, ctx: &PortCtx<'_>, r: Received, batches: &mut Vec<(usize, Vec<InMad>)>) {
+        let vm = self.lock().vm_of[usize::from(r.gid_index)];
+        let Some(vm) = vm else {
+            ctx.host.add(Io::WireRxFrames, 1);
+            ctx.host.drop(DevDrop::WireUnknownGid);
+            tracing::debug!(port = %self.name, gid_index = r.gid_index, src = %r.mad.src, "MAD for a GID index no VM owns: dropped");
+            return;
+        };
+        let Some(p) = ctx.vms.get(vm) else { return };
+        p.counters.add(Io::WireRxFrames, 1);
+        Self::record(ctx, r.mad.src, p.spec.vm.gid, &r.mad.mad);
+        match batches.iter_mut().find(|(q, _)| *q == vm) {
+            Some((_, v)) => v.push(r.mad),
+            None => batches.push((vm, vec![r.mad])),
+        }
+    }
+}
+
+impl WirePort for UmadPort {
+    fn rx_mode(&self) -> String {
+        format!("umad {}", self.name.trim_start_matches("umad:"))
+    }
+
+    fn poll_fds(&self) -> Vec<(RawFd, u64)> {
+        vec![(self.fd.as_raw_fd(), 0)]
+    }
+
+    fn attach(&self, vm: usize) -> Result<(), String> {
+        let table =
+            read_gid_table(&self.port_dir).map_err(|e| format!("{}: GID table: {e}", self.name))?;
+        self.resolve(vm, &table).map(|_| ())
+    }
+
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]) {
+        let Some(p) = ctx.vms.get(vm) else { return };
+        let Some(gid_index) = self.lock().of_vm.get(vm).copied().flatten() else {
+            for _ in mads {
+                p.counters.drop(DevDrop::WireSendError);
+            }
+            tracing::debug!(parent: &p.span, "no GID index: MADs not sent");
+            return;
+        };
+        let mut msg = [0u8; MSG_LEN];
+        for (dst, mad) in mads {
+            let hdr = UmadHdr {
+                id: self.agent,
+                qpn: GSI_QPN,
+                qkey: GSI_QKEY,
+                grh_present: true,
+                gid_index,
+                hop_limit: HOP_LIMIT,
+                gid: dst.0,
+                pkey_index: self.pkey_index,
+                ..UmadHdr::default()
+            };
+            let mut h = [0u8; HDR_LEN];
+            hdr.emit(&mut h);
+            msg[..HDR_LEN].copy_from_slice(&h);
+            msg[HDR_LEN..].copy_from_slice(mad);
+            Self::record(ctx, p.spec.vm.gid, *dst, mad);
+            match self.write_mad(&msg) {
+                Ok(()) => p.counters.add(Io::WireTxFrames, 1),
+                Err(e) => {
+                    tracing::debug!(parent: &p.span, error = %e, %dst, "umad send failed");
+                    p.counters.drop(DevDrop::WireSendError);
+                }
+            }
+        }
+        if let Some(c) = ctx.capture {
+            c.flush();
+        }
+    }
+
+    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+        let mut buf = [0u8; MSG_LEN];
+        let mut batches: Vec<(usize, Vec<InMad>)> = Vec::new();
+        let mut pending = 0;
+        for _ in 0..RX_READS {
+            // SAFETY: `buf` is a live, writable buffer of MSG_LEN bytes.
+            let r = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), MSG_LEN) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    Some(libc::EAGAIN) => break,
+                    Some(libc::ENOSPC | libc::EINVAL) => {
+                        // Larger than one MAD (RMPP): take it off the queue with a large
+                        // buffer so it cannot block the queue, and count it.
+                        let mut big = vec![0u8; 1 << 16];
+                        // SAFETY: `big` is a live, writable buffer of its length.
+                        let _ = unsafe {
+                            libc::read(self.fd.as_raw_fd(), big.as_mut_ptr().cast(), big.len())
+                        };
+                        ctx.host.drop(DevDrop::WireBadLength);
+                        continue;
+                    }
+                    _ => {
+                        tracing::warn!(port = %self.name, error = %e, "umad read failed");
+                        break;
+                    }
+                }
+            }
+            let n = r as usize;
+            match parse_read(&buf[..n.min(MSG_LEN)], &self.pkeys) {
+                Ok(m) => {
+                    self.deliver(ctx, m, &mut batches);
+                    pending += 1;
+                }
+                Err(reason) => {
+                    tracing::debug!(port = %self.name, reason = reason.name(), len = n, "umad MAD dropped");
+                    ctx.host.add(Io::WireRxFrames, 1);
+                    ctx.host.drop(reason);
+                }
+            }
+            if pending >= RX_BATCH {
+                for (vm, mads) in batches.drain(..) {
+                    route(vm, mads);
+                }
+                pending = 0;
+            }
+        }
+        if let Some(c) = ctx.capture {
+            c.flush();
+        }
+        for (vm, mads) in batches {
+            route(vm, mads);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn ioctl_numbers() {
+        assert_eq!(IOCTL_REGISTER_AGENT, 0xC01C_1B01);
+        assert_eq!(IOCTL_ENABLE_PKEY, 0x1B03);
+    }
+
+    #[test]
+    fn header_round_trip_and_layout() {
+        let h = UmadHdr {
+            id: 7,
+            qpn: 1,
+            qkey: GSI_QKEY,
+            grh_present: true,
+            gid_index: 3,
+            hop_limit: 64,
+            gid: Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 3)).0,
+            pkey_index: 2,
+            ..UmadHdr::default()
+        };
+        let mut b = [0u8; HDR_LEN];
+        h.emit(&mut b);
+        assert_eq!(&b[20..24], &[0, 0, 0, 1]);
+        assert_eq!(&b[24..28], &[0x80, 0x01, 0, 0]);
+        assert_eq!(b[32], 1);
+        assert_eq!(b[33], 3);
+        assert_eq!(&b[46..52], &[0xff, 0xff, 10, 99, 0, 3]);
+        assert_eq!(&b[56..58], &2u16.to_ne_bytes());
+        assert_eq!(UmadHdr::parse(&b), Some(h));
+        assert_eq!(UmadHdr::parse(&b[..63]), None);
+    }
+
+    fn msg(class: u8, version: u8, grh: bool, gid_index: u8) -> Vec<u8> {
+        let h = UmadHdr {
+            qpn: 1,
+            grh_present: grh,
+            gid_index,
+            gid: Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 3)).0,
+            pkey_index: 1,
+            length: MAD_LEN as u32,
+            ..UmadHdr::default()
+        };
+        let mut b = [0u8; HDR_LEN];
+        h.emit(&mut b);
+        let mut v = b.to_vec();
+        let mut mad = [0u8; MAD_LEN];
+        mad[0] = 1;
+        mad[1] = class;
+        mad[2] = version;
+        mad[3] = METHOD_SEND;
+        v.extend_from_slice(&mad);
+        v
+    }
+
+    #[test]
+    fn reads_are_checked() {
+        let pkeys = [0x8001, 0xFFFF];
+        let r = parse_read(&msg(7, 2, true, 4), &pkeys).unwrap();
+        assert_eq!(r.gid_index, 4);
+        assert_eq!(r.pkey_index, 1);
+        assert_eq!(r.mad.pkey, 0xFFFF);
+        assert_eq!(r.mad.src, Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 3)));
+        assert_eq!(r.mad.src_qp, 1);
+        let m = msg(7, 2, true, 4);
+        assert_eq!(
+            parse_read(&m[..100], &pkeys).unwrap_err(),
+            DevDrop::WireBadLength
+        );
+        assert_eq!(
+            parse_read(&m[..10], &pkeys).unwrap_err(),
+            DevDrop::WireBadLength
+        );
+        assert_eq!(
+            parse_read(&msg(4, 2, true, 4), &pkeys).unwrap_err(),
+            DevDrop::WireNotCm
+        );
+        assert_eq!(
+            parse_read(&msg(7, 1, true, 4), &pkeys).unwrap_err(),
+            DevDrop::WireNotCm
+        );
+        assert_eq!(
+            parse_read(&msg(7, 2, false, 4), &pkeys).unwrap_err(),
+            DevDrop::WireBadSource
+        );
+        let mut bad = msg(7, 2, true, 4);
+        bad[4] = 110; // status ETIMEDOUT
+        assert_eq!(
+            parse_read(&bad, &pkeys).unwrap_err(),
+            DevDrop::WireSendError
+        );
+    }
+
+    fn fake_port(root: &Path) -> PathBuf {
+        let p = root.join("class/infiniband/rxe0/ports/1");
+        fs::create_dir_all(p.join("gids")).unwrap();
+        fs::create_dir_all(p.join("gid_attrs/types")).unwrap();
+        fs::create_dir_all(p.join("pkeys")).unwrap();
+        let entries = [
+            (
+                0,
+                "fe80:0000:0000:0000:5054:00ff:fe99:0002",
+                Some("RoCE v2"),
+            ),
+            (
+                1,
+                "0000:0000:0000:0000:0000:ffff:0a63:0002",
+                Some("IB/RoCE v1"),
+            ),
+            (
+                2,
+                "0000:0000:0000:0000:0000:ffff:0a63:0002",
+                Some("RoCE v2"),
+            ),
+            (3, "0000:0000:0000:0000:0000:0000:0000:0000", None),
+            (
+                4,
+                "0000:0000:0000:0000:0000:ffff:0a63:0011",
+                Some("RoCE v2"),
+            ),
+        ];
+        for (i, g, t) in entries {
+            fs::write(p.join("gids").join(i.to_string()), format!("{g}\n")).unwrap();
+            if let Some(t) = t {
+                fs::write(
+                    p.join("gid_attrs/types").join(i.to_string()),
+                    format!("{t}\n"),
+                )
+                .unwrap();
+            }
+        }
+        fs::write(p.join("pkeys/0"), "0xffff\n").unwrap();
+        fs::write(p.join("pkeys/1"), "0x0000\n").unwrap();
+        let m = root.join("class/infiniband_mad/umad0");
+        fs::create_dir_all(&m).unwrap();
+        fs::write(m.join("ibdev"), "rxe0\n").unwrap();
+        fs::write(m.join("port"), "1\n").unwrap();
+        p
+    }
+
+    #[test]
+    fn sysfs_tables() {
+        let d = tempfile::tempdir().unwrap();
+        let p = fake_port(d.path());
+        let t = read_gid_table(&p).unwrap();
+        assert_eq!(t.len(), 4);
+        let a = Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 2));
+        let e = t.iter().find(|e| e.gid == a && e.roce_v2).unwrap();
+        assert_eq!(e.index, 2);
+        assert!(!t[1].roce_v2);
+        let pk = read_pkeys(&p);
+        assert_eq!(pk, vec![0xFFFF, 0]);
+        assert_eq!(default_pkey_index(&pk), Some(0));
+        assert_eq!(default_pkey_index(&[0, 0x7FFF]), Some(1));
+        assert_eq!(default_pkey_index(&[0]), None);
+        assert_eq!(find_umad(d.path(), "rxe0", 1).unwrap(), "umad0");
+        assert!(find_umad(d.path(), "rxe0", 2).is_err());
+        assert!(find_umad(d.path(), "mlx4_0", 1).is_err());
+    }
+
+    #[test]
+    fn open_errors_are_clear() {
+        let d = tempfile::tempdir().unwrap();
+        let e = UmadPort::open(d.path(), "rxe9", 1, &[]).unwrap_err();
+        assert!(e.0.contains("no such RDMA device port"), "{e}");
+        let p = fake_port(d.path());
+        fs::remove_dir_all(d.path().join("class/infiniband_mad")).unwrap();
+        let e = UmadPort::open(d.path(), "rxe0", 1, &[]).unwrap_err();
+        assert!(e.0.contains("ib_umad"), "{e}");
+        let _ = p;
+    }
+}
