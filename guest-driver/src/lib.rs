@@ -12,9 +12,11 @@
 //!   in-VM virtio-pci transport ([`device::pci`]) and the cmtime benchmark.
 //! - [`time`]: the injected clock.
 //!
-//! The `pvcm-guest` binary (`src/bin/pvcm-guest.rs`) is the CLI on top: `info`,
-//! `listen`, `connect`, `connect-destroy`, `cmtime`.
+//! - [`cli`]: the `pvcm-guest` command line on top: `info`, `listen`, `connect`,
+//!   `connect-destroy`, `cmtime`, on any device (the binary, `src/bin/pvcm-guest.rs`,
+//!   and `pvcm-lab attach` both run it).
 
+pub mod cli;
 pub mod cm;
 pub mod device;
 pub mod time;
