@@ -5,6 +5,9 @@
 //!
 //!     cargo run --release -p pvcm-lab -- teardown
 //!     cargo run --release -p pvcm-lab -- --help
+//!
+//! `pvcm-lab attach --socket PATH COMMAND` attaches one in-process VM to a running
+//! backend and runs a `pvcm-guest` command through it (see `lab::attach`).
 
 use std::process::ExitCode;
 
@@ -18,6 +21,9 @@ fn main() -> ExitCode {
     let rest: Vec<_> = args.collect();
     if rest.first().is_some_and(|a| a == BACKEND_SUBCOMMAND) {
         return backend_main(rest.into_iter().skip(1));
+    }
+    if rest.first().is_some_and(|a| a == "attach") {
+        return pvcm_lab::lab::attach::main(rest.into_iter().skip(1));
     }
     cli::main(Cli::parse())
 }

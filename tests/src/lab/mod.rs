@@ -22,7 +22,10 @@
 //!   a [`report::Report`]: timings, figures, per host the infiniband_cm-style counter
 //!   tables (the backend's, read from its control socket, and the guests' summed over
 //!   the host's vPorts), and the invariants checked.
+//! - **attach** ([`attach`]): one in-process VM on a running backend's socket, running
+//!   any `pvcm-guest` command (`pvcm-lab attach --socket PATH COMMAND`).
 
+pub mod attach;
 pub mod cli;
 pub mod guest;
 pub mod host;
