@@ -30,7 +30,8 @@ use crate::cm::rdma_cm::{
     tcp_service_id,
 };
 use crate::cm::{
-    AgentConfig, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, PacingCounters, RejReason,
+    AgentConfig, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing, PacingCounters,
+    RejReason,
 };
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use crate::device::pci::{PciDevice, PciOptions};
@@ -145,6 +146,10 @@ pub struct Cli {
     /// peer retry its DREQ).
     #[arg(long, global = true)]
     linux_drep: bool,
+    /// The most requests (REQ, DREQ) outstanding per destination; the window grows to it
+    /// while answers come (default 256; 0: no pacing, every request at once).
+    #[arg(long, global = true, value_name = "N")]
+    max_window: Option<u32>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -285,12 +290,26 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
     let opts = DeviceOptions {
         seed: cli.seed.unwrap_or_else(random_seed),
         configure: agent_configure(cli.linux_drep),
+        pacing: cli.max_window.map(pacing_with_max),
         ..DeviceOptions::default()
     };
     Device::start(t, q, SystemClock::new(), opts)
 }
 
 /// The agent options the command line changes (`--linux-drep`).
+/// The pacing policy for `--max-window N` (0: none).
+pub fn pacing_with_max(n: u32) -> Option<Pacing> {
+    (n > 0).then(|| {
+        let d = Pacing::default();
+        Pacing {
+            max_window: n,
+            slow_start: n,
+            initial_window: d.initial_window.min(n),
+            min_window: d.min_window.min(n),
+        }
+    })
+}
+
 pub fn agent_configure(linux_drep: bool) -> Option<fn(&mut AgentConfig)> {
     linux_drep.then_some(|c: &mut AgentConfig| c.auto_drep = false)
 }
@@ -945,6 +964,19 @@ mod tests {
         assert!(!c.json && c.seed.is_none() && c.pci_addr.is_none());
         assert!(matches!(c.cmd, Cmd::Info));
         assert!(!c.linux_drep && agent_configure(c.linux_drep).is_none());
+    }
+
+    #[test]
+    fn max_window_sets_the_pacing() {
+        let c = parse(&["--max-window", "1024", "cmtime", "--server"]).unwrap();
+        let p = pacing_with_max(c.max_window.unwrap()).unwrap();
+        assert_eq!(
+            (p.max_window, p.slow_start, p.initial_window),
+            (1024, 1024, 32)
+        );
+        let c = parse(&["cmtime", "--server", "--max-window", "0"]).unwrap();
+        assert_eq!(pacing_with_max(c.max_window.unwrap()), None);
+        assert_eq!(parse(&["cmtime", "--server"]).unwrap().max_window, None);
     }
 
     #[test]

@@ -54,7 +54,8 @@ use pvcm_wire::abi::{
 use pvcm_wire::mad::{AttributeId, MAD_LEN};
 
 use crate::cm::{
-    AcceptOptions, Agent, AgentConfig, CmError, CmId, ConnectOptions, Event as CmEvent, SplitMix64,
+    AcceptOptions, Agent, AgentConfig, CmError, CmId, ConnectOptions, Event as CmEvent, Pacing,
+    SplitMix64,
 };
 use crate::time::{Clock, SystemClock, Time};
 use crate::transport::pci::{PciError, QueueSetup};
@@ -162,6 +163,9 @@ pub struct DeviceOptions {
     /// Adjusts the agent's configuration after it is built from PORT_INFO (MRA delay,
     /// automatic DREP, ...). Identity fields set by the device should be left alone.
     pub configure: Option<fn(&mut AgentConfig)>,
+    /// Replaces the agent's pacing policy (`None`: keep the agent's; `Some(None)`: no
+    /// pacing, every request goes out at once).
+    pub pacing: Option<Option<Pacing>>,
 }
 
 impl Default for DeviceOptions {
@@ -171,6 +175,7 @@ impl Default for DeviceOptions {
             port_info_timeout: Duration::from_secs(5),
             max_device_events: 1024,
             configure: None,
+            pacing: None,
         }
     }
 }
@@ -732,6 +737,9 @@ impl<T: Transport, C: Clock> Device<T, C> {
         let mut cfg = AgentConfig::from_port_info(port, seed);
         if let Some(f) = opts.configure {
             f(&mut cfg);
+        }
+        if let Some(p) = opts.pacing {
+            cfg.pacing = p;
         }
         cfg
     }
