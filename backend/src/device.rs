@@ -543,6 +543,35 @@ impl VhostUserBackendMut for PvcmDevice {
     }
 }
 
+/// The device's descriptor-chain walks, for the fuzz targets in `fuzz/`. Not an API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+    use crate::stats::DevDrop;
+
+    /// Reads one tx chain as the device does: the message's bytes, or the counted drop.
+    pub fn read_tx_chain<M>(mem: &Mem, chain: DescriptorChain<M>) -> Result<Vec<u8>, DevDrop>
+    where
+        M: Deref,
+        M::Target: GuestMemory,
+    {
+        read_chain(mem, chain).map(|m| m.buf[..m.len].to_vec())
+    }
+
+    /// Writes `bytes` into one rx chain as the device does, or says why it could not.
+    pub fn write_rx_chain<M>(
+        mem: &Mem,
+        chain: DescriptorChain<M>,
+        bytes: &[u8],
+    ) -> Result<(), DevDrop>
+    where
+        M: Deref,
+        M::Target: GuestMemory,
+    {
+        write_chain(mem, chain, bytes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1082,11 +1082,13 @@ impl<C: Clock> Mux<C> {
             }
             AttributeId::Rej => {
                 let sl = m.local_comm_id().unwrap_or(0);
+                // A REJ(TIMEOUT) must name the VM's own CA GUID; an ARI too short to
+                // hold one is refused too (Linux's cm_rej_handler reads the first 8 ARI
+                // bytes whatever the ARI length says).
                 if checks
                     && m.rej_reason() == Some(RejReason::Timeout.code())
                     && m.remote_comm_id() == Some(0)
-                    && m.rej_timeout_ca_guid()
-                        .is_some_and(|g| g != self.vm_cfg(vm).ca_guid)
+                    && m.rej_timeout_ca_guid() != Some(self.vm_cfg(vm).ca_guid)
                 {
                     return Verdict::Drop(DropReason::SpoofedCaGuid);
                 }
