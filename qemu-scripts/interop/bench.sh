@@ -46,6 +46,34 @@ for n in ${IOP_SIZES//,/ }; do
     stat_json "after-$n"
 done
 
+# Idle cost: host CPU of a QEMU VM whose pvcm-guest listens and nothing happens, next
+# to the same VM idling without it (the difference is the driver's timed poll), and of
+# pvcm-backend meanwhile, each over $idle_secs seconds.
+idle_secs=20
+qemu_ticks() { # the CPU ticks of the QEMU process of VM NAME
+    local pid
+    pid="$(pgrep -f -- "-name $1" | head -n 1)"
+    [ -n "$pid" ] && awk '{print $14 + $15}' "/proc/$pid/stat"
+}
+idle_run() { # idle_run NAME 'CMD': prints QEMU ticks over idle_secs, once settled
+    vm_start "$1" "$2" srv
+    vm_console "$1" "${3:-idle-ready}" 120 || true
+    sleep 2
+    local a b
+    a="$(qemu_ticks "$1")"
+    b0="$(backend_ticks)"
+    sleep "$idle_secs"
+    b="$(qemu_ticks "$1")"
+    b1="$(backend_ticks)"
+    echo "${a:-0} ${b:-0} $b0 $b1" >"$work/idle-$1"
+    kill "$(eval "echo \$vmpid_$1")" 2>/dev/null
+    pkill -f -- "-name $1" 2>/dev/null
+    vm_wait "$1" 2>/dev/null
+}
+echo "== idle: pvcm-guest listen, then the same VM without it"
+idle_run idlepvcm "pvcm-guest listen --port 7999" 'listening on'
+idle_run idlebase "echo idle-ready; sleep $((idle_secs + 60))"
+
 python3 - "$work" "$IOP_SIZES" "$(getconf CLK_TCK)" <<'PY' | tee "$out"
 import json, os, re, sys
 wd, sizes, tck = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
@@ -88,6 +116,17 @@ for n in sizes:
     if kc and pc and kd and pd:
         print(f"{n:>6} {'pvcm speed-up':<22} {kc / pc:>10.1f}x {kd / pd:>13.1f}x "
               f"{(f'{kcpu / pcpu:.1f}x less' if kcpu and pcpu else '-'):>12}")
+def idle(name):
+    v = read(f"idle-{name}").split()
+    if len(v) != 4: return None, None
+    a, b, b0, b1 = map(int, v)
+    secs = 20.0
+    return (b - a) / tck / secs * 100, (b1 - b0) / tck / secs * 100
+ip, bp = idle("idlepvcm")
+ib, _ = idle("idlebase")
+if ip is not None and ib is not None:
+    print(f"idle: QEMU VM with pvcm-guest listen {ip:.1f}% of a host core, without it {ib:.1f}%: "
+          f"the driver's poll costs {ip - ib:.1f}%; pvcm-backend {bp:.2f}%")
 for b in bad: print("bench: " + b)
 print("bench goal: pvcm at least 20x faster than the kernel CM in both steps at every size")
 sys.exit(1 if bad else 0)
