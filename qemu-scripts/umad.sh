@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# pvcm's umad port against the real Linux kernel CM, both in rxe-peer guests.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+Usage: qemu-scripts/umad.sh [--conns N] [--workdir DIR]
+
+Runs pvcm-backend with --port umad:rxe0:1 (CM MADs through rxe0's QP1 via
+/dev/infiniband/umad0) inside an rxe-peer guest without the kernel CM (a, 10.99.0.2),
+with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
+10.99.0.12, both added to the guest's eth0 so rxe0 has their RoCE v2 GIDs; VM c
+10.99.0.13 is not), against the kernel CM of a second guest (b, 10.99.0.3). Tests:
+
+  0 pvcm-backend --port umad:rxe0 where ib_cm is loaded (guest b): refused at
+    startup with an error that names ib_cm and how to unload it
+  1 pvcm VM a -> kernel: pvcm-guest cmtime (through pvcm-lab attach), N connections
+  2 kernel -> pvcm VM a: cmtime -s VM -c N against pvcm cmtime --server
+  3a two VMs, one umad port, the same TCP port: the kernel connects 3 to a and 5 to b,
+    each VM gets exactly its own (routing by GID)
+  3b the kernel connects and destroys at once (kcm withdraw) 5 times to a and 7 to b:
+    each VM sees its requests withdrawn by the REJ(TIMEOUT)s meant for it
+  4 the teardowns of tests 1 and 2 (all N connections at once): no CM retries or
+    duplicates in the kernel's counters or pvcm-backend's, and no drops
+  5 VM c, whose address is not in the GID table: refused at attach
+
+Prints figures (cmtime connect/disconnect totals, counters). The last line reads
+"umad: N passed, N failed". Exit 0 when all passed.
+
+Options:
+  --conns N      connections for tests 1 and 2 (default 500)
+  --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
+  -h, --help     this help
+
+Needs root (network namespace, taps). Installs Debian's QEMU 10, gcc and
+librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c).
+USAGE
+}
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+conns=500 workdir=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --conns | --workdir)
+        [ $# -ge 2 ] || die "$1 needs a value"
+        case "$1" in
+        --conns) conns="$2" ;;
+        --workdir) workdir="$2" ;;
+        esac
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown option '$1' (see --help)" ;;
+    esac
+    shift
+done
+need_root "umad.sh (network namespace, taps)"
+rxe_peer="$PVCM_REPO_DIR/../shared/tools/rxe-peer"
+[ -f "$rxe_peer/run.sh" ] || die "no rxe-peer at $rxe_peer"
+
+keep=1
+if [ -z "$workdir" ]; then
+    workdir="$(mktemp -d /tmp/pvcm-umad.XXXXXX)"
+    keep=0
+fi
+mkdir -p "$workdir"
+workdir="$(cd "$workdir" && pwd)"
+share="$workdir/share"
+rm -rf "$share"
+mkdir -p "$share/q" "$share/bin"
+
+echo "== build (cached)"
+t="$(now_s)"
+apt_install iproute2 util-linux gcc librdmacm-dev
+qemu="$(debian_qemu10 "for rxe-peer's guests")"
+bash "$rxe_peer/build.sh" >"$workdir/rxe-build.log" 2>&1 || {
+    cat "$workdir/rxe-build.log"
+    die "rxe-peer build.sh failed"
+}
+# Dynamic binaries: the guests run Debian 12's glibc, as the host.
+(cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend &&
+    cargo build --release -q -p pvcm-lab --bin pvcm-lab) || die "cargo build failed"
+target="${CARGO_TARGET_DIR:-$PVCM_REPO_DIR/target}/release"
+cp "$target/pvcm-backend" "$target/pvcm-lab" "$share/bin/"
+# The guest image has Debian 12's libc6 minus what rdma-core does not need: bring the
+# libraries the binaries need that it may lack (same glibc 2.36 as the host).
+mkdir -p "$share/lib"
+for lib in $(ldd "$target/pvcm-lab" "$target/pvcm-backend" | awk '$3 ~ /^\// { print $3 }' | sort -u); do
+    case "$(basename "$lib")" in libc.so.* | ld-linux*) ;; *) cp -L "$lib" "$share/lib/" ;; esac
+done
+gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
+    "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
+cp "$PVCM_SCRIPTS_DIR/interop/kpeer.sh" "$share/kpeer.sh"
+cp "$PVCM_SCRIPTS_DIR/umad/aprep.sh" "$share/aprep.sh"
+echo "   ready in $(elapsed "$t") s"
+
+echo "== run: guest a (no kernel CM: pvcm-backend on umad:rxe0:1 + pvcm VMs), guest b (kernel CM)"
+rc=0
+t="$(now_s)"
+IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" \
+    bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
+    --logdir "$workdir/rxe" --timeout 1500 -q \
+    --peer a 10.99.0.2/24 'sh /host/kpeer.sh a' --no-cm \
+    --peer b 10.99.0.3/24 'sh /host/kpeer.sh b listen' \
+    --host-after b --host-cmd "bash $PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
+echo "   run took $(elapsed "$t") s (run.sh exit $rc)"
+
+echo "== figures"
+cat "$workdir/figures.txt" 2>/dev/null || true
+echo "== results"
+[ -s "$workdir/results.txt" ] || {
+    echo "no results; host side:"
+    tail -n 40 "$workdir/rxe/host.out" 2>/dev/null || true
+}
+cat "$workdir/results.txt" 2>/dev/null || true
+passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"
+failed="$(grep -c '^FAIL' "$workdir/results.txt" 2>/dev/null || true)"
+[ "${passed:-0}" -gt 0 ] || failed=$((${failed:-0} + 1))
+if [ "$rc" = 0 ] && [ "${failed:-0}" = 0 ] && [ "$keep" = 0 ]; then
+    rm -rf "$workdir"
+elif [ "${failed:-0}" != 0 ] || [ "$rc" != 0 ]; then
+    echo "logs in $workdir"
+fi
+echo "umad: ${passed:-0} passed, ${failed:-0} failed"
+[ "${failed:-0}" = 0 ] && [ "$rc" = 0 ]

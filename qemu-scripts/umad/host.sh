@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# The host side of qemu-scripts/umad.sh, run inside rxe-peer's network namespace
+# (run.sh --host-cmd). Guest a (10.99.0.2, no kernel CM) runs pvcm-backend on
+# umad:rxe0:1 with pvcm VMs a (10.99.0.11) and b (10.99.0.12) attached in-process by
+# pvcm-lab attach; guest b (10.99.0.3) runs the kernel CM with a cmtime listener. Both
+# guests run interop/kpeer.sh, so requests go to them through the 9p share (kexec).
+#
+# Environment (set by umad.sh): IOP_WORK, IOP_SHARE, IOP_CONNS.
+set -uo pipefail
+trap 'touch "$IOP_SHARE/flag.stop"' EXIT
+
+work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS"
+a_guest=10.99.0.2 b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
+results="$work/results.txt"
+figures="$work/figures.txt"
+: >"$results"
+: >"$figures"
+lab="env LD_LIBRARY_PATH=/host/lib /host/bin/pvcm-lab"
+
+say() { echo "== $*"; }
+pyresult() { tee -a "$results"; }
+
+# shellcheck source-path=SCRIPTDIR source=../interop/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../interop/common.sh"
+
+for p in a b; do
+    for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
+done
+# guest_wait FILE SECS: until FILE (in the share) exists.
+guest_wait() {
+    local i
+    for ((i = 0; i < $2 * 10; i++)); do [ -e "$share/$1" ] && return 0; sleep 0.1; done
+    return 1
+}
+guest_grep() { # guest_grep FILE PATTERN SECS
+    local i
+    for ((i = 0; i < $3 * 10; i++)); do grep -Eq "$2" "$share/$1" 2>/dev/null && return 0; sleep 0.1; done
+    return 1
+}
+
+say "0. pvcm-backend --port umad:rxe0 where ib_cm is loaded (guest b): refused at startup"
+kexec b t0 30 "/host/bin/pvcm-backend --port umad:rxe0 --vm socket=/tmp/x.sock,gid=$b_ip,name=x; echo rc=\$?"
+say "setup: guest a: VM addresses on eth0, pvcm-backend --port umad:rxe0:1"
+kexec a setup 60 "sh /host/aprep.sh $vm_a $vm_b $vm_c"
+echo $? >"$work/a.setup.rc"
+cat "$work/a.setup.out"
+kcounters b before
+
+say "1. pvcm VM a -> kernel b: cmtime, $conns connections"
+kexec a t1 900 "$lab attach --socket /tmp/a.sock cmtime --dest $b_ip --connections $conns --timeout 300; echo rc=\$?"
+
+say "2. kernel b -> pvcm VM a: cmtime -s $vm_a -c $conns"
+kexec a t2srv 10 "($lab attach --socket /tmp/a.sock cmtime --server --connections $conns --timeout 600 >/host/t2srv.log 2>&1; echo \$? >/host/t2srv.rc) &"
+guest_grep t2srv.log 'cmtime server on' 60
+kexec b t2 900 "cmtime -s $vm_a -c $conns; echo rc=\$?"
+guest_wait t2srv.rc 120
+
+say "3a. two VMs behind one umad port, same TCP port 7475: routing by GID (3 to a, 5 to b)"
+kexec a t3srv 10 "($lab attach --socket /tmp/a.sock --json cmtime --server --port 7475 --connections 3 --timeout 120 >/host/t3a.log 2>&1; echo \$? >/host/t3a.rc) &
+($lab attach --socket /tmp/b.sock --json cmtime --server --port 7475 --connections 5 --timeout 120 >/host/t3b.log 2>&1; echo \$? >/host/t3b.rc) &"
+guest_grep t3a.log listening 60 && guest_grep t3b.log listening 60
+kexec b t3 300 "cmtime -s $vm_a -p 7475 -c 3; echo rc=\$?; cmtime -s $vm_b -p 7475 -c 5; echo rc=\$?"
+guest_wait t3a.rc 60
+guest_wait t3b.rc 60
+
+say "3b. two VMs: kernel connect-and-destroy (REJ(TIMEOUT)) to each, routed to the right VM"
+kexec a t3lsn 10 "$lab attach --socket /tmp/a.sock --json listen --port 7472 >/host/t3la.log 2>&1 & echo \$! >/tmp/t3la.pid
+$lab attach --socket /tmp/b.sock --json listen --port 7472 >/host/t3lb.log 2>&1 & echo \$! >/tmp/t3lb.pid"
+guest_grep t3la.log listening 60 && guest_grep t3lb.log listening 60
+kexec b t3w 120 "/host/bin/kcm withdraw -s $vm_a -p 7472 -c 5; echo rc=\$?; /host/bin/kcm withdraw -s $vm_b -p 7472 -c 7; echo rc=\$?"
+sleep 3
+kexec a t3stop 10 'kill $(cat /tmp/t3la.pid) $(cat /tmp/t3lb.pid); sleep 1; true'
+
+say "5. VM c, whose address is not in rxe0's GID table: refused at attach"
+kexec a t5 60 "$lab attach --socket /tmp/c.sock --json connect --dest $b_ip --port 7471 --timeout 3; echo rc=\$?"
+sleep 1
+
+kcounters b after
+kexec a stat 20 "/host/bin/pvcm-backend stat --control /tmp/h.ctl --json >/host/final.stat.json; /host/bin/pvcm-backend stat --control /tmp/h.ctl"
+cp "$share/backend.log" "$work/backend.log" 2>/dev/null
+for f in t2srv.log t2srv.rc t3a.log t3a.rc t3b.log t3b.rc t3la.log t3lb.log final.stat.json; do
+    cp "$share/$f" "$work/$f" 2>/dev/null
+done
+
+python3 - "$work" "$conns" "$figures" <<'PY' | pyresult
+import json, re, sys
+wd, conns, figures = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def read(n):
+    try:
+        return open(f"{wd}/{n}", errors="replace").read()
+    except OSError:
+        return ""
+def jsonl(n):
+    out = []
+    for l in read(n).splitlines():
+        if l.startswith("{"):
+            try:
+                out.append(json.loads(l))
+            except ValueError:
+                pass
+    return out
+res = []
+def result(t, bad, text):
+    res.append((t, bad, text))
+fig = open(figures, "a")
+
+# 0: refused where ib_cm holds the class
+o = read("b.t0.out")
+bad = []
+if "rc=1" not in o:
+    bad.append(f"exit status: {o[-200:]!r}")
+if "ib_cm" not in o or "modprobe -r" not in o:
+    bad.append(f"the error does not name ib_cm and how to unload it: {o[-400:]!r}")
+result("0", bad, "umad port refused at startup where ib_cm is loaded, saying so and what to do")
+m = re.search(r"pvcm-backend: (.*)", o)
+if m:
+    fig.write(f"test 0 error: {m.group(1)[:300]}\n")
+
+setup_ok = read("a.setup.rc").strip() == "0"
+# 1: VM -> kernel
+o = read("a.t1.out")
+bad = [] if setup_ok else ["setup failed: " + read("a.setup.out")[-300:]]
+m = re.search(r"connections (\d+) established (\d+) failed (\d+) disconnected (\d+)", o)
+if not m:
+    bad.append("no cmtime summary: " + o[-300:])
+elif tuple(map(int, m.groups())) != (conns, conns, 0, conns):
+    bad.append(m.group(0))
+if "rc=0" not in o:
+    bad.append("pvcm cmtime exit " + str(re.findall(r"rc=(\d+)", o)))
+result("1", bad, f"pvcm VM behind umad -> kernel CM: {conns} connections established and torn down")
+for l in o.splitlines():
+    if re.match(r"\s*(establish|disconnect)", l):
+        fig.write(f"pvcm VM -> kernel   {l.strip()}\n")
+
+# 2: kernel -> VM
+o = read("b.t2.out")
+srv = read("t2srv.log")
+bad = []
+if "rc=0" not in o:
+    bad.append("kernel cmtime: " + o[-300:])
+if read("t2srv.rc").strip() != "0":
+    bad.append(f"pvcm cmtime server exit {read('t2srv.rc').strip()!r}: {srv[-300:]}")
+result("2", bad, f"kernel CM -> pvcm VM behind umad: {conns} connections established and torn down")
+for l in o.splitlines():
+    if re.match(r"\s*(connect|disconnect)\s*:", l):
+        fig.write(f"kernel -> pvcm VM   {l.strip()}\n")
+
+# 3a: routing by GID
+bad = []
+o = read("b.t3.out")
+if o.count("rc=0") != 2:
+    bad.append("kernel cmtime: " + o[-300:])
+for vm, n in (("a", 3), ("b", 5)):
+    ev = jsonl(f"t3{vm}.log")
+    fin = [e for e in ev if "accepted" in e]
+    if read(f"t3{vm}.rc").strip() != "0" or not fin:
+        bad.append(f"VM {vm}: server exit {read(f't3{vm}.rc').strip()!r} {read(f't3{vm}.log')[-200:]}")
+    elif (fin[-1]["accepted"], fin[-1]["established"], fin[-1]["disconnected"]) != (n, n, n):
+        bad.append(f"VM {vm}: {fin[-1]} (want {n} each)")
+result("3a", bad, "two VMs on one umad port and one TCP port: each got exactly its own connections (3, 5)")
+
+# 3b: REJ(TIMEOUT) routing
+bad = []
+o = read("b.t3w.out")
+if o.count("rc=0") != 2:
+    bad.append("kcm withdraw: " + o[-300:])
+for vm, n, other in (("a", 5, "b"), ("b", 7, "a")):
+    ev = jsonl(f"t3l{vm}.log")
+    reqs = {e["id"] for e in ev if e.get("event") == "connect_request"}
+    gone = {e["id"] for e in ev if e.get("event") in ("withdrawn", "rejected")}
+    est = {e["id"] for e in ev if e.get("event") == "established"}
+    if len(reqs) != n or gone != reqs or est:
+        bad.append(f"VM {vm}: {len(reqs)} requests (want {n}), {len(gone & reqs)} withdrawn, {len(est)} established")
+result("3b", bad, "kernel connect-and-destroy to two VMs (5, 7): every REJ(TIMEOUT) reached the VM it was for")
+
+# 5: VM c refused
+o = read("a.t5.out")
+log = read("backend.log")
+bad = []
+if "rc=0" in o:
+    bad.append("VM c connected")
+if "attach refused" not in log or "not a RoCE v2 entry" not in log:
+    bad.append("no attach refusal in the backend log")
+result("5", bad, "a VM whose GID is not in the port's GID table is refused at attach")
+m = re.search(r"attach refused.*", log)
+if m:
+    fig.write(f"test 5 log: {m.group(0)[:300]}\n")
+
+# 4: teardown at once, 0 retries, counters
+def counters(tag):
+    c = {}
+    for l in read(f"b.counters-{tag}.out").splitlines():
+        p = l.split()
+        if len(p) == 2 and p[1].isdigit():
+            c[p[0]] = int(p[1])
+    return c
+bad = []
+b0, b1 = counters("before"), counters("after")
+if not b1:
+    bad.append("no kernel counters")
+for k, v in b1.items():
+    d = v - b0.get(k, 0)
+    if d and (k.startswith("cm_tx_retries/") or k.startswith("cm_rx_duplicates/")):
+        bad.append(f"kernel b: {k} +{d}")
+try:
+    s = json.load(open(f"{wd}/final.stat.json"))["host"]
+except (OSError, ValueError, KeyError):
+    s = None
+    bad.append("no backend stat")
+if s:
+    r = sum(s["cm"]["cm_tx_retries"].values())
+    if r:
+        bad.append(f"pvcm-backend: {r} retries")
+    drops = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+    crossed = drops.pop("unknown_connection", 0)
+    if crossed > 12:
+        drops["unknown_connection"] = crossed
+    drops.pop("not_attached", None)  # VM c (test 5)
+    if drops:
+        bad.append(f"pvcm-backend drops: {drops}")
+    fig.write("pvcm-backend (umad) cm_tx_msgs: " + json.dumps(s["cm"]["cm_tx_msgs"]) + "\n")
+    fig.write("pvcm-backend (umad) io: " + json.dumps(s["io"]) + "\n")
+    ktx = {k.split("/")[1]: b1.get(k, 0) - b0.get(k, 0) for k in b1 if k.startswith("cm_rx_msgs/")}
+    fig.write("kernel b cm_rx_msgs delta: " + json.dumps({k: v for k, v in ktx.items() if v}) + "\n")
+    # Every MAD pvcm sent reached the kernel CM (guest b is the only other CM here).
+    for m, sent in s["cm"]["cm_tx_msgs"].items():
+        if sent != ktx.get(m, 0):
+            bad.append(f"{m}: pvcm sent {sent}, the kernel CM took {ktx.get(m, 0)}")
+result("4", bad, f"teardown of {conns} connections at once (tests 1, 2), both directions: 0 retries and 0 duplicates on both sides, no drops, every pvcm MAD taken by the kernel CM")
+
+for t, b, text in sorted(res, key=lambda x: x[0]):
+    print(("FAIL  " if b else "PASS  ") + t + ": " + ("; ".join(b) if b else text))
+PY
+touch "$share/flag.stop"
+grep -q '^FAIL' "$results" && exit 1
+exit 0
