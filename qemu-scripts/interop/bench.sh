@@ -52,7 +52,7 @@ done
 idle_secs=20
 qemu_ticks() { # the CPU ticks of the QEMU process of VM NAME
     local pid
-    pid="$(pgrep -f -- "-name $1" | head -n 1)"
+    pid="$(pgrep -f -- "qemu-system-x86_64 -name $1 " | head -n 1)"
     [ -n "$pid" ] && awk '{print $14 + $15}' "/proc/$pid/stat"
 }
 idle_run() { # idle_run NAME 'CMD': prints QEMU ticks over idle_secs, once settled
@@ -67,7 +67,7 @@ idle_run() { # idle_run NAME 'CMD': prints QEMU ticks over idle_secs, once settl
     b1="$(backend_ticks)"
     echo "${a:-0} ${b:-0} $b0 $b1" >"$work/idle-$1"
     kill "$(eval "echo \$vmpid_$1")" 2>/dev/null
-    pkill -f -- "-name $1" 2>/dev/null
+    pkill -f -- "qemu-system-x86_64 -name $1 " 2>/dev/null
     vm_wait "$1" 2>/dev/null
 }
 echo "== idle: pvcm-guest listen, then the same VM without it"
