@@ -17,8 +17,10 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
     0 drops, and its live entries drain to 0.
   2 rdma_connect/destroy: A connects and destroys at once; B's half-open
     connection is rejected by the routed REJ(TIMEOUT).
-  3 multi-VM teardown: 2 hosts x 2 VMs, cmtime with PVCM_E2E_CONNS (default 150)
-    connections per client pair, torn down concurrently: 0 retries, 0 leaked entries.
+  3 seed 000 at full scale: 2 hosts x 2 VMs, cmtime with PVCM_E2E_CONNS (default
+    8192) connections per client pair (16,384 per host), set up and torn down all at
+    once on default options: 0 drops, 0 retries, every connection up and down, 0 live
+    entries after quiesce.
   4 test 1 through Debian's stock QEMU 10 and vhost-user-gpio-pci (ID 41).
   5 burst: one backend, two VMs, PVCM_E2E_BURST (default 4000) connections set up at
     once and torn down at once with cmtime, on default options: 0 drops, 0 retries,
@@ -72,7 +74,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-conns="${PVCM_E2E_CONNS:-150}"
+conns="${PVCM_E2E_CONNS:-8192}"
 burst="${PVCM_E2E_BURST:-4000}"
 net="${PVCM_E2E_NET:-127.10}" # host H's VM V is at $net.H.V (loopback)
 vm_timeout="${PVCM_E2E_VM_TIMEOUT:-150}"
@@ -519,7 +521,9 @@ for h in (h1, h2):
     req = cm["cm_tx_msgs"]["req"] + cm["cm_rx_msgs"]["req"]
     dreq = cm["cm_tx_msgs"]["dreq"] + cm["cm_rx_msgs"]["dreq"]
     print(f"   {h}: REQ {req} DREQ {dreq} retries {r} live {s['live']} quarantined {s['quarantined']}")
+    d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
     if r: bad.append(f"{h}: {r} retries")
+    if d: bad.append(f"{h}: drops {d}")
     if s["live"]: bad.append(f"{h}: {s['live']} live (leaked) entries")
     if req != 2 * conns: bad.append(f"{h}: {req} REQs, want {2 * conns}")
 if not drained: bad.append("live entries did not drain to 0 within 60 s")
