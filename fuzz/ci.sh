@@ -20,18 +20,26 @@ if [ ${#TARGETS[@]} -eq 0 ]; then
     TARGETS=(parse mux device agent)
 fi
 
+# cargo-fuzz needs nightly's -Z flags. Install nightly if it is missing; where the
+# toolchain server cannot be reached (a machine that reaches only the package
+# registries), use the stable compiler with RUSTC_BOOTSTRAP=1, which accepts them.
+tc=(+nightly)
 if ! rustup run nightly rustc --version >/dev/null 2>&1; then
     echo "fuzz/ci.sh: installing the nightly toolchain"
-    rustup toolchain install nightly --profile minimal
+    if ! rustup toolchain install nightly --profile minimal; then
+        echo "fuzz/ci.sh: no nightly toolchain; using stable with RUSTC_BOOTSTRAP=1"
+        export RUSTC_BOOTSTRAP=1
+        tc=()
+    fi
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz/ci.sh: installing cargo-fuzz"
     cargo install cargo-fuzz --locked
 fi
 
-echo "fuzz/ci.sh: $(rustup run nightly rustc --version), $(cargo fuzz --version)"
+echo "fuzz/ci.sh: $(rustc "${tc[@]}" --version), $(cargo fuzz --version)"
 for t in "${TARGETS[@]}"; do
-    cargo +nightly fuzz build "$t"
+    cargo "${tc[@]}" fuzz build "$t"
 done
 
 failed=()
@@ -43,7 +51,7 @@ for t in "${TARGETS[@]}"; do
     fi
     echo "fuzz/ci.sh: $t for ${FUZZ_SECS}s"
     log=$(mktemp)
-    if cargo +nightly fuzz run "$t" "${dirs[@]}" -- \
+    if cargo "${tc[@]}" fuzz run "$t" "${dirs[@]}" -- \
         -max_total_time="$FUZZ_SECS" -timeout=30 -rss_limit_mb=2048 -print_final_stats=1 \
         >"$log" 2>&1; then
         grep -E '^(Done|stat::number_of_executed_units)' "$log" || true
