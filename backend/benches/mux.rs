@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use common::{MadBuf, Testbed, patch_apr, patch_lap, shuffled};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use pvcm_backend::mux::Verdict;
+use pvcm_backend::mux::{GuestVerdict, WireVerdict};
 
 /// MADs per iteration.
 const BATCH: usize = 1024;
@@ -112,7 +112,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
                     &mut scratch,
                     b_gids[k.b_vm as usize],
                 );
-                assert!(v == Verdict::ToWire, "LAP: {v:?}");
+                assert!(v == GuestVerdict::ToWire, "LAP: {v:?}");
             }
             black_box(&scratch);
         })
@@ -131,7 +131,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
                     b_gids[k.b_vm as usize],
                     a_gids[k.a_vm as usize],
                 );
-                assert!(v == Verdict::ToVm(a_vms[k.a_vm as usize]), "APR: {v:?}");
+                assert!(v == WireVerdict::ToVm(a_vms[k.a_vm as usize]), "APR: {v:?}");
             }
             black_box(&scratch);
         })
@@ -139,7 +139,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
     // The batched entry points, as the daemon calls them (recvmmsg / a virtqueue's
     // available chains): same copy work, then one call per batch.
     let mut bufs: Vec<MadBuf> = vec![[0; 256]; BATCH];
-    let mut verdicts = vec![Verdict::ToWire; BATCH];
+    let mut verdicts = vec![GuestVerdict::ToWire; BATCH];
     let mut cur = Cursor::new(n);
     let vm0 = a_vms[0];
     let vm0_conns: Vec<usize> = (0..conns.len()).filter(|&i| conns[i].a_vm == 0).collect();
@@ -156,11 +156,12 @@ fn bench_n(c: &mut Criterion, n: usize) {
                 dsts[j] = b_gids[k.b_vm as usize];
             }
             mux.from_guest_batch(vm0, &mut bufs, &dsts, &mut verdicts);
-            assert!(verdicts.iter().all(|v| *v == Verdict::ToWire));
+            assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
         })
     });
     order.clear();
     let mut addrs = vec![(b_gids[0], a_gids[0]); BATCH];
+    let mut wire_verdicts = vec![WireVerdict::Reply; BATCH];
     g.bench_function("wire_to_guest_apr_batch", |b| {
         b.iter(|| {
             for (j, buf) in bufs.iter_mut().enumerate() {
@@ -169,8 +170,12 @@ fn bench_n(c: &mut Criterion, n: usize) {
                 patch_apr(buf, k, lap_tid_hi);
                 addrs[j] = (b_gids[k.b_vm as usize], a_gids[k.a_vm as usize]);
             }
-            mux.from_wire_batch(&mut bufs, &addrs, &mut verdicts);
-            assert!(verdicts.iter().all(|v| matches!(v, Verdict::ToVm(_))));
+            mux.from_wire_batch(&mut bufs, &addrs, &mut wire_verdicts);
+            assert!(
+                wire_verdicts
+                    .iter()
+                    .all(|v| matches!(v, WireVerdict::ToVm(_)))
+            );
         })
     });
     g.finish();

@@ -41,7 +41,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use crate::backlog::{HostBudget, RxBacklog};
 use crate::config::{Config, VmSpec};
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
-use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, Verdict, VmId};
+use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, VmId, WireVerdict};
 use crate::pcap::Capture;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
@@ -239,10 +239,6 @@ pub struct Shared {
 impl Shared {
     pub(crate) fn lock_core(&self) -> MutexGuard<'_, Core> {
         lock(&self.core)
-    }
-
-    pub(crate) fn port(&self, i: usize) -> Option<&Arc<VmPort>> {
-        self.ports.get(i)
     }
 
     pub(crate) fn default_quota(&self) -> u32 {
@@ -526,26 +522,22 @@ impl HostLoop {
         let out: Vec<Outgoing>;
         let mut mads: Vec<[u8; MAD_LEN]> = frames.iter().map(|f| f.mad).collect();
         let addrs: Vec<(Gid, Gid)> = frames.iter().map(|f| (f.src, dst)).collect();
-        let mut verdicts = vec![Verdict::ToWire; frames.len()];
+        let mut verdicts = vec![WireVerdict::Reply; frames.len()];
         {
             let mut core = self.shared.lock_core();
             // One call for the batch: the mux prefetches every entry it names first.
             core.mux.from_wire_batch(&mut mads, &addrs, &mut verdicts);
             for ((f, mad), verdict) in frames.iter().zip(&mads).zip(&verdicts) {
                 match *verdict {
-                    Verdict::ToVm(vm) => {
+                    WireVerdict::ToVm(vm) => {
                         if let Some(&p) = core.by_vm.get(&vm) {
                             deliveries.push((p, RxMsg::from_wire(f, mad)));
                         }
                     }
                     // To the sender's GID (the soft port: its RoCEv2 port; its UDP source
                     // port is entropy, as Linux rxe hashes the flow label into it).
-                    Verdict::Reply => replies.push((f.src, *mad)),
-                    Verdict::ToWire => {
-                        // The mux never forwards wire to wire; count it as a bad state.
-                        tracing::debug!("mux returned ToWire for a wire MAD");
-                    }
-                    Verdict::Drop(r) => {
+                    WireVerdict::Reply => replies.push((f.src, *mad)),
+                    WireVerdict::Drop(r) => {
                         tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
                     }
                 }

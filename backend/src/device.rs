@@ -37,7 +37,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::daemon::{RxMsg, Shared, VmPort};
-use crate::mux::{DropReason, Verdict};
+use crate::mux::{DropReason, GuestVerdict};
 use crate::stats::{DevDrop, Io};
 
 /// Queues: tx and rx.
@@ -331,30 +331,24 @@ impl PvcmDevice {
             }
         }
         let Some(vm) = vm else {
-            self.finish_tx(Vec::new(), own_rx, Vec::new(), Vec::new());
+            self.finish_tx(Vec::new(), own_rx, Vec::new());
             return;
         };
         let mut to_wire = Vec::new();
-        let mut to_others = Vec::new();
         let outbox;
         {
             let mut bufs: Vec<[u8; MAD_LEN]> = mads.iter().map(|(_, _, m)| *m).collect();
             let dsts: Vec<Gid> = mads.iter().map(|(h, _, _)| h.remote_gid).collect();
-            let mut verdicts = vec![Verdict::ToWire; mads.len()];
+            let mut verdicts = vec![GuestVerdict::ToWire; mads.len()];
             let mut core = self.shared.lock_core();
             // One call for the round: the mux prefetches the entries first.
             core.mux
                 .from_guest_batch(vm, &mut bufs, &dsts, &mut verdicts);
             for (((h, orig, _), mad), verdict) in mads.iter().zip(bufs).zip(verdicts) {
                 match verdict {
-                    Verdict::ToWire => to_wire.push((h.remote_gid, mad)),
-                    Verdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &mad)),
-                    Verdict::ToVm(other) => {
-                        if let Some(&p) = core.by_vm.get(&other) {
-                            to_others.push((p, RxMsg::mad(port.spec.vm.gid, &mad)));
-                        }
-                    }
-                    Verdict::Drop(r) => {
+                    GuestVerdict::ToWire => to_wire.push((h.remote_gid, mad)),
+                    GuestVerdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &mad)),
+                    GuestVerdict::Drop(r) => {
                         tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
                         own_rx.push(RxMsg::send_error(h, send_status(r), orig));
                     }
@@ -363,14 +357,13 @@ impl PvcmDevice {
             outbox = core.mux.drain_outbox().collect::<Vec<_>>();
             self.shared.note_deadline(core.mux.next_deadline());
         }
-        self.finish_tx(to_wire, own_rx, to_others, outbox);
+        self.finish_tx(to_wire, own_rx, outbox);
     }
 
     fn finish_tx(
         &self,
         to_wire: Vec<(Gid, [u8; MAD_LEN])>,
         own_rx: Vec<RxMsg>,
-        to_others: Vec<(usize, RxMsg)>,
         outbox: Vec<crate::mux::Outgoing>,
     ) {
         let errors = own_rx
@@ -383,13 +376,6 @@ impl PvcmDevice {
         }
         for m in own_rx {
             self.port.push_rx(m);
-        }
-        for (p, m) in to_others {
-            if let Some(other) = self.shared.port(p) {
-                if other.push_rx(m) {
-                    other.wake_rx();
-                }
-            }
         }
         if !outbox.is_empty() {
             self.shared.send_outgoing(outbox);

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pvcm_backend::mux::{DropReason, Group, Policy, State, Verdict, VmConfig};
+use pvcm_backend::mux::{DropReason, Group, GuestVerdict, Policy, State, VmConfig, WireVerdict};
 use pvcm_wire::cm::{self, MsgResponse, RejReason, field as f};
 use pvcm_wire::mad::{AttributeId, Header, Method};
 
@@ -38,7 +38,7 @@ fn handshake_rewrites_ids_and_tids_and_restores_them() {
     let before_28 = m[28..32].to_vec();
     assert_eq!(
         n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     let w = view(&m);
     let pv = w.local_comm_id().unwrap();
@@ -102,13 +102,13 @@ fn same_comm_id_in_two_vms_gets_two_host_unique_ids() {
     // DREQ from b1 must reach a1 only, with a1's own comm ID.
     let mut m = dreq(1, 5, c1.a_pv, c1.a_qpn);
     let v = n.b_to_a(1, 1, &mut m);
-    assert_eq!(v.1, Some(Verdict::ToVm(n.a.id(1))));
+    assert_eq!(v.1, Some(WireVerdict::ToVm(n.a.id(1))));
     assert_eq!(view(&m).remote_comm_id(), Some(5));
     // A MAD naming c1's ID but addressed to a0's GID is not delivered to anyone.
     let mut m = ids(AttributeId::Rtu, 1, 5, c1.a_pv);
     assert_eq!(
         n.a.mux.from_wire(&mut m, n.b.gid(1), n.a.gid(0)),
-        Verdict::Drop(DropReason::WrongDestination)
+        WireVerdict::Drop(DropReason::WrongDestination)
     );
 }
 
@@ -119,7 +119,7 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     let got = n.send_req(0, 0, 11, 0, &LINUX);
     let a_pv = view(&got).local_comm_id().unwrap();
     let mut m = mra(view(&got).tid(), 21, a_pv, MsgResponse::Req, 24);
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let v = view(&m);
     assert_ne!(v.local_comm_id(), Some(21), "MRA's local comm ID rewritten");
     assert_eq!(v.remote_comm_id(), Some(11));
@@ -127,7 +127,7 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     let b_pv = v.local_comm_id().unwrap();
     // Plain REJ from the passive VM (mlx4 let these out unrewritten).
     let mut m = rej(view(&got).tid(), 21, a_pv, RejReason::ConsumerDefined, &[]);
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     assert_eq!(view(&m).local_comm_id(), Some(b_pv), "same ID as its MRA");
     assert_eq!(view(&m).remote_comm_id(), Some(11));
     assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::Quarantined);
@@ -136,10 +136,10 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     // LAP from A, APR from B.
     let c = n.connect(0, 0, 12, 22, 1);
     let mut m = ids(AttributeId::Lap, 0x1A9, 12, c.b_pv);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_ne!(view(&m).tid(), 0x1A9);
     let mut r = ids(AttributeId::Apr, view(&m).tid(), 22, c.a_pv);
-    assert_eq!(n.b_to_a(0, 0, &mut r).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut r).1, Some(WireVerdict::ToVm(n.a.id(0))));
     assert_eq!(view(&r).tid(), 0x1A9, "APR gets the LAP's TID back");
     assert_eq!(view(&r).remote_comm_id(), Some(12));
 
@@ -147,22 +147,28 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     let mut m = ids(AttributeId::SidrReq, 0x51D, 0, 0);
     f::SIDR_REQUEST_ID.set(&mut m, 77);
     let (src, dst) = (n.a.gid(0), n.b.gid(1));
-    assert_eq!(n.a.mux.from_guest(n.a.id(0), &mut m, dst), Verdict::ToWire);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, dst),
+        GuestVerdict::ToWire
+    );
     let rid = view(&m).sidr_request_id().unwrap();
     assert_ne!(rid, 77);
     assert_ne!(view(&m).tid(), 0x51D);
     // SIDR_REQ carries no GID: routed by the frame's destination.
     assert_eq!(
         n.b.mux.from_wire(&mut m, src, dst),
-        Verdict::ToVm(n.b.id(1))
+        WireVerdict::ToVm(n.b.id(1))
     );
     let mut r = ids(AttributeId::SidrRep, view(&m).tid(), 0, 0);
     f::SIDR_REQUEST_ID.set(&mut r, rid.into());
     f::SIDR_REP_QPN.set(&mut r, n.b.qpn(1, 3).into());
-    assert_eq!(n.b.mux.from_guest(n.b.id(1), &mut r, src), Verdict::ToWire);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(1), &mut r, src),
+        GuestVerdict::ToWire
+    );
     assert_eq!(
         n.a.mux.from_wire(&mut r, dst, src),
-        Verdict::ToVm(n.a.id(0))
+        WireVerdict::ToVm(n.a.id(0))
     );
     assert_eq!(view(&r).sidr_request_id(), Some(77));
     assert_eq!(view(&r).tid(), 0x51D);
@@ -172,7 +178,7 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     f::SIDR_REP_QPN.set(&mut r, n.b.qpn(1, 3).into());
     assert_eq!(
         n.b.mux.from_guest(n.b.id(1), &mut r, src),
-        Verdict::Drop(DropReason::UnknownConnection)
+        GuestVerdict::Drop(DropReason::UnknownConnection)
     );
 
     // ClassPortInfo Get/GetResp.
@@ -180,18 +186,24 @@ fn mra_rej_lap_apr_sidr_and_class_port_info_are_rewritten() {
     let mut h = Header::cm_send(AttributeId::ClassPortInfo, 0xC91);
     h.method = Method::Get;
     h.emit(&mut pvcm_wire::mad::Packet::new_unchecked(&mut g[..]));
-    assert_eq!(n.a.mux.from_guest(n.a.id(0), &mut g, dst), Verdict::ToWire);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut g, dst),
+        GuestVerdict::ToWire
+    );
     let host_tid = view(&g).tid();
     assert_ne!(host_tid, 0xC91);
     assert_eq!(
         n.b.mux.from_wire(&mut g, src, dst),
-        Verdict::ToVm(n.b.id(1))
+        WireVerdict::ToVm(n.b.id(1))
     );
     g[3] = Method::GetResp as u8;
-    assert_eq!(n.b.mux.from_guest(n.b.id(1), &mut g, src), Verdict::ToWire);
+    assert_eq!(
+        n.b.mux.from_guest(n.b.id(1), &mut g, src),
+        GuestVerdict::ToWire
+    );
     assert_eq!(
         n.a.mux.from_wire(&mut g, dst, src),
-        Verdict::ToVm(n.a.id(0))
+        WireVerdict::ToVm(n.a.id(0))
     );
     assert_eq!(view(&g).tid(), 0xC91);
 }
@@ -202,20 +214,20 @@ fn slow_guest_dreq(policy: Policy) -> (bool, u32) {
     let mut n = net2(policy);
     let c = n.connect(0, 0, 1, 2, 0);
     let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     let mut lost = 0;
     // The peer's CM retries every ~5.4 s (response timeout 20 + ACK timeout 18).
     for _ in 0..2 {
         n.advance(Duration::from_millis(5_400));
         let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
-        if n.a_to_b(0, 0, &mut m).1 != Some(Verdict::ToVm(n.b.id(0))) {
+        if n.a_to_b(0, 0, &mut m).1 != Some(WireVerdict::ToVm(n.b.id(0))) {
             lost += 1;
         }
     }
     n.advance(Duration::from_millis(200));
     // The slow guest finally answers, ~11 s after the first DREQ.
     let mut r = ids(AttributeId::Drep, 0xD, 2, c.a_pv);
-    let ok = n.b_to_a(0, 0, &mut r).1 == Some(Verdict::ToVm(n.a.id(0)));
+    let ok = n.b_to_a(0, 0, &mut r).1 == Some(WireVerdict::ToVm(n.a.id(0)));
     (ok, lost)
 }
 
@@ -238,7 +250,7 @@ fn dreq_window_is_bounded_by_the_peer_retries() {
     };
     let c = n.connect_with(0, 0, 1, 2, 0, &p);
     let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     // 4 attempts of (268 ms + 67 ms) + 1 s grace = ~2.34 s.
     n.advance(Duration::from_millis(2_300));
     assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::DreqRcvd);
@@ -253,7 +265,7 @@ fn dreq_window_is_bounded_by_the_peer_retries() {
 /// Seed 002 with two remote hosts whose CMs use the same comm ID: each sends a REQ to
 /// a different VM behind host B, then gives up with REJ(TIMEOUT). Returns where each
 /// REJ went.
-fn rej_timeout_collision(policy: Policy) -> [Verdict; 2] {
+fn rej_timeout_collision(policy: Policy) -> [WireVerdict; 2] {
     let mut n = net2(policy);
     let r = [
         VmConfig::new("r1", gid(9, 1)),
@@ -263,10 +275,10 @@ fn rej_timeout_collision(policy: Policy) -> [Verdict; 2] {
         let mut m = req(rc, 0x1234, 0x77, n.b.gid(i), 0x10000, &LINUX);
         assert_eq!(
             n.b.mux.from_wire(&mut m, rc.gid, n.b.gid(i)),
-            Verdict::ToVm(n.b.id(i))
+            WireVerdict::ToVm(n.b.id(i))
         );
     }
-    let mut out = [Verdict::ToWire; 2];
+    let mut out = [WireVerdict::Reply; 2];
     for (i, rc) in r.iter().enumerate() {
         let mut m = rej(
             0x77,
@@ -283,15 +295,18 @@ fn rej_timeout_collision(policy: Policy) -> [Verdict; 2] {
 #[test]
 fn rej_timeout_is_routed_by_ca_guid_and_comm_id() {
     let mut n = net2(Policy::Default);
-    let want = [Verdict::ToVm(n.b.id(0)), Verdict::ToVm(n.b.id(1))];
+    let want = [WireVerdict::ToVm(n.b.id(0)), WireVerdict::ToVm(n.b.id(1))];
     assert_eq!(rej_timeout_collision(Policy::Default), want);
     // mlx4 since 2020 keys by comm ID alone: the second REQ overwrote the first.
     let legacy = rej_timeout_collision(Policy::Mlx4Post2020);
-    assert_eq!(legacy, [Verdict::ToVm(n.b.id(1)), Verdict::ToVm(n.b.id(1))]);
+    assert_eq!(
+        legacy,
+        [WireVerdict::ToVm(n.b.id(1)), WireVerdict::ToVm(n.b.id(1))]
+    );
     // mlx4 before 2020 does not route them at all.
     assert_eq!(
         rej_timeout_collision(Policy::Mlx4Pre2020),
-        [Verdict::Drop(DropReason::NoRoute); 2]
+        [WireVerdict::Drop(DropReason::NoRoute); 2]
     );
     // Another host naming r1's CA GUID cannot withdraw r1's request, nor can r1 send
     // its REJ(TIMEOUT) to another VM's address.
@@ -300,35 +315,35 @@ fn rej_timeout_is_routed_by_ca_guid_and_comm_id() {
     let mut m = req(&r1, 0x55, 1, n2.b.gid(0), 0x10000, &LINUX);
     assert_eq!(
         n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(0)),
-        Verdict::ToVm(n2.b.id(0))
+        WireVerdict::ToVm(n2.b.id(0))
     );
     let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
     assert_eq!(
         n2.b.mux.from_wire(&mut m, gid(9, 2), n2.b.gid(0)),
-        Verdict::Drop(DropReason::WrongSource)
+        WireVerdict::Drop(DropReason::WrongSource)
     );
     let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
     assert_eq!(
         n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(1)),
-        Verdict::Drop(DropReason::WrongDestination)
+        WireVerdict::Drop(DropReason::WrongDestination)
     );
     let mut m = rej(1, 0x55, 0, RejReason::Timeout, &r1.ca_guid.to_be_bytes());
     assert_eq!(
         n2.b.mux.from_wire(&mut m, r1.gid, n2.b.gid(0)),
-        Verdict::ToVm(n2.b.id(0))
+        WireVerdict::ToVm(n2.b.id(0))
     );
     // And the passive entries are gone once rejected.
     let r = VmConfig::new("r", gid(9, 1));
     let mut m = req(&r, 5, 1, n.b.gid(0), 0x10000, &LINUX);
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-        Verdict::ToVm(n.b.id(0))
+        WireVerdict::ToVm(n.b.id(0))
     );
     assert_eq!(n.b.mux.live_entries(), 1);
     let mut m = rej(1, 5, 0, RejReason::Timeout, &r.ca_guid.to_be_bytes());
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-        Verdict::ToVm(n.b.id(0))
+        WireVerdict::ToVm(n.b.id(0))
     );
     assert_eq!(n.b.mux.live_entries(), 0);
 }
@@ -341,7 +356,7 @@ fn connect_then_destroy_end_to_end() {
     let got = n.send_req(0, 0, 3, 0, &LINUX);
     let ari = n.a.cfg(0).ca_guid.to_be_bytes();
     let mut m = rej(0xAAAA_0000_0000_0003, 3, 0, RejReason::Timeout, &ari);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(view(&m).local_comm_id(), view(&got).local_comm_id());
     assert_eq!(n.live(), (0, 0));
     // A spoofed ARI (another CA's GUID) is refused at the source.
@@ -349,7 +364,7 @@ fn connect_then_destroy_end_to_end() {
     let mut m = rej(1, 4, 0, RejReason::Timeout, &0xBAD_u64.to_be_bytes());
     assert_eq!(
         n.a_to_b(0, 0, &mut m).0,
-        Verdict::Drop(DropReason::SpoofedCaGuid)
+        GuestVerdict::Drop(DropReason::SpoofedCaGuid)
     );
 }
 
@@ -363,17 +378,17 @@ fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
         let got = n.send_req(0, 1, 2, 1, &LINUX);
         let a_pv = view(&got).local_comm_id().unwrap();
         let mut m = rep(n.b.cfg(1), view(&got).tid(), 8, a_pv, n.b.qpn(1, 1));
-        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
         let b_pv = view(&m).local_comm_id().unwrap();
         let mut m = ids(AttributeId::Rtu, 1, 2, b_pv);
         assert_eq!(
             n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(1)),
-            Verdict::ToWire
+            GuestVerdict::ToWire
         );
         // (dropped by the wire)
         // 3. Duplicate REP: delivered, counted, no second entry.
         let mut m = rep(n.b.cfg(1), view(&got).tid(), 8, a_pv, n.b.qpn(1, 1));
-        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
         let a = n.a.mux.vm_stats(n.a.id(0)).counters;
         assert_eq!(a.get(Group::RxDuplicates, AttributeId::Rep), 1);
         assert_eq!(a.get(Group::TxRetries, AttributeId::Rep), 0);
@@ -389,15 +404,15 @@ fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
             let mut m = dreq(2, 2, b_pv, n.b.qpn(1, 1));
             assert_eq!(
                 n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(1)),
-                Verdict::ToWire
+                GuestVerdict::ToWire
             );
             assert_eq!(
                 n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(1)),
-                Verdict::Reply
+                WireVerdict::Reply
             );
             assert_eq!(
                 n.a.mux.from_wire(&mut m, n.b.gid(1), n.a.gid(0)),
-                Verdict::ToVm(n.a.id(0))
+                WireVerdict::ToVm(n.a.id(0))
             );
             assert_eq!(view(&m).attr(), AttributeId::Drep);
             assert_eq!(view(&m).remote_comm_id(), Some(2));
@@ -430,7 +445,7 @@ fn mra_extends_the_wait() {
         if with_mra {
             // Service timeout 22: ~17 s.
             let mut m = mra(view(&got).tid(), 5, a_pv, MsgResponse::Req, 22);
-            assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+            assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
         }
         n.advance(S(10));
         let alive = n.a.mux.lookup(a_pv).map(|x| x.0) == Some(State::ReqSent);
@@ -440,7 +455,7 @@ fn mra_extends_the_wait() {
 
 /// Seed 001 for the proxy: the peer's DREQ retry after our DREP (which it lost) must
 /// still reach the VM so that it re-sends the DREP.
-fn dreq_retry_after_drep(policy: Policy) -> Verdict {
+fn dreq_retry_after_drep(policy: Policy) -> WireVerdict {
     let mut n = net2(policy);
     let c = n.connect(0, 0, 1, 2, 0);
     n.disconnect_from_a(&c);
@@ -454,12 +469,12 @@ fn late_dreq_in_timewait_reaches_the_vm() {
     let n = net2(Policy::Default);
     assert_eq!(
         dreq_retry_after_drep(Policy::Default),
-        Verdict::ToVm(n.b.id(0))
+        WireVerdict::ToVm(n.b.id(0))
     );
     // mlx4 before 2020 deleted the entry on DREP: the retry is lost.
     assert_eq!(
         dreq_retry_after_drep(Policy::Mlx4Pre2020),
-        Verdict::Drop(DropReason::NoRoute)
+        WireVerdict::Drop(DropReason::NoRoute)
     );
 }
 
@@ -481,13 +496,13 @@ fn late_mad_for_a_quarantined_id_is_dropped_never_rerouted() {
     let mut m = ids(AttributeId::Rtu, 1, 1, c.b_pv);
     assert_eq!(
         n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
-        Verdict::Drop(DropReason::Quarantined)
+        WireVerdict::Drop(DropReason::Quarantined)
     );
     // A late DREQ is answered statelessly (as Linux does for unknown connections), not routed.
     let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
     assert_eq!(
         n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
-        Verdict::Reply
+        WireVerdict::Reply
     );
     let r = view(&m);
     assert_eq!(r.attr(), AttributeId::Drep);
@@ -510,7 +525,7 @@ fn detach_with_live_connections(policy: Policy) -> (usize, (u64, u64)) {
     let half_pv = view(&half).local_comm_id().unwrap();
     // B's VM is active towards A's VM, still waiting for the REP.
     let mut m = req(n.b.cfg(0), 9, 0x99, n.a.gid(0), n.b.qpn(0, 5), &LINUX);
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let b_active_pv = view(&m).local_comm_id().unwrap();
 
     n.b.mux.detach_vm(n.b.id(0));
@@ -518,7 +533,7 @@ fn detach_with_live_connections(policy: Policy) -> (usize, (u64, u64)) {
     for o in &out {
         let mut mad = o.mad;
         let v = n.a.mux.from_wire(&mut mad, o.src, o.dst);
-        assert_eq!(v, Verdict::ToVm(n.a.id(0)), "{:?}", view(&mad).attr());
+        assert_eq!(v, WireVerdict::ToVm(n.a.id(0)), "{:?}", view(&mad).attr());
         let got = view(&mad);
         match got.attr() {
             AttributeId::Dreq => {
@@ -528,11 +543,11 @@ fn detach_with_live_connections(policy: Policy) -> (usize, (u64, u64)) {
                 let mut r = ids(AttributeId::Drep, got.tid(), est.a_sl, est.b_pv);
                 assert_eq!(
                     n.a.mux.from_guest(n.a.id(0), &mut r, o.src),
-                    Verdict::ToWire
+                    GuestVerdict::ToWire
                 );
                 assert_eq!(
                     n.b.mux.from_wire(&mut r, o.dst, o.src),
-                    Verdict::Drop(DropReason::Absorbed)
+                    WireVerdict::Drop(DropReason::Absorbed)
                 );
             }
             AttributeId::Rej => {
@@ -562,7 +577,7 @@ fn detached_vm_connections_are_closed_on_its_behalf() {
 }
 
 /// A VM lying about its GID, QPN or CA GUID. Returns the verdicts.
-fn spoof(policy: Policy) -> Vec<Verdict> {
+fn spoof(policy: Policy) -> Vec<GuestVerdict> {
     let mut n = net2(policy);
     let dst = n.b.gid(0);
     let me = n.a.cfg(0).clone();
@@ -588,15 +603,15 @@ fn spoofed_gid_qpn_and_guid_are_dropped() {
     assert_eq!(
         spoof(Policy::Default),
         vec![
-            Verdict::Drop(SpoofedGid),
-            Verdict::Drop(SpoofedQpn),
-            Verdict::Drop(SpoofedCaGuid)
+            GuestVerdict::Drop(SpoofedGid),
+            GuestVerdict::Drop(SpoofedQpn),
+            GuestVerdict::Drop(SpoofedCaGuid)
         ]
     );
-    assert_eq!(spoof(Policy::Mlx4Post2020), vec![Verdict::ToWire; 3]);
+    assert_eq!(spoof(Policy::Mlx4Post2020), vec![GuestVerdict::ToWire; 3]);
 }
 
-fn quota(policy: Policy) -> (Vec<Verdict>, Vec<u8>) {
+fn quota(policy: Policy) -> (Vec<GuestVerdict>, Vec<u8>) {
     let mut n = Net::new(policy);
     let mut cfg = VmConfig::new("small", gid(1, 1));
     cfg.quota = Some(4);
@@ -622,15 +637,15 @@ fn quota(policy: Policy) -> (Vec<Verdict>, Vec<u8>) {
 #[test]
 fn quota_rejects_with_no_resources() {
     let (v, last) = quota(Policy::Default);
-    assert_eq!(&v[..4], &[Verdict::ToWire; 4]);
-    assert_eq!(v[4], Verdict::Reply);
+    assert_eq!(&v[..4], &[GuestVerdict::ToWire; 4]);
+    assert_eq!(v[4], GuestVerdict::Reply);
     let r = pvcm_wire::cm::CmMad::new_checked(&last[..]).unwrap();
     assert_eq!(r.attr(), AttributeId::Rej);
     assert_eq!(r.rej_reason(), Some(RejReason::NoResources.code()));
     assert_eq!(r.remote_comm_id(), Some(104), "names the VM's own comm ID");
     assert_eq!(r.tid(), 0xF04, "answers the VM's own TID");
     let (v, _) = quota(Policy::Mlx4Pre2020);
-    assert_eq!(v, vec![Verdict::ToWire; 5]);
+    assert_eq!(v, vec![GuestVerdict::ToWire; 5]);
 }
 
 #[test]
@@ -640,28 +655,28 @@ fn unknown_destinations_and_garbage_are_counted_drops() {
     let mut m = req(&r, 5, 1, gid(2, 99), 0x10000, &LINUX);
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, gid(2, 99)),
-        Verdict::Drop(DropReason::UnknownGid)
+        WireVerdict::Drop(DropReason::UnknownGid)
     );
     let mut m = ids(AttributeId::Rtu, 1, 5, 0xDEAD_BEEF);
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-        Verdict::Drop(DropReason::NoRoute)
+        WireVerdict::Drop(DropReason::NoRoute)
     );
     let mut m = [0u8; 256];
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-        Verdict::Drop(DropReason::Malformed)
+        WireVerdict::Drop(DropReason::Malformed)
     );
     let mut short = [1u8; 100];
     assert_eq!(
         n.b.mux.from_guest(n.b.id(0), &mut short, r.gid),
-        Verdict::Drop(DropReason::Malformed)
+        GuestVerdict::Drop(DropReason::Malformed)
     );
     // A VM naming a connection it does not have.
     let mut m = ids(AttributeId::Dreq, 1, 999, 5);
     assert_eq!(
         n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
-        Verdict::Drop(DropReason::UnknownConnection)
+        GuestVerdict::Drop(DropReason::UnknownConnection)
     );
     let d = n.b.mux.host_stats().drops;
     assert_eq!(d.get(DropReason::UnknownGid), 1);
@@ -684,7 +699,7 @@ fn duplicate_req_refreshes_and_is_counted() {
         n.a.qpn(0, 0),
         &LINUX,
     );
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(
         view(&m).local_comm_id(),
         view(&got).local_comm_id(),
@@ -723,28 +738,28 @@ fn req_retry_after_the_rep_is_the_same_connection() {
     let a_pv = view(&first).local_comm_id().unwrap();
     // 1. The REP is delayed: the VM's REQ timer fires.
     let mut m = retry(&n);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(m, first, "a retry in ReqSent is the same REQ on the wire");
     // 2. The REP reaches the VM; its retry was already queued behind.
     let mut m = rep(n.b.cfg(0), view(&first).tid(), 2, a_pv, n.b.qpn(0, 0));
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let b_pv = view(&m).local_comm_id().unwrap();
     assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::RepRcvd);
     let mut m = retry(&n);
     assert_eq!(
         n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     assert_eq!(m, first, "a retry in RepRcvd is the same REQ on the wire");
     // B sees a duplicate of the REQ it answered, not a second connection.
     assert_eq!(
         n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
-        Verdict::ToVm(n.b.id(0))
+        WireVerdict::ToVm(n.b.id(0))
     );
     assert_eq!(n.live(), (1, 1), "no new entry on either host");
     // 3. The delayed RTU establishes both sides.
     let mut m = ids(AttributeId::Rtu, vm_tid, 1, b_pv);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(n.a.mux.lookup(a_pv).unwrap().0, State::Established);
     assert_eq!(n.b.mux.lookup(b_pv).unwrap().0, State::Established);
     let (a, b) = (n.a.mux.vm_stats(n.a.id(0)), n.b.mux.vm_stats(n.b.id(0)));
@@ -758,7 +773,7 @@ fn req_retry_after_the_rep_is_the_same_connection() {
     let first = n.send_req(0, 0, 5, 1, &LINUX);
     let a_pv = view(&first).local_comm_id().unwrap();
     let mut m = rej(view(&first).tid(), 6, a_pv, RejReason::ConsumerDefined, &[]);
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let mut m = req(
         n.a.cfg(0),
         5,
@@ -769,7 +784,7 @@ fn req_retry_after_the_rep_is_the_same_connection() {
     );
     assert_eq!(
         n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
-        Verdict::Drop(DropReason::BadState)
+        GuestVerdict::Drop(DropReason::BadState)
     );
     assert_eq!(n.live(), (1, 1), "only the established connection");
     assert_eq!(n.a.mux.pv_cm_id_of(n.a.id(0), 5), None);
@@ -782,7 +797,7 @@ fn req_retry_after_the_rep_is_the_same_connection() {
         n.a.qpn(0, 1),
         &LINUX,
     );
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_ne!(view(&m).local_comm_id(), Some(a_pv));
     assert_eq!(n.live(), (2, 2));
     n.quiesce();
@@ -801,36 +816,36 @@ fn active_vm_answers_carry_the_host_req_tid() {
     let (a_pv, host_tid) = (view(&got).local_comm_id().unwrap(), view(&got).tid());
     assert_ne!(host_tid as u32, 3);
     let mut m = rep(n.b.cfg(0), host_tid, 4, a_pv, n.b.qpn(0, 0));
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     assert_eq!(view(&m).tid(), vm_tid);
     let b_pv = view(&m).local_comm_id().unwrap();
     // MRA(REP), then RTU.
     let mut m = mra(vm_tid, 3, b_pv, MsgResponse::Rep, 20);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(view(&m).tid(), host_tid, "MRA(REP)");
     let mut m = ids(AttributeId::Rtu, vm_tid, 3, b_pv);
     assert_eq!(
         n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     assert_eq!(view(&m).tid(), host_tid, "RTU");
     // A re-sent RTU with another TID (a CM echoing the duplicate REP's) is left alone.
     let mut m = ids(AttributeId::Rtu, 0x1234, 3, b_pv);
     assert_eq!(
         n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     assert_eq!(view(&m).tid(), 0x1234);
     // REJ(TIMEOUT) (connect then destroy) and REJ of a REP.
     let got = n.send_req(0, 0, 7, 1, &LINUX);
     let ari = n.a.cfg(0).ca_guid.to_be_bytes();
     let mut m = rej(0xAAAA_0000_0000_0007, 7, 0, RejReason::Timeout, &ari);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(view(&m).tid(), view(&got).tid(), "REJ(TIMEOUT)");
     let got = n.send_req(0, 0, 8, 2, &LINUX);
     let a_pv = view(&got).local_comm_id().unwrap();
     let mut m = rep(n.b.cfg(0), view(&got).tid(), 9, a_pv, n.b.qpn(0, 2));
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let b_pv = view(&m).local_comm_id().unwrap();
     let mut m = rej(
         0xAAAA_0000_0000_0008,
@@ -839,7 +854,7 @@ fn active_vm_answers_carry_the_host_req_tid() {
         RejReason::ConsumerDefined,
         &[],
     );
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     assert_eq!(view(&m).tid(), view(&got).tid(), "REJ(REP)");
     // The passive VM's answers echo the peer's TID: unchanged (restored on A's side).
     let got = n.send_req(0, 0, 10, 3, &LINUX);
@@ -847,7 +862,7 @@ fn active_vm_answers_carry_the_host_req_tid() {
     let mut m = rej(view(&got).tid(), 11, a_pv, RejReason::ConsumerDefined, &[]);
     assert_eq!(
         n.b.mux.from_guest(n.b.id(0), &mut m, n.a.gid(0)),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     assert_eq!(view(&m).tid(), view(&got).tid());
 }
@@ -875,7 +890,7 @@ fn stateless_rej_from_the_vm_retires_the_req_entry() {
         );
         assert_eq!(
             n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-            Verdict::ToVm(n.b.id(0)),
+            WireVerdict::ToVm(n.b.id(0)),
             "REQ {comm}: the earlier rejects freed the quota"
         );
         assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 1);
@@ -888,7 +903,7 @@ fn stateless_rej_from_the_vm_retires_the_req_entry() {
         );
         assert_eq!(
             n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
-            Verdict::ToWire
+            GuestVerdict::ToWire
         );
         assert_eq!(view(&m).remote_comm_id(), Some(comm), "passes unchanged");
         assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 0);
@@ -900,19 +915,19 @@ fn stateless_rej_from_the_vm_retires_the_req_entry() {
     let mut m = req(&r, 9, 0x79, n.b.gid(0), 0x10000, &LINUX);
     assert_eq!(
         n.b.mux.from_wire(&mut m, r.gid, n.b.gid(0)),
-        Verdict::ToVm(n.b.id(0))
+        WireVerdict::ToVm(n.b.id(0))
     );
     let mut m = rej(0x79, 0, 9, RejReason::NoResources, &[]);
     assert_eq!(
         n.b.mux.from_guest(n.b.id(1), &mut m, r.gid),
-        Verdict::Drop(DropReason::UnknownConnection)
+        GuestVerdict::Drop(DropReason::UnknownConnection)
     );
     assert_eq!(n.b.mux.vm_stats(n.b.id(0)).live, 1);
     // b0 can still answer it (here with a stateful REJ: into quarantine).
     let mut m = rej(0x79, 0x42, 9, RejReason::ConsumerDefined, &[]);
     assert_eq!(
         n.b.mux.from_guest(n.b.id(0), &mut m, r.gid),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
     assert_eq!(n.b.mux.live_entries(), 0);
     assert_eq!(n.b.mux.quarantined_entries(), 1);
@@ -920,7 +935,7 @@ fn stateless_rej_from_the_vm_retires_the_req_entry() {
     let mut m = rej(1, 0, 0x999, RejReason::InvalidServiceId, &[]);
     assert_eq!(
         n.b.mux.from_guest(n.b.id(1), &mut m, r.gid),
-        Verdict::ToWire
+        GuestVerdict::ToWire
     );
 }
 
@@ -941,9 +956,15 @@ fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {
                 // Passive side disconnects.
                 let c = n.connect(av, bv, a_sl, b_sl, i % 1000);
                 let mut m = dreq(7, c.b_sl, c.a_pv, c.a_qpn);
-                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+                assert_eq!(
+                    n.b_to_a(bv, av, &mut m).1,
+                    Some(WireVerdict::ToVm(n.a.id(av)))
+                );
                 let mut r = ids(AttributeId::Drep, view(&m).tid(), c.a_sl, c.b_pv);
-                assert_eq!(n.a_to_b(av, bv, &mut r).1, Some(Verdict::ToVm(n.b.id(bv))));
+                assert_eq!(
+                    n.a_to_b(av, bv, &mut r).1,
+                    Some(WireVerdict::ToVm(n.b.id(bv)))
+                );
             }
             4 => {
                 // Passive VM rejects.
@@ -956,7 +977,10 @@ fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {
                     RejReason::ConsumerDefined,
                     &[],
                 );
-                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+                assert_eq!(
+                    n.b_to_a(bv, av, &mut m).1,
+                    Some(WireVerdict::ToVm(n.a.id(av)))
+                );
             }
             5 => {
                 // rdma_connect() then rdma_destroy_id(): REJ(TIMEOUT).
@@ -964,14 +988,17 @@ fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {
                 let ari = n.a.cfg(av).ca_guid.to_be_bytes();
                 let mut m = rej(1, a_sl, 0, RejReason::Timeout, &ari);
                 let v = n.a_to_b(av, bv, &mut m);
-                assert_eq!(v.1, Some(Verdict::ToVm(n.b.id(bv))), "cycle {i}: {v:?}");
+                assert_eq!(v.1, Some(WireVerdict::ToVm(n.b.id(bv))), "cycle {i}: {v:?}");
             }
             6 => {
                 // Abandoned half way: the REQ is answered, then nobody speaks again.
                 let got = n.send_req(av, bv, a_sl, i % 1000, &LINUX);
                 let a_pv = view(&got).local_comm_id().unwrap();
                 let mut m = rep(n.b.cfg(bv), view(&got).tid(), b_sl, a_pv, n.b.qpn(bv, 1));
-                assert_eq!(n.b_to_a(bv, av, &mut m).1, Some(Verdict::ToVm(n.a.id(av))));
+                assert_eq!(
+                    n.b_to_a(bv, av, &mut m).1,
+                    Some(WireVerdict::ToVm(n.a.id(av)))
+                );
             }
             _ => {
                 // Lost RTU, then the active side disconnects; the passive host answers.
@@ -979,12 +1006,12 @@ fn churn(policy: Policy, cycles: u32) -> ((u64, u64), (u64, u64)) {
                 let a_pv = view(&got).local_comm_id().unwrap();
                 let mut m = rep(n.b.cfg(bv), view(&got).tid(), b_sl, a_pv, n.b.qpn(bv, 1));
                 let v = n.b_to_a(bv, av, &mut m);
-                assert_eq!(v.1, Some(Verdict::ToVm(n.a.id(av))), "cycle {i}: {v:?}");
+                assert_eq!(v.1, Some(WireVerdict::ToVm(n.a.id(av))), "cycle {i}: {v:?}");
                 let b_pv = view(&m).local_comm_id().unwrap();
                 let mut m = ids(AttributeId::Rtu, 1, a_sl, b_pv);
                 assert_eq!(
                     n.a.mux.from_guest(n.a.id(av), &mut m, n.b.gid(bv)),
-                    Verdict::ToWire
+                    GuestVerdict::ToWire
                 );
                 let mut m = dreq(2, a_sl, b_pv, 0);
                 let _ = n.a_to_b(av, bv, &mut m);
@@ -1015,9 +1042,9 @@ fn mra_for_a_lap_leaves_an_established_connection_without_deadline() {
     let mut n = net2(Policy::Default);
     let c = n.connect(0, 0, 1, 2, 0);
     let mut m = mra(5, 2, c.a_pv, MsgResponse::Other, 20);
-    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(Verdict::ToVm(n.a.id(0))));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
     let mut m = mra(5, 1, c.b_pv, MsgResponse::Other, 20);
-    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(Verdict::ToVm(n.b.id(0))));
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
     n.quiesce();
     assert_eq!(n.a.mux.lookup(c.a_pv).unwrap().0, State::Established);
     assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::Established);
@@ -1043,11 +1070,11 @@ fn batch_entry_points_match_single_calls() {
         .collect();
     let dsts = vec![one.b.gid(0); mads.len()];
     let mut singles = mads.clone();
-    let single_v: Vec<Verdict> = singles
+    let single_v: Vec<GuestVerdict> = singles
         .iter_mut()
         .map(|m| one.a.mux.from_guest(one.a.id(0), m, dsts[0]))
         .collect();
-    let mut batch_v = vec![Verdict::ToWire; mads.len()];
+    let mut batch_v = vec![GuestVerdict::ToWire; mads.len()];
     two.a
         .mux
         .from_guest_batch(two.a.id(0), &mut mads, &dsts, &mut batch_v);
@@ -1061,16 +1088,16 @@ fn batch_entry_points_match_single_calls() {
         .collect();
     let addrs = vec![(one.b.gid(0), one.a.gid(0)); mads.len()];
     let mut singles = mads.clone();
-    let single_v: Vec<Verdict> = singles
+    let single_v: Vec<WireVerdict> = singles
         .iter_mut()
         .map(|m| one.a.mux.from_wire(m, addrs[0].0, addrs[0].1))
         .collect();
-    let mut batch_v = vec![Verdict::ToWire; mads.len()];
+    let mut batch_v = vec![WireVerdict::Reply; mads.len()];
     two.a.mux.from_wire_batch(&mut mads, &addrs, &mut batch_v);
     assert_eq!(single_v, batch_v);
     assert_eq!(singles, mads);
     assert_eq!(
         *batch_v.last().unwrap(),
-        Verdict::Drop(DropReason::Malformed)
+        WireVerdict::Drop(DropReason::Malformed)
     );
 }

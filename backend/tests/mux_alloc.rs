@@ -9,7 +9,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
-use pvcm_backend::mux::{Policy, Verdict};
+use pvcm_backend::mux::{Policy, WireVerdict};
 use pvcm_wire::mad::AttributeId;
 
 struct Counting;
@@ -52,10 +52,10 @@ fn established_traffic_does_not_allocate() {
             // LAP out of A, into B; APR back.
             bufs[0] = ids(AttributeId::Lap, round, c.a_sl, c.b_pv);
             let v = n.a_to_b(0, 0, &mut bufs[0]);
-            assert_eq!(v.1, Some(Verdict::ToVm(n.b.id(0))));
+            assert_eq!(v.1, Some(WireVerdict::ToVm(n.b.id(0))));
             bufs[1] = ids(AttributeId::Apr, 1, c.b_sl, c.a_pv);
             let v = n.b_to_a(0, 0, &mut bufs[1]);
-            assert_eq!(v.1, Some(Verdict::ToVm(n.a.id(0))));
+            assert_eq!(v.1, Some(WireVerdict::ToVm(n.a.id(0))));
         }
     }
     for c in conns.iter().step_by(2) {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use pvcm_backend::mux::{DropReason, Policy, Verdict};
+use pvcm_backend::mux::{DropReason, GuestVerdict, Policy};
 use pvcm_wire::cm::RejReason;
 
 /// `seeds/mux/rej-timeout-short-ari`: a VM's REJ(TIMEOUT) (Remote Comm ID 0) whose ARI
@@ -31,7 +31,7 @@ fn vm_rej_timeout_with_short_ari_is_spoofed() {
         let v = net.a.mux.from_guest(net.a.id(0), &mut m, net.b.gid(0));
         assert_eq!(
             v,
-            Verdict::Drop(DropReason::SpoofedCaGuid),
+            GuestVerdict::Drop(DropReason::SpoofedCaGuid),
             "{guid:#x}, {ari_len}"
         );
     }
@@ -44,5 +44,5 @@ fn vm_rej_timeout_with_short_ari_is_spoofed() {
         &own.to_be_bytes(),
     );
     let v = net.a.mux.from_guest(net.a.id(0), &mut m, net.b.gid(0));
-    assert_eq!(v, Verdict::ToWire);
+    assert_eq!(v, GuestVerdict::ToWire);
 }

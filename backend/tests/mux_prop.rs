@@ -23,7 +23,8 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
 use pvcm_backend::mux::{
-    Clock, DropReason, ManualClock, Mux, MuxConfig, Policy, State, Verdict, VmConfig, VmId,
+    Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
+    WireVerdict,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{MsgResponse, RejReason};
@@ -381,7 +382,7 @@ impl World {
     // Wire -> mux
 
     /// Peer `peer` sends `m` to `dst`; checks the verdict against the model.
-    fn wire(&mut self, peer: usize, m: &mut Mad, dst: Gid) -> Result<Verdict, TestCaseError> {
+    fn wire(&mut self, peer: usize, m: &mut Mad, dst: Gid) -> Result<WireVerdict, TestCaseError> {
         let before = *m;
         let src = self.peers[peer].gid;
         let v = self.mux.from_wire(m, src, dst);
@@ -396,12 +397,7 @@ impl World {
             attr_name(&before)
         };
         match v {
-            Verdict::ToWire => {
-                return Err(TestCaseError::fail(format!(
-                    "from_wire returned ToWire for {name}"
-                )));
-            }
-            Verdict::Reply => {
+            WireVerdict::Reply => {
                 // Only a DREQ for an unknown connection is answered (stateless DREP).
                 prop_assert_eq!(attr, AttributeId::Dreq, "Reply to a wire {}", name);
                 let r = view(m);
@@ -410,8 +406,8 @@ impl World {
                 prop_assert_eq!(r.remote_comm_id(), b.local_comm_id());
                 self.count(format!("wire {name} Reply"));
             }
-            Verdict::Drop(r) => self.count(format!("wire {name} Drop({r:?})")),
-            Verdict::ToVm(vm) => {
+            WireVerdict::Drop(r) => self.count(format!("wire {name} Drop({r:?})")),
+            WireVerdict::ToVm(vm) => {
                 // Invariant 2: never to a detached VM.
                 prop_assert!(
                     !self.detached.contains(&vm),
@@ -507,7 +503,7 @@ impl World {
     // VM -> mux
 
     /// VM slot `s` sends `m` to peer `peer`; checks the verdict and learns the pv_cm_id.
-    fn guest(&mut self, s: usize, m: &mut Mad, peer: usize) -> Result<Verdict, TestCaseError> {
+    fn guest(&mut self, s: usize, m: &mut Mad, peer: usize) -> Result<GuestVerdict, TestCaseError> {
         let (vm, attached) = (self.slots[s].id, self.slots[s].attached);
         let dst = self.peers[peer].gid;
         let before = *m;
@@ -517,7 +513,7 @@ impl World {
         let v = self.mux.from_guest(vm, m, dst);
         let name = attr_name(&before);
         if !attached {
-            prop_assert_eq!(v, Verdict::Drop(DropReason::UnknownConnection));
+            prop_assert_eq!(v, GuestVerdict::Drop(DropReason::UnknownConnection));
             self.count(format!("guest {name} from detached VM"));
             return Ok(v);
         }
@@ -525,20 +521,15 @@ impl World {
             && b.remote_comm_id() == Some(0)
             && b.rej_reason() == Some(RejReason::Timeout.code());
         if rej_timeout && b.rej_timeout_ca_guid() != Some(self.slots[s].cfg.ca_guid) {
-            prop_assert_eq!(v, Verdict::Drop(DropReason::SpoofedCaGuid));
+            prop_assert_eq!(v, GuestVerdict::Drop(DropReason::SpoofedCaGuid));
         }
         match v {
-            Verdict::ToVm(_) => {
-                return Err(TestCaseError::fail(format!(
-                    "from_guest returned {v:?} for {name}"
-                )));
-            }
-            Verdict::Reply => {
+            GuestVerdict::Reply => {
                 // Only a REQ over quota; the default quota is never reached here.
                 return Err(TestCaseError::fail(format!("unexpected Reply to {name}")));
             }
-            Verdict::Drop(r) => self.count(format!("guest {name} Drop({r:?})")),
-            Verdict::ToWire => {
+            GuestVerdict::Drop(r) => self.count(format!("guest {name} Drop({r:?})")),
+            GuestVerdict::ToWire => {
                 self.count(format!("guest {name} ToWire"));
                 let out = view(m).local_comm_id().unwrap_or(0);
                 // Invariant 3: the VM's comm ID is replaced by its pv_cm_id.
@@ -710,7 +701,7 @@ impl World {
                 let p = if short { &SHORT } else { &LINUX };
                 let pc = self.peers[peer].clone();
                 let mut m = req(&pc, comm, tid, to, 0x1_0000 + comm, p);
-                if let Verdict::ToVm(v) = self.wire(peer, &mut m, dst)? {
+                if let WireVerdict::ToVm(v) = self.wire(peer, &mut m, dst)? {
                     self.req_latest.insert((pc.ca_guid, comm), v);
                     let s = self.attached_slot(v).unwrap();
                     self.slots[s].inbox.push((peer, comm, tid));
@@ -764,7 +755,7 @@ impl World {
                 let mut m = self.build(kind, &pc, local, l.pv, svc, MsgResponse::Rep);
                 let v = self.wire(peer, &mut m, dst)?;
                 if kind == Kind::Rtu
-                    && matches!(v, Verdict::ToVm(_))
+                    && matches!(v, WireVerdict::ToVm(_))
                     && self.mux.lookup(l.pv).map(|x| x.0) == Some(State::Established)
                 {
                     self.count("established (VM passive)".into());
@@ -786,7 +777,7 @@ impl World {
                 let pc = self.peers[peer].clone();
                 let mut m = self.build(kind, &pc, local, l.pv, 0, MsgResponse::Rep);
                 let v = self.wire(peer, &mut m, l.vm_gid)?;
-                if kind == Kind::Rep && matches!(v, Verdict::ToVm(_)) {
+                if kind == Kind::Rep && matches!(v, WireVerdict::ToVm(_)) {
                     // The peer now knows the connection by its own comm ID too.
                     let at = self.learned[peer].iter().rposition(|x| x.pv == l.pv);
                     if let Some(at) = at.filter(|&at| at + 4 >= n) {
@@ -794,7 +785,7 @@ impl World {
                     }
                 }
                 if kind == Kind::Rtu
-                    && matches!(v, Verdict::ToVm(_))
+                    && matches!(v, WireVerdict::ToVm(_))
                     && self.mux.lookup(l.pv).map(|x| x.0) == Some(State::Established)
                 {
                     self.count("established (VM passive)".into());
@@ -840,7 +831,7 @@ impl World {
                 let mut m = self.build(kind, &cfg, sl, comm, svc, MsgResponse::Req);
                 // The answer echoes the REQ's TID.
                 m[8..16].copy_from_slice(&tid.to_be_bytes());
-                if self.guest(vm, &mut m, peer)? == Verdict::ToWire {
+                if self.guest(vm, &mut m, peer)? == GuestVerdict::ToWire {
                     let c = &mut self.slots[vm].conns;
                     c.retain(|x| x.sl != sl);
                     if kind != Kind::Rej {
@@ -886,7 +877,7 @@ impl World {
                 let cfg = self.slots[vm].cfg.clone();
                 let to = self.peers[peer].gid;
                 let mut m = req(&cfg, sl, tid, to, cfg.qpn_base + sl, p);
-                if self.guest(vm, &mut m, peer)? == Verdict::ToWire {
+                if self.guest(vm, &mut m, peer)? == GuestVerdict::ToWire {
                     let pv = view(&m).local_comm_id().unwrap_or(0);
                     let c = &mut self.slots[vm].conns;
                     c.retain(|x| x.sl != sl);
@@ -926,21 +917,21 @@ impl World {
                 let out = view(&m).local_comm_id().unwrap_or(0);
                 if let Some(st @ (State::ReqSent | State::RepRcvd)) = before {
                     // A retry while the handshake is open leaves as the same REQ.
-                    prop_assert_eq!(v, Verdict::ToWire, "REQ retry in {:?}", st);
+                    prop_assert_eq!(v, GuestVerdict::ToWire, "REQ retry in {:?}", st);
                     prop_assert_eq!(out, pv, "REQ retry in {:?} under a new pv_cm_id", st);
                 }
-                if v == Verdict::Drop(DropReason::BadState) {
+                if v == GuestVerdict::Drop(DropReason::BadState) {
                     // Only a retry that crossed the peer's REJ.
                     prop_assert_eq!(before, Some(State::Quarantined));
                 }
                 let state = before.map_or("gone".to_string(), |s| format!("{s:?}"));
                 let verdict = match v {
-                    Verdict::ToWire if out == pv => "same pv".to_string(),
-                    Verdict::ToWire => "new pv".to_string(),
+                    GuestVerdict::ToWire if out == pv => "same pv".to_string(),
+                    GuestVerdict::ToWire => "new pv".to_string(),
                     v => format!("{v:?}"),
                 };
                 self.count(format!("guest Req retry in {state}: {verdict}"));
-                if v == Verdict::ToWire && out != pv {
+                if v == GuestVerdict::ToWire && out != pv {
                     // A new connection under the same comm ID (and TID).
                     let conns = &mut self.slots[vm].conns;
                     conns.retain(|x| x.sl != c.sl);

@@ -29,7 +29,8 @@ use arbitrary::Arbitrary;
 use common::*;
 use libfuzzer_sys::fuzz_target;
 use pvcm_backend::mux::{
-    Clock, DropReason, ManualClock, Mux, MuxConfig, Policy, State, Verdict, VmConfig, VmId,
+    Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
+    WireVerdict,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as f};
@@ -315,18 +316,17 @@ impl World {
     // ------------------------------------------------------------------------------
     // Wire -> mux
 
-    fn wire(&mut self, peer: usize, m: &mut Mad, dst: Gid) -> Verdict {
+    fn wire(&mut self, peer: usize, m: &mut Mad, dst: Gid) -> WireVerdict {
         let before = *m;
         let src = self.peers[peer].gid;
         let v = self.mux.from_wire(m, src, dst);
         let Some(b) = raw_view(&before) else {
-            assert_eq!(v, Verdict::Drop(DropReason::Malformed));
+            assert_eq!(v, WireVerdict::Drop(DropReason::Malformed));
             return v;
         };
         let attr = b.attr();
         match v {
-            Verdict::ToWire => panic!("from_wire returned ToWire for {attr:?}"),
-            Verdict::Reply => {
+            WireVerdict::Reply => {
                 let r = raw_view(m).expect("the mux's reply is a CM MAD");
                 match attr {
                     AttributeId::Dreq => {
@@ -340,8 +340,8 @@ impl World {
                     _ => panic!("Reply to a wire {attr:?}"),
                 }
             }
-            Verdict::Drop(_) => {}
-            Verdict::ToVm(vm) => {
+            WireVerdict::Drop(_) => {}
+            WireVerdict::ToVm(vm) => {
                 assert!(
                     !self.detached.contains(&vm),
                     "wire {attr:?} delivered to detached {vm:?}"
@@ -434,32 +434,31 @@ impl World {
     // ------------------------------------------------------------------------------
     // VM -> mux
 
-    fn guest(&mut self, s: usize, m: &mut Mad, peer: usize) -> Verdict {
+    fn guest(&mut self, s: usize, m: &mut Mad, peer: usize) -> GuestVerdict {
         let (vm, attached) = (self.slots[s].id, self.slots[s].attached);
         let dst = self.peers[peer].gid;
         let before = *m;
         let v = self.mux.from_guest(vm, m, dst);
         if !attached {
-            assert_eq!(v, Verdict::Drop(DropReason::UnknownConnection));
+            assert_eq!(v, GuestVerdict::Drop(DropReason::UnknownConnection));
             return v;
         }
         let Some(b) = raw_view(&before) else {
-            assert_eq!(v, Verdict::Drop(DropReason::Malformed));
+            assert_eq!(v, GuestVerdict::Drop(DropReason::Malformed));
             return v;
         };
         let attr = b.attr();
         if is_rej_timeout(&b) && b.rej_timeout_ca_guid() != Some(self.slots[s].cfg.ca_guid) {
-            assert_eq!(v, Verdict::Drop(DropReason::SpoofedCaGuid));
+            assert_eq!(v, GuestVerdict::Drop(DropReason::SpoofedCaGuid));
         }
         match v {
-            Verdict::ToVm(_) => panic!("from_guest returned {v:?} for {attr:?}"),
-            Verdict::Reply => {
+            GuestVerdict::Reply => {
                 // Only a REQ over the VM's quota.
                 assert!(self.small_quota, "unexpected Reply to {attr:?}");
                 assert_eq!(attr, AttributeId::Req, "Reply to a guest {attr:?}");
             }
-            Verdict::Drop(_) => {}
-            Verdict::ToWire => {
+            GuestVerdict::Drop(_) => {}
+            GuestVerdict::ToWire => {
                 let out_m = raw_view(m).expect("a MAD for the wire is a CM MAD");
                 let (sl, out) = match attr {
                     AttributeId::SidrReq => (
@@ -735,7 +734,7 @@ impl World {
                 let pc = self.peers[peer].clone();
                 let mut m = self.build(kind, &pc, local, l.pv, 0, MsgResponse::Rep);
                 let v = self.wire(peer, &mut m, l.vm_gid);
-                if kind == Kind::Rep && matches!(v, Verdict::ToVm(_)) {
+                if kind == Kind::Rep && matches!(v, WireVerdict::ToVm(_)) {
                     let at = self.learned[peer].iter().rposition(|x| x.pv == l.pv);
                     if let Some(at) = at.filter(|&at| at + 4 >= n) {
                         self.learned[peer][at].comm = local;
@@ -790,7 +789,7 @@ impl World {
                 let cfg = self.slots[vm].cfg.clone();
                 let mut m = self.build(kind, &cfg, sl, comm, svc % 32, MsgResponse::Req);
                 m[8..16].copy_from_slice(&tid.to_be_bytes());
-                if self.guest(vm, &mut m, peer) == Verdict::ToWire {
+                if self.guest(vm, &mut m, peer) == GuestVerdict::ToWire {
                     let c = &mut self.slots[vm].conns;
                     c.retain(|x| x.sl != sl);
                     if kind != Kind::Rej {
@@ -841,7 +840,7 @@ impl World {
                 let cfg = self.slots[vm].cfg.clone();
                 let to = self.peers[peer].gid;
                 let mut m = req(&cfg, sl, tid, to, cfg.qpn_base + sl, p);
-                if self.guest(vm, &mut m, peer) == Verdict::ToWire {
+                if self.guest(vm, &mut m, peer) == GuestVerdict::ToWire {
                     let pv = view(&m).local_comm_id().unwrap_or(0);
                     let c = &mut self.slots[vm].conns;
                     c.retain(|x| x.sl != sl);
@@ -881,13 +880,13 @@ impl World {
                 let v = self.guest(vm, &mut m, c.peer);
                 let out = view(&m).local_comm_id().unwrap_or(0);
                 if let Some(st @ (State::ReqSent | State::RepRcvd)) = before {
-                    assert_eq!(v, Verdict::ToWire, "REQ retry in {st:?}");
+                    assert_eq!(v, GuestVerdict::ToWire, "REQ retry in {st:?}");
                     assert_eq!(out, pv, "REQ retry in {st:?} under a new pv_cm_id");
                 }
-                if v == Verdict::Drop(DropReason::BadState) {
+                if v == GuestVerdict::Drop(DropReason::BadState) {
                     assert_eq!(before, Some(State::Quarantined));
                 }
-                if v == Verdict::ToWire && out != pv {
+                if v == GuestVerdict::ToWire && out != pv {
                     let conns = &mut self.slots[vm].conns;
                     conns.retain(|x| x.sl != c.sl);
                     conns.push(Conn {

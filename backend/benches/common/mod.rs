@@ -12,7 +12,7 @@
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use pvcm_backend::mux::{ManualClock, Mux, MuxConfig, Verdict, VmConfig, VmId};
+use pvcm_backend::mux::{GuestVerdict, ManualClock, Mux, MuxConfig, VmConfig, VmId, WireVerdict};
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{
     AprStatus, CmMad, CmRepr, FailoverAccepted, PathRepr, TransportService, apr, field as cmf, lap,
@@ -154,7 +154,7 @@ pub fn tid(buf: &MadBuf) -> u64 {
 }
 
 #[track_caller]
-fn expect(got: Verdict, want: Verdict, what: &str, i: usize) {
+fn expect<V: PartialEq + std::fmt::Debug>(got: V, want: V, what: &str, i: usize) {
     assert_eq!(got, want, "connection {i}: {what}");
 }
 
@@ -244,13 +244,13 @@ impl Testbed {
         );
         expect(
             self.a.mux.from_guest(a_vm, &mut buf, b_gid),
-            Verdict::ToWire,
+            GuestVerdict::ToWire,
             "REQ A.from_guest",
             i,
         );
         expect(
             self.b.mux.from_wire(&mut buf, a_gid, b_gid),
-            Verdict::ToVm(b_vm),
+            WireVerdict::ToVm(b_vm),
             "REQ B.from_wire",
             i,
         );
@@ -279,13 +279,13 @@ impl Testbed {
         emit(CmRepr::Rep(r), AttributeId::Rep, req_tid, &mut buf);
         expect(
             self.b.mux.from_guest(b_vm, &mut buf, a_gid),
-            Verdict::ToWire,
+            GuestVerdict::ToWire,
             "REP B.from_guest",
             i,
         );
         expect(
             self.a.mux.from_wire(&mut buf, b_gid, a_gid),
-            Verdict::ToVm(a_vm),
+            WireVerdict::ToVm(a_vm),
             "REP A.from_wire",
             i,
         );
@@ -310,13 +310,13 @@ impl Testbed {
         );
         expect(
             self.a.mux.from_guest(a_vm, &mut buf, b_gid),
-            Verdict::ToWire,
+            GuestVerdict::ToWire,
             "RTU A.from_guest",
             i,
         );
         expect(
             self.b.mux.from_wire(&mut buf, a_gid, b_gid),
-            Verdict::ToVm(b_vm),
+            WireVerdict::ToVm(b_vm),
             "RTU B.from_wire",
             i,
         );
@@ -396,7 +396,7 @@ impl Testbed {
         );
         expect(
             self.a.mux.from_guest(a_vm, &mut buf, b_gid),
-            Verdict::ToWire,
+            GuestVerdict::ToWire,
             "LAP A.from_guest",
             0,
         );
@@ -405,7 +405,7 @@ impl Testbed {
         patch_apr(&mut buf, &c, hi);
         expect(
             self.a.mux.from_wire(&mut buf, b_gid, a_gid),
-            Verdict::ToVm(a_vm),
+            WireVerdict::ToVm(a_vm),
             "APR A.from_wire",
             0,
         );

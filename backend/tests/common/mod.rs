@@ -5,7 +5,9 @@
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use pvcm_backend::mux::{ManualClock, Mux, MuxConfig, Policy, Verdict, VmConfig, VmId};
+use pvcm_backend::mux::{
+    GuestVerdict, ManualClock, Mux, MuxConfig, Policy, VmConfig, VmId, WireVerdict,
+};
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{self, CmMad, CmRepr, PathRepr, TransportService, field as f};
 use pvcm_wire::mad::{self, AttributeId, Header};
@@ -199,20 +201,30 @@ impl Net {
 
     /// VM `av` on A sends `m` to VM `bv` on B; returns A's verdict and, if it went on
     /// the wire, B's verdict.
-    pub fn a_to_b(&mut self, av: usize, bv: usize, m: &mut Mad) -> (Verdict, Option<Verdict>) {
+    pub fn a_to_b(
+        &mut self,
+        av: usize,
+        bv: usize,
+        m: &mut Mad,
+    ) -> (GuestVerdict, Option<WireVerdict>) {
         let (src, dst) = (self.a.gid(av), self.b.gid(bv));
         let v1 = self.a.mux.from_guest(self.a.id(av), m, dst);
-        if v1 != Verdict::ToWire {
+        if v1 != GuestVerdict::ToWire {
             return (v1, None);
         }
         (v1, Some(self.b.mux.from_wire(m, src, dst)))
     }
 
     /// VM `bv` on B sends `m` to VM `av` on A.
-    pub fn b_to_a(&mut self, bv: usize, av: usize, m: &mut Mad) -> (Verdict, Option<Verdict>) {
+    pub fn b_to_a(
+        &mut self,
+        bv: usize,
+        av: usize,
+        m: &mut Mad,
+    ) -> (GuestVerdict, Option<WireVerdict>) {
         let (src, dst) = (self.b.gid(bv), self.a.gid(av));
         let v1 = self.b.mux.from_guest(self.b.id(bv), m, dst);
-        if v1 != Verdict::ToWire {
+        if v1 != GuestVerdict::ToWire {
             return (v1, None);
         }
         (v1, Some(self.a.mux.from_wire(m, src, dst)))
@@ -230,7 +242,10 @@ impl Net {
             p,
         );
         let v = self.a_to_b(av, bv, &mut m);
-        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(bv)))));
+        assert_eq!(
+            v,
+            (GuestVerdict::ToWire, Some(WireVerdict::ToVm(self.b.id(bv))))
+        );
         m
     }
 
@@ -253,7 +268,10 @@ impl Net {
         let (b_qpn, a_qpn) = (self.b.qpn(bv, n), self.a.qpn(av, n));
         let mut m = rep(self.b.cfg(bv), view(&got).tid(), b_sl, a_pv, b_qpn);
         let v = self.b_to_a(bv, av, &mut m);
-        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.a.id(av)))));
+        assert_eq!(
+            v,
+            (GuestVerdict::ToWire, Some(WireVerdict::ToVm(self.a.id(av))))
+        );
         let rm = view(&m);
         assert_eq!(
             rm.remote_comm_id(),
@@ -268,7 +286,10 @@ impl Net {
         let b_pv = rm.local_comm_id().unwrap();
         let mut m = ids(AttributeId::Rtu, rm.tid(), a_sl, b_pv);
         let v = self.a_to_b(av, bv, &mut m);
-        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(bv)))));
+        assert_eq!(
+            v,
+            (GuestVerdict::ToWire, Some(WireVerdict::ToVm(self.b.id(bv))))
+        );
         assert_eq!(view(&m).remote_comm_id(), Some(b_sl));
         Conn {
             av,
@@ -286,12 +307,24 @@ impl Net {
     pub fn disconnect_from_a(&mut self, c: &Conn) {
         let mut m = dreq(0xD0 << 32 | u64::from(c.a_sl), c.a_sl, c.b_pv, c.b_qpn);
         let v = self.a_to_b(c.av, c.bv, &mut m);
-        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.b.id(c.bv)))));
+        assert_eq!(
+            v,
+            (
+                GuestVerdict::ToWire,
+                Some(WireVerdict::ToVm(self.b.id(c.bv)))
+            )
+        );
         let got = view(&m);
         assert_eq!(got.remote_comm_id(), Some(c.b_sl));
         let mut r = ids(AttributeId::Drep, got.tid(), c.b_sl, c.a_pv);
         let v = self.b_to_a(c.bv, c.av, &mut r);
-        assert_eq!(v, (Verdict::ToWire, Some(Verdict::ToVm(self.a.id(c.av)))));
+        assert_eq!(
+            v,
+            (
+                GuestVerdict::ToWire,
+                Some(WireVerdict::ToVm(self.a.id(c.av)))
+            )
+        );
         assert_eq!(
             view(&r).tid(),
             0xD0 << 32 | u64::from(c.a_sl),

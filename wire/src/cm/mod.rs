@@ -655,6 +655,8 @@ pub mod field {
     pub const LAP_REMOTE_QPN: Bits = Bits::new(36, 4, 8, 24);
     /// SIDR_REP QPN.
     pub const SIDR_REP_QPN: Bits = Bits::new(32, 4, 8, 24);
+    /// SIDR_REP Status (0: the QPN is valid).
+    pub const SIDR_REP_STATUS: Bits = Bits::bytes(28, 1);
 }
 
 /// A checked CM MAD of any attribute: what a proxy reads and rewrites without
