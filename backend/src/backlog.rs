@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::daemon::RxMsg;
+use crate::rx::RxMsg;
 use crate::stats::DevDrop;
 
 /// What one backlogged message costs: its slot in the queue.
@@ -146,7 +146,7 @@ pub fn parse_size(s: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::daemon::RxMsg;
+    use crate::rx::RxMsg;
     use pvcm_wire::Gid;
 
     fn msg() -> RxMsg {

@@ -16,6 +16,7 @@
 //! Every bad value is a [`ConfigError`] with a message naming the option; nothing here
 //! panics.
 
+use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -25,8 +26,6 @@ use pvcm_wire::Gid;
 
 use crate::backlog;
 use crate::mux::{Policy, VmConfig};
-use crate::port::PortSpec;
-use crate::port::soft::RxMode;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -527,6 +526,98 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
         port: cli.port.clone().or_else(|| file.port.clone()),
         sysfs: cli.sysfs.clone().or_else(|| file.sysfs.clone()),
         seed: cli.seed.clone().or_else(|| file.seed.clone()),
+    }
+}
+
+/// How the soft port receives frames (see `port::soft`'s docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RxMode {
+    /// Raw if `CAP_NET_RAW` allows it, else udp with a warning.
+    #[default]
+    Auto,
+    /// A raw IPv4 socket: the ICRC is checked over the header as received.
+    Raw,
+    /// The per-VM UDP sockets: only senders that write IP ID 0 pass the ICRC.
+    Udp,
+}
+
+impl RxMode {
+    /// The mode's name, as the CLI takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RxMode::Auto => "auto",
+            RxMode::Raw => "raw",
+            RxMode::Udp => "udp",
+        }
+    }
+}
+
+impl std::str::FromStr for RxMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<RxMode, String> {
+        match s {
+            "auto" => Ok(RxMode::Auto),
+            "raw" => Ok(RxMode::Raw),
+            "udp" => Ok(RxMode::Udp),
+            _ => Err(format!("{s:?} is not a receive mode (auto, raw, udp)")),
+        }
+    }
+}
+
+/// Which port the daemon runs (`--port`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PortSpec {
+    /// The soft RoCEv2 port (UDP on the VMs' addresses).
+    #[default]
+    Soft,
+    /// A device port's QP1 through ib_umad.
+    Umad {
+        /// The RDMA device (`rxe0`, `mlx4_0`).
+        device: String,
+        /// The port number (1-based).
+        port: u8,
+    },
+}
+
+impl fmt::Display for PortSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PortSpec::Soft => f.write_str("soft"),
+            PortSpec::Umad { device, port } => write!(f, "umad:{device}:{port}"),
+        }
+    }
+}
+
+impl std::str::FromStr for PortSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<PortSpec, String> {
+        if s == "soft" {
+            return Ok(PortSpec::Soft);
+        }
+        let Some(rest) = s.strip_prefix("umad:") else {
+            return Err(format!(
+                "{s:?} is not a port (soft, or umad:DEVICE[:PORT], e.g. umad:rxe0:1)"
+            ));
+        };
+        let (device, port) = match rest.split_once(':') {
+            Some((d, p)) => (
+                d,
+                p.parse::<u8>()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("{s:?}: port {p:?} is not a number from 1 to 255"))?,
+            ),
+            None => (rest, 1),
+        };
+        if device.is_empty() || device.contains('/') || device.starts_with('.') {
+            return Err(format!("{s:?}: {device:?} is not an RDMA device name"));
+        }
+        Ok(PortSpec::Umad {
+            device: device.to_string(),
+            port,
+        })
     }
 }
 

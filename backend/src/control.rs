@@ -11,13 +11,13 @@
 //! `--metrics ADDR` serves the same figures as Prometheus text over plain HTTP/1.1
 //! (`GET /metrics`, or any path).
 
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::daemon::{Shared, read_line, write_all};
+use crate::shared::Shared;
 use crate::stats::Snapshot;
 
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -105,4 +105,28 @@ pub fn stat(control: &Path, json: bool) -> io::Result<String> {
     } else {
         Ok(query(control)?.render())
     }
+}
+
+/// Reads one request line from a stream (bounded), for the control socket.
+pub(crate) fn read_line<R: Read>(r: &mut R, max: usize) -> io::Result<String> {
+    let mut buf = Vec::new();
+    let mut b = [0u8; 256];
+    while buf.len() < max {
+        let n = r.read(&mut b)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&b[..n]);
+        if buf.contains(&b'\n') {
+            break;
+        }
+    }
+    let s = String::from_utf8_lossy(&buf);
+    Ok(s.lines().next().unwrap_or("").trim().to_string())
+}
+
+/// Writes all of `s` (ignoring a peer that went away).
+pub(crate) fn write_all<W: Write>(w: &mut W, s: &[u8]) {
+    let _ = w.write_all(s);
+    let _ = w.flush();
 }

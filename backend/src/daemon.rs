@@ -18,364 +18,39 @@
 //! are released on the wire, the capture is flushed and the sockets removed.
 
 use std::collections::HashMap;
-use std::fmt;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pvcm_wire::Gid;
-use pvcm_wire::abi::{self, HEADER_LEN, MsgHeader, MsgType, RX_BUFFER_LEN, SendStatus};
 use pvcm_wire::mad::MAD_LEN;
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::backlog::{HostBudget, RxBacklog};
-use crate::config::{Config, VmSpec};
+use crate::config::Config;
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
-use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, Time, VmId, WireVerdict};
+pub use crate::error::Error;
+use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, WireVerdict};
 use crate::pcap::Capture;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
-use crate::port::{InMad, PortCtx, PortSpec, TOKEN_LIMIT, WirePort};
-use crate::stats::{DevCounters, Figures, Io, Snapshot, VmFigures};
-
-/// A daemon error: what failed, for the operator.
-#[derive(Debug)]
-pub struct Error(pub String);
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Error {}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// One message for a VM's rx queue: header + payload, ready to copy.
-#[derive(Clone)]
-pub struct RxMsg {
-    buf: [u8; RX_BUFFER_LEN],
-    len: u16,
-}
-
-impl fmt::Debug for RxMsg {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RxMsg")
-            .field("type", &self.msg_type())
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl RxMsg {
-    fn with(h: &MsgHeader, payload: &[u8]) -> RxMsg {
-        let mut m = RxMsg {
-            buf: [0; RX_BUFFER_LEN],
-            len: 0,
-        };
-        let n = payload.len().min(RX_BUFFER_LEN - HEADER_LEN);
-        let h = MsgHeader {
-            len: n as u32,
-            ..*h
-        };
-        // The buffer holds a header: emit cannot fail.
-        let _ = h.emit(&mut m.buf);
-        m.buf[HEADER_LEN..HEADER_LEN + n].copy_from_slice(&payload[..n]);
-        m.len = (HEADER_LEN + n) as u16;
-        m
-    }
-
-    /// A MAD from `remote` (CM defaults for the addressing).
-    pub fn mad(remote: Gid, mad: &[u8; MAD_LEN]) -> RxMsg {
-        RxMsg::with(&MsgHeader::mad(remote), mad)
-    }
-
-    /// A MAD received from the wire.
-    pub fn from_wire(f: &InMad, mad: &[u8; MAD_LEN]) -> RxMsg {
-        let h = MsgHeader {
-            remote_qpn: f.src_qp,
-            qkey: f.qkey,
-            ..MsgHeader::mad(f.src)
-        };
-        RxMsg::with(&h, mad)
-    }
-
-    /// A SEND_ERROR echoing a tx MAD's header and payload.
-    pub fn send_error(tx: &MsgHeader, status: SendStatus, payload: &[u8]) -> RxMsg {
-        let h = MsgHeader {
-            msg_type: MsgType::SendError,
-            status: status as u16,
-            ..*tx
-        };
-        RxMsg::with(&h, payload)
-    }
-
-    /// A control message.
-    pub fn control(t: MsgType, status: u16, payload: &[u8]) -> RxMsg {
-        let h = MsgHeader {
-            status,
-            ..MsgHeader::control(t, payload.len() as u32)
-        };
-        RxMsg::with(&h, payload)
-    }
-
-    /// An EVENT.
-    pub fn event(e: abi::Event) -> RxMsg {
-        let mut p = [0u8; abi::EVENT_LEN];
-        let _ = e.emit(&mut p);
-        RxMsg::control(MsgType::Event, 0, &p)
-    }
-
-    /// The bytes to write into an rx buffer.
-    pub fn bytes(&self) -> &[u8] {
-        &self.buf[..usize::from(self.len)]
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        usize::from(self.len)
-    }
-
-    /// Never empty (a header at least); for clippy's `len_without_is_empty`.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The message type.
-    pub fn msg_type(&self) -> Option<MsgType> {
-        MsgType::from_u16(u16::from_le_bytes([self.buf[0], self.buf[1]]))
-    }
-}
-
-/// The handle that ends a VM's vhost-user session.
-struct Session(ShutdownHandle);
-
-impl fmt::Debug for Session {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Session")
-    }
-}
-
-/// One configured VM: its rx backlog and counters, across sessions.
-#[derive(Debug)]
-pub struct VmPort {
-    pub(crate) index: usize,
-    pub(crate) spec: VmSpec,
-    current: Mutex<Option<VmId>>,
-    rx: Mutex<RxBacklog>,
-    pub(crate) rx_wake: EventFd,
-    pub(crate) counters: DevCounters,
-    session: Mutex<Option<Session>>,
-    pub(crate) span: tracing::Span,
-}
-
-impl VmPort {
-    /// The mux's ID of the VM's current session.
-    pub(crate) fn current_vm(&self) -> Option<VmId> {
-        *lock(&self.current)
-    }
-
-    pub(crate) fn lock_rx(&self) -> MutexGuard<'_, RxBacklog> {
-        lock(&self.rx)
-    }
-
-    /// Queues a message for the VM's rx; false (and counted) when the backlog is full.
-    pub(crate) fn push_rx(&self, m: RxMsg) -> bool {
-        let r = lock(&self.rx).push(m);
-        match r {
-            Ok(()) => true,
-            Err(reason) => {
-                self.counters.drop(reason);
-                tracing::debug!(parent: &self.span, reason = reason.name(), "rx backlog budget spent: message dropped");
-                false
-            }
-        }
-    }
-
-    /// Wakes the VM's worker to deliver its backlog.
-    pub(crate) fn wake_rx(&self) {
-        let _ = self.rx_wake.write(1);
-    }
-}
-
-/// The mux and the map from its VM IDs to ports, under one lock.
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) mux: Mux<SystemClock>,
-    pub(crate) by_vm: HashMap<VmId, usize>,
-}
-
-/// State shared by the VM threads, their devices and the host loop.
-#[derive(Debug)]
-pub struct Shared {
-    core: Mutex<Core>,
-    ports: Vec<Arc<VmPort>>,
-    by_gid: HashMap<Gid, usize>,
-    capture: Option<Capture>,
-    timer_wake: EventFd,
-    armed: AtomicU64,
-    default_quota: u32,
-    policy: String,
-    /// The wire port (soft or umad).
-    port: Box<dyn WirePort>,
-    /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
-    port_counters: DevCounters,
-    stop: AtomicBool,
-}
-
-impl Shared {
-    pub(crate) fn lock_core(&self) -> MutexGuard<'_, Core> {
-        lock(&self.core)
-    }
-
-    pub(crate) fn default_quota(&self) -> u32 {
-        self.default_quota
-    }
-
-    fn stopping(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-    }
-
-    /// Tells the host loop to re-arm its timer if `next` is earlier than what it armed.
-    pub(crate) fn note_deadline(&self, next: Option<Time>) {
-        if let Some(t) = next {
-            if t.0 < self.armed.load(Ordering::Relaxed) {
-                let _ = self.timer_wake.write(1);
-            }
-        }
-    }
-
-    fn port_ctx(&self) -> PortCtx<'_> {
-        PortCtx {
-            vms: &self.ports,
-            host: &self.port_counters,
-            capture: self.capture.as_ref(),
-        }
-    }
-
-    /// Sends MADs from `port` to their GIDs.
-    pub(crate) fn send_mads(&self, port: &VmPort, mads: &[(Gid, [u8; MAD_LEN])]) {
-        if mads.is_empty() {
-            return;
-        }
-        self.port.send(&self.port_ctx(), port.index, mads);
-    }
-
-    /// Sends what the mux queued itself, each from its source VM's socket.
-    pub(crate) fn send_outgoing(&self, out: Vec<Outgoing>) {
-        let mut per_port: HashMap<usize, Vec<(Gid, [u8; MAD_LEN])>> = HashMap::new();
-        for o in out {
-            match self.by_gid.get(&o.src) {
-                Some(&p) => per_port.entry(p).or_default().push((o.dst, o.mad)),
-                None => tracing::warn!(src = %o.src, "mux MAD from a GID with no port: not sent"),
-            }
-        }
-        for (p, mads) in per_port {
-            if let Some(port) = self.ports.get(p) {
-                tracing::debug!(parent: &port.span, n = mads.len(), "sending MADs on the VM's behalf");
-                self.send_mads(port, &mads);
-            }
-        }
-    }
-
-    /// Attaches the port's VM to the mux (a session began).
-    fn attach(&self, port: &VmPort) -> Option<VmId> {
-        let mut cur = lock(&port.current);
-        if let Some(vm) = *cur {
-            return Some(vm);
-        }
-        if let Err(e) = self.port.attach(port.index) {
-            tracing::error!(parent: &port.span, error = %e, "attach refused");
-            return None;
-        }
-        let mut core = self.lock_core();
-        match core.mux.attach_vm(port.spec.vm.clone()) {
-            Ok(vm) => {
-                core.by_vm.insert(vm, port.index);
-                *cur = Some(vm);
-                Some(vm)
-            }
-            Err(e) => {
-                tracing::error!(parent: &port.span, error = %e, "attach failed");
-                None
-            }
-        }
-    }
-
-    /// Detaches the port's VM (its session ended): the mux releases its connections;
-    /// what it sends on the VM's behalf goes out now.
-    fn detach(&self, port: &VmPort) {
-        let mut cur = lock(&port.current);
-        let Some(vm) = cur.take() else {
-            return;
-        };
-        let (out, next) = {
-            let mut core = self.lock_core();
-            core.mux.detach_vm(vm);
-            core.by_vm.remove(&vm);
-            let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
-            (out, core.mux.next_deadline())
-        };
-        drop(cur);
-        lock(&port.rx).clear();
-        tracing::info!(parent: &port.span, on_behalf = out.len(), "VM detached");
-        self.send_outgoing(out);
-        self.note_deadline(next);
-    }
-
-    /// A device reset: the VM's connections are released and it starts afresh; the
-    /// driver is told with an EVENT(DEVICE_RESET).
-    pub(crate) fn reset_vm(&self, port: &VmPort) {
-        if port.current_vm().is_none() {
-            return;
-        }
-        self.detach(port);
-        self.attach(port);
-        port.push_rx(RxMsg::event(abi::Event::DeviceReset));
-        port.wake_rx();
-    }
-
-    /// Every figure, per VM and summed.
-    pub fn snapshot(&self) -> Snapshot {
-        // Lock order: a port's `current`, then the core (as attach and detach do).
-        let current: Vec<Option<VmId>> = self.ports.iter().map(|p| p.current_vm()).collect();
-        let core = self.lock_core();
-        let host_stats = core.mux.host_stats();
-        let mut vms = Vec::new();
-        for (p, &vm) in self.ports.iter().zip(&current) {
-            let s = vm.map(|v| core.mux.vm_stats(v)).unwrap_or_default();
-            vms.push(VmFigures {
-                name: p.spec.vm.name.clone(),
-                gid: p.spec.vm.gid.to_string(),
-                socket: p.spec.socket.display().to_string(),
-                attached: vm.is_some(),
-                figures: Figures::new(&s, &[&p.counters]),
-            });
-        }
-        drop(core);
-        let mut all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
-        all.push(&self.port_counters);
-        Snapshot {
-            policy: self.policy.clone(),
-            wire_rx: self.port.rx_mode(),
-            vms,
-            host: Figures::new(&host_stats, &all),
-        }
-    }
-}
+use crate::port::{InMad, PortSpec, TOKEN_LIMIT, WirePort};
+pub use crate::rx::RxMsg;
+use crate::shared::Core;
+pub use crate::shared::Shared;
+use crate::stats::{DevCounters, Io, Snapshot};
+pub use crate::vm_port::VmPort;
+use crate::vm_port::{Session, lock};
 
 /// A non-blocking CLOCK_MONOTONIC timerfd.
 #[derive(Debug)]
@@ -925,28 +600,4 @@ pub fn run(cfg: Config) -> Result<(), Error> {
     }
     daemon.shutdown();
     Ok(())
-}
-
-/// Reads one request line from a stream (bounded), for the control socket.
-pub(crate) fn read_line<R: Read>(r: &mut R, max: usize) -> io::Result<String> {
-    let mut buf = Vec::new();
-    let mut b = [0u8; 256];
-    while buf.len() < max {
-        let n = r.read(&mut b)?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&b[..n]);
-        if buf.contains(&b'\n') {
-            break;
-        }
-    }
-    let s = String::from_utf8_lossy(&buf);
-    Ok(s.lines().next().unwrap_or("").trim().to_string())
-}
-
-/// Writes all of `s` (ignoring a peer that went away).
-pub(crate) fn write_all<W: Write>(w: &mut W, s: &[u8]) {
-    let _ = w.write_all(s);
-    let _ = w.flush();
 }

@@ -36,9 +36,11 @@ use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
-use crate::daemon::{RxMsg, Shared, VmPort};
 use crate::mux::{DropReason, GuestVerdict};
+use crate::rx::RxMsg;
+use crate::shared::Shared;
 use crate::stats::{DevDrop, Io};
+use crate::vm_port::VmPort;
 
 /// Queues: tx and rx.
 pub const NUM_QUEUES: usize = 2;

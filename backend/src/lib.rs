@@ -22,10 +22,14 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod device;
+pub mod error;
 pub mod mux;
 pub mod pcap;
 pub mod port;
+pub mod rx;
+pub mod shared;
 pub mod stats;
+pub mod vm_port;
 
 pub use config::Config;
 pub use daemon::Daemon;

@@ -20,83 +20,16 @@ use std::sync::Arc;
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
 
-use crate::daemon::VmPort;
 use crate::pcap::Capture;
 use crate::stats::DevCounters;
+use crate::vm_port::VmPort;
 
 pub mod soft;
 pub mod umad;
 
-/// Which port the daemon runs (`--port`).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum PortSpec {
-    /// The soft RoCEv2 port (UDP on the VMs' addresses).
-    #[default]
-    Soft,
-    /// A device port's QP1 through ib_umad.
-    Umad {
-        /// The RDMA device (`rxe0`, `mlx4_0`).
-        device: String,
-        /// The port number (1-based).
-        port: u8,
-    },
-}
+pub use crate::config::PortSpec;
 
-impl fmt::Display for PortSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PortSpec::Soft => f.write_str("soft"),
-            PortSpec::Umad { device, port } => write!(f, "umad:{device}:{port}"),
-        }
-    }
-}
-
-impl std::str::FromStr for PortSpec {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<PortSpec, String> {
-        if s == "soft" {
-            return Ok(PortSpec::Soft);
-        }
-        let Some(rest) = s.strip_prefix("umad:") else {
-            return Err(format!(
-                "{s:?} is not a port (soft, or umad:DEVICE[:PORT], e.g. umad:rxe0:1)"
-            ));
-        };
-        let (device, port) = match rest.split_once(':') {
-            Some((d, p)) => (
-                d,
-                p.parse::<u8>()
-                    .ok()
-                    .filter(|&n| n >= 1)
-                    .ok_or_else(|| format!("{s:?}: port {p:?} is not a number from 1 to 255"))?,
-            ),
-            None => (rest, 1),
-        };
-        if device.is_empty() || device.contains('/') || device.starts_with('.') {
-            return Err(format!("{s:?}: {device:?} is not an RDMA device name"));
-        }
-        Ok(PortSpec::Umad {
-            device: device.to_string(),
-            port,
-        })
-    }
-}
-
-/// A MAD received from the wire that passed the port's checks, with its addressing.
-#[derive(Debug, Clone)]
-pub struct InMad {
-    /// Sender's GID.
-    pub src: Gid,
-    /// The sender's QP (1) for the rx header.
-    pub src_qp: u32,
-    /// Q_Key.
-    pub qkey: u32,
-    /// P_Key.
-    pub pkey: u16,
-    /// The MAD.
-    pub mad: [u8; MAD_LEN],
-}
+pub use crate::rx::InMad;
 
 /// What a port may touch of the daemon while it sends or receives.
 #[derive(Debug, Clone, Copy)]

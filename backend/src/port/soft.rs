@@ -33,45 +33,11 @@ use pvcm_wire::roce::{
 };
 use pvcm_wire::{Error as WireError, Gid};
 
-use crate::daemon::Error;
+use crate::error::Error;
 use crate::port::{InMad, PortCtx};
 use crate::stats::{DevDrop, Io};
 
-/// How the soft port receives frames (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RxMode {
-    /// Raw if `CAP_NET_RAW` allows it, else udp with a warning.
-    #[default]
-    Auto,
-    /// A raw IPv4 socket: the ICRC is checked over the header as received.
-    Raw,
-    /// The per-VM UDP sockets: only senders that write IP ID 0 pass the ICRC.
-    Udp,
-}
-
-impl RxMode {
-    /// The mode's name, as the CLI takes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            RxMode::Auto => "auto",
-            RxMode::Raw => "raw",
-            RxMode::Udp => "udp",
-        }
-    }
-}
-
-impl std::str::FromStr for RxMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<RxMode, String> {
-        match s {
-            "auto" => Ok(RxMode::Auto),
-            "raw" => Ok(RxMode::Raw),
-            "udp" => Ok(RxMode::Udp),
-            _ => Err(format!("{s:?} is not a receive mode (auto, raw, udp)")),
-        }
-    }
-}
+pub use crate::config::RxMode;
 
 /// Datagrams per `recvmmsg`/`sendmmsg` call.
 pub const BATCH: usize = 64;

@@ -37,7 +37,7 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad::{MAD_LEN, MGMT_CLASS_CM};
 use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr};
 
-use crate::daemon::Error;
+use crate::error::Error;
 use crate::port::{InMad, PortCtx, WirePort};
 use crate::stats::{DevDrop, Io};
 

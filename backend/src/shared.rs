@@ -1,0 +1,184 @@
+//! The state shared by the VM threads, their devices and the host loop: the mux behind
+//! one lock, the VM ports, the wire port.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pvcm_wire::Gid;
+use pvcm_wire::abi;
+use pvcm_wire::mad::MAD_LEN;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::mux::{Mux, Outgoing, SystemClock, Time, VmId};
+use crate::pcap::Capture;
+use crate::port::{PortCtx, WirePort};
+use crate::rx::RxMsg;
+use crate::stats::{DevCounters, Figures, Snapshot, VmFigures};
+use crate::vm_port::{VmPort, lock};
+
+/// The mux and the map from its VM IDs to ports, under one lock.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) mux: Mux<SystemClock>,
+    pub(crate) by_vm: HashMap<VmId, usize>,
+}
+
+/// State shared by the VM threads, their devices and the host loop.
+#[derive(Debug)]
+pub struct Shared {
+    pub(crate) core: Mutex<Core>,
+    pub(crate) ports: Vec<Arc<VmPort>>,
+    pub(crate) by_gid: HashMap<Gid, usize>,
+    pub(crate) capture: Option<Capture>,
+    pub(crate) timer_wake: EventFd,
+    pub(crate) armed: AtomicU64,
+    pub(crate) default_quota: u32,
+    pub(crate) policy: String,
+    /// The wire port (soft or umad).
+    pub(crate) port: Box<dyn WirePort>,
+    /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
+    pub(crate) port_counters: DevCounters,
+    pub(crate) stop: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn lock_core(&self) -> MutexGuard<'_, Core> {
+        lock(&self.core)
+    }
+
+    pub(crate) fn default_quota(&self) -> u32 {
+        self.default_quota
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Tells the host loop to re-arm its timer if `next` is earlier than what it armed.
+    pub(crate) fn note_deadline(&self, next: Option<Time>) {
+        if let Some(t) = next {
+            if t.0 < self.armed.load(Ordering::Relaxed) {
+                let _ = self.timer_wake.write(1);
+            }
+        }
+    }
+
+    pub(crate) fn port_ctx(&self) -> PortCtx<'_> {
+        PortCtx {
+            vms: &self.ports,
+            host: &self.port_counters,
+            capture: self.capture.as_ref(),
+        }
+    }
+
+    /// Sends MADs from `port` to their GIDs.
+    pub(crate) fn send_mads(&self, port: &VmPort, mads: &[(Gid, [u8; MAD_LEN])]) {
+        if mads.is_empty() {
+            return;
+        }
+        self.port.send(&self.port_ctx(), port.index, mads);
+    }
+
+    /// Sends what the mux queued itself, each from its source VM's socket.
+    pub(crate) fn send_outgoing(&self, out: Vec<Outgoing>) {
+        let mut per_port: HashMap<usize, Vec<(Gid, [u8; MAD_LEN])>> = HashMap::new();
+        for o in out {
+            match self.by_gid.get(&o.src) {
+                Some(&p) => per_port.entry(p).or_default().push((o.dst, o.mad)),
+                None => tracing::warn!(src = %o.src, "mux MAD from a GID with no port: not sent"),
+            }
+        }
+        for (p, mads) in per_port {
+            if let Some(port) = self.ports.get(p) {
+                tracing::debug!(parent: &port.span, n = mads.len(), "sending MADs on the VM's behalf");
+                self.send_mads(port, &mads);
+            }
+        }
+    }
+
+    /// Attaches the port's VM to the mux (a session began).
+    pub(crate) fn attach(&self, port: &VmPort) -> Option<VmId> {
+        let mut cur = lock(&port.current);
+        if let Some(vm) = *cur {
+            return Some(vm);
+        }
+        if let Err(e) = self.port.attach(port.index) {
+            tracing::error!(parent: &port.span, error = %e, "attach refused");
+            return None;
+        }
+        let mut core = self.lock_core();
+        match core.mux.attach_vm(port.spec.vm.clone()) {
+            Ok(vm) => {
+                core.by_vm.insert(vm, port.index);
+                *cur = Some(vm);
+                Some(vm)
+            }
+            Err(e) => {
+                tracing::error!(parent: &port.span, error = %e, "attach failed");
+                None
+            }
+        }
+    }
+
+    /// Detaches the port's VM (its session ended): the mux releases its connections;
+    /// what it sends on the VM's behalf goes out now.
+    pub(crate) fn detach(&self, port: &VmPort) {
+        let mut cur = lock(&port.current);
+        let Some(vm) = cur.take() else {
+            return;
+        };
+        let (out, next) = {
+            let mut core = self.lock_core();
+            core.mux.detach_vm(vm);
+            core.by_vm.remove(&vm);
+            let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
+            (out, core.mux.next_deadline())
+        };
+        drop(cur);
+        lock(&port.rx).clear();
+        tracing::info!(parent: &port.span, on_behalf = out.len(), "VM detached");
+        self.send_outgoing(out);
+        self.note_deadline(next);
+    }
+
+    /// A device reset: the VM's connections are released and it starts afresh; the
+    /// driver is told with an EVENT(DEVICE_RESET).
+    pub(crate) fn reset_vm(&self, port: &VmPort) {
+        if port.current_vm().is_none() {
+            return;
+        }
+        self.detach(port);
+        self.attach(port);
+        port.push_rx(RxMsg::event(abi::Event::DeviceReset));
+        port.wake_rx();
+    }
+
+    /// Every figure, per VM and summed.
+    pub fn snapshot(&self) -> Snapshot {
+        // Lock order: a port's `current`, then the core (as attach and detach do).
+        let current: Vec<Option<VmId>> = self.ports.iter().map(|p| p.current_vm()).collect();
+        let core = self.lock_core();
+        let host_stats = core.mux.host_stats();
+        let mut vms = Vec::new();
+        for (p, &vm) in self.ports.iter().zip(&current) {
+            let s = vm.map(|v| core.mux.vm_stats(v)).unwrap_or_default();
+            vms.push(VmFigures {
+                name: p.spec.vm.name.clone(),
+                gid: p.spec.vm.gid.to_string(),
+                socket: p.spec.socket.display().to_string(),
+                attached: vm.is_some(),
+                figures: Figures::new(&s, &[&p.counters]),
+            });
+        }
+        drop(core);
+        let mut all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
+        all.push(&self.port_counters);
+        Snapshot {
+            policy: self.policy.clone(),
+            wire_rx: self.port.rx_mode(),
+            vms,
+            host: Figures::new(&host_stats, &all),
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! One configured VM as the daemon keeps it across sessions: its rx backlog, counters,
+//! wake eventfd and current session.
+
+use std::fmt;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use vhost_user_backend::ShutdownHandle;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::backlog::RxBacklog;
+use crate::config::VmSpec;
+use crate::mux::VmId;
+use crate::rx::RxMsg;
+use crate::stats::DevCounters;
+
+/// Locks a mutex, taking over a poisoned one (a panicking thread leaves no state half
+/// written that the others could not use).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The handle that ends a VM's vhost-user session.
+pub(crate) struct Session(pub(crate) ShutdownHandle);
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Session")
+    }
+}
+
+/// One configured VM: its rx backlog and counters, across sessions.
+#[derive(Debug)]
+pub struct VmPort {
+    pub(crate) index: usize,
+    pub(crate) spec: VmSpec,
+    pub(crate) current: Mutex<Option<VmId>>,
+    pub(crate) rx: Mutex<RxBacklog>,
+    pub(crate) rx_wake: EventFd,
+    pub(crate) counters: DevCounters,
+    pub(crate) session: Mutex<Option<Session>>,
+    pub(crate) span: tracing::Span,
+}
+
+impl VmPort {
+    /// The mux's ID of the VM's current session.
+    pub(crate) fn current_vm(&self) -> Option<VmId> {
+        *lock(&self.current)
+    }
+
+    pub(crate) fn lock_rx(&self) -> MutexGuard<'_, RxBacklog> {
+        lock(&self.rx)
+    }
+
+    /// Queues a message for the VM's rx; false (and counted) when the backlog is full.
+    pub(crate) fn push_rx(&self, m: RxMsg) -> bool {
+        let r = lock(&self.rx).push(m);
+        match r {
+            Ok(()) => true,
+            Err(reason) => {
+                self.counters.drop(reason);
+                tracing::debug!(parent: &self.span, reason = reason.name(), "rx backlog budget spent: message dropped");
+                false
+            }
+        }
+    }
+
+    /// Wakes the VM's worker to deliver its backlog.
+    pub(crate) fn wake_rx(&self) {
+        let _ = self.rx_wake.write(1);
+    }
+}
