@@ -12,8 +12,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pvcm_guest::device::{DeviceError, Queues, Transport};
+use pvcm_guest::device::{Queues, Transport};
 use pvcm_guest::time::ManualClock;
+use pvcm_guest::transport::TransportError;
 use pvcm_guest::transport::pci::QueueSetup;
 use pvcm_guest::virtq::{LinearDma, Notify, features};
 use pvcm_wire::Gid;
@@ -334,7 +335,7 @@ impl Transport for FakeTransport {
         self.features
     }
 
-    fn wait(&mut self, timeout: Duration) -> Result<(), DeviceError> {
+    fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         self.waits += 1;
         let n = self.host.lock().unwrap().step();
         if n == 0 {

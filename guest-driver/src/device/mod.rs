@@ -48,8 +48,7 @@ use std::time::Duration;
 
 use pvcm_wire::Gid;
 use pvcm_wire::abi::{
-    self, Event as AbiEvent, HEADER_LEN, MsgHeader, MsgType, PortInfo, RX_BUFFER_LEN, RX_QUEUE,
-    TX_QUEUE,
+    self, Event as AbiEvent, HEADER_LEN, MsgHeader, MsgType, PortInfo, RX_BUFFER_LEN,
 };
 use pvcm_wire::mad::{AttributeId, MAD_LEN};
 
@@ -58,96 +57,9 @@ use crate::cm::{
     SplitMix64,
 };
 use crate::time::{Clock, SystemClock, Time};
-use crate::transport::pci::{PciError, QueueSetup};
-use crate::virtq::{DmaError, DmaMemory, MsgQueue, Notify, Virtq, VirtqConfig, VirtqError};
-
-/// What the device layer needs from a transport besides notifying queues
-/// ([`Notify`]).
-pub trait Transport: Notify {
-    /// The virtio features negotiated with the device.
-    fn features(&self) -> u64;
-
-    /// Blocks until the device may have returned used buffers (a used-buffer
-    /// notification on either queue) or `timeout` has passed, whichever is first.
-    /// Spurious and early returns are allowed: the caller re-checks the rings.
-    /// Transports without notifications sleep a short poll interval.
-    fn wait(&mut self, timeout: Duration) -> Result<(), DeviceError>;
-
-    /// A short description for logs and `info` ("lab", "pci 0000:00:04.0").
-    fn describe(&self) -> String;
-}
-
-impl<T: Transport + ?Sized> Transport for Box<T> {
-    fn features(&self) -> u64 {
-        (**self).features()
-    }
-    fn wait(&mut self, timeout: Duration) -> Result<(), DeviceError> {
-        (**self).wait(timeout)
-    }
-    fn describe(&self) -> String {
-        (**self).describe()
-    }
-}
-
-impl<T: Notify + ?Sized> Notify for Box<T> {
-    fn notify(&self, queue: u16) {
-        (**self).notify(queue)
-    }
-}
-
-/// The device's two queues: 0 = tx (driver -> device), 1 = rx (device -> driver), each
-/// with one buffer of `abi::RX_BUFFER_LEN` bytes per descriptor.
-#[derive(Debug)]
-pub struct Queues {
-    /// Queue 0: messages to the device.
-    pub tx: MsgQueue,
-    /// Queue 1: messages from the device.
-    pub rx: MsgQueue,
-}
-
-impl Queues {
-    /// Bytes of each buffer: a header and the largest payload.
-    pub const SLOT_LEN: usize = RX_BUFFER_LEN;
-
-    /// Allocates both queues of `size` descriptors (a power of two, at most 1024) from
-    /// `dma`, using what the negotiated `features` allow (EVENT_IDX; indirect
-    /// descriptors are never needed: every message is one buffer).
-    pub fn new<D: DmaMemory + ?Sized>(
-        dma: &D,
-        size: u16,
-        features: u64,
-    ) -> Result<Queues, VirtqError> {
-        let cfg = |q: u16| {
-            VirtqConfig::new(q, size)
-                .with_features(features)
-                .with_indirect(0)
-        };
-        Ok(Queues {
-            tx: MsgQueue::new(dma, cfg(TX_QUEUE), Self::SLOT_LEN)?,
-            rx: MsgQueue::new(dma, cfg(RX_QUEUE), Self::SLOT_LEN)?,
-        })
-    }
-
-    /// An upper bound of the DMA memory [`Queues::new`] takes for queues of `size`,
-    /// alignment padding included (for sizing a DMA window).
-    pub fn dma_bytes(size: u16) -> usize {
-        let n = usize::from(size);
-        let ring = Virtq::ring_bytes(size) + 4096;
-        let pool = Self::SLOT_LEN.next_multiple_of(64) * n + 64;
-        2 * (ring + pool)
-    }
-
-    /// Where the device finds each queue (index, size, ring addresses as device
-    /// addresses): what a VMM gives `VHOST_USER_SET_VRING_*` (after translating the
-    /// guest-physical addresses to its own) or a PCI driver writes to the common
-    /// configuration.
-    pub fn setups(&self) -> [QueueSetup; 2] {
-        [
-            QueueSetup::from(self.tx.virtq()),
-            QueueSetup::from(self.rx.virtq()),
-        ]
-    }
-}
+use crate::transport::pci::PciError;
+pub use crate::transport::{Queues, Transport, TransportError};
+use crate::virtq::{DmaError, MsgQueue, VirtqError};
 
 /// How [`Device::start`] builds the agent.
 #[derive(Debug, Clone, Copy)]
@@ -253,6 +165,15 @@ pub enum DeviceError {
     /// A bad argument (queue size, option).
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<TransportError> for DeviceError {
+    fn from(e: TransportError) -> DeviceError {
+        DeviceError::Io {
+            what: e.what,
+            source: e.source,
+        }
+    }
 }
 
 impl DeviceError {
@@ -1117,7 +1038,7 @@ impl<T: Transport, C: Clock> Device<T, C> {
         if blocked {
             self.tx.disable_notifications();
         }
-        r
+        Ok(r?)
     }
 
     /// Pumps until `done(self)` holds (tested after every pump) or `timeout` has passed
@@ -1204,6 +1125,7 @@ impl<T: Transport, C: Clock> Device<T, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pvcm_wire::abi::RX_QUEUE;
 
     #[test]
     fn read_msg_checks_lengths() {

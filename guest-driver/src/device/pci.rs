@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use pvcm_wire::abi::{self, RX_QUEUE, TX_QUEUE};
 
-use super::{DeviceError, Queues, Transport};
+use super::{DeviceError, Queues, Transport, TransportError};
 use crate::transport::pci::sysfs::{VIRTIO_PCI_MODERN_DEVICE_BASE, VIRTIO_PCI_VENDOR};
 use crate::transport::pci::{
     HugeDma, MmapBar, Mmio, PciError, PciNotifier, VirtioPciDevice, find_virtio_pci,
@@ -221,7 +221,7 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
     }
 
     /// Sleeps the poll interval (or `timeout`, if shorter): there are no interrupts.
-    fn wait(&mut self, timeout: Duration) -> Result<(), DeviceError> {
+    fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         let d = timeout.min(self.poll_interval);
         if !d.is_zero() {
             std::thread::sleep(d);

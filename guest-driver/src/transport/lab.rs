@@ -43,7 +43,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::device::{DeviceError, Queues, Transport};
+use super::{Queues, Transport, TransportError};
+use crate::virtq::VirtqError;
 use crate::virtq::{DmaRegion, Keepalive, LinearDma, Notify};
 
 /// The lab's device transport (see the [module documentation](self)).
@@ -141,9 +142,9 @@ impl<F: AsRawFd> LabTransport<F> {
 
     /// Allocates both queues (`queue_size` descriptors, a power of two up to 1024) in
     /// the window. Give their [`Queues::setups`] to the backend, then the queues to
-    /// [`crate::device::Device::start`].
-    pub fn queues(&self, queue_size: u16) -> Result<Queues, DeviceError> {
-        Ok(Queues::new(&self.dma, queue_size, self.features)?)
+    /// `Device::start` (`crate::device`).
+    pub fn queues(&self, queue_size: u16) -> Result<Queues, VirtqError> {
+        Queues::new(&self.dma, queue_size, self.features)
     }
 
     /// The window's allocator (for extra buffers).
@@ -190,7 +191,7 @@ impl<F: AsRawFd> Transport for LabTransport<F> {
     }
 
     /// `ppoll`s both call eventfds for up to `timeout` and drains those that fired.
-    fn wait(&mut self, timeout: Duration) -> Result<(), DeviceError> {
+    fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         let mut fds = [
             libc::pollfd {
                 fd: self.calls[0].as_raw_fd(),
@@ -217,7 +218,7 @@ impl<F: AsRawFd> Transport for LabTransport<F> {
             if e.kind() == io::ErrorKind::Interrupted {
                 return Ok(());
             }
-            return Err(DeviceError::Io {
+            return Err(TransportError {
                 what: "ppoll on the call eventfds".into(),
                 source: e,
             });
