@@ -32,17 +32,11 @@ pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
 /// Largest accepted backlog budget, per VM or host-wide (64 GiB).
 pub const MAX_BACKLOG_BYTES: usize = 64 << 30;
 
-/// A configuration error: what was wrong, in words for the operator.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A configuration error: what was wrong, in words for the operator (naming the option
+/// and the values it takes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct ConfigError(pub String);
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))
@@ -221,8 +215,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Cache policy: default, mlx4-pre2020 or mlx4-post2020.
-    #[arg(long, value_name = "POLICY")]
-    pub policy: Option<String>,
+    #[arg(long, value_name = "POLICY", value_parser = Policy::from_str)]
+    pub policy: Option<Policy>,
     /// Unix socket for `pvcm-backend stat`.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
@@ -252,14 +246,14 @@ pub struct ServeArgs {
     /// it needs CAP_NET_RAW. `udp` needs no privilege but accepts only senders that
     /// write IP ID 0 (pvcm peers). `auto` (default): raw if permitted, else udp with a
     /// warning.
-    #[arg(long, value_name = "MODE")]
-    pub wire_rx: Option<String>,
+    #[arg(long, value_name = "MODE", value_enum)]
+    pub wire_rx: Option<RxMode>,
     /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP) or
     /// `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through /dev/infiniband/umadN,
     /// e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not be loaded; see
     /// docs/umad.md). --wire-rx and --bind-port apply to the soft port only.
-    #[arg(long, value_name = "PORT")]
-    pub port: Option<String>,
+    #[arg(long, value_name = "PORT", value_parser = PortSpec::from_str)]
+    pub port: Option<PortSpec>,
     /// sysfs mount (the umad port reads the GID and P_Key tables there).
     #[arg(long, value_name = "DIR", hide = true)]
     pub sysfs: Option<PathBuf>,
@@ -364,8 +358,8 @@ impl Config {
             vms.push(VmSpec::from_str(v)?);
         }
         let mut cfg = Config::new(vms);
-        if let Some(p) = &args.policy {
-            cfg.policy = Policy::from_str(p).map_err(|e| ConfigError(format!("--policy: {e}")))?;
+        if let Some(p) = args.policy {
+            cfg.policy = p;
         }
         cfg.control = args.control.clone();
         if let Some(m) = &args.metrics {
@@ -404,12 +398,11 @@ impl Config {
             }
             cfg.bind_port = n as u16;
         }
-        if let Some(m) = &args.wire_rx {
-            cfg.wire_rx =
-                RxMode::from_str(m).map_err(|e| ConfigError(format!("--wire-rx: {e}")))?;
+        if let Some(m) = args.wire_rx {
+            cfg.wire_rx = m;
         }
         if let Some(p) = &args.port {
-            cfg.port = PortSpec::from_str(p).map_err(|e| ConfigError(format!("--port: {e}")))?;
+            cfg.port = p.clone();
         }
         if let Some(d) = &args.sysfs {
             cfg.sysfs = d.clone();
@@ -530,7 +523,7 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
 }
 
 /// How the soft port receives frames (see `port::soft`'s docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum RxMode {
     /// Raw if `CAP_NET_RAW` allows it, else udp with a warning.
     #[default]

@@ -358,8 +358,8 @@ impl Daemon {
     /// Binds everything (wire sockets, vhost-user sockets, control, metrics, capture) and
     /// starts the threads. When this returns, every socket accepts.
     pub fn start(cfg: Config) -> Result<Daemon, Error> {
-        cfg.validate().map_err(|e| Error(e.0))?;
-        let e = |what: String| move |err: io::Error| Error(format!("{what}: {err}"));
+        cfg.validate()?;
+        let e = |what: String| move |source: io::Error| Error::Io { what, source };
         let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
         let mut ports = Vec::new();
         let mut by_gid = HashMap::new();
@@ -429,7 +429,7 @@ impl Daemon {
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
             let l = Listener::new(&spec.socket, true).map_err(|err| {
-                Error(format!(
+                Error::Port(format!(
                     "VM {}: vhost-user socket {}: {err}",
                     spec.vm.name,
                     spec.socket.display()

@@ -1,15 +1,26 @@
 //! The daemon's error type.
 
-use std::fmt;
+use std::io;
 
-/// A daemon error: what failed, for the operator.
-#[derive(Debug)]
-pub struct Error(pub String);
+use crate::config::ConfigError;
 
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+/// A daemon error: what failed, for the operator, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is invalid (the message names the option).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An OS call failed while setting up (binding a socket, creating an fd).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, naming the VM or option concerned.
+        what: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The wire port could not be set up or refused a VM (the message says why and,
+    /// where it can, what to do: capabilities, the kernel CM, the GID table).
+    #[error("{0}")]
+    Port(String),
 }
-
-impl std::error::Error for Error {}

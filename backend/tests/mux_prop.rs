@@ -982,7 +982,7 @@ impl World {
                 if self.slots[vm].attached {
                     prop_assert!(r.is_err(), "two attached VMs with GID {}", cfg.gid);
                 } else {
-                    let id = r.map_err(TestCaseError::fail)?;
+                    let id = r.map_err(|e| TestCaseError::fail(e.to_string()))?;
                     prop_assert!(!self.vm_gid.contains_key(&id), "VmId {:?} reused", id);
                     self.vm_gid.insert(id, cfg.gid);
                     self.slots[vm] = Slot {

@@ -55,15 +55,18 @@ impl fmt::Display for Policy {
     }
 }
 
+/// A policy name that is none of [`Policy::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {0:?} (expected default, mlx4-pre2020 or mlx4-post2020)")]
+pub struct UnknownPolicy(pub String);
+
 impl FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Policy, String> {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Policy, UnknownPolicy> {
         Policy::ALL
             .into_iter()
             .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                format!("unknown policy {s:?} (expected default, mlx4-pre2020 or mlx4-post2020)")
-            })
+            .ok_or_else(|| UnknownPolicy(s.to_string()))
     }
 }
 

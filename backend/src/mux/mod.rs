@@ -40,7 +40,7 @@ use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as cmf};
 use pvcm_wire::mad::{self, AttributeId};
 
 pub use clock::{Clock, ManualClock, SystemClock, Time};
-pub use config::{MuxConfig, Policy, VmConfig};
+pub use config::{MuxConfig, Policy, UnknownPolicy, VmConfig};
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace};
 pub use table::State;
@@ -49,6 +49,22 @@ use peers::{Peer, Peers};
 use table::{Entry, NO_VM, flag};
 
 type FastMap<K, V> = HashMap<K, V, RandomState>;
+
+/// Why [`Mux::attach_vm`] refused a VM.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AttachError {
+    /// Another attached VM has the same GID: give each VM its own address.
+    #[error("GID {gid} is already used by VM {name:?}")]
+    GidInUse {
+        /// The GID.
+        gid: Gid,
+        /// The VM that has it.
+        name: String,
+    },
+    /// VM IDs are never reused and all 2^32 are spent: restart the daemon.
+    #[error("too many VMs")]
+    TooManyVms,
+}
 
 /// A VM attached to the mux. IDs are never reused, so a stale ID never names a new VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -228,14 +244,14 @@ impl<C: Clock> Mux<C> {
     // VMs
 
     /// Attaches a VM. Fails if another attached VM has the same GID.
-    pub fn attach_vm(&mut self, cfg: VmConfig) -> Result<VmId, String> {
+    pub fn attach_vm(&mut self, cfg: VmConfig) -> Result<VmId, AttachError> {
         if let Some(&other) = self.gid_to_vm.get(&cfg.gid) {
-            return Err(format!(
-                "GID {} is already used by VM {:?}",
-                cfg.gid, self.vms[other as usize].cfg.name
-            ));
+            return Err(AttachError::GidInUse {
+                gid: cfg.gid,
+                name: self.vms[other as usize].cfg.name.clone(),
+            });
         }
-        let id = u32::try_from(self.vms.len()).map_err(|_| "too many VMs".to_string())?;
+        let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
         self.gid_to_vm.insert(cfg.gid, id);
         self.vms.push(Vm {
             quota: cfg.quota.unwrap_or(self.cfg.default_quota),

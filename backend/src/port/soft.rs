@@ -607,7 +607,7 @@ fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<Raw
         RxMode::Udp => Ok(None),
         RxMode::Raw => RawRx::open(port, addrs)
             .map(Some)
-            .map_err(|err| Error(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
+            .map_err(|err| Error::Port(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
         RxMode::Auto => match RawRx::open(port, addrs) {
             Ok(r) => Ok(Some(r)),
             Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
@@ -618,7 +618,7 @@ fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<Raw
                 );
                 Ok(None)
             }
-            Err(err) => Err(Error(format!("raw wire socket: {err}"))),
+            Err(err) => Err(Error::Port(format!("raw wire socket: {err}"))),
         },
     }
 }
@@ -637,7 +637,7 @@ impl SoftPort {
         let mut by_addr = std::collections::HashMap::new();
         for (i, (name, a)) in addrs.iter().enumerate() {
             let s = UdpPort::bind(*a, port_num).map_err(|err| {
-                Error(format!(
+                Error::Port(format!(
                     "VM {name}: wire port {a}:{port_num} (is the address local?): {err}"
                 ))
             })?;
@@ -647,7 +647,7 @@ impl SoftPort {
         if raw.is_some() {
             for (s, (name, _)) in socks.iter().zip(addrs) {
                 s.discard_rx()
-                    .map_err(|err| Error(format!("VM {name}: wire socket filter: {err}")))?;
+                    .map_err(|err| Error::Port(format!("VM {name}: wire socket filter: {err}")))?;
             }
         }
         Ok(SoftPort {

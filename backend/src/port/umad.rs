@@ -379,20 +379,20 @@ impl UmadPort {
             .join("ports")
             .join(port.to_string());
         if !port_dir.is_dir() {
-            return Err(Error(format!(
+            return Err(Error::Port(format!(
                 "--port {name}: no such RDMA device port ({} does not exist; `rdma link \
                  show` lists the devices)",
                 port_dir.display()
             )));
         }
         let umad = find_umad(sysfs, device, port).map_err(|e| {
-            Error(format!(
+            Error::Port(format!(
                 "--port {name}: {e}: is ib_umad loaded (`modprobe ib_umad`)?"
             ))
         })?;
         let path = Path::new("/dev/infiniband").join(&umad);
         let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| Error(format!("--port {name}: bad path {}", path.display())))?;
+            .map_err(|_| Error::Port(format!("--port {name}: bad path {}", path.display())))?;
         // SAFETY: `c_path` is a NUL-terminated path that lives across the call.
         let fd = unsafe {
             libc::open(
@@ -408,7 +408,7 @@ impl UmadPort {
             } else {
                 ""
             };
-            return Err(Error(format!(
+            return Err(Error::Port(format!(
                 "--port {name}: open {}: {e}{hint}",
                 path.display()
             )));
@@ -416,7 +416,7 @@ impl UmadPort {
         // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         ioctl(fd.as_raw_fd(), IOCTL_ENABLE_PKEY, std::ptr::null_mut()).map_err(|e| {
-            Error(format!(
+            Error::Port(format!(
                 "--port {name}: IB_USER_MAD_ENABLE_PKEY on {}: {e} (kernel too old?)",
                 path.display()
             ))
@@ -446,14 +446,14 @@ impl UmadPort {
                 "the kernel refused the CM agent (another user-space CM agent may hold the \
                  class on this port)"
             };
-            return Err(Error(format!(
+            return Err(Error::Port(format!(
                 "--port {name}: registering a CM agent on {}: {e}: {why}",
                 path.display()
             )));
         }
         let pkeys = read_pkeys(&port_dir);
         let pkey_index = default_pkey_index(&pkeys).ok_or_else(|| {
-            Error(format!(
+            Error::Port(format!(
                 "--port {name}: no default P_Key (0xFFFF or 0x7FFF) in {}",
                 port_dir.join("pkeys").display()
             ))
@@ -472,7 +472,7 @@ impl UmadPort {
             pkey_index,
         };
         let table = read_gid_table(&p.port_dir).map_err(|e| {
-            Error(format!(
+            Error::Port(format!(
                 "--port {}: GID table {}: {e}",
                 p.name,
                 p.port_dir.display()
@@ -862,11 +862,11 @@ mod tests {
     fn open_errors_are_clear() {
         let d = tempfile::tempdir().unwrap();
         let e = UmadPort::open(d.path(), "rxe9", 1, &[]).unwrap_err();
-        assert!(e.0.contains("no such RDMA device port"), "{e}");
+        assert!(e.to_string().contains("no such RDMA device port"), "{e}");
         let p = fake_port(d.path());
         fs::remove_dir_all(d.path().join("class/infiniband_mad")).unwrap();
         let e = UmadPort::open(d.path(), "rxe0", 1, &[]).unwrap_err();
-        assert!(e.0.contains("ib_umad"), "{e}");
+        assert!(e.to_string().contains("ib_umad"), "{e}");
         let _ = p;
     }
 }
