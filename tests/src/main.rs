@@ -8,6 +8,8 @@
 //!
 //! `pvcm-lab attach --socket PATH COMMAND` attaches one in-process VM to a running
 //! backend and runs a `pvcm-guest` command through it (see `lab::attach`).
+//! `pvcm-lab hostile` measures a neighbour VM alone and while a hostile VM floods the
+//! same backend (see `lab::hostile`).
 
 use std::process::ExitCode;
 
@@ -24,6 +26,9 @@ fn main() -> ExitCode {
     }
     if rest.first().is_some_and(|a| a == "attach") {
         return pvcm_lab::lab::attach::main(rest.into_iter().skip(1));
+    }
+    if rest.first().is_some_and(|a| a == "hostile") {
+        return pvcm_lab::lab::hostile::main(rest.into_iter().skip(1));
     }
     cli::main(Cli::parse())
 }

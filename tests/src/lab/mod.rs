@@ -29,6 +29,7 @@ pub mod attach;
 pub mod cli;
 pub mod guest;
 pub mod host;
+pub mod hostile;
 pub mod opts;
 pub mod progress;
 pub mod relay;
