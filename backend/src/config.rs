@@ -501,7 +501,7 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
     ServeArgs {
         vms,
         config: None,
-        policy: cli.policy.clone().or_else(|| file.policy.clone()),
+        policy: cli.policy.or(file.policy),
         control: cli.control.clone().or_else(|| file.control.clone()),
         metrics: cli.metrics.clone().or_else(|| file.metrics.clone()),
         pcap: cli.pcap.clone().or_else(|| file.pcap.clone()),
@@ -515,7 +515,7 @@ fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
             .clone()
             .or_else(|| file.rx_host_backlog_bytes.clone()),
         bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
-        wire_rx: cli.wire_rx.clone().or_else(|| file.wire_rx.clone()),
+        wire_rx: cli.wire_rx.or(file.wire_rx),
         port: cli.port.clone().or_else(|| file.port.clone()),
         sysfs: cli.sysfs.clone().or_else(|| file.sysfs.clone()),
         seed: cli.seed.clone().or_else(|| file.seed.clone()),
