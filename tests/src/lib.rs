@@ -1,10 +1,10 @@
 //! `pvcm-lab`: the multi-VM lab.
 //!
-//! What exists so far (issue 4): the VMM side that drives `pvcm-backend` as QEMU would —
-//! memfd guest memory, the `vhost` crate's vhost-user frontend, and the guest driver's
-//! split virtqueues (`pvcm-guest`) over that memory ([`vmm::LabVm`]) — plus hand-built
-//! CM MADs ([`mads`]) and helpers to run backends in-process ([`backend`]). The seed
-//! scenarios (issue 6) will build on these.
+//! The VMM side that drives `pvcm-backend` as QEMU would — memfd guest memory, the
+//! `vhost` crate's vhost-user frontend, and the guest driver's split virtqueues
+//! (`pvcm-guest`) over that memory ([`vmm::LabVm`]) — hand-built CM MADs ([`mads`]),
+//! helpers to run backends in-process ([`backend`]), and the lab itself ([`lab`]: hosts,
+//! VMs, the seed scenarios, `rate`, `cmtime`, `attach`; see `docs/lab.md`).
 
 #![warn(missing_docs)]
 #![allow(clippy::missing_panics_doc)]

@@ -16,8 +16,8 @@
 //!
 //! # Where this runs
 //!
-//! Only inside a VM (QEMU with the pvcm device in front of `pvcm-backend`, a later
-//! issue), as root, with huge pages reserved and no vIOMMU. Here it compiles and its
+//! Only inside a VM (QEMU with the pvcm device in front of `pvcm-backend`, see
+//! `qemu-scripts/` and `docs/qemu.md`), as root, with huge pages reserved and no vIOMMU. Here it compiles and its
 //! logic is unit-tested against fake register files (the init sequence, queue sizing,
 //! the config-space check, notify offsets, reset on drop) and fake sysfs trees
 //! (discovery errors without side effects).
