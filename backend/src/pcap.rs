@@ -50,9 +50,34 @@ pub struct Capture {
 }
 
 impl Capture {
-    /// Creates (truncates) the file and writes the pcap header.
+    /// Creates (truncates) the file, mode 0600, and writes the pcap header. A symlink at
+    /// `path` is refused (`O_NOFOLLOW`), so a link another local user planted cannot
+    /// redirect the daemon's writes, and so is anything but a regular file.
     pub fn create(path: &Path) -> io::Result<Capture> {
-        let file = File::create(path)?;
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| {
+                if e.raw_os_error() == Some(libc::ELOOP) {
+                    io::Error::new(e.kind(), "is a symbolic link; give the file itself")
+                } else {
+                    e
+                }
+            })?;
+        let ft = file.metadata()?.file_type();
+        if !ft.is_file() || ft.is_fifo() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        // Truncate only once it is known to be our regular file.
+        file.set_len(0)?;
         let pending = Pending::default();
         let header = PcapHeader {
             datalink: DataLink::RAW,
@@ -164,5 +189,25 @@ mod tests {
         let p2 = r.next_packet().unwrap().unwrap();
         assert_eq!(p2.data.len(), 41);
         assert!(r.next_packet().is_none());
+    }
+
+    #[test]
+    fn a_planted_symlink_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("victim");
+        std::fs::write(&target, b"precious").unwrap();
+        let link = dir.path().join("cap.pcap");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = Capture::create(&link).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+        // A regular file is created 0600.
+        let f = dir.path().join("ok.pcap");
+        Capture::create(&f).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
     }
 }
