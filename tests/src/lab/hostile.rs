@@ -15,10 +15,12 @@
 //! memory before, during (maximum) and after, what the flood sent and what the backend
 //! counted against the hostile VM, and the neighbour's own drops (which must stay 0).
 //!
-//!     cargo run --release -p pvcm-lab -- hostile [--connections 2000]
+//! ```text
+//! cargo run --release -p pvcm-lab -- hostile [--connections 2000]
+//! ```
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -380,7 +382,7 @@ fn header(msg_type: u16, len: u32) -> Vec<u8> {
 
 /// The hostile VM: sessions of bad input, a device reset between them, until `stop`.
 fn flood(
-    socket: &PathBuf,
+    socket: &Path,
     me: Gid,
     victim: Gid,
     resets: u32,
