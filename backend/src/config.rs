@@ -220,7 +220,8 @@ pub struct ServeArgs {
     /// Unix socket for `pvcm-backend stat`.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
-    /// Serve Prometheus text metrics over HTTP on this address (e.g. 127.0.0.1:9791).
+    /// Serve Prometheus text metrics over HTTP: a port (bound on 127.0.0.1) or an
+    /// address:port (give 0.0.0.0:PORT or another address to serve beyond the host).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
     /// Capture every frame sent and received to this pcap file (IPv4, LINKTYPE_RAW).
@@ -363,11 +364,7 @@ impl Config {
         }
         cfg.control = args.control.clone();
         if let Some(m) = &args.metrics {
-            cfg.metrics = Some(SocketAddr::from_str(m).map_err(|_| {
-                ConfigError(format!(
-                    "--metrics {m:?}: not an address:port (e.g. 127.0.0.1:9791)"
-                ))
-            })?);
+            cfg.metrics = Some(parse_metrics_addr(m)?);
         }
         cfg.pcap = args.pcap.clone();
         if let Some(n) = &args.rx_backlog {
@@ -451,6 +448,19 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `--metrics`: a bare port binds loopback only; an address:port is taken as given.
+fn parse_metrics_addr(m: &str) -> Result<SocketAddr, ConfigError> {
+    if let Ok(port) = m.parse::<u16>() {
+        return Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
+    }
+    SocketAddr::from_str(m).map_err(|_| {
+        ConfigError(format!(
+            "--metrics {m:?}: a port (bound on 127.0.0.1, e.g. 9791) or an address:port \
+             (e.g. 127.0.0.1:9791)"
+        ))
+    })
 }
 
 /// Reads a config file into arguments (one option per line, `#` comments).
@@ -664,6 +674,22 @@ mod tests {
             let e = VmSpec::from_str(s).unwrap_err();
             assert!(e.0.contains(want), "{s}: {e}");
         }
+    }
+
+    #[test]
+    fn metrics_binds_loopback_unless_told_otherwise() {
+        let c = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", "--metrics", "9791"]).unwrap();
+        assert_eq!(c.metrics, Some("127.0.0.1:9791".parse().unwrap()));
+        let c = parse(&[
+            "--vm",
+            "socket=/tmp/x,gid=127.1.0.1",
+            "--metrics",
+            "0.0.0.0:9791",
+        ])
+        .unwrap();
+        assert_eq!(c.metrics, Some("0.0.0.0:9791".parse().unwrap()));
+        let e = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", "--metrics", "x"]).unwrap_err();
+        assert!(e.0.contains("--metrics"), "{e}");
     }
 
     #[test]

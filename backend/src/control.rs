@@ -13,14 +13,66 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::shared::Shared;
 use crate::stats::Snapshot;
 
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Requests (control and metrics together) answered at once, each on its own short
+/// thread; a connection past this is closed unanswered, so a local client that opens
+/// connections without end cannot make the daemon grow threads without end.
+pub(crate) const MAX_SERVING: usize = 4;
+
+/// The count of requests being answered.
+#[derive(Debug, Default)]
+pub(crate) struct Serving(AtomicUsize);
+
+/// One request's place among [`MAX_SERVING`]; given back when dropped.
+pub(crate) struct ServingSlot(Arc<Serving>);
+
+impl Drop for ServingSlot {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Serving {
+    /// A place, or `None` when [`MAX_SERVING`] requests are being answered.
+    pub(crate) fn take(self: &Arc<Self>) -> Option<ServingSlot> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_SERVING).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| ServingSlot(self.clone()))
+    }
+}
+
+/// Binds a Unix socket at `path` that only its owner can connect to (mode 0600): it is
+/// bound under a temporary name, restricted, then renamed into place, so there is no
+/// moment when another local user could connect.
+pub(crate) fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    let name = path
+        .file_name()
+        .map_or_else(|| "socket".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let l = UnixListener::bind(&tmp)?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(l)
+}
 
 /// Answers one control connection.
 pub(crate) fn serve_control(shared: &Shared, mut s: UnixStream) {
@@ -129,4 +181,31 @@ pub(crate) fn read_line<R: Read>(r: &mut R, max: usize) -> io::Result<String> {
 pub(crate) fn write_all<W: Write>(w: &mut W, s: &[u8]) {
     let _ = w.write_all(s);
     let _ = w.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_control_socket_is_the_owners_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ctl");
+        let _l = bind_private(&p).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // No temporary name is left behind, and it answers.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        UnixStream::connect(&p).unwrap();
+    }
+
+    #[test]
+    fn requests_answered_at_once_are_bounded() {
+        let s: Arc<Serving> = Arc::default();
+        let held: Vec<ServingSlot> = (0..MAX_SERVING).map(|_| s.take().unwrap()).collect();
+        assert!(s.take().is_none(), "one more than MAX_SERVING");
+        drop(held);
+        assert!(s.take().is_some());
+    }
 }

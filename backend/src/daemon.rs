@@ -114,6 +114,7 @@ struct HostLoop {
     timer: Timer,
     control: Option<UnixListener>,
     metrics: Option<TcpListener>,
+    serving: Arc<crate::control::Serving>,
 }
 
 impl HostLoop {
@@ -241,20 +242,34 @@ impl HostLoop {
     fn accept_control(&self) {
         let Some(l) = &self.control else { return };
         while let Ok((s, _)) = l.accept() {
+            let Some(slot) = self.serving.take() else {
+                tracing::warn!("control: too many requests at once; connection closed");
+                continue;
+            };
             let shared = self.shared.clone();
             let _ = std::thread::Builder::new()
                 .name("pvcm-control".into())
-                .spawn(move || crate::control::serve_control(&shared, s));
+                .spawn(move || {
+                    crate::control::serve_control(&shared, s);
+                    drop(slot);
+                });
         }
     }
 
     fn accept_metrics(&self) {
         let Some(l) = &self.metrics else { return };
         while let Ok((s, _)) = l.accept() {
+            let Some(slot) = self.serving.take() else {
+                tracing::warn!("metrics: too many requests at once; connection closed");
+                continue;
+            };
             let shared = self.shared.clone();
             let _ = std::thread::Builder::new()
                 .name("pvcm-metrics".into())
-                .spawn(move || crate::control::serve_metrics(&shared, s));
+                .spawn(move || {
+                    crate::control::serve_metrics(&shared, s);
+                    drop(slot);
+                });
         }
     }
 }
@@ -440,7 +455,8 @@ impl Daemon {
         let control = match &cfg.control {
             Some(p) => {
                 let _ = std::fs::remove_file(p);
-                let l = UnixListener::bind(p).map_err(e(format!("--control {}", p.display())))?;
+                let l = crate::control::bind_private(p)
+                    .map_err(e(format!("--control {}", p.display())))?;
                 l.set_nonblocking(true).map_err(e("control".into()))?;
                 Some(l)
             }
@@ -485,6 +501,7 @@ impl Daemon {
             timer,
             control,
             metrics,
+            serving: Arc::default(),
         };
         let host = std::thread::Builder::new()
             .name("pvcm-host".into())
