@@ -12,6 +12,8 @@
 //! - [`roce`]: RoCEv2 framing of a CM MAD (BTH + DETH + MAD + ICRC) over UDP 4791.
 //! - [`gid`]: GIDs and their IPv4-mapped form; [`timeout`]: CM timeout encodings;
 //!   [`time`]: the injected clock the mux and the CM agent share.
+//! - `testing` (cargo feature `test-util`): MAD builders for tests, benchmarks and fuzz
+//!   targets.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -24,6 +26,8 @@ pub mod field;
 pub mod gid;
 pub mod mad;
 pub mod roce;
+#[cfg(feature = "test-util")]
+pub mod testing;
 pub mod time;
 pub mod timeout;
 

@@ -633,3 +633,25 @@ proptest! {
         exercise(&mut bytes);
     }
 }
+
+/// A message `Repr`'s `Default` is what an all-zero body holds: it emits zero bytes.
+#[test]
+fn default_reprs_emit_zero_bodies() {
+    let reprs = [
+        CmRepr::Req(req::Repr::default()),
+        CmRepr::Mra(mra::Repr::default()),
+        CmRepr::Rep(rep::Repr::default()),
+        CmRepr::Rtu(rtu::Repr::default()),
+        CmRepr::Dreq(dreq::Repr::default()),
+        CmRepr::Drep(drep::Repr::default()),
+        CmRepr::SidrReq(sidr_req::Repr::default()),
+        CmRepr::SidrRep(sidr_rep::Repr::default()),
+        CmRepr::Lap(lap::Repr::default()),
+        CmRepr::Apr(apr::Repr::default()),
+    ];
+    for r in reprs {
+        let mut b = [0xEEu8; 256];
+        r.emit(&Header::cm_send(r.attr(), 1), &mut b).unwrap();
+        assert!(b[24..].iter().all(|&x| x == 0), "{}", r.attr());
+    }
+}

@@ -165,7 +165,7 @@ macro_rules! ids_message {
         }
 
         #[doc = concat!("A parsed ", $name, ".")]
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
         pub struct Repr<'a> {
             /// Local Communication ID.
             pub local_comm_id: u32,
@@ -332,8 +332,10 @@ code_enum! {
 
 code_enum! {
     /// Which message a REJ rejects or an MRA acknowledges (`enum cm_msg_response`).
+    #[derive(Default)]
     MsgResponse: u8 {
         /// The REQ.
+        #[default]
         Req = 0 => "req",
         /// The REP.
         Rep = 1 => "rep",
@@ -344,8 +346,10 @@ code_enum! {
 
 code_enum! {
     /// SIDR_REP status (`enum ib_cm_sidr_status`).
+    #[derive(Default)]
     SidrStatus: u8 {
         /// Success.
+        #[default]
         Success = 0 => "success",
         /// Service ID not supported.
         Unsupported = 1 => "unsupported",
@@ -362,8 +366,10 @@ code_enum! {
 
 code_enum! {
     /// APR status (`enum ib_cm_apr_status`).
+    #[derive(Default)]
     AprStatus: u8 {
         /// Alternate path loaded.
+        #[default]
         Success = 0 => "success",
         /// Invalid Comm ID.
         InvalidCommId = 1 => "invalid_comm_id",
@@ -396,8 +402,10 @@ code_enum! {
 
 code_enum! {
     /// REP failover accepted (2 bits).
+    #[derive(Default)]
     FailoverAccepted: u8 {
         /// Failover accepted.
+        #[default]
         Accepted = 0 => "accepted",
         /// Failover not supported.
         NotSupported = 1 => "not_supported",
@@ -407,9 +415,14 @@ code_enum! {
 }
 
 /// Transport service of a REQ: the 2-bit type, plus the 3-bit extended type for XRC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// This enum and the code enums a message's `Repr` holds default to their code-0 value,
+/// so that a `Repr`'s `Default` is what an all-zero body parses to (`RejReason` has no
+/// code 0, and `rej::Repr` no `Default`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TransportService {
     /// Reliable connected.
+    #[default]
     Rc,
     /// Unreliable connected.
     Uc,
