@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 
 use pvcm_lab::backend::{self, LabVmSpec};
 use pvcm_lab::lab::scenarios::rate::raw_udp_baseline;
-use pvcm_lab::mads;
 use pvcm_lab::{LabVm, VmOpts};
 use pvcm_wire::abi::MsgType;
 use pvcm_wire::mad::AttributeId;
+use pvcm_wire::testing as mads;
 
 const BATCH: usize = 64;
 

@@ -14,11 +14,11 @@ use pvcm_backend::Daemon;
 use pvcm_backend::control;
 use pvcm_backend::stats::Snapshot;
 use pvcm_lab::backend::{self, LabVmSpec};
-use pvcm_lab::mads::{self, Mad, view};
 use pvcm_lab::{LabVm, VmOpts};
 use pvcm_wire::Gid;
 use pvcm_wire::abi::{self, MsgHeader, MsgType, SendStatus};
 use pvcm_wire::mad::AttributeId;
+use pvcm_wire::testing::{self as mads, Mad, view};
 
 const T: Duration = Duration::from_secs(5);
 

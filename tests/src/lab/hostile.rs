@@ -34,10 +34,11 @@ use pvcm_guest::device::cmtime::{self, ClientOptions, CmtimeReport, ServerOption
 use pvcm_guest::virtq::Segment;
 use pvcm_wire::Gid;
 use pvcm_wire::abi::{HEADER_LEN, MsgHeader};
+use pvcm_wire::mad;
+use pvcm_wire::testing as mads;
 
 use super::guest::{GuestOpts, GuestVm};
 use super::host::{HostProc, HostSpec, VmSlot};
-use crate::mads;
 use crate::vmm::{LabVm, VmOpts};
 
 /// `pvcm-lab hostile` options.
@@ -337,14 +338,20 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
     if std::env::var_os("PVCM_HOSTILE_DEBUG").is_some() {
         eprintln!("{}", s.render());
     }
-    let bad_fig = s.vm("bad").map(|v| v.figures.clone()).unwrap_or_default();
     let nb_fig = s.vm("nb").map(|v| v.figures.clone()).unwrap_or_default();
-    let hostile_drops = bad_fig
+    // The mux counts per session and moves a session's figures to the host's when it
+    // ends: across the hostile VM's sessions, the host's sums are its drops minus the
+    // neighbour's (which must be none).
+    let hostile_drops = s
+        .host
         .drops
         .iter()
-        .chain(bad_fig.device_drops.iter())
-        .filter(|(_, v)| **v > 0)
-        .map(|(k, v)| (k.clone(), *v))
+        .chain(s.host.device_drops.iter())
+        .map(|(k, v)| {
+            let nb = nb_fig.drops.get(k).or(nb_fig.device_drops.get(k)).copied();
+            (k.clone(), v.saturating_sub(nb.unwrap_or(0)))
+        })
+        .filter(|(_, v)| *v > 0)
         .collect();
     let neighbour_drops =
         nb_fig.drops.values().sum::<u64>() + nb_fig.device_drops.values().sum::<u64>();
@@ -408,7 +415,7 @@ fn flood(
     let mut comm = 1u32;
     let started = Instant::now();
     // Sessions are spread over the flood; the last runs until stop.
-    let session_len = Duration::from_millis(400);
+    let session_len = Duration::from_millis(100);
     let mut session = 0u32;
     loop {
         let mut vm = LabVm::connect(socket, opts).map_err(|e| format!("hostile VM: {e}"))?;
@@ -432,7 +439,7 @@ fn flood(
             batch.push(vm.queue_raw(&header(9, 0), 1));
             batch.push(vm.queue_raw(&header(1, 300), 1));
             let mut not_cm = mads::req(me, ca, comm, u64::from(comm), nobody, qpn);
-            not_cm[1] = 0x03;
+            mad::field::MGMT_CLASS.set(&mut not_cm, 0x03);
             batch.push(vm.queue_mad(nobody, &not_cm));
             // Spoofed REQs: another VM's GID, a QPN outside its range, another CA GUID.
             batch.push(vm.queue_mad(nobody, &mads::req(victim, ca, comm, 1, nobody, qpn)));

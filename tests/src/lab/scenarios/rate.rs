@@ -24,11 +24,11 @@ use pvcm_backend::mux::VmConfig;
 use pvcm_backend::port::soft::{RecvBatch, UdpPort};
 use pvcm_wire::abi::MsgType;
 use pvcm_wire::mad::AttributeId;
+use pvcm_wire::testing::{self as mads, Mad};
 
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
 use crate::lab::world::{GATES, LabResult, Outcome, World};
-use crate::mads::{self, Mad};
 use crate::vmm::{LabVm, VmOpts};
 
 const BATCH: usize = 64;
