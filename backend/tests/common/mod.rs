@@ -1,5 +1,6 @@
-//! Test harness for the mux: MAD builders and a two-host "wire" that plays the VMs'
-//! CMs by script. Everything goes through the real `Mux` API.
+//! Test harness for the mux: a two-host "wire" that plays the VMs' CMs by script, with
+//! the MAD builders of `pvcm_wire::testing` (`req` and `rep` take a VM's configuration).
+//! Everything goes through the real `Mux` API.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::net::Ipv4Addr;
@@ -9,116 +10,23 @@ use pvcm_backend::mux::{
     GuestVerdict, ManualClock, Mux, MuxConfig, Policy, VmConfig, VmId, WireVerdict,
 };
 use pvcm_wire::Gid;
-use pvcm_wire::cm::{self, CmMad, CmRepr, PathRepr, TransportService, field as f};
-use pvcm_wire::mad::{self, AttributeId, Header};
-
-pub type Mad = [u8; 256];
+use pvcm_wire::mad::AttributeId;
+// Each test crate uses part of them.
+#[allow(unused_imports)]
+pub use pvcm_wire::testing::{LINUX, Mad, ReqParams, dreq, ids, mra, rej, view};
 
 pub fn gid(a: u8, b: u8) -> Gid {
     Gid::from_ipv4(Ipv4Addr::new(127, 0, a, b))
 }
 
-/// A REQ as the Linux CM (via rdma_cm) sends it: response timeouts 20, 15 retries,
-/// local ACK timeout 18 (~1 s), unless overridden.
-pub struct ReqParams {
-    pub resp: u8,
-    pub retries: u8,
-    pub ack: u8,
-}
-
-pub const LINUX: ReqParams = ReqParams {
-    resp: 20,
-    retries: 15,
-    ack: 18,
-};
-
+/// A REQ from the VM `cfg` (its GID and CA GUID) with comm ID `sl`.
 pub fn req(cfg: &VmConfig, sl: u32, tid: u64, dst: Gid, qpn: u32, p: &ReqParams) -> Mad {
-    let mut b = [0u8; 256];
-    let r = cm::req::Repr {
-        local_comm_id: sl,
-        vendor_id: 0,
-        service_id: 0x0000_0000_0106_4E21,
-        local_ca_guid: cfg.ca_guid,
-        local_qkey: 0,
-        local_qpn: qpn,
-        responder_resources: 4,
-        local_eecn: 0,
-        initiator_depth: 4,
-        remote_eecn: 0,
-        remote_cm_response_timeout: p.resp,
-        transport: TransportService::Rc,
-        end_to_end_flow_control: true,
-        starting_psn: 0x1234,
-        local_cm_response_timeout: p.resp,
-        retry_count: 7,
-        partition_key: 0xFFFF,
-        path_mtu: 5,
-        rdc_exists: false,
-        rnr_retry_count: 7,
-        max_cm_retries: p.retries,
-        srq: false,
-        primary_path: PathRepr {
-            local_lid: 0xFFFF,
-            remote_lid: 0xFFFF,
-            local_gid: cfg.gid,
-            remote_gid: dst,
-            flow_label: 0,
-            packet_rate: 3,
-            traffic_class: 0,
-            hop_limit: 64,
-            sl: 0,
-            subnet_local: false,
-            local_ack_timeout: p.ack,
-        },
-        alternate_path: PathRepr::default(),
-        sap_supported: false,
-        private_data: &[0xAB; 56],
-    };
-    CmRepr::Req(r)
-        .emit(&Header::cm_send(AttributeId::Req, tid), &mut b)
-        .unwrap();
-    b
+    pvcm_wire::testing::req_with(cfg.gid, cfg.ca_guid, sl, tid, dst, qpn, p)
 }
 
-/// A CM MAD with only the header and the two comm IDs set.
-pub fn ids(attr: AttributeId, tid: u64, local: u32, remote: u32) -> Mad {
-    let mut b = [0u8; 256];
-    Header::cm_send(attr, tid).emit(&mut mad::Packet::new_unchecked(&mut b[..]));
-    f::LOCAL_COMM_ID.set(&mut b, local.into());
-    f::REMOTE_COMM_ID.set(&mut b, remote.into());
-    b
-}
-
+/// A REP from the VM `cfg` (its CA GUID).
 pub fn rep(cfg: &VmConfig, tid: u64, local: u32, remote: u32, qpn: u32) -> Mad {
-    let mut b = ids(AttributeId::Rep, tid, local, remote);
-    f::REP_LOCAL_QPN.set(&mut b, qpn.into());
-    f::REP_LOCAL_CA_GUID.set(&mut b, cfg.ca_guid);
-    b
-}
-
-pub fn dreq(tid: u64, local: u32, remote: u32, remote_qpn: u32) -> Mad {
-    let mut b = ids(AttributeId::Dreq, tid, local, remote);
-    f::DREQ_REMOTE_QPN.set(&mut b, remote_qpn.into());
-    b
-}
-
-pub fn rej(tid: u64, local: u32, remote: u32, reason: cm::RejReason, ari: &[u8]) -> Mad {
-    let mut b = ids(AttributeId::Rej, tid, local, remote);
-    f::REJ_REASON.set(&mut b, reason.code().into());
-    f::REJ_ARI_LENGTH.set(&mut b, ari.len() as u64);
-    b[36..36 + ari.len()].copy_from_slice(ari);
-    b
-}
-
-pub fn mra(tid: u64, local: u32, remote: u32, msg: cm::MsgResponse, svc: u8) -> Mad {
-    let mut b = ids(AttributeId::Mra, tid, local, remote);
-    f::MRA_MESSAGE_MRAED.set(&mut b, msg.code().into());
-    f::MRA_SERVICE_TIMEOUT.set(&mut b, svc.into());
-    b
-}
-
-pub fn view(b: &Mad) -> CmMad<&[u8]> {
-    CmMad::new_checked(&b[..]).unwrap()
+    pvcm_wire::testing::rep(cfg.ca_guid, tid, local, remote, qpn)
 }
 
 /// One host: a mux and its VMs.
