@@ -184,6 +184,33 @@ pub struct PvcmDevice {
     event_idx: bool,
     exit_consumer: EventConsumer,
     exit_notifier: EventNotifier,
+    throttle: TxThrottle,
+}
+
+/// Rounds of tx with at least this many dropped messages pause the VM's tx (a guest
+/// that follows the ABI drops none; a MAD over quota or naming a closed connection is
+/// one here and there).
+pub const THROTTLE_BAD_PER_ROUND: usize = 32;
+
+/// Slows a guest that floods bad input: after a round with [`THROTTLE_BAD_PER_ROUND`]
+/// or more drops its tx waits 1 ms, doubling with each such round in a row up to 16 ms;
+/// a clean round ends it. What the flood costs the host is then bounded per VM.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TxThrottle {
+    pause: std::time::Duration,
+}
+
+impl TxThrottle {
+    /// The pause after a round with `bad` drops, if any.
+    pub fn after_round(&mut self, bad: usize) -> Option<std::time::Duration> {
+        use std::time::Duration;
+        if bad < THROTTLE_BAD_PER_ROUND {
+            self.pause = Duration::ZERO;
+            return None;
+        }
+        self.pause = (self.pause * 2).clamp(Duration::from_millis(1), Duration::from_millis(16));
+        Some(self.pause)
+    }
 }
 
 impl PvcmDevice {
@@ -197,6 +224,7 @@ impl PvcmDevice {
             event_idx: false,
             exit_consumer,
             exit_notifier,
+            throttle: TxThrottle::default(),
         })
     }
 
@@ -245,8 +273,15 @@ impl PvcmDevice {
             }
             let full_round = msgs.len() >= TX_ROUND;
             if !msgs.is_empty() {
-                self.handle_tx(msgs);
+                let bad = self.handle_tx(msgs);
                 self.deliver_rx(rx);
+                if let Some(pause) = self.throttle.after_round(bad) {
+                    // A guest flooding bad input waits here, on its own worker thread:
+                    // its queue is not walked, so the backend spends its CPU and the
+                    // mux lock on the other VMs meanwhile.
+                    self.port.counters.add(Io::TxThrottles, 1);
+                    std::thread::sleep(pause);
+                }
             }
             if full_round {
                 continue;
@@ -259,11 +294,15 @@ impl PvcmDevice {
     }
 
     /// Handles a round of tx messages: one mux lock for all MADs, then I/O.
-    fn handle_tx(&mut self, msgs: Vec<Result<TxMsg, DevDrop>>) {
+    /// Handles a round of tx messages: one mux lock for all MADs, then I/O. Returns how
+    /// many of them were dropped.
+    fn handle_tx(&mut self, msgs: Vec<Result<TxMsg, DevDrop>>) -> usize {
         let port = &self.port;
         let c = &port.counters;
         c.add(Io::TxMessages, msgs.len() as u64);
         let vm = port.current_vm();
+        // Messages of this round dropped (by the device or the mux).
+        let mut bad = 0usize;
         // (header, MAD as the guest sent it, MAD to rewrite)
         let mut mads: Vec<(MsgHeader, [u8; MAD_LEN], [u8; MAD_LEN])> = Vec::new();
         let mut own_rx: Vec<RxMsg> = Vec::new();
@@ -272,28 +311,33 @@ impl PvcmDevice {
                 Ok(m) => m,
                 Err(r) => {
                     tracing::debug!(reason = r.name(), "tx chain dropped");
+                    bad += 1;
                     c.drop(r);
                     continue;
                 }
             };
             if m.len < HEADER_LEN {
+                bad += 1;
                 c.drop(DevDrop::Truncated);
                 continue;
             }
             let h = match MsgHeader::parse(&m.buf[..HEADER_LEN]) {
                 Ok(h) => h,
                 Err(pvcm_wire::Error::TooLong { .. }) => {
+                    bad += 1;
                     c.drop(DevDrop::Oversize);
                     continue;
                 }
                 Err(_) => {
                     tracing::debug!("tx message of unknown type dropped");
+                    bad += 1;
                     c.drop(DevDrop::UnknownType);
                     continue;
                 }
             };
             let len = h.len as usize;
             if HEADER_LEN + len > m.len {
+                bad += 1;
                 c.drop(DevDrop::Truncated);
                 continue;
             }
@@ -314,6 +358,7 @@ impl PvcmDevice {
                     };
                     if let Some(r) = reject {
                         tracing::debug!(reason = r.name(), "tx MAD dropped");
+                        bad += 1;
                         c.drop(r);
                         let status = match r {
                             DevDrop::BadRemoteGid | DevDrop::NotAttached => SendStatus::WireError,
@@ -328,13 +373,14 @@ impl PvcmDevice {
                 }
                 _ => {
                     tracing::debug!(msg_type = ?h.msg_type, "device-to-driver message on tx dropped");
+                    bad += 1;
                     c.drop(DevDrop::UnknownType);
                 }
             }
         }
         let Some(vm) = vm else {
             self.finish_tx(Vec::new(), own_rx, Vec::new());
-            return;
+            return bad;
         };
         let mut to_wire = Vec::new();
         let outbox;
@@ -351,6 +397,7 @@ impl PvcmDevice {
                     GuestVerdict::ToWire => to_wire.push((h.remote_gid, mad)),
                     GuestVerdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &mad)),
                     GuestVerdict::Drop(r) => {
+                        bad += 1;
                         tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
                         own_rx.push(RxMsg::send_error(h, send_status(r), orig));
                     }
@@ -360,6 +407,7 @@ impl PvcmDevice {
             self.shared.note_deadline(core.mux.next_deadline());
         }
         self.finish_tx(to_wire, own_rx, outbox);
+        bad
     }
 
     fn finish_tx(
@@ -585,5 +633,27 @@ mod tests {
             SendStatus::UnknownConnection
         );
         assert_eq!(send_status(DropReason::OverQuota), SendStatus::NoResources);
+    }
+}
+
+#[cfg(test)]
+mod throttle_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_flooding_guest_is_paused_more_each_round_and_a_clean_round_ends_it() {
+        let mut t = TxThrottle::default();
+        assert_eq!(t.after_round(THROTTLE_BAD_PER_ROUND - 1), None);
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(t.after_round(THROTTLE_BAD_PER_ROUND), ms(1));
+        assert_eq!(t.after_round(256), ms(2));
+        assert_eq!(t.after_round(256), ms(4));
+        for _ in 0..10 {
+            t.after_round(256);
+        }
+        assert_eq!(t.after_round(256), ms(16));
+        assert_eq!(t.after_round(0), None);
+        assert_eq!(t.after_round(THROTTLE_BAD_PER_ROUND), ms(1));
     }
 }

@@ -96,17 +96,20 @@ pub enum Io {
     SendErrors,
     /// vhost-user sessions served.
     Sessions,
+    /// Pauses of the VM's tx after rounds full of bad input (see the device's throttle).
+    TxThrottles,
 }
 
 impl Io {
     /// Every kind.
-    pub const ALL: [Io; 6] = [
+    pub const ALL: [Io; 7] = [
         Io::TxMessages,
         Io::RxMessages,
         Io::WireTxFrames,
         Io::WireRxFrames,
         Io::SendErrors,
         Io::Sessions,
+        Io::TxThrottles,
     ];
 
     /// Snake-case name.
@@ -118,6 +121,7 @@ impl Io {
             Io::WireRxFrames => "wire_rx_frames",
             Io::SendErrors => "send_errors",
             Io::Sessions => "sessions",
+            Io::TxThrottles => "tx_throttles",
         }
     }
 }
@@ -126,7 +130,7 @@ impl Io {
 #[derive(Debug)]
 pub struct DevCounters {
     drops: [AtomicU64; DevDrop::COUNT],
-    io: [AtomicU64; 6],
+    io: [AtomicU64; Io::ALL.len()],
 }
 
 impl Default for DevCounters {

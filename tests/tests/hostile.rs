@@ -50,6 +50,7 @@ fn a_flooding_vm_cannot_hurt_its_neighbour() {
         "spoofed_gid",
         "spoofed_qpn",
         "spoofed_ca_guid",
+        "over_quota",
     ] {
         assert!(counted(reason) > 0, "{reason} not counted: {}", r.render());
     }

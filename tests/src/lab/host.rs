@@ -47,6 +47,8 @@ pub struct VmSlot {
     pub addr: Ipv4Addr,
     /// Its vhost-user socket.
     pub socket: PathBuf,
+    /// Its quota of live entries (`None`: the backend's default).
+    pub quota: Option<u32>,
 }
 
 impl VmSlot {
@@ -87,12 +89,16 @@ impl HostSpec {
         let mut a = Vec::new();
         for v in &self.vms {
             a.push("--vm".to_string());
-            a.push(format!(
+            let mut vm = format!(
                 "socket={},gid={},name={}",
                 v.socket.display(),
                 v.addr,
                 v.name
-            ));
+            );
+            if let Some(q) = v.quota {
+                vm.push_str(&format!(",quota={q}"));
+            }
+            a.push(vm);
         }
         a.extend([
             "--control".to_string(),

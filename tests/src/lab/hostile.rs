@@ -207,6 +207,7 @@ fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
         name: name.to_string(),
         addr: std::net::Ipv4Addr::new(127, net, host as u8 + 1, vm as u8 + 1),
         socket: dir.join(format!("{name}.sock")),
+        quota: None,
     }
 }
 
@@ -227,6 +228,9 @@ fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>) -> HostSpec {
 }
 
 type LabResult<T> = Result<T, String>;
+
+/// The hostile VM's quota of live entries.
+pub const HOSTILE_QUOTA: u32 = 1024;
 
 fn guest(socket: &Path, seed: u64) -> LabResult<GuestVm> {
     let opts = GuestOpts {
@@ -250,7 +254,11 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
     let n = a.connections;
     let srv = slot(dir, 0, 0, "srv", a.net);
     let nb = slot(dir, 1, 0, "nb", a.net);
-    let bad = slot(dir, 1, 1, "bad", a.net);
+    let bad = VmSlot {
+        // A small quota, so the flood's good REQs run into it.
+        quota: Some(HOSTILE_QUOTA),
+        ..slot(dir, 1, 1, "bad", a.net)
+    };
     let ready = Duration::from_secs(10);
     let mut h1 =
         HostProc::spawn(exe, spec(dir, 0, vec![srv.clone()]), ready).map_err(|e| e.to_string())?;
