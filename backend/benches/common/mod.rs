@@ -14,23 +14,14 @@ use std::time::{Duration, Instant};
 
 use pvcm_backend::mux::{GuestVerdict, ManualClock, Mux, MuxConfig, VmConfig, VmId, WireVerdict};
 use pvcm_wire::Gid;
-use pvcm_wire::cm::{
-    AprStatus, CmMad, CmRepr, FailoverAccepted, PathRepr, TransportService, apr, field as cmf, lap,
-    rep, req, rtu,
-};
-use pvcm_wire::mad::{self, AttributeId, Header};
+use pvcm_wire::cm::{CmRepr, FailoverAccepted, apr, field as cmf, lap, rep, req, rtu};
+use pvcm_wire::mad;
+use pvcm_wire::testing::{self, LINUX, path};
 
 /// VMs attached to each host.
 pub const VMS_PER_HOST: usize = 4;
 /// A MAD.
-pub type MadBuf = [u8; mad::MAD_LEN];
-
-/// CM response timeouts (both directions) the VMs put in their REQs: 4.096 us x 2^20.
-const CM_RESPONSE_TIMEOUT: u8 = 20;
-/// Max CM retries in the REQs.
-const MAX_CM_RETRIES: u8 = 15;
-/// Local ACK timeout of the primary path.
-const LOCAL_ACK_TIMEOUT: u8 = 18;
+pub type MadBuf = testing::Mad;
 
 /// One host: its mux and its VMs.
 #[derive(Debug)]
@@ -119,32 +110,15 @@ fn comm_id(k: u32, salt: u32) -> u32 {
     k.wrapping_add(1).wrapping_mul(0x9E37_79B1) ^ salt
 }
 
-fn path(local: Gid, remote: Gid) -> PathRepr {
-    PathRepr {
-        local_gid: local,
-        remote_gid: remote,
-        hop_limit: 64,
-        local_ack_timeout: LOCAL_ACK_TIMEOUT,
-        ..PathRepr::default()
-    }
-}
-
-fn emit(repr: CmRepr<'_>, attr: AttributeId, tid: u64, buf: &mut MadBuf) {
-    repr.emit(&Header::cm_send(attr, tid), buf)
-        .unwrap_or_else(|e| panic!("emit {attr:?}: {e}"));
-}
-
 fn local_comm_id(buf: &MadBuf) -> u32 {
-    CmMad::new_checked(&buf[..])
-        .ok()
-        .and_then(|m| m.local_comm_id())
+    testing::view(buf)
+        .local_comm_id()
         .unwrap_or_else(|| panic!("no local comm ID"))
 }
 
 fn remote_comm_id(buf: &MadBuf) -> u32 {
-    CmMad::new_checked(&buf[..])
-        .ok()
-        .and_then(|m| m.remote_comm_id())
+    testing::view(buf)
+        .remote_comm_id()
         .unwrap_or_else(|| panic!("no remote comm ID"))
 }
 
@@ -205,43 +179,13 @@ impl Testbed {
         let b_sl = comm_id(kb, 0xA5A5_0000 | bi as u32);
         let a_qpn = a_cfg.qpn_base + ka % a_cfg.qpn_count;
         let b_qpn = b_cfg.qpn_base + kb % b_cfg.qpn_count;
-        let mut buf: MadBuf = [0; mad::MAD_LEN];
-
         // REQ from the A VM.
         let r = req::Repr {
-            local_comm_id: a_sl,
-            vendor_id: 0,
-            service_id: 0x0000_0000_0106_4242,
-            local_ca_guid: a_cfg.ca_guid,
-            local_qkey: 0,
-            local_qpn: a_qpn,
-            responder_resources: 4,
-            local_eecn: 0,
-            initiator_depth: 4,
-            remote_eecn: 0,
-            remote_cm_response_timeout: CM_RESPONSE_TIMEOUT,
-            transport: TransportService::Rc,
-            end_to_end_flow_control: true,
             starting_psn: ka & 0x00FF_FFFF,
-            local_cm_response_timeout: CM_RESPONSE_TIMEOUT,
-            retry_count: 7,
-            partition_key: 0xFFFF,
-            path_mtu: 5,
-            rdc_exists: false,
-            rnr_retry_count: 7,
-            max_cm_retries: MAX_CM_RETRIES,
-            srq: false,
-            primary_path: path(a_gid, b_gid),
-            alternate_path: PathRepr::default(),
-            sap_supported: false,
             private_data: &[],
+            ..testing::req_repr(a_gid, a_cfg.ca_guid, a_sl, b_gid, a_qpn)
         };
-        emit(
-            CmRepr::Req(r),
-            AttributeId::Req,
-            0x1000_0000_0000_0000 | u64::from(ka),
-            &mut buf,
-        );
+        let mut buf = testing::mad(0x1000_0000_0000_0000 | u64::from(ka), CmRepr::Req(r));
         expect(
             self.a.mux.from_guest(a_vm, &mut buf, b_gid),
             GuestVerdict::ToWire,
@@ -261,10 +205,7 @@ impl Testbed {
         let r = rep::Repr {
             local_comm_id: b_sl,
             remote_comm_id: a_pv,
-            local_qkey: 0,
             local_qpn: b_qpn,
-            vendor_id: 0,
-            local_eecn: 0,
             starting_psn: kb & 0x00FF_FFFF,
             responder_resources: 4,
             initiator_depth: 4,
@@ -272,11 +213,10 @@ impl Testbed {
             failover_accepted: FailoverAccepted::NotSupported,
             end_to_end_flow_control: true,
             rnr_retry_count: 7,
-            srq: false,
             local_ca_guid: b_cfg.ca_guid,
-            private_data: &[],
+            ..rep::Repr::default()
         };
-        emit(CmRepr::Rep(r), AttributeId::Rep, req_tid, &mut buf);
+        buf = testing::mad(req_tid, CmRepr::Rep(r));
         expect(
             self.b.mux.from_guest(b_vm, &mut buf, a_gid),
             GuestVerdict::ToWire,
@@ -302,12 +242,7 @@ impl Testbed {
             remote_comm_id: b_pv,
             private_data: &[],
         };
-        emit(
-            CmRepr::Rtu(r),
-            AttributeId::Rtu,
-            0x2000_0000_0000_0000 | u64::from(ka),
-            &mut buf,
-        );
+        buf = testing::mad(0x2000_0000_0000_0000 | u64::from(ka), CmRepr::Rtu(r));
         expect(
             self.a.mux.from_guest(a_vm, &mut buf, b_gid),
             GuestVerdict::ToWire,
@@ -338,21 +273,12 @@ impl Testbed {
             for bi in 0..VMS_PER_HOST {
                 let (a_gid, b_gid) = (self.a.gid(ai), self.b.gid(bi));
                 let r = lap::Repr {
-                    local_comm_id: 0,
-                    remote_comm_id: 0,
                     remote_qpn_eecn: self.b.cfgs[bi].qpn_base,
-                    remote_cm_response_timeout: CM_RESPONSE_TIMEOUT,
+                    remote_cm_response_timeout: LINUX.resp,
                     alternate_path: path(a_gid, b_gid),
-                    private_data: &[],
+                    ..lap::Repr::default()
                 };
-                let mut buf = [0; mad::MAD_LEN];
-                emit(
-                    CmRepr::Lap(r),
-                    AttributeId::Lap,
-                    0x3000_0000_0000_0001,
-                    &mut buf,
-                );
-                out.push(buf);
+                out.push(testing::mad(0x3000_0000_0000_0001, CmRepr::Lap(r)));
             }
         }
         out
@@ -362,16 +288,8 @@ impl Testbed {
     pub fn apr_templates(&self) -> Vec<MadBuf> {
         let mut out = Vec::new();
         for _ in 0..VMS_PER_HOST * VMS_PER_HOST {
-            let r = apr::Repr {
-                local_comm_id: 0,
-                remote_comm_id: 0,
-                ar_status: AprStatus::Success,
-                additional_info: &[],
-                private_data: &[],
-            };
-            let mut buf = [0; mad::MAD_LEN];
-            emit(CmRepr::Apr(r), AttributeId::Apr, 0, &mut buf);
-            out.push(buf);
+            // ar_status: Success.
+            out.push(testing::mad(0, CmRepr::Apr(apr::Repr::default())));
         }
         out
     }
