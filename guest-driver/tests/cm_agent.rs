@@ -1627,8 +1627,8 @@ fn unsolicited_and_misplaced_messages_are_counted_drops() {
     let mut a = agent();
     // APR, MRA(OTHER): we never send a LAP.
     a.handle_mad(
-        &encode(
-            send(AttributeId::Apr, 1),
+        &pvcm_wire::testing::mad(
+            1,
             CmRepr::Apr(pvcm_wire::cm::apr::Repr {
                 local_comm_id: 1,
                 remote_comm_id: 2,

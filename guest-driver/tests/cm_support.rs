@@ -1,5 +1,5 @@
 //! Helpers shared by the CM tests (included with `#[path]`): a scripted peer that
-//! builds MADs, outbox inspection, and a back-to-back network of agents.
+//! builds MADs (on `pvcm_wire::testing`), outbox inspection, and a back-to-back network of agents.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -9,10 +9,11 @@ use pvcm_guest::cm::{Agent, AgentConfig, CmId, Event, Group, MESSAGES, OutMad, S
 use pvcm_guest::time::Time;
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{
-    CmRepr, FailoverAccepted, MsgResponse, PathRepr, RejReason, TransportService, drep, dreq, lap,
-    mra, rej, rep, req, rtu, sidr_rep, sidr_req,
+    CmRepr, MsgResponse, PathRepr, RejReason, drep, dreq, lap, mra, rej, rep, req, rtu, sidr_rep,
+    sidr_req,
 };
 use pvcm_wire::mad::{AttributeId, Header, MAD_LEN, Method};
+use pvcm_wire::testing::{self, mad};
 
 pub const AGENT_GUID: u64 = 0x0002_c903_00aa_0001;
 pub const PEER_GUID: u64 = 0x0002_c903_00bb_0002;
@@ -52,59 +53,28 @@ pub fn ms(t: u64) -> Time {
     Time::from_millis(t)
 }
 
-/// Encodes a message (panics on a bad test input).
-pub fn encode(h: Header, r: CmRepr<'_>) -> [u8; MAD_LEN] {
-    let mut b = [0u8; MAD_LEN];
-    r.emit(&h, &mut b).expect("test MAD encodes");
-    b
-}
-
-pub fn send(attr: AttributeId, tid: u64) -> Header {
-    Header::cm_send(attr, tid)
-}
-
-/// A REQ from the peer (rdma_cm-like fields) to the agent.
+/// A REQ from the peer to the agent: `testing::req_repr`'s, with rdma_cm-like
+/// resources, MTU 1024, ACK timeout 17 and packet rate 0.
 pub fn peer_req(local_comm_id: u32, qpn: u32) -> req::Repr<'static> {
+    let r = testing::req_repr(peer_gid(), PEER_GUID, local_comm_id, agent_gid(), qpn);
     req::Repr {
-        local_comm_id,
-        vendor_id: 0,
         service_id: SID,
-        local_ca_guid: PEER_GUID,
-        local_qkey: 0,
-        local_qpn: qpn,
         responder_resources: 1,
-        local_eecn: 0,
         initiator_depth: 1,
-        remote_eecn: 0,
-        remote_cm_response_timeout: 20,
-        transport: TransportService::Rc,
-        end_to_end_flow_control: true,
         starting_psn: 1,
-        local_cm_response_timeout: 20,
-        retry_count: 7,
-        partition_key: 0xFFFF,
         path_mtu: 3,
-        rdc_exists: false,
-        rnr_retry_count: 7,
-        max_cm_retries: 15,
-        srq: false,
         primary_path: PathRepr {
-            local_lid: 0xFFFF,
-            remote_lid: 0xFFFF,
-            local_gid: peer_gid(),
-            remote_gid: agent_gid(),
-            hop_limit: 64,
+            packet_rate: 0,
             local_ack_timeout: 17,
-            ..PathRepr::default()
+            ..r.primary_path
         },
-        alternate_path: PathRepr::default(),
-        sap_supported: false,
         private_data: b"req-pd",
+        ..r
     }
 }
 
 pub fn req_mad(tid: u64, r: req::Repr<'_>) -> [u8; MAD_LEN] {
-    encode(send(AttributeId::Req, tid), CmRepr::Req(r))
+    mad(tid, CmRepr::Req(r))
 }
 
 /// A REP from the peer answering the agent's REQ.
@@ -112,30 +82,25 @@ pub fn peer_rep(local_comm_id: u32, remote_comm_id: u32, qpn: u32) -> rep::Repr<
     rep::Repr {
         local_comm_id,
         remote_comm_id,
-        local_qkey: 0,
         local_qpn: qpn,
-        vendor_id: 0,
-        local_eecn: 0,
         starting_psn: 5,
         responder_resources: 1,
         initiator_depth: 1,
-        target_ack_delay: 0,
-        failover_accepted: FailoverAccepted::Accepted,
         end_to_end_flow_control: true,
         rnr_retry_count: 7,
-        srq: false,
         local_ca_guid: PEER_GUID,
         private_data: b"rep-pd",
+        ..rep::Repr::default()
     }
 }
 
 pub fn rep_mad(tid: u64, r: rep::Repr<'_>) -> [u8; MAD_LEN] {
-    encode(send(AttributeId::Rep, tid), CmRepr::Rep(r))
+    mad(tid, CmRepr::Rep(r))
 }
 
 pub fn rtu_mad(tid: u64, local: u32, remote: u32) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Rtu, tid),
+    mad(
+        tid,
         CmRepr::Rtu(rtu::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
@@ -145,14 +110,14 @@ pub fn rtu_mad(tid: u64, local: u32, remote: u32) -> [u8; MAD_LEN] {
 }
 
 pub fn mra_mad(tid: u64, local: u32, remote: u32, which: MsgResponse, st: u8) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Mra, tid),
+    mad(
+        tid,
         CmRepr::Mra(mra::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
             message_mraed: which,
             service_timeout: st,
-            private_data: &[],
+            ..mra::Repr::default()
         }),
     )
 }
@@ -166,8 +131,8 @@ pub fn rej_mad(
     ari: &[u8],
     pd: &[u8],
 ) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Rej, tid),
+    mad(
+        tid,
         CmRepr::Rej(rej::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
@@ -180,45 +145,44 @@ pub fn rej_mad(
 }
 
 pub fn dreq_mad(tid: u64, local: u32, remote: u32, remote_qpn: u32) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Dreq, tid),
+    mad(
+        tid,
         CmRepr::Dreq(dreq::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
             remote_qpn_eecn: remote_qpn,
-            private_data: &[],
+            ..dreq::Repr::default()
         }),
     )
 }
 
 pub fn drep_mad(tid: u64, local: u32, remote: u32) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Drep, tid),
+    mad(
+        tid,
         CmRepr::Drep(drep::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
-            private_data: &[],
+            ..drep::Repr::default()
         }),
     )
 }
 
 pub fn lap_mad(tid: u64, local: u32, remote: u32, remote_qpn: u32) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::Lap, tid),
+    mad(
+        tid,
         CmRepr::Lap(lap::Repr {
             local_comm_id: local,
             remote_comm_id: remote,
             remote_qpn_eecn: remote_qpn,
             remote_cm_response_timeout: 20,
-            alternate_path: PathRepr::default(),
-            private_data: &[],
+            ..lap::Repr::default()
         }),
     )
 }
 
 pub fn sidr_req_mad(tid: u64, request_id: u32, service_id: u64) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::SidrReq, tid),
+    mad(
+        tid,
         CmRepr::SidrReq(sidr_req::Repr {
             request_id,
             partition_key: 0xFFFF,
@@ -235,17 +199,16 @@ pub fn sidr_rep_mad(
     qpn: u32,
     qkey: u32,
 ) -> [u8; MAD_LEN] {
-    encode(
-        send(AttributeId::SidrRep, tid),
+    mad(
+        tid,
         CmRepr::SidrRep(sidr_rep::Repr {
             request_id,
             status,
-            vendor_id: 0,
             qpn,
             service_id: SID,
             qkey,
-            additional_info: &[],
             private_data: b"sidr-rep",
+            ..sidr_rep::Repr::default()
         }),
     )
 }
@@ -259,7 +222,7 @@ pub fn class_port_info_get(tid: u64) -> [u8; MAD_LEN] {
         attr_id: AttributeId::ClassPortInfo,
         attr_mod: 0,
     };
-    encode(
+    testing::encode(
         h,
         CmRepr::ClassPortInfo(pvcm_wire::cm::class_port_info::Repr::default()),
     )
@@ -421,9 +384,7 @@ impl Pair {
     }
 
     pub fn deliver(&mut self, to: usize, src: Gid, mad: &[u8; MAD_LEN], now: Time) {
-        if let Some(k) = AttributeId::from_u16(u16::from_be_bytes([mad[16], mad[17]]))
-            .and_then(|a| a.counter_index())
-        {
+        if let Some(k) = testing::attr(mad).and_then(|a| a.counter_index()) {
             self.delivered[to][k] += 1;
         }
         self.agents[to].handle_mad(mad, src, now);

@@ -192,9 +192,7 @@ impl FakeDev {
         self.log
             .iter()
             .filter(|(h, p)| {
-                h.msg_type == MsgType::Mad
-                    && p.len() >= 18
-                    && u16::from_be_bytes([p[16], p[17]]) == attr as u16
+                h.msg_type == MsgType::Mad && pvcm_wire::testing::attr(p) == Some(attr)
             })
             .count()
     }

@@ -192,9 +192,10 @@ pub fn view(b: &Mad) -> CmMad<&[u8]> {
     }
 }
 
-/// The attribute of a MAD's header, if the CM class knows it (panics on a buffer
-/// shorter than the header).
+/// The attribute of a MAD's header; `None` for one the CM class does not know or a
+/// buffer too short to hold the field.
 pub fn attr(b: &[u8]) -> Option<AttributeId> {
+    b.get(mad::field::ATTR_ID.range())?;
     AttributeId::from_u16(mad::field::ATTR_ID.get(b) as u16)
 }
 
@@ -222,6 +223,7 @@ mod tests {
         assert_eq!(no_pd(r), no_pd(want));
         assert_eq!(view(&m).tid(), 0x99);
         assert_eq!(attr(&m), Some(AttributeId::Req));
+        assert_eq!(attr(&m[..17]), None);
         let m = rej(1, 2, 3, RejReason::Timeout, &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(view(&m).rej_reason(), Some(RejReason::Timeout.code()));
         let m = rep(0xCA, 1, 2, 3, 0x100);
