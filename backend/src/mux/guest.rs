@@ -606,7 +606,7 @@ impl<C: Clock> Mux<C> {
         let n = mads.len().min(dsts.len()).min(verdicts.len());
         if let Some(v) = self.vms.get(vm.0 as usize) {
             for m in &mads[..n] {
-                let sl = u32::from_be_bytes([m[24], m[25], m[26], m[27]]);
+                let sl = cmf::LOCAL_COMM_ID.get(m) as u32;
                 if let Some(&slot) = v.sl_map.get(&sl)
                     && let Some(e) = self.slab.get(slot as usize)
                 {

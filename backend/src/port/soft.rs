@@ -863,13 +863,14 @@ impl crate::port::WirePort for SoftPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pvcm_wire::mad::{self, MGMT_CLASS_CM};
 
     #[test]
     fn loopback_batch_and_checks() {
         let a = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 1), 4791).unwrap();
         let b = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 2), 4791).unwrap();
         let mut mad = [0u8; MAD_LEN];
-        mad[1] = 7;
+        mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
         let frames: Vec<_> = (0..100u8)
             .map(|i| {
                 mad[255] = i;
@@ -970,7 +971,7 @@ mod tests {
     /// ICRC over exactly that header.
     fn rxe_datagram(src: Ipv4Addr, dst: Ipv4Addr, dst_port: u16, id: u16, tag: u8) -> Vec<u8> {
         let mut mad = [0u8; MAD_LEN];
-        mad[1] = 7;
+        mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
         mad[255] = tag;
         let ip = Ipv4Repr {
             identification: id,
@@ -1063,7 +1064,7 @@ mod tests {
         // A pvcm peer's frame (ID 0, DF, from the UDP socket) passes raw mode too.
         let peer = UdpPort::bind(sender, port).unwrap();
         let mut mad = [0u8; MAD_LEN];
-        mad[1] = 7;
+        mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
         mad[255] = 5;
         assert_eq!(peer.send_batch(&[peer.frame(udp.local(), &mad)]), 1);
         let got = recv_raw(&rx, 1);

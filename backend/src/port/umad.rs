@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pvcm_wire::Gid;
-use pvcm_wire::mad::{MAD_LEN, MGMT_CLASS_CM};
+use pvcm_wire::mad::{self, MAD_LEN, MGMT_CLASS_CM};
 use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr};
 
 use crate::error::Error;
@@ -184,7 +184,8 @@ pub fn parse_read(msg: &[u8], pkeys: &[u16]) -> Result<Received, DevDrop> {
     }
     let mut mad = [0u8; MAD_LEN];
     mad.copy_from_slice(&msg[HDR_LEN..]);
-    if mad[1] != MGMT_CLASS_CM || mad[2] != CM_CLASS_VERSION {
+    let header = mad::Packet::new_unchecked(&mad[..]);
+    if header.mgmt_class() != MGMT_CLASS_CM || header.class_version() != CM_CLASS_VERSION {
         return Err(DevDrop::WireNotCm);
     }
     if !hdr.grh_present {
@@ -745,10 +746,10 @@ mod tests {
         h.emit(&mut b);
         let mut v = b.to_vec();
         let mut mad = [0u8; MAD_LEN];
-        mad[0] = 1;
-        mad[1] = class;
-        mad[2] = version;
-        mad[3] = METHOD_SEND;
+        mad::field::BASE_VERSION.set(&mut mad, 1);
+        mad::field::MGMT_CLASS.set(&mut mad, class.into());
+        mad::field::CLASS_VERSION.set(&mut mad, version.into());
+        mad::field::METHOD.set(&mut mad, METHOD_SEND.into());
         v.extend_from_slice(&mad);
         v
     }
