@@ -32,7 +32,7 @@ pub struct OutMad {
 impl OutMad {
     /// The MAD's attribute (`None` only for bytes the agent never produces).
     pub fn attr(&self) -> Option<AttributeId> {
-        AttributeId::from_u16(u16::from_be_bytes([self.mad[16], self.mad[17]]))
+        AttributeId::from_u16(mad::field::ATTR_ID.get(&self.mad) as u16)
     }
 }
 
@@ -610,7 +610,7 @@ impl Agent {
     /// Queues a MAD and counts it (`retry`: a timer retry or an answer re-sent because
     /// of a duplicate, as Linux counts them).
     pub(crate) fn push(&mut self, dst: Gid, mad: [u8; MAD_LEN], retry: bool) {
-        match AttributeId::from_u16(u16::from_be_bytes([mad[16], mad[17]])) {
+        match AttributeId::from_u16(mad::field::ATTR_ID.get(&mad) as u16) {
             Some(AttributeId::ClassPortInfo) => self.counters.class_port_info_tx += 1,
             Some(a) => {
                 self.counters.bump(Group::TxMsgs, a);
@@ -1199,7 +1199,10 @@ impl Agent {
             State::Timewait => {
                 self.dup(AttributeId::Dreq);
                 let c = &self.conns[slot as usize];
-                if c.reply.is_some_and(|m| m[17] == AttributeId::Drep as u8) {
+                if c.reply.is_some_and(|m| {
+                    AttributeId::from_u16(mad::field::ATTR_ID.get(&m) as u16)
+                        == Some(AttributeId::Drep)
+                }) {
                     self.resend_reply(slot, h.tid);
                 } else {
                     let d = CmRepr::Drep(drep::Repr {

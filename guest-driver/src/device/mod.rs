@@ -50,7 +50,7 @@ use pvcm_wire::Gid;
 use pvcm_wire::abi::{
     self, Event as AbiEvent, HEADER_LEN, MsgHeader, MsgType, PortInfo, RX_BUFFER_LEN,
 };
-use pvcm_wire::mad::{AttributeId, MAD_LEN};
+use pvcm_wire::mad::{self, AttributeId, MAD_LEN};
 
 use crate::cm::{
     AcceptOptions, Agent, AgentConfig, CmError, CmId, ConnectOptions, Event as CmEvent, Pacing,
@@ -880,14 +880,12 @@ impl<T: Transport, C: Clock> Device<T, C> {
             MsgType::SendError => {
                 self.stats.send_errors += 1;
                 self.stats.send_errors_by_status[usize::from(h.status.min(7))] += 1;
+                // The returned MAD's header, as far as the payload holds it.
+                let (attr_id, tid) = (mad::field::ATTR_ID, mad::field::TID);
                 let attr = payload
-                    .get(16..18)
-                    .and_then(|a| AttributeId::from_u16(u16::from_be_bytes([a[0], a[1]])));
-                let tid = payload.get(8..16).map_or(0, |t| {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(t);
-                    u64::from_be_bytes(b)
-                });
+                    .get(attr_id.range())
+                    .and_then(|_| AttributeId::from_u16(attr_id.get(payload) as u16));
+                let tid = payload.get(tid.range()).map_or(0, |_| tid.get(payload));
                 self.push_event(DeviceEvent::SendError {
                     status: h.status,
                     dest: h.remote_gid,
