@@ -758,7 +758,8 @@ impl SoftPort {
                 let (_, dgram, truncated) = rb.get(i);
                 // The destination decides whose counters a drop lands on; datagrams to
                 // an address that is not one of ours are not ours to count.
-                let Some(dst) = dgram.get(16..20).and_then(|b| <[u8; 4]>::try_from(b).ok()) else {
+                let ip_dst = roce::field::ipv4::DST;
+                let Some(dst) = dgram.get(ip_dst.range()).map(|_| ip_dst.get(dgram) as u32) else {
                     continue;
                 };
                 let Some(&p) = self.by_addr.get(&Ipv4Addr::from(dst)) else {
