@@ -91,6 +91,10 @@ pub struct LabArgs {
     /// MADs to send (rate).
     #[arg(long, value_name = "N")]
     pub messages: Option<u64>,
+    /// rate: also measure the MAD rate with 1,024 live connections and then with N
+    /// (e.g. 1000000), LAPs spread over all of them, in one run.
+    #[arg(long, value_name = "N")]
+    pub live: Option<u32>,
     /// ipoib-cm: how long survivors wait before reaping connections to a vanished peer.
     #[arg(long, value_name = "MS")]
     pub stale_timeout: Option<u64>,
@@ -191,6 +195,9 @@ impl LabArgs {
         }
         if let Some(n) = self.messages {
             o.messages = n;
+        }
+        if let Some(n) = self.live {
+            o.live = n;
         }
         if let Some(ms) = self.stale_timeout {
             o.stale_timeout = Duration::from_millis(ms);

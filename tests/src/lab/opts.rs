@@ -158,6 +158,10 @@ pub struct LabOptions {
     pub qpns: usize,
     /// MADs to send (rate).
     pub messages: u64,
+    /// rate: live connections of the large-table measurement (0: not run).
+    pub live: u32,
+    /// Every VM's quota of live entries (`None`: the backend's default).
+    pub quota: Option<u32>,
     /// How long a survivor waits before reaping a connection whose peer vanished
     /// (ipoib-cm).
     #[serde(serialize_with = "ser_ms")]
@@ -219,6 +223,8 @@ impl LabOptions {
             connections: 500,
             qpns: 4,
             messages: 200_000,
+            live: 0,
+            quota: None,
             stale_timeout: Duration::from_secs(3),
             collide: true,
             seed: 1,

@@ -76,7 +76,7 @@ impl World {
                         socket: dir.path().join(format!("{name}.sock")),
                         name,
                         addr: vm_addr(o.net, h, v),
-                        quota: None,
+                        quota: o.quota,
                     }
                 })
                 .collect();
