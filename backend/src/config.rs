@@ -13,8 +13,10 @@
 //! (`vm socket=...,gid=...`, `policy default`, `# comments`); options on the command line
 //! come after the file's (a later scalar option wins, VMs add up).
 //!
-//! Every bad value is a [`ConfigError`] with a message naming the option; nothing here
-//! panics.
+//! Options are typed: clap parses each value (`value_parser`s here say what the option
+//! takes, clap names the option and the value), and [`Config::from_args`] checks the
+//! whole; a bad value is an error naming the option ([`ConfigError`] for the whole and for
+//! `--config`); nothing here panics.
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -58,14 +60,21 @@ impl VmSpec {
     }
 }
 
-fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
+/// A number in decimal or `0x` hex (`_` separators allowed).
+fn number(v: &str) -> Option<u64> {
     let v = v.trim().replace('_', "");
-    let r = if let Some(h) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16)
+    if let Some(h) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+        u64::from_str_radix(h, 16).ok()
     } else {
-        v.parse::<u64>()
-    };
-    r.map_err(|_| ConfigError(format!("{key}={v:?}: not a number (decimal or 0x hex)")))
+        v.parse::<u64>().ok()
+    }
+}
+
+fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
+    number(v).ok_or_else(|| {
+        let v = v.trim().replace('_', "");
+        ConfigError(format!("{key}={v:?}: {NOT_A_NUMBER}"))
+    })
 }
 
 fn parse_u32(key: &str, v: &str) -> Result<u32, ConfigError> {
@@ -209,8 +218,8 @@ impl FromStr for VmSpec {
 pub struct ServeArgs {
     /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N]`
     /// (repeatable; one vhost-user socket per VM).
-    #[arg(long = "vm", value_name = "SPEC")]
-    pub vms: Vec<String>,
+    #[arg(long = "vm", value_name = "SPEC", value_parser = VmSpec::from_str)]
+    pub vms: Vec<VmSpec>,
     /// A file of options, one per line without the leading dashes (`vm socket=...`).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -222,26 +231,26 @@ pub struct ServeArgs {
     pub control: Option<PathBuf>,
     /// Serve Prometheus text metrics over HTTP: a port (bound on 127.0.0.1) or an
     /// address:port (give 0.0.0.0:PORT or another address to serve beyond the host).
-    #[arg(long, value_name = "ADDR")]
-    pub metrics: Option<String>,
+    #[arg(long, value_name = "ADDR", value_parser = parse_metrics_addr)]
+    pub metrics: Option<SocketAddr>,
     /// Capture every frame sent and received to this pcap file (IPv4, LINKTYPE_RAW).
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<PathBuf>,
     /// Memory for messages kept per VM while its rx queue has no buffers (K, M, G
     /// suffixes; default 32M, about 100,000 MADs); past it they are dropped and counted
     /// (rx_backlog_full).
-    #[arg(long, value_name = "SIZE")]
-    pub rx_backlog_bytes: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = parse_backlog_size)]
+    pub rx_backlog_bytes: Option<usize>,
     /// Memory for the rx backlogs of all VMs together (default 512M); past it messages
     /// are dropped and counted (rx_host_budget).
-    #[arg(long, value_name = "SIZE")]
-    pub rx_host_backlog_bytes: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = parse_backlog_size)]
+    pub rx_host_backlog_bytes: Option<usize>,
     /// The per-VM budget as a number of messages (older form of --rx-backlog-bytes).
-    #[arg(long, value_name = "N")]
-    pub rx_backlog: Option<String>,
+    #[arg(long, value_name = "N", value_parser = parse_backlog_messages)]
+    pub rx_backlog: Option<u64>,
     /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
-    #[arg(long, value_name = "PORT")]
-    pub bind_port: Option<String>,
+    #[arg(long, value_name = "PORT", value_parser = parse_bind_port)]
+    pub bind_port: Option<u16>,
     /// How the soft RoCE port receives: `raw` checks each frame's ICRC over its IPv4
     /// header as received and accepts every conformant sender (Linux rxe, hardware);
     /// it needs CAP_NET_RAW. `udp` needs no privilege but accepts only senders that
@@ -259,8 +268,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR", hide = true)]
     pub sysfs: Option<PathBuf>,
     /// Seed of the mux's ID permutation (random unless given; for reproducible tests).
-    #[arg(long, value_name = "N", hide = true)]
-    pub seed: Option<String>,
+    #[arg(long, value_name = "N", hide = true, value_parser = parse_seed)]
+    pub seed: Option<u64>,
 }
 
 /// `pvcm-backend stat` options.
@@ -351,62 +360,39 @@ impl Config {
     /// Validates parsed arguments (reading `--config` first if given).
     pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
         let args = match &args.config {
-            Some(file) => merge(&read_config_file(file)?, args),
+            Some(file) => merge(read_config_file(file)?, args),
             None => args.clone(),
         };
-        let mut vms = Vec::new();
-        for v in &args.vms {
-            vms.push(VmSpec::from_str(v)?);
-        }
-        let mut cfg = Config::new(vms);
+        let mut cfg = Config::new(args.vms);
         if let Some(p) = args.policy {
             cfg.policy = p;
         }
-        cfg.control = args.control.clone();
-        if let Some(m) = &args.metrics {
-            cfg.metrics = Some(parse_metrics_addr(m)?);
-        }
-        cfg.pcap = args.pcap.clone();
-        if let Some(n) = &args.rx_backlog {
-            let n = parse_u64("--rx-backlog", n)?;
-            let max = (MAX_BACKLOG_BYTES / backlog::MSG_COST) as u64;
-            if n == 0 || n > max {
-                return err(format!("--rx-backlog {n}: must be 1 to {max} messages"));
-            }
+        cfg.control = args.control;
+        cfg.metrics = args.metrics;
+        cfg.pcap = args.pcap;
+        // The value parsers checked the ranges: the product stays within 64G.
+        if let Some(n) = args.rx_backlog {
             cfg.rx_backlog_bytes = n as usize * backlog::MSG_COST;
         }
-        let size = |opt: &str, v: &str| match backlog::parse_size(v) {
-            Some(b) if (backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&b) => Ok(b),
-            _ => err(format!(
-                "{opt} {v:?}: a size from {} bytes (one message) to 64G, e.g. 32M",
-                backlog::MSG_COST
-            )),
-        };
-        if let Some(v) = &args.rx_backlog_bytes {
-            cfg.rx_backlog_bytes = size("--rx-backlog-bytes", v)?;
+        if let Some(b) = args.rx_backlog_bytes {
+            cfg.rx_backlog_bytes = b;
         }
-        if let Some(v) = &args.rx_host_backlog_bytes {
-            cfg.rx_host_backlog_bytes = size("--rx-host-backlog-bytes", v)?;
+        if let Some(b) = args.rx_host_backlog_bytes {
+            cfg.rx_host_backlog_bytes = b;
         }
-        if let Some(p) = &args.bind_port {
-            let n = parse_u64("--bind-port", p)?;
-            if n == 0 || n > u64::from(u16::MAX) {
-                return err(format!("--bind-port {p}: must be 1 to 65535"));
-            }
-            cfg.bind_port = n as u16;
+        if let Some(p) = args.bind_port {
+            cfg.bind_port = p;
         }
         if let Some(m) = args.wire_rx {
             cfg.wire_rx = m;
         }
-        if let Some(p) = &args.port {
-            cfg.port = p.clone();
+        if let Some(p) = args.port {
+            cfg.port = p;
         }
-        if let Some(d) = &args.sysfs {
-            cfg.sysfs = d.clone();
+        if let Some(d) = args.sysfs {
+            cfg.sysfs = d;
         }
-        if let Some(s) = &args.seed {
-            cfg.seed = Some(parse_u64("--seed", s)?);
-        }
+        cfg.seed = args.seed;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -456,11 +442,52 @@ fn parse_metrics_addr(m: &str) -> Result<SocketAddr, ConfigError> {
         return Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
     }
     SocketAddr::from_str(m).map_err(|_| {
-        ConfigError(format!(
-            "--metrics {m:?}: a port (bound on 127.0.0.1, e.g. 9791) or an address:port \
-             (e.g. 127.0.0.1:9791)"
-        ))
+        ConfigError(
+            "a port (bound on 127.0.0.1, e.g. 9791) or an address:port (e.g. 127.0.0.1:9791)"
+                .into(),
+        )
     })
+}
+
+const NOT_A_NUMBER: &str = "not a number (decimal or 0x hex)";
+
+// The value parsers' messages say what the option takes; clap names the option and the
+// value given ("invalid value '0' for '--rx-backlog <N>': must be ...").
+
+/// `--rx-backlog N`: a number of messages, 1 to what 64G holds.
+fn parse_backlog_messages(v: &str) -> Result<u64, ConfigError> {
+    let n = number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))?;
+    let max = (MAX_BACKLOG_BYTES / backlog::MSG_COST) as u64;
+    if n == 0 || n > max {
+        return err(format!("must be 1 to {max} messages"));
+    }
+    Ok(n)
+}
+
+/// `--rx-backlog-bytes`, `--rx-host-backlog-bytes`: a size with `K`/`M`/`G`, one
+/// message's cost to 64G ([`backlog::parse_size`]).
+fn parse_backlog_size(v: &str) -> Result<usize, ConfigError> {
+    match backlog::parse_size(v) {
+        Some(b) if (backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&b) => Ok(b),
+        _ => err(format!(
+            "a size from {} bytes (one message) to 64G, e.g. 32M",
+            backlog::MSG_COST
+        )),
+    }
+}
+
+/// `--bind-port`: a UDP port, 1 to 65535.
+fn parse_bind_port(v: &str) -> Result<u16, ConfigError> {
+    let n = number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))?;
+    match u16::try_from(n) {
+        Ok(p) if p != 0 => Ok(p),
+        _ => err("must be 1 to 65535"),
+    }
+}
+
+/// `--seed`: decimal or `0x` hex.
+fn parse_seed(v: &str) -> Result<u64, ConfigError> {
+    number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))
 }
 
 /// Reads a config file into arguments (one option per line, `#` comments).
@@ -505,30 +532,24 @@ fn read_config_file(path: &Path) -> Result<ServeArgs, ConfigError> {
 }
 
 /// The file's options, then the command line's on top.
-fn merge(file: &ServeArgs, cli: &ServeArgs) -> ServeArgs {
-    let mut vms = file.vms.clone();
+fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
+    let mut vms = file.vms;
     vms.extend(cli.vms.iter().cloned());
     ServeArgs {
         vms,
         config: None,
         policy: cli.policy.or(file.policy),
-        control: cli.control.clone().or_else(|| file.control.clone()),
-        metrics: cli.metrics.clone().or_else(|| file.metrics.clone()),
-        pcap: cli.pcap.clone().or_else(|| file.pcap.clone()),
-        rx_backlog: cli.rx_backlog.clone().or_else(|| file.rx_backlog.clone()),
-        rx_backlog_bytes: cli
-            .rx_backlog_bytes
-            .clone()
-            .or_else(|| file.rx_backlog_bytes.clone()),
-        rx_host_backlog_bytes: cli
-            .rx_host_backlog_bytes
-            .clone()
-            .or_else(|| file.rx_host_backlog_bytes.clone()),
-        bind_port: cli.bind_port.clone().or_else(|| file.bind_port.clone()),
+        control: cli.control.clone().or(file.control),
+        metrics: cli.metrics.or(file.metrics),
+        pcap: cli.pcap.clone().or(file.pcap),
+        rx_backlog: cli.rx_backlog.or(file.rx_backlog),
+        rx_backlog_bytes: cli.rx_backlog_bytes.or(file.rx_backlog_bytes),
+        rx_host_backlog_bytes: cli.rx_host_backlog_bytes.or(file.rx_host_backlog_bytes),
+        bind_port: cli.bind_port.or(file.bind_port),
         wire_rx: cli.wire_rx.or(file.wire_rx),
-        port: cli.port.clone().or_else(|| file.port.clone()),
-        sysfs: cli.sysfs.clone().or_else(|| file.sysfs.clone()),
-        seed: cli.seed.clone().or_else(|| file.seed.clone()),
+        port: cli.port.clone().or(file.port),
+        sysfs: cli.sysfs.clone().or(file.sysfs),
+        seed: cli.seed.or(file.seed),
     }
 }
 
@@ -756,6 +777,60 @@ mod tests {
             let e = parse(args).unwrap_err();
             assert!(e.0.contains(want), "{args:?}: {e}");
         }
+    }
+
+    #[test]
+    fn typed_values_from_the_command_line_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pvcm.conf");
+        std::fs::write(
+            &f,
+            "vm socket=/tmp/p,gid=127.2.0.1\nrx-backlog-bytes 4M\nrx-host-backlog-bytes=1G\n\
+             bind-port 0x12b8\nseed 0x10\nmetrics 9000\ncontrol /tmp/ctl\n",
+        )
+        .unwrap();
+        let c = parse(&["--config", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.rx_backlog_bytes, 4 << 20);
+        assert_eq!(c.rx_host_backlog_bytes, 1 << 30);
+        assert_eq!((c.bind_port, c.seed), (0x12b8, Some(16)));
+        assert_eq!(c.metrics, Some("127.0.0.1:9000".parse().unwrap()));
+        assert_eq!(c.control, Some(PathBuf::from("/tmp/ctl")));
+        // The command line wins over the file.
+        let c = parse(&[
+            "--config",
+            f.to_str().unwrap(),
+            "--rx-host-backlog-bytes",
+            "2G",
+            "--seed",
+            "7",
+            "--metrics",
+            "0.0.0.0:9001",
+        ])
+        .unwrap();
+        assert_eq!(c.rx_host_backlog_bytes, 2 << 30);
+        assert_eq!(c.seed, Some(7));
+        assert_eq!(c.metrics, Some("0.0.0.0:9001".parse().unwrap()));
+        for (args, want) in [
+            (&["--rx-backlog-bytes", "12Q"][..], "--rx-backlog-bytes"),
+            (&["--rx-host-backlog-bytes", "100"][..], "a size from"),
+            (&["--rx-host-backlog-bytes", "65G"][..], "64G"),
+            (&["--bind-port", "0"][..], "must be 1 to 65535"),
+            (&["--bind-port", "x"][..], "not a number"),
+            (&["--seed", "banana"][..], "--seed"),
+            (&["--rx-backlog", "0x"][..], "not a number"),
+        ] {
+            let mut a = vec!["--vm", "socket=/a,gid=127.0.0.1"];
+            a.extend_from_slice(args);
+            let e = parse(&a).unwrap_err();
+            assert!(e.0.contains(want), "{args:?}: {e}");
+        }
+        // A bad value in the file names the file.
+        std::fs::write(&f, "vm socket=/tmp/p,gid=127.2.0.1\nbind-port 70000\n").unwrap();
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+        assert!(
+            e.0.contains("--config") && e.0.contains("--bind-port"),
+            "{e}"
+        );
     }
 
     #[test]

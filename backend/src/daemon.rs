@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +35,7 @@ use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vmm_sys_util::timerfd::TimerFd;
 
 use crate::backlog::{HostBudget, RxBacklog};
 use crate::config::Config;
@@ -52,53 +53,30 @@ use crate::stats::{DevCounters, Io, Snapshot};
 pub use crate::vm_port::VmPort;
 use crate::vm_port::{Session, lock};
 
-/// A non-blocking CLOCK_MONOTONIC timerfd.
+/// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd.
 #[derive(Debug)]
-struct Timer(OwnedFd);
+struct Timer(TimerFd);
 
 impl Timer {
     fn new() -> io::Result<Timer> {
-        // SAFETY: plain timerfd_create(2); the result is checked.
-        let fd = unsafe {
-            libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        Ok(Timer(unsafe { OwnedFd::from_raw_fd(fd) }))
+        TimerFd::new().map(Timer).map_err(io::Error::from)
     }
 
-    /// Arms the timer `d` from now (at least 1 µs); `None` disarms it.
-    fn set(&self, d: Option<Duration>) -> io::Result<()> {
-        let d = d.map(|d| d.max(Duration::from_micros(1)));
-        let v = d.unwrap_or_default();
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: v.as_secs() as libc::time_t,
-                tv_nsec: libc::c_long::from(v.subsec_nanos() as i32),
-            },
-        };
-        // SAFETY: `spec` is a valid itimerspec; the old value is not requested.
-        let r =
-            unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
+    /// Arms the timer `d` from now (at least 1 µs: a zero duration would disarm it);
+    /// `None` disarms it.
+    fn set(&mut self, d: Option<Duration>) -> io::Result<()> {
+        match d {
+            Some(d) => self.0.reset(d.max(Duration::from_micros(1)), None),
+            None => self.0.clear(),
         }
-        Ok(())
+        .map_err(io::Error::from)
     }
 
-    fn clear(&self) {
-        let mut b = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live 8-byte buffer; non-blocking.
-        let _ = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+    /// Consumes the expiry. Called only when epoll reported the timer readable, and only
+    /// this thread re-arms it (at the top of the loop, after this), so the read returns
+    /// at once.
+    fn clear(&mut self) {
+        let _ = self.0.wait();
     }
 }
 
@@ -118,7 +96,7 @@ struct HostLoop {
 }
 
 impl HostLoop {
-    fn run(self) {
+    fn run(mut self) {
         let mut events = vec![EpollEvent::default(); 64];
         loop {
             self.arm_timer();
@@ -159,7 +137,7 @@ impl HostLoop {
         }
     }
 
-    fn arm_timer(&self) {
+    fn arm_timer(&mut self) {
         let (next, now) = {
             let core = self.shared.lock_core();
             (core.mux.next_deadline(), core.mux.clock().now())
@@ -344,19 +322,6 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
     tracing::debug!("VM thread done");
 }
 
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
 /// A running daemon (in-process).
 #[derive(Debug)]
 pub struct Daemon {
@@ -419,9 +384,13 @@ impl Daemon {
             Some(p) => Some(Capture::create(p).map_err(e(format!("--pcap {}", p.display())))?),
             None => None,
         };
+        let seed = match cfg.seed {
+            Some(s) => s,
+            None => getrandom::u64().map_err(Error::Seed)?,
+        };
         let mux_cfg = MuxConfig {
             policy: cfg.policy,
-            seed: cfg.seed.unwrap_or_else(random_seed),
+            seed,
             ..MuxConfig::default()
         };
         let default_quota = mux_cfg.default_quota;
@@ -443,12 +412,10 @@ impl Daemon {
         });
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
-            let l = Listener::new(&spec.socket, true).map_err(|err| {
-                Error::Port(format!(
-                    "VM {}: vhost-user socket {}: {err}",
-                    spec.vm.name,
-                    spec.socket.display()
-                ))
+            let l = Listener::new(&spec.socket, true).map_err(|source| Error::VhostSocket {
+                vm: spec.vm.name.clone(),
+                path: spec.socket.clone(),
+                source,
             })?;
             listeners.push(l);
         }

@@ -1,6 +1,8 @@
 //! The daemon's error type.
 
 use std::io;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
 
 use crate::config::ConfigError;
 
@@ -19,8 +21,71 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The wire port could not be set up or refused a VM (the message says why and,
-    /// where it can, what to do: capabilities, the kernel CM, the GID table).
-    #[error("{0}")]
-    Port(String),
+    /// The OS gave no random seed for the mux's ID permutation.
+    #[error(
+        "cannot read a random seed from the OS ({0}); check that /dev/urandom is readable, \
+         or give --seed N"
+    )]
+    Seed(getrandom::Error),
+    /// A VM's vhost-user socket could not be bound.
+    #[error(
+        "VM {vm}: vhost-user socket {}: {source}; check that its directory exists and the \
+         daemon may create files there",
+        path.display()
+    )]
+    VhostSocket {
+        /// The VM's name.
+        vm: String,
+        /// The socket's path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: vhost::vhost_user::Error,
+    },
+    /// `--wire-rx raw` was asked for and the raw receive socket could not be opened.
+    #[error("--wire-rx raw: raw socket: {0}; {RAW_SOCKET_HOW}")]
+    RawSocketRequired(#[source] io::Error),
+    /// `--wire-rx auto`: the raw receive socket failed for a reason other than a missing
+    /// privilege (which falls back to udp).
+    #[error(
+        "raw wire socket: {0}; --wire-rx udp receives without it (pvcm peers only, see \
+         docs/daemon.md)"
+    )]
+    RawSocket(#[source] io::Error),
+    /// A VM's address could not be bound for the soft port.
+    #[error("VM {vm}: wire port {addr}:{port} (is the address local?): {source}")]
+    WireBind {
+        /// The VM's name.
+        vm: String,
+        /// The VM's address.
+        addr: Ipv4Addr,
+        /// The UDP port (`--bind-port`).
+        port: u16,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// A VM's UDP socket refused the drop-all filter raw receive puts on it.
+    #[error("VM {vm}: wire socket filter: {source}; --wire-rx udp does not need it")]
+    WireFilter {
+        /// The VM's name.
+        vm: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The umad port could not be opened (`reason` says why and, where it can, what to
+    /// do: ib_umad, permissions, the kernel CM, the P_Key table).
+    #[error("--port {port}: {reason}")]
+    Umad {
+        /// The port as given (`umad:DEV:PORT`).
+        port: String,
+        /// What went wrong, and what to do.
+        reason: String,
+    },
 }
+
+/// What raw receive needs, and the alternative.
+pub const RAW_SOCKET_HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
+    `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW in a systemd \
+    unit); --wire-rx udp needs no privilege but accepts only pvcm peers (see docs/daemon.md)";

@@ -33,7 +33,7 @@ use pvcm_wire::roce::{
 };
 use pvcm_wire::{Error as WireError, Gid};
 
-use crate::error::Error;
+use crate::error::{Error, RAW_SOCKET_HOW};
 use crate::port::{InMad, PortCtx};
 use crate::stats::{DevDrop, Io};
 
@@ -599,26 +599,22 @@ pub struct SoftPort {
 
 /// Opens the raw receive socket the mode asks for (None: udp mode).
 fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<RawRx>, Error> {
-    const HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
-                       `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW \
-                       in a systemd unit); --wire-rx udp needs no privilege but accepts only \
-                       pvcm peers (see docs/daemon.md)";
     match mode {
         RxMode::Udp => Ok(None),
         RxMode::Raw => RawRx::open(port, addrs)
             .map(Some)
-            .map_err(|err| Error::Port(format!("--wire-rx raw: raw socket: {err}; {HOW}"))),
+            .map_err(Error::RawSocketRequired),
         RxMode::Auto => match RawRx::open(port, addrs) {
             Ok(r) => Ok(Some(r)),
             Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
                 tracing::warn!(
                     "no raw socket ({err}): receiving in udp mode, which drops frames \
                      from Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
-                     non-zero IP ID the ICRC covers); {HOW}"
+                     non-zero IP ID the ICRC covers); {RAW_SOCKET_HOW}"
                 );
                 Ok(None)
             }
-            Err(err) => Err(Error::Port(format!("raw wire socket: {err}"))),
+            Err(err) => Err(Error::RawSocket(err)),
         },
     }
 }
@@ -636,18 +632,21 @@ impl SoftPort {
         let mut socks = Vec::new();
         let mut by_addr = std::collections::HashMap::new();
         for (i, (name, a)) in addrs.iter().enumerate() {
-            let s = UdpPort::bind(*a, port_num).map_err(|err| {
-                Error::Port(format!(
-                    "VM {name}: wire port {a}:{port_num} (is the address local?): {err}"
-                ))
+            let s = UdpPort::bind(*a, port_num).map_err(|source| Error::WireBind {
+                vm: name.clone(),
+                addr: *a,
+                port: port_num,
+                source,
             })?;
             by_addr.insert(*a, i);
             socks.push(s);
         }
         if raw.is_some() {
             for (s, (name, _)) in socks.iter().zip(addrs) {
-                s.discard_rx()
-                    .map_err(|err| Error::Port(format!("VM {name}: wire socket filter: {err}")))?;
+                s.discard_rx().map_err(|source| Error::WireFilter {
+                    vm: name.clone(),
+                    source,
+                })?;
             }
         }
         Ok(SoftPort {

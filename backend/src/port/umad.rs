@@ -374,26 +374,27 @@ impl UmadPort {
         vms: &[(String, Gid)],
     ) -> Result<UmadPort, Error> {
         let name = format!("umad:{device}:{port}");
+        let fail = |reason: String| Error::Umad {
+            port: name.clone(),
+            reason,
+        };
         let port_dir = sysfs
             .join("class/infiniband")
             .join(device)
             .join("ports")
             .join(port.to_string());
         if !port_dir.is_dir() {
-            return Err(Error::Port(format!(
-                "--port {name}: no such RDMA device port ({} does not exist; `rdma link \
+            return Err(fail(format!(
+                "no such RDMA device port ({} does not exist; `rdma link \
                  show` lists the devices)",
                 port_dir.display()
             )));
         }
-        let umad = find_umad(sysfs, device, port).map_err(|e| {
-            Error::Port(format!(
-                "--port {name}: {e}: is ib_umad loaded (`modprobe ib_umad`)?"
-            ))
-        })?;
+        let umad = find_umad(sysfs, device, port)
+            .map_err(|e| fail(format!("{e}: is ib_umad loaded (`modprobe ib_umad`)?")))?;
         let path = Path::new("/dev/infiniband").join(&umad);
         let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| Error::Port(format!("--port {name}: bad path {}", path.display())))?;
+            .map_err(|_| fail(format!("bad path {}", path.display())))?;
         // SAFETY: `c_path` is a NUL-terminated path that lives across the call.
         let fd = unsafe {
             libc::open(
@@ -409,16 +410,13 @@ impl UmadPort {
             } else {
                 ""
             };
-            return Err(Error::Port(format!(
-                "--port {name}: open {}: {e}{hint}",
-                path.display()
-            )));
+            return Err(fail(format!("open {}: {e}{hint}", path.display())));
         }
         // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         ioctl(fd.as_raw_fd(), IOCTL_ENABLE_PKEY, std::ptr::null_mut()).map_err(|e| {
-            Error::Port(format!(
-                "--port {name}: IB_USER_MAD_ENABLE_PKEY on {}: {e} (kernel too old?)",
+            fail(format!(
+                "IB_USER_MAD_ENABLE_PKEY on {}: {e} (kernel too old?)",
                 path.display()
             ))
         })?;
@@ -447,15 +445,15 @@ impl UmadPort {
                 "the kernel refused the CM agent (another user-space CM agent may hold the \
                  class on this port)"
             };
-            return Err(Error::Port(format!(
-                "--port {name}: registering a CM agent on {}: {e}: {why}",
+            return Err(fail(format!(
+                "registering a CM agent on {}: {e}: {why}",
                 path.display()
             )));
         }
         let pkeys = read_pkeys(&port_dir);
         let pkey_index = default_pkey_index(&pkeys).ok_or_else(|| {
-            Error::Port(format!(
-                "--port {name}: no default P_Key (0xFFFF or 0x7FFF) in {}",
+            fail(format!(
+                "no default P_Key (0xFFFF or 0x7FFF) in {}",
                 port_dir.join("pkeys").display()
             ))
         })?;
@@ -472,12 +470,9 @@ impl UmadPort {
             pkeys,
             pkey_index,
         };
-        let table = read_gid_table(&p.port_dir).map_err(|e| {
-            Error::Port(format!(
-                "--port {}: GID table {}: {e}",
-                p.name,
-                p.port_dir.display()
-            ))
+        let table = read_gid_table(&p.port_dir).map_err(|e| Error::Umad {
+            port: p.name.clone(),
+            reason: format!("GID table {}: {e}", p.port_dir.display()),
         })?;
         for vm in 0..vms.len() {
             if let Err(e) = p.resolve(vm, &table) {
