@@ -92,17 +92,15 @@ impl Default for DeviceOptions {
     }
 }
 
-/// A seed from the standard library's per-process random keys and the clock.
+/// A seed from the OS's random source (`getrandom`). Should the OS have none to give,
+/// the standard library's per-process random keys (also from the OS) stand in.
 pub fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
+    getrandom::u64().unwrap_or_else(|_| {
+        use std::hash::{BuildHasher, Hasher};
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    })
 }
 
 /// Errors of the device layer and its transports.
