@@ -424,7 +424,9 @@ impl PvcmDevice {
                     let payload = &m.buf[HEADER_LEN..HEADER_LEN + len];
                     let reject = if len != MAD_LEN {
                         Some(DevDrop::BadMadLength)
-                    } else if payload[1] != MGMT_CLASS_CM {
+                    } else if pvcm_wire::mad::field::MGMT_CLASS.get(payload)
+                        != u64::from(MGMT_CLASS_CM)
+                    {
                         Some(DevDrop::NotCm)
                     } else if h.remote_gid.to_ipv4().is_none() {
                         Some(DevDrop::BadRemoteGid)
