@@ -384,10 +384,7 @@ impl Daemon {
             Some(p) => Some(Capture::create(p).map_err(e(format!("--pcap {}", p.display())))?),
             None => None,
         };
-        let seed = match cfg.seed {
-            Some(s) => s,
-            None => getrandom::u64().map_err(Error::Seed)?,
-        };
+        let seed = cfg.seed.unwrap_or_else(pvcm_wire::seed::os_seed);
         let mux_cfg = MuxConfig {
             policy: cfg.policy,
             seed,

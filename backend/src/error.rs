@@ -21,12 +21,6 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The OS gave no random seed for the mux's ID permutation.
-    #[error(
-        "cannot read a random seed from the OS ({0}); check that /dev/urandom is readable, \
-         or give --seed N"
-    )]
-    Seed(getrandom::Error),
     /// A VM's vhost-user socket could not be bound.
     #[error(
         "VM {vm}: vhost-user socket {}: {source}; check that its directory exists and the \

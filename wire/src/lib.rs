@@ -26,6 +26,7 @@ pub mod field;
 pub mod gid;
 pub mod mad;
 pub mod roce;
+pub mod seed;
 #[cfg(feature = "test-util")]
 pub mod testing;
 pub mod time;

@@ -92,15 +92,10 @@ impl Default for DeviceOptions {
     }
 }
 
-/// A seed from the OS's random source (`getrandom`). Should the OS have none to give,
-/// the standard library's per-process random keys (also from the OS) stand in.
+/// A seed from the OS's random source that never blocks ([`pvcm_wire::seed::os_seed`]:
+/// a guest driver starts early in boot, when a blocking `getrandom(2)` can wait minutes).
 pub fn random_seed() -> u64 {
-    getrandom::u64().unwrap_or_else(|_| {
-        use std::hash::{BuildHasher, Hasher};
-        std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish()
-    })
+    pvcm_wire::seed::os_seed()
 }
 
 /// Errors of the device layer and its transports.
