@@ -1015,6 +1015,12 @@ impl<T: Transport, C: Clock> Device<T, C> {
         if wake <= now {
             return Ok(());
         }
+        // MADs the application queued since the last pump (an accept() in run_until's
+        // `done`, answering requests an earlier call took in) go out before any sleep:
+        // the peer is waiting for them, so nothing else would wake us until its retry.
+        if self.agent.outbox_len() > 0 {
+            return Ok(());
+        }
         // Re-arm and re-check: a used buffer that arrived before re-arming gets no
         // notification, so it must be seen now.
         if self.rx.enable_notifications() {
