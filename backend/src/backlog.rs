@@ -107,11 +107,14 @@ impl RxBacklog {
         Some(m)
     }
 
-    /// Drops everything (the VM reset its device or left).
-    pub fn clear(&mut self) {
-        self.host.give(self.q.len() * MSG_COST);
+    /// Drops everything (the VM reset its device or left); returns how many messages
+    /// were waiting, for the caller to count.
+    pub fn clear(&mut self) -> usize {
+        let n = self.q.len();
+        self.host.give(n * MSG_COST);
         self.q.clear();
         self.q.shrink_to(KEEP_SLOTS);
+        n
     }
 
     /// Messages waiting.

@@ -14,7 +14,7 @@ use crate::mux::{Mux, Outgoing, SystemClock, Time, VmId};
 use crate::pcap::Capture;
 use crate::port::{PortCtx, WirePort};
 use crate::rx::RxMsg;
-use crate::stats::{DevCounters, Figures, Snapshot, VmFigures};
+use crate::stats::{DevCounters, DevDrop, Figures, Snapshot, VmFigures};
 use crate::vm_port::{VmPort, lock};
 
 /// The mux and the map from its VM IDs to ports, under one lock.
@@ -136,8 +136,13 @@ impl Shared {
             (out, core.mux.next_deadline())
         };
         drop(cur);
-        lock(&port.rx).clear();
-        tracing::info!(parent: &port.span, on_behalf = out.len(), "VM detached");
+        // What waited for the old session's driver names the old session's IDs: it goes
+        // with it, counted; the peers' retries reach the new session.
+        let discarded = lock(&port.rx).clear();
+        for _ in 0..discarded {
+            port.counters.drop(DevDrop::RxDiscarded);
+        }
+        tracing::info!(parent: &port.span, on_behalf = out.len(), discarded, "VM detached");
         self.send_outgoing(out);
         self.note_deadline(next);
     }

@@ -58,6 +58,10 @@ dev_drops! {
     RxBacklogFull => "rx_backlog_full",
     /// rx: the VM had no rx buffer and the host-wide backlog budget was spent.
     RxHostBudget => "rx_host_budget",
+    /// rx: a message that waited for a VM's rx buffers when the VM reset its device or
+    /// left: it named the old session's connections and went with it (the peer's retry
+    /// reaches the new session).
+    RxDiscarded => "rx_discarded",
     /// rx: an rx buffer that was too short, read-only or outside guest memory.
     RxBadBuffer => "rx_bad_buffer",
     /// wire: a datagram that is not 280 bytes (or a padded frame).

@@ -740,3 +740,46 @@ fn shutdown_releases_connections() {
     drop((a, b));
     h2.shutdown();
 }
+
+/// What waited for a VM's rx buffers when its session ended is discarded with the
+/// session and counted (`rx_discarded`), not delivered to the next session.
+#[test]
+fn a_backlog_left_by_an_ended_session_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(21, 1, 1));
+    let sc = LabVmSpec::new("late", ip(21, 1, 3));
+    let h = backend::start(backend::config(dir.path(), "h", &[&sa, &sc], 1));
+    let mut a = connect(dir.path(), "a");
+    let opts = VmOpts {
+        post_rx: false,
+        ..VmOpts::default()
+    };
+    let late = LabVm::connect(&backend::socket(dir.path(), "late"), opts).unwrap();
+    let ca = sa.vm_config();
+    for i in 0..5u32 {
+        let m = mads::req(
+            sa.gid(),
+            ca.ca_guid,
+            0x700 + i,
+            u64::from(i),
+            sc.gid(),
+            ca.qpn_base + i,
+        );
+        a.queue_mad(sc.gid(), &m).unwrap();
+    }
+    a.kick();
+    wait_stats(dir.path(), "h", "REQs backlogged", |s| {
+        s.vm("late").unwrap().figures.cm("cm_rx_msgs", "req") == 5
+    });
+    drop(late);
+    let s = wait_stats(dir.path(), "h", "discarded", |s| {
+        s.vm("late").unwrap().figures.dropped("rx_discarded") == 5
+    });
+    assert!(!s.vm("late").unwrap().attached);
+    // A new session starts empty.
+    let mut again = connect(dir.path(), "late");
+    check_port_info(&mut again, &sc);
+    assert!(again.recv_all(Duration::from_millis(200)).is_empty());
+    drop((a, again));
+    h.shutdown();
+}
