@@ -147,7 +147,7 @@ pub struct Cli {
     #[arg(long, global = true)]
     linux_drep: bool,
     /// The most requests (REQ, DREQ) outstanding per destination; the window grows to it
-    /// while answers come (default 256; 0: no pacing, every request at once).
+    /// while answers come (default 1024; 0: no pacing, every request at once).
     #[arg(long, global = true, value_name = "N")]
     max_window: Option<u32>,
     #[command(subcommand)]

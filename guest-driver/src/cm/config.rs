@@ -54,8 +54,8 @@ impl Default for Pacing {
         Pacing {
             initial_window: 32,
             min_window: 4,
-            max_window: 256,
-            slow_start: 256,
+            max_window: 1024,
+            slow_start: 1024,
         }
     }
 }
