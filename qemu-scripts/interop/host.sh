@@ -191,6 +191,13 @@ if crossed > 10:
     drops["unknown_connection"] = crossed
 elif crossed:
     print(f"note  8: {crossed} pvcm REP(s) crossed the kernel's withdrawal in test 7 (refused by the mux, unknown_connection)")
+# Test 4 races the same way from the other side: the kernel's REP can cross pvcm's
+# REJ(TIMEOUT) and find the connection already closed (`quarantined`).
+late = drops.pop("quarantined", 0)
+if late > 1:
+    drops["quarantined"] = late
+elif late:
+    print("note  8: the kernel's REP crossed pvcm's REJ(TIMEOUT) in test 4 (a late MAD of a closed connection, quarantined)")
 if drops:
     bad.append(f"pvcm-backend drops: {drops}")
 r = sum(s["cm"]["cm_tx_retries"].values())
@@ -207,9 +214,12 @@ for m in s["cm"]["cm_tx_msgs"]:
     ktx_to_k[m] = (ka.get(f"cm_tx_msgs/{m}", 0) - kb.get(f"cm_tx_msgs/{m}", 0)
                    + ja.get(f"cm_tx_msgs/{m}", 0) - jb.get(f"cm_tx_msgs/{m}", 0)
                    - s["cm"]["cm_rx_msgs"][m])
+# A kernel MAD the mux refused in those races is missing from pvcm's rx count, so the
+# difference may be as large as the races it allowed.
+slack = crossed + late
 for m, sent in s["cm"]["cm_tx_msgs"].items():
     got = krx.get(m, 0) - ktx_to_k.get(m, 0)
-    if sent != got:
+    if abs(sent - got) > slack:
         bad.append(f"{m}: pvcm sent {sent}, the kernel CMs took {got}")
 print(("FAIL  8: " + "; ".join(bad)) if bad else
       "PASS  8: kernel counters show no duplicates or retries; pvcm-backend 0 drops; every pvcm MAD taken by the kernel")
