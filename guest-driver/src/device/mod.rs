@@ -829,6 +829,9 @@ impl<T: Transport, C: Clock> Device<T, C> {
 
         self.agent.poll(now);
         report.tx = self.flush_tx()?;
+        if report.rx > 0 || report.tx > 0 {
+            self.transport.note_activity();
+        }
         Ok(report)
     }
 

@@ -49,6 +49,10 @@ pub trait Transport: Notify {
     /// Transports without notifications sleep a short poll interval.
     fn wait(&mut self, timeout: Duration) -> Result<(), TransportError>;
 
+    /// Messages moved on a queue: a transport that polls polls fast again (see
+    /// `PciDevice`'s idle back-off). The default does nothing.
+    fn note_activity(&mut self) {}
+
     /// A short description for logs and `info` ("lab", "pci 0000:00:04.0").
     fn describe(&self) -> String;
 }
@@ -59,6 +63,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         (**self).wait(timeout)
+    }
+    fn note_activity(&mut self) {
+        (**self).note_activity()
     }
     fn describe(&self) -> String {
         (**self).describe()
