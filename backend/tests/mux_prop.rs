@@ -24,7 +24,7 @@ use proptest::sample::Index;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
 use pvcm_backend::mux::{
     Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
-    WireVerdict,
+    WireVerdict, records,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{MsgResponse, RejReason};
@@ -149,6 +149,9 @@ enum Op {
     Detach { vm: usize },
     /// A fresh VM attaches with the slot's GID (if the slot is free).
     Reattach { vm: usize },
+    /// The daemon restarts: the mux is rebuilt from its journal (the snapshot plus every
+    /// change since) and must hold the same state.
+    Restart,
 }
 
 fn kind() -> impl Strategy<Value = Kind> {
@@ -237,6 +240,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0u64..40_000).prop_map(|ms| Op::Advance { ms }),
         1 => (0..NVM).prop_map(|vm| Op::Detach { vm }),
         3 => (0..NVM).prop_map(|vm| Op::Reattach { vm }),
+        1 => Just(Op::Restart),
     ]
 }
 
@@ -309,6 +313,8 @@ struct World {
     detached: HashSet<VmId>,
     next_tid: u64,
     cov: Coverage,
+    /// The mux's journal: a snapshot, then the changes of every operation.
+    journal: Vec<u8>,
 }
 
 fn attr_name(b: &Mad) -> String {
@@ -341,6 +347,9 @@ impl World {
         let peers = (0..NPEER)
             .map(|i| VmConfig::new(format!("peer{i}"), gid(9, i as u8 + 1)))
             .collect();
+        let mut journal = Vec::new();
+        mux.journal_snapshot(&mut journal);
+        mux.enable_journal();
         World {
             clock,
             mux,
@@ -353,6 +362,7 @@ impl World {
             detached: HashSet::new(),
             next_tid: 1,
             cov: Coverage::new(),
+            journal,
         }
     }
 
@@ -976,6 +986,31 @@ impl World {
                 prop_assert!(self.mux.vm_config(id).is_none());
                 prop_assert_eq!(self.mux.vm_stats(id).live, 0);
             }
+            Op::Restart => {
+                self.mux.journal_changes(&mut self.journal);
+                let recs: Vec<(u8, &[u8])> = records(&self.journal)
+                    .collect::<Result<_, _>>()
+                    .map_err(|i| TestCaseError::fail(format!("journal record {i} torn")))?;
+                let restored = Mux::restore(self.mux.config().clone(), self.clock.clone(), recs)
+                    .map_err(|e| TestCaseError::fail(format!("restore: {e}")))?;
+                if let Err(e) = self.mux.same_state_as(&restored.mux) {
+                    return Err(TestCaseError::fail(format!("restored state differs: {e}")));
+                }
+                let attached: Vec<VmId> = restored.attached.iter().map(|(id, _)| *id).collect();
+                let mut expect: Vec<VmId> = self
+                    .slots
+                    .iter()
+                    .filter(|s| s.attached)
+                    .map(|s| s.id)
+                    .collect();
+                expect.sort_unstable();
+                prop_assert_eq!(attached, expect);
+                self.mux = restored.mux;
+                self.journal.clear();
+                self.mux.journal_snapshot(&mut self.journal);
+                self.mux.enable_journal();
+                self.count("restart".into());
+            }
             Op::Reattach { vm } => {
                 let cfg = self.slots[vm].cfg.clone();
                 let r = self.mux.attach_vm(cfg.clone());
@@ -1038,7 +1073,10 @@ fn run_case(seed: u64, ops: &[Option<Op>], cov: &RefCell<Coverage>) -> Result<()
         w.apply(op)?;
         w.drain()?;
         w.check_counts()?;
+        // The daemon commits the changes of each batch.
+        w.mux.journal_changes(&mut w.journal);
     }
+    w.apply(&Op::Restart)?;
     w.finish()?;
     let mut c = cov.borrow_mut();
     for (k, v) in w.cov {
@@ -1120,6 +1158,7 @@ fn wire_mads_reach_only_their_owner() {
         "outbox Dreq",
         "outbox Rej",
         "reattach",
+        "restart",
     ] {
         assert!(seen(must) > 0, "never happened: {must}");
     }

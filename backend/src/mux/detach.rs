@@ -25,6 +25,10 @@ impl<C: Clock> Mux<C> {
             return;
         }
         v.attached = false;
+        if let Some(c) = &mut self.changes {
+            c.vms.push(vm.0);
+        }
+        let v = &mut self.vms[vm.0 as usize];
         let gid = v.cfg.gid;
         let ca_guid = v.cfg.ca_guid;
         v.sl_map = FastMap::with_hasher(RandomState::default());
@@ -47,7 +51,7 @@ impl<C: Clock> Mux<C> {
                 continue;
             }
             // The VM's comm-ID map is gone already.
-            self.slab[slot as usize].flags &= !flag::IN_SL_MAP;
+            self.ent(slot).flags &= !flag::IN_SL_MAP;
             self.orphan(slot, gid, ca_guid, now);
         }
         if let Some(v) = self.vms.get_mut(vm.0 as usize) {
@@ -64,7 +68,7 @@ impl<C: Clock> Mux<C> {
                 // Established: disconnect on the VM's behalf, retrying like a CM would.
                 let attempts = self.cfg.detach_dreq_attempts.max(1);
                 self.mark_orphan(slot, State::DreqSent);
-                self.slab[slot as usize].retries = attempts - 1;
+                self.ent(slot).retries = attempts - 1;
                 self.send_dreq_on_behalf(slot, vm_gid, dst);
                 let t = self.attempt(e.peer_resp, e.ack);
                 self.set_deadline(slot, Time(now).after(t).0);
@@ -152,7 +156,7 @@ impl<C: Clock> Mux<C> {
     }
 
     pub(super) fn mark_orphan(&mut self, slot: u32, state: State) {
-        let e = &mut self.slab[slot as usize];
+        let e = self.ent(slot);
         e.flags |= flag::ORPHAN;
         e.state = state;
         let vm = e.vm;

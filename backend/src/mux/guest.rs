@@ -146,7 +146,7 @@ impl<C: Clock> Mux<C> {
                 }
                 let s = self.new_entry(vm, dst).ok_or(DropReason::TableFull)?;
                 let p = req::Packet::new_unchecked(m.as_bytes());
-                let e = &mut self.slab[s as usize];
+                let e = self.ent(s);
                 e.state = State::ReqSent;
                 e.flags |= flag::ACTIVE;
                 e.sl_cm_id = sl;
@@ -164,7 +164,7 @@ impl<C: Clock> Mux<C> {
                 s
             }
         };
-        self.slab[slot as usize].vm_tid_req = m.tid();
+        self.ent(slot).vm_tid_req = m.tid();
         let pv = self.slab[slot as usize].pv_cm_id;
         m.set_tid(self.tids.tid(TidKind::Req, pv));
         set_local(m, pv);
@@ -191,7 +191,7 @@ impl<C: Clock> Mux<C> {
                     .bump(Group::TxRetries, AttributeId::Rep);
             }
             State::ReqRcvd => {
-                self.slab[slot as usize].state = State::RepSent;
+                self.ent(slot).state = State::RepSent;
                 if !self.legacy() {
                     // The VM retries its REP, the peer may MRA or REJ; the RTU must come
                     // within the peer's response window.
@@ -295,7 +295,7 @@ impl<C: Clock> Mux<C> {
             State::DreqRcvd => {} // crossed DREQs: both sides answer with DREP
             _ => {
                 // Established (or a half-open connection the VM tears down).
-                self.slab[slot as usize].state = State::DreqSent;
+                self.ent(slot).state = State::DreqSent;
                 if self.legacy() {
                     self.legacy_arm(slot, now);
                 } else {
@@ -304,7 +304,7 @@ impl<C: Clock> Mux<C> {
                 }
             }
         }
-        self.slab[slot as usize].vm_tid_other = m.tid();
+        self.ent(slot).vm_tid_other = m.tid();
         m.set_tid(self.tids.tid(TidKind::Dreq, e.pv_cm_id));
         set_local(m, e.pv_cm_id);
         Ok(GuestVerdict::ToWire)
@@ -340,7 +340,7 @@ impl<C: Clock> Mux<C> {
         let slot = self.guest_known(vm, m)?;
         let pv = self.slab[slot as usize].pv_cm_id;
         if m.attr() == AttributeId::Lap {
-            self.slab[slot as usize].vm_tid_other = m.tid();
+            self.ent(slot).vm_tid_other = m.tid();
             m.set_tid(self.tids.tid(TidKind::Lap, pv));
         }
         set_local(m, pv);
@@ -372,7 +372,7 @@ impl<C: Clock> Mux<C> {
                     return Err(DropReason::OverQuota);
                 }
                 let s = self.new_entry(vm, dst).ok_or(DropReason::TableFull)?;
-                let e = &mut self.slab[s as usize];
+                let e = self.ent(s);
                 e.state = State::SidrReqSent;
                 e.flags |= flag::ACTIVE;
                 e.sl_cm_id = rid;
@@ -383,7 +383,7 @@ impl<C: Clock> Mux<C> {
                 s
             }
         };
-        self.slab[slot as usize].vm_tid_req = m.tid();
+        self.ent(slot).vm_tid_req = m.tid();
         let pv = self.slab[slot as usize].pv_cm_id;
         m.set_tid(self.tids.tid(TidKind::Sidr, pv));
         // A SIDR_REQ has a request ID, never a comm ID.
@@ -586,7 +586,7 @@ impl<C: Clock> Mux<C> {
         if e.vm != vm || e.state != State::ReqRcvd || e.has(flag::IN_SL_MAP) {
             return Err(DropReason::UnknownConnection);
         }
-        self.slab[s as usize].sl_cm_id = sl;
+        self.ent(s).sl_cm_id = sl;
         self.index_sl(vm, sl, s);
         self.assign_pv(s);
         Ok(s)

@@ -18,7 +18,7 @@ impl<C: Clock> Mux<C> {
         if self.slab[slot as usize].has(flag::LEGACY_TIMER) {
             return;
         }
-        self.slab[slot as usize].flags |= flag::LEGACY_TIMER;
+        self.ent(slot).flags |= flag::LEGACY_TIMER;
         let t = Time(now).after(self.cfg.policy.legacy_cleanup()).0;
         self.set_deadline(slot, t);
     }
@@ -32,7 +32,7 @@ impl<C: Clock> Mux<C> {
         dst: Gid,
     ) -> Result<u32, DropReason> {
         let s = self.new_entry(vm, dst).ok_or(DropReason::TableFull)?;
-        let e = &mut self.slab[s as usize];
+        let e = self.ent(s);
         e.state = State::ReqRcvd;
         e.sl_cm_id = sl;
         e.remote_comm_id = remote;

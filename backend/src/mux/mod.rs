@@ -28,6 +28,7 @@ mod guest;
 mod ids;
 mod legacy;
 mod peers;
+mod persist;
 mod table;
 mod wire;
 
@@ -43,6 +44,7 @@ pub use clock::{Clock, ManualClock, SystemClock, Time};
 pub use config::{MuxConfig, Policy, UnknownPolicy, VmConfig};
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace};
+pub use persist::{FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, records};
 pub use table::State;
 
 use peers::{Peer, Peers};
@@ -184,6 +186,8 @@ pub struct Mux<C: Clock> {
     host_drops: DropCounters,
     live: u64,
     quarantined: u64,
+    /// With the journal on: what changed since [`Mux::journal_changes`] last ran.
+    changes: Option<persist::Changes>,
 }
 
 /// Bits of a `pv_cm_id` preimage that hold the slot; the rest is the generation.
@@ -222,6 +226,7 @@ impl<C: Clock> Mux<C> {
             host_drops: DropCounters::default(),
             live: 0,
             quarantined: 0,
+            changes: None,
             cfg,
         }
     }
@@ -253,6 +258,9 @@ impl<C: Clock> Mux<C> {
         }
         let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
         self.gid_to_vm.insert(cfg.gid, id);
+        if let Some(c) = &mut self.changes {
+            c.vms.push(id);
+        }
         self.vms.push(Vm {
             quota: cfg.quota.unwrap_or(self.cfg.default_quota),
             cfg,

@@ -19,6 +19,8 @@ pub(super) struct Peers {
     pub(super) slots: Vec<Peer>,
     pub(super) index: FastMap<Gid, u32>,
     pub(super) free: Vec<u32>,
+    /// With the journal on: peers added or changed since it last took the changes.
+    pub(super) dirty: Option<Vec<u32>>,
 }
 
 impl Peers {
@@ -43,6 +45,9 @@ impl Peers {
             }
         };
         self.index.insert(gid, i);
+        if let Some(d) = &mut self.dirty {
+            d.push(i);
+        }
         i
     }
 
@@ -69,8 +74,13 @@ impl Peers {
     }
 
     pub(super) fn set_ca_guid(&mut self, i: u32, guid: u64) {
-        if let Some(p) = self.slots.get_mut(i as usize) {
+        if let Some(p) = self.slots.get_mut(i as usize)
+            && p.ca_guid != guid
+        {
             p.ca_guid = guid;
+            if let Some(d) = &mut self.dirty {
+                d.push(i);
+            }
         }
     }
 }

@@ -82,6 +82,8 @@ pub(super) mod flag {
     pub const LEGACY_TIMER: u8 = 8;
     /// Its VM detached; the proxy finishes the connection on its behalf.
     pub const ORPHAN: u8 = 16;
+    /// Changed since the journal last took the changes (never persisted itself).
+    pub const DIRTY: u8 = 32;
 }
 
 /// One connection (or SIDR exchange). 64 bytes, one cache line (asserted below).
@@ -152,6 +154,20 @@ impl Entry {
 }
 
 impl<C: Clock> Mux<C> {
+    /// The entry in `slot`, for writing: every write goes through here, so that with the
+    /// journal on (`Mux::enable_journal`) each changed slot is noted once.
+    #[inline]
+    pub(super) fn ent(&mut self, slot: u32) -> &mut Entry {
+        let e = &mut self.slab[slot as usize];
+        if let Some(c) = &mut self.changes
+            && e.flags & flag::DIRTY == 0
+        {
+            e.flags |= flag::DIRTY;
+            c.slots.push(slot);
+        }
+        e
+    }
+
     pub(super) fn alloc_slot(&mut self) -> Option<u32> {
         let slot = match self.free.pop_front() {
             Some(s) => s,
@@ -164,7 +180,7 @@ impl<C: Clock> Mux<C> {
             }
         };
         let generation = self.slab[slot as usize].generation;
-        self.slab[slot as usize] = Entry {
+        *self.ent(slot) = Entry {
             generation,
             ..Entry::FREE
         };
@@ -174,16 +190,17 @@ impl<C: Clock> Mux<C> {
 
     /// Gives the entry its `pv_cm_id` (slot + generation through the permutation).
     pub(super) fn assign_pv(&mut self, slot: u32) -> u32 {
+        let (bits, mask, perm) = (self.slot_bits, self.generation_mask, self.perm);
+        let e = self.ent(slot);
         loop {
-            let e = &mut self.slab[slot as usize];
-            let raw = (u32::from(e.generation) << self.slot_bits) | slot;
-            let pv = self.perm.apply(raw);
+            let raw = (u32::from(e.generation) << bits) | slot;
+            let pv = perm.apply(raw);
             if pv != 0 {
                 e.pv_cm_id = pv;
                 return pv;
             }
             // 0 means "no comm ID" on the wire: skip this generation.
-            e.generation = (e.generation + 1) & self.generation_mask;
+            e.generation = (e.generation + 1) & mask;
         }
     }
 
@@ -205,13 +222,14 @@ impl<C: Clock> Mux<C> {
     }
 
     pub(super) fn set_deadline(&mut self, slot: u32, deadline: u64) {
-        let e = &mut self.slab[slot as usize];
-        if e.deadline == deadline {
+        if self.slab[slot as usize].deadline == deadline {
             return; // already queued
         }
+        let e = self.ent(slot);
         e.deadline = deadline;
+        let generation = e.generation;
         if deadline != u64::MAX {
-            self.timers.push(Reverse((deadline, slot, e.generation)));
+            self.timers.push(Reverse((deadline, slot, generation)));
             // Lazy deletion leaves stale timers behind; compact when they dominate. The
             // floor keeps compaction amortized O(1) per timer.
             if self.timers.len() >= self.timer_budget() {
@@ -232,8 +250,12 @@ impl<C: Clock> Mux<C> {
     pub(super) fn compact_timers(&mut self) {
         let slab = &self.slab;
         self.timers.retain(|Reverse((t, s, g))| {
-            slab.get(*s as usize)
-                .is_some_and(|e| e.generation == *g && e.deadline == *t && e.state != State::Free)
+            slab.get(*s as usize).is_some_and(|e| {
+                e.generation == *g
+                    && e.deadline == *t
+                    && e.state != State::Free
+                    && e.state != State::Quarantined
+            })
         });
         self.timers_after_compaction = self.timers.len();
         // Established connections hold no timer: give the memory back, down to the
@@ -313,10 +335,14 @@ impl<C: Clock> Mux<C> {
             let Some(e) = self.slab.get(slot as usize) else {
                 continue;
             };
-            if e.generation != generation || e.deadline != t || e.state == State::Free {
-                continue; // stale timer
+            if e.generation != generation
+                || e.deadline != t
+                || e.state == State::Free
+                || e.state == State::Quarantined
+            {
+                continue; // stale timer (a quarantined entry's deadline is its release)
             }
-            self.slab[slot as usize].deadline = u64::MAX;
+            self.ent(slot).deadline = u64::MAX;
             self.expire(slot, now);
         }
         while let Some(&(t, slot)) = self.quarantine.front() {
@@ -352,7 +378,7 @@ impl<C: Clock> Mux<C> {
         }
         match e.state {
             State::DreqSent if e.has(flag::ORPHAN) && e.retries > 0 => {
-                self.slab[slot as usize].retries -= 1;
+                self.ent(slot).retries -= 1;
                 let src = self.vms.get(e.vm as usize).map(|v| v.cfg.gid);
                 let dst = self.peers.get(e.peer).map(|p| p.gid);
                 if let (Some(src), Some(dst)) = (src, dst) {
@@ -364,7 +390,7 @@ impl<C: Clock> Mux<C> {
             }
             State::DreqSent | State::DreqRcvd => {
                 // Both sides' DREQ windows are closed: the CMs are in TimeWait.
-                self.slab[slot as usize].state = State::TimeWait;
+                self.ent(slot).state = State::TimeWait;
                 let t = self.timewait(&e);
                 self.set_deadline(slot, Time(now).after(t).0);
             }
@@ -395,16 +421,18 @@ impl<C: Clock> Mux<C> {
             v.live = v.live.saturating_sub(1);
         }
         if quarantine {
-            let en = &mut self.slab[slot as usize];
+            let release = Time(now).after(self.cfg.quarantine).0;
+            let en = self.ent(slot);
             en.state = State::Quarantined;
-            en.deadline = u64::MAX;
+            // No timer: the quarantine queue releases it. The deadline keeps the release
+            // time so that a restored table can rebuild that queue.
+            en.deadline = release;
             self.live -= 1;
             self.quarantined += 1;
             if let Some(v) = self.vms.get_mut(e.vm as usize) {
                 v.quarantined += 1;
             }
-            self.quarantine
-                .push_back((Time(now).after(self.cfg.quarantine).0, slot));
+            self.quarantine.push_back((release, slot));
         } else {
             self.live -= 1;
             self.free_slot(slot);
@@ -432,7 +460,7 @@ impl<C: Clock> Mux<C> {
                 self.sidr_rcvd.remove(&k);
             }
         }
-        self.slab[slot as usize].flags &= !flag::IN_REMOTE_MAP;
+        self.ent(slot).flags &= !flag::IN_REMOTE_MAP;
     }
 
     /// Removes the entry from its VM's comm-ID map (if the comm ID still names it).
@@ -444,7 +472,7 @@ impl<C: Clock> Mux<C> {
         {
             v.sl_map.remove(&e.sl_cm_id);
         }
-        self.slab[slot as usize].flags &= !flag::IN_SL_MAP;
+        self.ent(slot).flags &= !flag::IN_SL_MAP;
     }
 
     pub(super) fn free_slot(&mut self, slot: u32) {
@@ -453,7 +481,7 @@ impl<C: Clock> Mux<C> {
         if e.peer != NO_PEER {
             self.peers.release(e.peer);
         }
-        self.slab[slot as usize] = Entry {
+        *self.ent(slot) = Entry {
             generation: (e.generation + 1) & self.generation_mask,
             ..Entry::FREE
         };
@@ -465,7 +493,7 @@ impl<C: Clock> Mux<C> {
     pub(super) fn new_entry(&mut self, vm: u32, peer_gid: Gid) -> Option<u32> {
         let slot = self.alloc_slot()?;
         let peer = self.peers.acquire(peer_gid);
-        let e = &mut self.slab[slot as usize];
+        let e = self.ent(slot);
         e.vm = vm;
         e.peer = peer;
         if let Some(v) = self.vms.get_mut(vm as usize) {
@@ -476,13 +504,19 @@ impl<C: Clock> Mux<C> {
     }
 
     pub(super) fn index_sl(&mut self, vm: u32, sl: u32, slot: u32) {
-        self.vms[vm as usize].sl_map.insert(sl, slot);
-        self.slab[slot as usize].flags |= flag::IN_SL_MAP;
+        // The flag says "the map names this slot": a slot the comm ID named before
+        // (a quarantined one) loses it, so a restored table maps the same slots.
+        if let Some(old) = self.vms[vm as usize].sl_map.insert(sl, slot)
+            && old != slot
+        {
+            self.ent(old).flags &= !flag::IN_SL_MAP;
+        }
+        self.ent(slot).flags |= flag::IN_SL_MAP;
     }
 
     /// A live entry the VM already named with this Local Comm ID.
     pub(super) fn establish(&mut self, slot: u32) {
-        let e = &mut self.slab[slot as usize];
+        let e = self.ent(slot);
         e.state = State::Established;
         let was_indexed = e.has(flag::IN_REMOTE_MAP);
         e.flags &= !flag::IN_REMOTE_MAP;
@@ -501,7 +535,7 @@ impl<C: Clock> Mux<C> {
 
     pub(super) fn enter_timewait(&mut self, slot: u32, now: u64) {
         let e = self.slab[slot as usize];
-        self.slab[slot as usize].state = State::TimeWait;
+        self.ent(slot).state = State::TimeWait;
         // Route the peer's DREQ retries if our DREP is lost: one more attempt of its
         // (each retry extends this), then the CM TimeWait. A retry arriving later still
         // gets a stateless DREP from `wire_mad`.

@@ -190,7 +190,7 @@ impl<C: Clock> Mux<C> {
         let e = self.slab[slot as usize];
         match e.state {
             State::ReqSent => {
-                let en = &mut self.slab[slot as usize];
+                let en = self.ent(slot);
                 en.state = State::RepRcvd;
                 en.remote_comm_id = m.local_comm_id().unwrap_or(0);
                 en.remote_ca_guid = m.local_ca_guid().unwrap_or(0);
@@ -266,7 +266,7 @@ impl<C: Clock> Mux<C> {
             }
             State::DreqSent => {} // crossed DREQs
             _ => {
-                self.slab[slot as usize].state = State::DreqRcvd;
+                self.ent(slot).state = State::DreqRcvd;
                 if self.legacy() {
                     self.legacy_arm(slot, now);
                 } else {
@@ -329,7 +329,7 @@ impl<C: Clock> Mux<C> {
             return Err(DropReason::VmOverQuota);
         }
         let s = self.new_entry(vm, src).ok_or(DropReason::TableFull)?;
-        let e = &mut self.slab[s as usize];
+        let e = self.ent(s);
         e.state = State::SidrReqRcvd;
         e.remote_comm_id = rid;
         let peer = e.peer;
@@ -435,7 +435,7 @@ impl<C: Clock> Mux<C> {
         let s = self.new_entry(vm, src).ok_or(DropReason::TableFull)?;
         let p = req::Packet::new_unchecked(m.as_bytes());
         let path = p.primary_path();
-        let e = &mut self.slab[s as usize];
+        let e = self.ent(s);
         e.state = State::ReqRcvd;
         e.remote_comm_id = key.comm_id;
         e.remote_ca_guid = key.ca_guid;
@@ -451,7 +451,12 @@ impl<C: Clock> Mux<C> {
         let peer = e.peer;
         let en = *e;
         self.peers.set_ca_guid(peer, key.ca_guid);
-        self.remote_map.insert(key, s);
+        if let Some(old) = self.remote_map.insert(key, s)
+            && old != s
+        {
+            // The flag says "the map names this slot" (see `index_sl`).
+            self.ent(old).flags &= !flag::IN_REMOTE_MAP;
+        }
         // If the VM never answers, the peer gives up after its REQ retries.
         let w = self.window(en.vm_resp, en.ack, en.retries);
         self.set_deadline(s, Time(now).after(w).0);
