@@ -270,6 +270,17 @@ pub struct ServeArgs {
     /// Seed of the mux's ID permutation (random unless given; for reproducible tests).
     #[arg(long, value_name = "N", hide = true, value_parser = parse_seed)]
     pub seed: Option<u64>,
+    /// Keep the mux's state (every connection's IDs and mapping, quarantine) in a
+    /// journal in this directory, so that a restart, an upgrade or a crash of the daemon
+    /// loses no connection: started again with the same options, it restores the state
+    /// and the VMs reconnect (see docs/restart.md). Without it, stopping the daemon
+    /// releases every connection.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// With --state-dir: how long a restored VM may take to reconnect before its
+    /// connections are released on its behalf (seconds; default 60).
+    #[arg(long, value_name = "SECS", value_parser = parse_seed)]
+    pub reconnect_grace: Option<u64>,
 }
 
 /// `pvcm-backend stat` options.
@@ -336,6 +347,10 @@ pub struct Config {
     pub sysfs: PathBuf,
     /// Mux seed (None: random).
     pub seed: Option<u64>,
+    /// The state journal's directory (None: state in memory only).
+    pub state_dir: Option<PathBuf>,
+    /// How long a restored VM may take to reconnect.
+    pub reconnect_grace: std::time::Duration,
 }
 
 impl Config {
@@ -354,6 +369,8 @@ impl Config {
             port: PortSpec::Soft,
             sysfs: PathBuf::from("/sys"),
             seed: None,
+            state_dir: None,
+            reconnect_grace: std::time::Duration::from_secs(60),
         }
     }
 
@@ -393,6 +410,10 @@ impl Config {
             cfg.sysfs = d;
         }
         cfg.seed = args.seed;
+        cfg.state_dir = args.state_dir;
+        if let Some(g) = args.reconnect_grace {
+            cfg.reconnect_grace = std::time::Duration::from_secs(g);
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -431,6 +452,13 @@ impl Config {
         }
         if self.bind_port == 0 {
             return err("bind port must not be 0");
+        }
+        if self.state_dir.is_some() && self.policy.is_legacy() {
+            return err(format!(
+                "--state-dir keeps the default policy's state; the {} policy is a comparison \
+                 policy without it: use --policy default",
+                self.policy.name()
+            ));
         }
         Ok(())
     }
@@ -550,6 +578,8 @@ fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
         port: cli.port.clone().or(file.port),
         sysfs: cli.sysfs.clone().or(file.sysfs),
         seed: cli.seed.or(file.seed),
+        state_dir: cli.state_dir.clone().or(file.state_dir),
+        reconnect_grace: cli.reconnect_grace.or(file.reconnect_grace),
     }
 }
 

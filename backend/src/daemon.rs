@@ -49,6 +49,7 @@ use crate::port::{InMad, PortSpec, TOKEN_LIMIT, WirePort};
 pub use crate::rx::RxMsg;
 use crate::shared::Core;
 pub use crate::shared::Shared;
+use crate::state::{Journal, Recovery};
 use crate::stats::{DevCounters, Io, Snapshot};
 pub use crate::vm_port::VmPort;
 use crate::vm_port::{Session, lock};
@@ -154,6 +155,7 @@ impl HostLoop {
         let out: Vec<Outgoing> = {
             let mut core = self.shared.lock_core();
             core.mux.poll();
+            core.commit();
             core.mux.drain_outbox().collect()
         };
         if !out.is_empty() {
@@ -197,6 +199,7 @@ impl HostLoop {
                 }
             }
             out = core.mux.drain_outbox().collect();
+            core.commit();
         }
         let mut woken: Vec<usize> = Vec::new();
         for (p, m) in deliveries {
@@ -305,6 +308,11 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
         }
         port.counters.add(Io::Sessions, 1);
         let vm = shared.attach(&port);
+        if port.restored.swap(false, Ordering::AcqRel) {
+            tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
+            // What waited in the backlog during the gap goes to the new session now.
+            port.wake_rx();
+        }
         *lock(&port.session) = daemon.shutdown_handle().map(Session);
         if shared.stopping() {
             daemon.request_shutdown();
@@ -315,11 +323,97 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
             Err(e) => tracing::warn!(error = %e, "vhost-user session ended with an error"),
         }
         *lock(&port.session) = None;
+        if shared.stopping() && shared.keeps_state {
+            // A clean stop with --state-dir: the next daemon restores the VM's
+            // connections, so they are not released.
+            drop(daemon);
+            break;
+        }
         shared.detach(&port);
         // Dropping the daemon stops and joins its vring worker (exit event).
         drop(daemon);
     }
     tracing::debug!("VM thread done");
+}
+
+/// The mux's clock: CLOCK_MONOTONIC (time since boot), so that deadlines in the state
+/// journal mean the same in the next process.
+fn boot_clock() -> SystemClock {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    let now = std::time::Instant::now();
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } == 0;
+    let since_boot = Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    );
+    match now.checked_sub(since_boot) {
+        Some(epoch) if ok => SystemClock::with_epoch(epoch),
+        _ => SystemClock::new(),
+    }
+}
+
+/// Gives each VM the journal had attached back to its port (same name and GID): its
+/// connections stay, and its session is awaited. A VM no longer configured is detached:
+/// the mux releases its connections on its behalf.
+fn adopt_restored(shared: &Arc<Shared>, rec: &Recovery) {
+    let mut gone = Vec::new();
+    {
+        let mut core = shared.lock_core();
+        for (id, vcfg) in &rec.attached {
+            let port = shared
+                .ports
+                .iter()
+                .find(|p| p.spec.vm.name == vcfg.name && p.spec.vm.gid == vcfg.gid);
+            match port {
+                Some(p) if shared.port.attach(p.index).is_ok() => {
+                    *lock(&p.current) = Some(*id);
+                    p.restored.store(true, Ordering::Release);
+                    core.by_vm.insert(*id, p.index);
+                }
+                _ => {
+                    core.mux.detach_vm(*id);
+                    gone.push(vcfg.name.clone());
+                }
+            }
+        }
+        core.commit();
+        let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
+        drop(core);
+        shared.send_outgoing(out);
+    }
+    tracing::info!(
+        frames = rec.frames,
+        torn_bytes = rec.torn_bytes,
+        live = rec.live,
+        quarantined = rec.quarantined,
+        vms = rec.attached.len() - gone.len(),
+        "state restored"
+    );
+    for name in gone {
+        tracing::warn!(vm = %name, "restored VM is no longer configured (or its GID changed): its connections are released");
+    }
+}
+
+/// After the reconnect grace, releases the connections of restored VMs that did not
+/// come back.
+fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
+    let end = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < end {
+        if shared.stopping() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100).min(grace));
+    }
+    for p in &shared.ports {
+        if p.restored.swap(false, Ordering::AcqRel) {
+            tracing::warn!(parent: &p.span, grace_s = grace.as_secs(), "restored VM did not reconnect: releasing its connections");
+            shared.detach(p);
+        }
+    }
 }
 
 /// A running daemon (in-process).
@@ -377,6 +471,7 @@ impl Daemon {
                 rx_wake: EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?,
                 counters: DevCounters::default(),
                 session: Mutex::new(None),
+                restored: AtomicBool::new(false),
                 span: tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid),
             }));
         }
@@ -391,10 +486,24 @@ impl Daemon {
             ..MuxConfig::default()
         };
         let default_quota = mux_cfg.default_quota;
+        let clock = boot_clock();
+        let (mux, journal, recovery) = match &cfg.state_dir {
+            Some(dir) => {
+                let (j, mux, rec) = Journal::open(dir, mux_cfg, clock)?;
+                if cfg.seed.is_some_and(|s| s != mux.config().seed) && rec.frames > 0 {
+                    tracing::warn!(
+                        "--seed differs from the state journal's: keeping the journal's"
+                    );
+                }
+                (mux, Some(j), Some(rec))
+            }
+            None => (Mux::new(mux_cfg, clock), None, None),
+        };
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
-                mux: Mux::new(mux_cfg, SystemClock::new()),
+                mux,
                 by_vm: HashMap::new(),
+                journal,
             }),
             ports,
             by_gid,
@@ -406,7 +515,11 @@ impl Daemon {
             port,
             port_counters: DevCounters::default(),
             stop: AtomicBool::new(false),
+            keeps_state: cfg.state_dir.is_some(),
         });
+        if let Some(rec) = &recovery {
+            adopt_restored(&shared, rec);
+        }
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
             let l = Listener::new(&spec.socket, true).map_err(|source| Error::VhostSocket {
@@ -475,6 +588,15 @@ impl Daemon {
             })
             .map_err(e("spawn".into()))?;
         let mut vm_threads = Vec::new();
+        if recovery.as_ref().is_some_and(|r| !r.attached.is_empty()) {
+            let s = shared.clone();
+            let grace = cfg.reconnect_grace;
+            let t = std::thread::Builder::new()
+                .name("pvcm-grace".into())
+                .spawn(move || release_unreturned(&s, grace))
+                .map_err(e("spawn".into()))?;
+            vm_threads.push(t);
+        }
         for (port, l) in shared.ports.iter().zip(listeners) {
             let (s, p) = (shared.clone(), port.clone());
             let t = std::thread::Builder::new()
@@ -544,6 +666,15 @@ impl Daemon {
         }
         if let Some(c) = &self.shared.capture {
             c.flush();
+        }
+        {
+            let mut core = self.shared.lock_core();
+            core.commit();
+            let core = &mut *core;
+            if let Some(j) = &mut core.journal {
+                j.sync();
+                tracing::info!(dir = %j.dir().display(), live = core.mux.live_entries(), "state kept for the next start");
+            }
         }
         if let Some(p) = &self.control {
             let _ = std::fs::remove_file(p);

@@ -483,6 +483,7 @@ impl PvcmDevice {
                 }
             }
             outbox = core.mux.drain_outbox().collect::<Vec<_>>();
+            core.commit();
             self.shared.note_deadline(core.mux.next_deadline());
         }
         self.finish_tx(to_wire, own_rx, outbox);
@@ -797,6 +798,7 @@ mod queue_tests {
             rx_wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             counters: DevCounters::default(),
             session: Mutex::new(None),
+            restored: AtomicBool::new(false),
             span: tracing::Span::none(),
         });
         let sent = Sent::default();
@@ -809,6 +811,7 @@ mod queue_tests {
             core: Mutex::new(Core {
                 mux: Mux::new(cfg, SystemClock::new()),
                 by_vm: HashMap::new(),
+                journal: None,
             }),
             ports: vec![port.clone()],
             by_gid: HashMap::from([(vm.gid, 0)]),
@@ -819,6 +822,7 @@ mod queue_tests {
             port: Box::new(Recorder(sent.clone())),
             port_counters: DevCounters::default(),
             stop: AtomicBool::new(false),
+            keeps_state: false,
         });
         assert!(shared.attach(&port).is_some());
         let dev = PvcmDevice::new(shared, port.clone()).unwrap();

@@ -12,6 +12,9 @@ pub enum Error {
     /// The configuration is invalid (the message names the option).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// `--state-dir` could not be used.
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
     /// An OS call failed while setting up (binding a socket, creating an fd).
     #[error("{what}: {source}")]
     Io {

@@ -11,6 +11,7 @@
 //! - [`control`]: the control socket, `pvcm-backend stat`, Prometheus metrics.
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.
+//! - [`state`]: `--state-dir`, the mux's state journal (restart without loss).
 //!
 //! The binary (`src/main.rs`) only parses the command line and calls [`daemon::run`] or
 //! [`control::stat`].
@@ -28,6 +29,7 @@ pub mod pcap;
 pub mod port;
 pub mod rx;
 pub mod shared;
+pub mod state;
 pub mod stats;
 pub mod vm_port;
 

@@ -14,6 +14,7 @@ use crate::mux::{Mux, Outgoing, SystemClock, Time, VmId};
 use crate::pcap::Capture;
 use crate::port::{PortCtx, WirePort};
 use crate::rx::RxMsg;
+use crate::state::Journal;
 use crate::stats::{DevCounters, DevDrop, Figures, Snapshot, VmFigures};
 use crate::vm_port::{VmPort, lock};
 
@@ -22,6 +23,18 @@ use crate::vm_port::{VmPort, lock};
 pub(crate) struct Core {
     pub(crate) mux: Mux<SystemClock>,
     pub(crate) by_vm: HashMap<VmId, usize>,
+    /// `--state-dir`: the mux's journal.
+    pub(crate) journal: Option<Journal>,
+}
+
+impl Core {
+    /// Writes what the last mux calls changed to the journal (if any). Called under the
+    /// lock after every batch, before any of the batch's MADs leave.
+    pub(crate) fn commit(&mut self) {
+        if let Some(j) = &mut self.journal {
+            j.commit(&mut self.mux);
+        }
+    }
 }
 
 /// State shared by the VM threads, their devices and the host loop.
@@ -40,6 +53,9 @@ pub struct Shared {
     /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
     pub(crate) port_counters: DevCounters,
     pub(crate) stop: AtomicBool,
+    /// `--state-dir`: stopping keeps the VMs' connections (the next daemon restores
+    /// them) instead of releasing them.
+    pub(crate) keeps_state: bool,
 }
 
 impl Shared {
@@ -111,6 +127,7 @@ impl Shared {
         match core.mux.attach_vm(port.spec.vm.clone()) {
             Ok(vm) => {
                 core.by_vm.insert(vm, port.index);
+                core.commit();
                 *cur = Some(vm);
                 Some(vm)
             }
@@ -132,6 +149,7 @@ impl Shared {
             let mut core = self.lock_core();
             core.mux.detach_vm(vm);
             core.by_vm.remove(&vm);
+            core.commit();
             let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
             (out, core.mux.next_deadline())
         };

@@ -2,6 +2,7 @@
 //! wake eventfd and current session.
 
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use vhost_user_backend::ShutdownHandle;
@@ -38,6 +39,9 @@ pub struct VmPort {
     pub(crate) rx_wake: EventFd,
     pub(crate) counters: DevCounters,
     pub(crate) session: Mutex<Option<Session>>,
+    /// Restored from the state journal and not reconnected yet: its connections are
+    /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
+    pub(crate) restored: AtomicBool,
     pub(crate) span: tracing::Span,
 }
 

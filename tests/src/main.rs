@@ -10,6 +10,8 @@
 //! backend and runs a `pvcm-guest` command through it (see `lab::attach`).
 //! `pvcm-lab hostile` measures a neighbour VM alone and while a hostile VM floods the
 //! same backend (see `lab::hostile`).
+//! `pvcm-lab restart` kills a backend under established connections and starts it again
+//! (see `lab::restart`).
 
 use std::process::ExitCode;
 
@@ -29,6 +31,9 @@ fn main() -> ExitCode {
     }
     if rest.first().is_some_and(|a| a == "hostile") {
         return pvcm_lab::lab::hostile::main(rest.into_iter().skip(1));
+    }
+    if rest.first().is_some_and(|a| a == "restart") {
+        return pvcm_lab::lab::restart::main(rest.into_iter().skip(1));
     }
     cli::main(Cli::parse())
 }

@@ -275,6 +275,20 @@ pub fn setup_vring(
     kick: &EventFd,
     call: &EventFd,
 ) -> io::Result<()> {
+    setup_vring_at(frontend, mem, ring, kick, call, 0)
+}
+
+/// [`setup_vring`] with the ring's next index `base` (a reconnect: QEMU gives the used
+/// index it finds in guest memory, so what the old backend took but never returned is
+/// offered again).
+pub fn setup_vring_at(
+    frontend: &mut Frontend,
+    mem: &GuestMem,
+    ring: &QueueSetup,
+    kick: &EventFd,
+    call: &EventFd,
+    base: u16,
+) -> io::Result<()> {
     let host = |gpa: u64| {
         mem.host_addr(gpa)
             .ok_or_else(|| other("a ring outside guest memory"))
@@ -290,7 +304,7 @@ pub fn setup_vring(
     };
     let i = usize::from(ring.index);
     frontend.set_vring_num(i, cfg.queue_size).map_err(other)?;
-    frontend.set_vring_base(i, 0).map_err(other)?;
+    frontend.set_vring_base(i, base).map_err(other)?;
     frontend.set_vring_addr(i, &cfg).map_err(other)?;
     frontend.set_vring_kick(i, kick).map_err(other)?;
     frontend.set_vring_call(i, call).map_err(other)?;

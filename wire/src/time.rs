@@ -65,6 +65,12 @@ impl SystemClock {
             epoch: Instant::now(),
         }
     }
+
+    /// A clock whose epoch is `epoch` (e.g. the system's boot, so that times stay
+    /// comparable across processes).
+    pub fn with_epoch(epoch: Instant) -> SystemClock {
+        SystemClock { epoch }
+    }
 }
 
 impl Default for SystemClock {

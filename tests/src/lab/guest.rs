@@ -17,12 +17,13 @@ use pvcm_guest::cm::AgentConfig;
 use pvcm_guest::device::{Device, DeviceOptions};
 use pvcm_guest::time::SystemClock;
 use pvcm_guest::transport::lab::LabTransport;
+use pvcm_guest::transport::pci::QueueSetup;
 use pvcm_guest::virtq::{DmaMemory, features};
 use vhost::vhost_user::Frontend;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring};
+use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring, setup_vring_at};
 
 /// The guest driver's device as the lab runs it.
 pub type LabDevice = Device<LabTransport<EventFd>, SystemClock>;
@@ -63,7 +64,9 @@ pub struct GuestVm {
     /// The guest driver's device, with the CM agent.
     pub dev: LabDevice,
     frontend: Frontend,
-    _mem: Arc<GuestMem>,
+    mem: Arc<GuestMem>,
+    rings: [QueueSetup; 2],
+    features: u64,
 }
 
 impl std::fmt::Debug for GuestVm {
@@ -100,6 +103,7 @@ impl GuestVm {
         let queues = lab
             .queues(opts.queue_size)
             .map_err(|e| other("queues", e))?;
+        let rings = queues.setups();
         for ring in queues.setups() {
             setup_vring(
                 &mut frontend,
@@ -119,8 +123,53 @@ impl GuestVm {
         Ok(GuestVm {
             dev,
             frontend,
-            _mem: mem,
+            mem,
+            rings,
+            features: negotiated,
         })
+    }
+
+    /// Sets the device up again on a new vhost-user session, as QEMU does when it
+    /// reconnects to a restarted backend: the guest notices nothing (its queues, CM
+    /// agent and connections stay), and each ring resumes at the used index found in
+    /// guest memory.
+    pub fn reconnect(&mut self, socket: &Path) -> io::Result<()> {
+        let mut frontend =
+            Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
+        let (negotiated, _) = negotiate(
+            &mut frontend,
+            &self.mem,
+            self.features & !PROTOCOL_FEATURES,
+            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ,
+        )?;
+        if negotiated != self.features {
+            return Err(other(
+                "reconnect",
+                format!("features {negotiated:#x}, were {:#x}", self.features),
+            ));
+        }
+        for ring in &self.rings {
+            // The used ring: flags (u16), then idx (u16).
+            let used = self
+                .mem
+                .read_u16(ring.device + 2)
+                .ok_or_else(|| other("reconnect", "used ring outside guest memory"))?;
+            let t = self.dev.transport();
+            setup_vring_at(
+                &mut frontend,
+                &self.mem,
+                ring,
+                t.kick_fd(ring.index),
+                t.call_fd(ring.index),
+                used,
+            )?;
+        }
+        self.frontend = frontend;
+        // Wake the new session's worker for what the driver queued meanwhile.
+        for q in 0..2 {
+            let _ = self.dev.transport().kick_fd(q).write(1);
+        }
+        Ok(())
     }
 
     /// The VM dies: no goodbye on the CM level, the vhost-user session just closes (as

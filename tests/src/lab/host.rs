@@ -81,6 +81,8 @@ pub struct HostSpec {
     pub rx_backlog: usize,
     /// The backend's log (its stderr).
     pub log: PathBuf,
+    /// More backend options (e.g. `--state-dir DIR`).
+    pub extra: Vec<String>,
 }
 
 impl HostSpec {
@@ -116,6 +118,7 @@ impl HostSpec {
             a.push("--pcap".to_string());
             a.push(p.display().to_string());
         }
+        a.extend(self.extra.iter().cloned());
         a
     }
 }
@@ -132,7 +135,31 @@ impl HostProc {
     /// Starts `exe __backend ARGS` (stderr to the spec's log file) and waits until its
     /// control socket answers and every VM socket exists.
     pub fn spawn(exe: &Path, spec: HostSpec, ready: Duration) -> io::Result<HostProc> {
-        let log = File::create(&spec.log)?;
+        let mut h = HostProc { spec, child: None };
+        h.start(exe, ready)?;
+        Ok(h)
+    }
+
+    /// Starts the backend again with the same command line (after [`HostProc::kill`] or
+    /// [`HostProc::stop`]); its log goes on in the same file.
+    pub fn respawn(&mut self, exe: &Path, ready: Duration) -> io::Result<()> {
+        if self.child.is_some() {
+            return Err(io::Error::other("the backend still runs"));
+        }
+        self.start(exe, ready)
+    }
+
+    /// SIGKILL: the backend dies at once, saving nothing (a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn start(&mut self, exe: &Path, ready: Duration) -> io::Result<()> {
+        let spec = &self.spec;
+        let log = File::options().create(true).append(true).open(&spec.log)?;
         let mut cmd = Command::new(exe);
         cmd.arg(BACKEND_SUBCOMMAND)
             .args(spec.args())
@@ -148,12 +175,8 @@ impl HostProc {
                 format!("starting {} {BACKEND_SUBCOMMAND}: {e}", exe.display()),
             )
         })?;
-        let mut h = HostProc {
-            spec,
-            child: Some(child),
-        };
-        h.wait_ready(ready)?;
-        Ok(h)
+        self.child = Some(child);
+        self.wait_ready(ready)
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> io::Result<()> {

@@ -224,6 +224,7 @@ fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>) -> HostSpec {
         // The default budget (32 MiB per VM) as messages.
         rx_backlog: pvcm_backend::backlog::DEFAULT_VM_BYTES / pvcm_backend::backlog::MSG_COST,
         log: dir.join(format!("h{}.log", index + 1)),
+        extra: Vec::new(),
     }
 }
 

@@ -34,6 +34,7 @@ pub mod opts;
 pub mod progress;
 pub mod relay;
 pub mod report;
+pub mod restart;
 pub mod scenarios;
 pub mod stamp;
 pub mod world;

@@ -99,6 +99,7 @@ impl World {
                 rx_backlog: 1 << 20,
                 log: dir.path().join(format!("{name}.log")),
                 name,
+                extra: Vec::new(),
             });
         }
         if let Some(d) = &o.pcap {
