@@ -29,6 +29,11 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
   7 an application that reacts 8 s late to a disconnect: 0 DREQ retries (the agent
     answers the DREQ at once).
   8 the control for 7: the same with --linux-drep, where the peer must retry its DREQ.
+  9 restart without loss: VM C (on a backend with --state-dir) holds PVCM_E2E_RESTART
+    (default 400) connections to VM S on another backend; its backend is killed with
+    SIGKILL and started again with the same options; QEMU (patched, reconnect-ms)
+    reconnects; then C tears every connection down: all DREQs answered, 0 drops,
+    the restored backend shows every entry right after the restart, 0 live after.
 
 A test whose pieces are missing (no pvcm-backend or pvcm-guest binary, a missing
 subcommand) prints SKIP with the reason. Exit status: 0 if every selected test passed
@@ -38,12 +43,13 @@ backends' logs and counters are printed.
 
 Options:
   --allow-missing  exit 0 when tests were skipped for missing pieces
-  --only LIST      comma-separated test numbers (default 1-8)
+  --only LIST      comma-separated test numbers (default 1-9)
   --workdir DIR    keep logs here (default: a new dir under /tmp, removed on success)
   --budget SECS    overall deadline (default 900); tests not started by then fail
   -h, --help       this help
 
-Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6), PVCM_E2E_VM_TIMEOUT (per VM,
+Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6),
+PVCM_E2E_RESTART (test 9), PVCM_E2E_VM_TIMEOUT (per VM,
 default 150 s), PVCM_E2E_NET (first two octets of the loopback addresses, default
 127.10; change it when another run uses those addresses).
 EOF
@@ -52,7 +58,7 @@ EOF
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-allow_missing=0 only="1,2,3,4,5,6,7,8" workdir="" budget=900
+allow_missing=0 only="1,2,3,4,5,6,7,8,9" workdir="" budget=900
 while [ $# -gt 0 ]; do
     case "$1" in
     --allow-missing) allow_missing=1 ;;
@@ -76,6 +82,7 @@ done
 
 conns="${PVCM_E2E_CONNS:-8192}"
 burst="${PVCM_E2E_BURST:-4000}"
+restart_conns="${PVCM_E2E_RESTART:-400}"
 net="${PVCM_E2E_NET:-127.10}" # host H's VM V is at $net.H.V (loopback)
 vm_timeout="${PVCM_E2E_VM_TIMEOUT:-150}"
 t_start="$(now_s)"
@@ -91,6 +98,7 @@ workdir="$(cd "$workdir" && pwd)"
 passed=0 failed=0 skipped=0
 results=()
 bg_pids=()
+backend_extra=()
 
 cleanup() {
     local p
@@ -191,8 +199,9 @@ start_backend() {
         args+=(--vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm")
     done
     rm -f "$workdir/$name.ctl"
-    RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" "${args[@]}" --control "$workdir/$name.ctl" \
-        >"$workdir/$name.backend.log" 2>&1 &
+    # backend_extra: more options for this start (test 9's --state-dir).
+    RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" "${args[@]}" ${backend_extra[@]+"${backend_extra[@]}"} \
+        --control "$workdir/$name.ctl" >>"$workdir/$name.backend.log" 2>&1 &
     bg_pids+=($!)
     eval "pid_$name=$!"
     for _ in $(seq 100); do
@@ -683,6 +692,114 @@ PY
     fi
 }
 
+# Restart without loss (issue 13): the client's backend is killed with SIGKILL while
+# its VM holds connections, and started again over the same --state-dir; the patched
+# QEMU reconnects (reconnect-ms) and the VM tears its connections down afterwards.
+test9() {
+    local n=9 h="t9h" hp="t9p" s="t9s" c="t9c" port=7009 why ok=1 t0 pid
+    why="$(need_guest_cmd cmtime)"
+    [ -z "$missing_backend" ] || why="$missing_backend"
+    [ -z "$missing_qemu" ] || why="$missing_qemu"
+    if [ -n "$why" ]; then
+        result "$n" skip "$why"
+        return
+    fi
+    budget_left || {
+        result "$n" fail "over the ${budget} s budget before it started"
+        return
+    }
+    t0="$(now_s)"
+    rm -rf "$workdir/t9state"
+    start_backend "$hp" "$s:$net.9.1" && backend_extra=(--state-dir "$workdir/t9state") &&
+        start_backend "$h" "$c:$net.9.2" || {
+        backend_extra=()
+        result "$n" fail "backends did not start"
+        dump "$hp" "$h"
+        return
+    }
+    start_vm "$s" generic "pvcm-guest cmtime --server --port $port --connections $restart_conns --timeout 300"
+    if wait_console "$s" 'cmtime server on' 120; then
+        start_vm "$c" generic "pvcm-guest --json cmtime --dest $net.9.1 --port $port --connections $restart_conns --hold 15 --timeout 120"
+    else
+        echo "   $s never listened"
+        ok=0
+    fi
+    # Every connection established: the client's backend holds them all.
+    local live=0 up=0
+    for _ in $(seq 300); do
+        [ "$ok" = 1 ] || break
+        stat_json "$h" 2>/dev/null &&
+            live="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["host"]["live"])' "$workdir/$h.stat.json")"
+        [ "$live" -ge "$restart_conns" ] && { up=1; break; }
+        sleep 0.2
+    done
+    [ "$up" = 1 ] || { echo "   only $live of $restart_conns connections up"; ok=0; }
+    local restored="none"
+    if [ "$ok" = 1 ]; then
+        eval "pid=\$pid_$h"
+        kill -9 "$pid"
+        wait "$pid" 2>/dev/null || true
+        echo "   killed the client's backend (SIGKILL) with $live live entries"
+        sleep 1
+        if start_backend "$h" "$c:$net.9.2"; then
+            stat_json "$h" && restored="$(python3 -c 'import json,sys; h=json.load(open(sys.argv[1]))["host"]; print(h["live"])' "$workdir/$h.stat.json")"
+            echo "   restarted: $restored live entries restored"
+            [ "$restored" = "$live" ] || ok=0
+        else
+            echo "   the backend did not start again"
+            ok=0
+        fi
+    fi
+    backend_extra=()
+    local rcs="" vm r
+    for vm in "$s" "$c"; do
+        r=0
+        eval "[ -n \"\${vmpid_$vm:-}\" ]" || continue
+        wait_vm "$vm" || r=$?
+        rcs="$rcs $vm=$r"
+        [ "$r" = 0 ] || ok=0
+    done
+    echo "   exit codes:$rcs"
+    local drained=1
+    wait_drained "$h" 60 && wait_drained "$hp" 60 || drained=0
+    stat_json "$h" && stat_json "$hp" || ok=0
+    check_py "$workdir" "$h" "$hp" "$c" "$drained" "$restart_conns" <<'PY' || ok=0
+import json, sys
+wd, h, hp, c, drained, conns = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1", int(sys.argv[6])
+bad = []
+rep = None
+for line in open(f"{wd}/{c}.out", errors="replace"):
+    line = line.strip()
+    if line.startswith("{") and '"disconnected"' in line:
+        rep = json.loads(line)
+if rep is None:
+    bad.append(f"{c}: no cmtime report")
+else:
+    print(f"   {c}: established {rep['established']} disconnected {rep['disconnected']} failed {rep['failed']}")
+    if rep["established"] != conns or rep["disconnected"] != conns:
+        bad.append(f"{c}: {rep['established']} established, {rep['disconnected']} torn down of {conns}")
+for name in (h, hp):
+    s = json.load(open(f"{wd}/{name}.stat.json"))["host"]
+    cm = s["cm"]
+    d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
+    r = cm["cm_tx_retries"]["dreq"]
+    print(f"   {name}: DREQ {cm['cm_tx_msgs']['dreq']} DREP {cm['cm_rx_msgs']['drep'] + cm['cm_tx_msgs']['drep']} DREQ retries {r} drops {d} live {s['live']}")
+    if d: bad.append(f"{name}: drops {d}")
+    if r: bad.append(f"{name}: {r} DREQ retries")
+if not drained: bad.append("live entries did not drain to 0 within 60 s")
+for x in bad: print("   check:", x)
+sys.exit(1 if bad else 0)
+PY
+    stop_backend "$h"
+    stop_backend "$hp"
+    if [ "$ok" = 1 ]; then
+        result "$n" pass "restart: SIGKILL of the backend under $restart_conns connections, restored ($restored live), QEMU reconnected, all torn down ($(elapsed "$t0") s)"
+    else
+        result "$n" fail "restart without loss ($(elapsed "$t0") s)"
+        dump "$s" "$c" "$h" "$hp"
+    fi
+}
+
 selected 1 && run_connect_disconnect 1 generic "" 7001
 selected 2 && test2
 selected 3 && test3
@@ -691,6 +808,7 @@ selected 5 && run_burst 5 generic "" 7005
 selected 6 && run_burst 6 gpio-stub "--device pci:41" 7006
 selected 7 && run_late_app 7 0 7007
 selected 8 && run_late_app 8 1 7008
+selected 9 && test9
 
 echo
 echo "== summary ($(elapsed "$t_start") s, logs in $workdir)"

@@ -229,6 +229,9 @@ pub enum Cmd {
         /// Seconds allowed per phase (client) or in all (server; default: no limit).
         #[arg(long, value_parser = parse_secs, value_name = "SECS")]
         timeout: Option<Duration>,
+        /// Client: seconds to stay connected between establishing and disconnecting.
+        #[arg(long, default_value = "0", value_parser = parse_secs, value_name = "SECS", conflicts_with = "server")]
+        hold: Duration,
     },
 }
 
@@ -372,6 +375,7 @@ pub fn run_command<T: Transport, C: Clock>(
             port,
             server,
             timeout,
+            hold,
         } => match (dest, server) {
             (Some(dest), false) => {
                 let o = ClientOptions {
@@ -379,6 +383,7 @@ pub fn run_command<T: Transport, C: Clock>(
                     port: *port,
                     connections: *connections,
                     timeout: timeout.unwrap_or(Duration::from_secs(30)),
+                    hold: *hold,
                 };
                 cmtime_client(dev, out, &o)
             }
@@ -1123,6 +1128,7 @@ mod tests {
                 port,
                 server,
                 timeout,
+                ..
             } => {
                 assert!(dest.is_some());
                 assert_eq!(

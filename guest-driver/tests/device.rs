@@ -899,6 +899,7 @@ fn cmtime_client_and_server_on_two_threads() {
             port: 9000,
             connections: N,
             timeout: Duration::from_secs(30),
+            hold: Duration::ZERO,
         },
     )
     .unwrap();
@@ -945,6 +946,7 @@ fn cmtime_counts_timeouts_as_failures_and_never_reports_failed_0() {
             port: PORT,
             connections: 40,
             timeout: Duration::from_secs(10),
+            hold: Duration::ZERO,
         },
     )
     .unwrap();
@@ -1009,6 +1011,7 @@ fn cmtime_counts_rejects_with_their_reason() {
             port: 9001,
             connections: N,
             timeout: Duration::from_secs(30),
+            hold: Duration::ZERO,
         },
     )
     .unwrap();

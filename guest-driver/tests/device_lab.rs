@@ -179,6 +179,7 @@ fn lab_transport_handshake_connect_and_cmtime() {
             port: 6000,
             connections: N,
             timeout: Duration::from_secs(20),
+            hold: Duration::ZERO,
         },
     )
     .unwrap();

@@ -280,6 +280,8 @@ pub struct ClientOptions {
     pub connections: u32,
     /// Time allowed for each of the establish and disconnect phases.
     pub timeout: Duration,
+    /// Time to stay connected between the phases (the device keeps being served).
+    pub hold: Duration,
 }
 
 /// Options of a server run.
@@ -402,6 +404,9 @@ pub fn client<T: Transport, C: Clock>(
         *failures.entry(Failure::Timeout).or_default() += 1;
     }
     let failed = failures.values().sum::<u32>();
+    if !o.hold.is_zero() {
+        dev.run_until(o.hold, |_| false)?;
+    }
 
     // disconnect
     let t1 = dev.now();

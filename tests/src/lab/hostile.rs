@@ -303,6 +303,7 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
                 port: cmtime::DEFAULT_PORT,
                 connections: n,
                 timeout,
+                hold: Duration::ZERO,
             },
         )
         .map_err(|e| format!("neighbour: {e}"))?;

@@ -769,6 +769,7 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
                 port: cmtime::DEFAULT_PORT,
                 connections: n,
                 timeout,
+                hold: Duration::ZERO,
             },
         )
         .map_err(|e| e.to_string())?;

@@ -66,6 +66,7 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<Side> {
                     port: DEFAULT_PORT,
                     connections: n,
                     timeout: o.phase_timeout,
+                    hold: Duration::ZERO,
                 },
             )
             .map_err(dev_err)?;
