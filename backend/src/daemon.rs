@@ -372,6 +372,11 @@ fn adopt_restored(shared: &Arc<Shared>, rec: &Recovery) {
                 Some(p) if shared.port.attach(p.index).is_ok() => {
                     *lock(&p.current) = Some(*id);
                     p.restored.store(true, Ordering::Release);
+                    *lock(&p.tx_resume) = rec
+                        .tx_progress
+                        .iter()
+                        .find(|(n, _)| *n == vcfg.name)
+                        .map(|(_, i)| *i);
                     core.by_vm.insert(*id, p.index);
                 }
                 _ => {
@@ -472,6 +477,7 @@ impl Daemon {
                 counters: DevCounters::default(),
                 session: Mutex::new(None),
                 restored: AtomicBool::new(false),
+                tx_resume: Mutex::new(None),
                 span: tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid),
             }));
         }

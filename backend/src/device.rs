@@ -47,7 +47,7 @@ use crate::mux::{DropReason, GuestVerdict};
 use crate::rx::RxMsg;
 use crate::shared::Shared;
 use crate::stats::{DevCounters, DevDrop, Io};
-use crate::vm_port::VmPort;
+use crate::vm_port::{VmPort, lock};
 
 /// Queues: tx and rx.
 pub const NUM_QUEUES: usize = 2;
@@ -165,15 +165,16 @@ where
     Ok(())
 }
 
-/// One tx round on `q`: takes up to [`TX_ROUND`] chains, reads each ([`read_chain`]) and
-/// returns every head to the used ring unread-or-read (length 0). Returns the messages
-/// in order and whether the driver asked to be notified of the used buffers.
+/// One tx round on `q`: takes up to [`TX_ROUND`] chains and reads each
+/// ([`read_chain`]). Returns the messages in order and the chains' heads, which
+/// [`return_tx_round`] gives back once the messages were handled (so that a restart in
+/// between finds them still in flight: see docs/restart.md).
 fn take_tx_round<M>(
     q: &mut Queue,
     mem: &M,
     event_idx: bool,
     counters: &DevCounters,
-) -> (Vec<Result<TxMsg, DevDrop>>, bool)
+) -> (Vec<Result<TxMsg, DevDrop>>, Vec<u16>)
 where
     M: Deref<Target = Mem> + Clone,
 {
@@ -198,13 +199,44 @@ where
             counters.drop(DevDrop::BadChain);
         }
     }
-    for h in &heads {
+    (msgs, heads)
+}
+
+/// Returns a round's heads to the used ring (length 0: the device writes nothing into
+/// tx buffers). Returns whether the driver asked to be notified.
+fn return_tx_round<M>(q: &mut Queue, mem: &M, heads: &[u16]) -> bool
+where
+    M: Deref<Target = Mem>,
+{
+    for h in heads {
         if q.add_used(&**mem, *h, 0).is_err() {
             tracing::debug!(head = h, "tx head out of range");
         }
     }
-    let notify = !heads.is_empty() && q.needs_notification(&**mem).unwrap_or(true);
-    (msgs, notify)
+    !heads.is_empty() && q.needs_notification(&**mem).unwrap_or(true)
+}
+
+/// After a restart: returns, unsent, the tx chains from the ring's current position up
+/// to `resume` (the next avail index the journal recorded with the last batch whose
+/// MADs left). QEMU resumes a ring at its used index, so those chains are offered again
+/// though their MADs were sent; sending them twice is what this avoids. Returns how
+/// many it returned (0 when `resume` is not ahead of the ring within one ring's size).
+fn skip_resumed<M>(q: &mut Queue, mem: &M, resume: u16) -> u16
+where
+    M: Deref<Target = Mem> + Clone,
+{
+    let ahead = resume.wrapping_sub(q.next_avail());
+    if ahead == 0 || ahead > q.size() {
+        return 0;
+    }
+    let mut heads = Vec::new();
+    if let Ok(iter) = q.iter(mem.clone()) {
+        for chain in iter.take(usize::from(ahead)) {
+            heads.push(chain.head_index());
+        }
+    }
+    return_tx_round(q, mem, &heads);
+    heads.len() as u16
 }
 
 /// Writes messages from the front of `backlog` into `q`'s posted buffers until either
@@ -332,26 +364,37 @@ impl PvcmDevice {
             return;
         };
         let mem = atomic.memory();
+        if let Some(resume) = lock(&self.port.tx_resume).take() {
+            let mut st = vring.get_mut();
+            let n = skip_resumed(st.get_queue_mut(), &mem, resume);
+            if n > 0 {
+                tracing::info!(
+                    chains = n,
+                    "tx chains sent before the restart returned unsent"
+                );
+                self.port.counters.add(Io::TxResumeSkipped, u64::from(n));
+                let _ = st.signal_used_queue();
+            }
+        }
         loop {
-            let msgs;
+            let (msgs, heads, next_avail);
             {
                 let mut st = vring.get_mut();
-                let notify;
-                (msgs, notify) = take_tx_round(
-                    st.get_queue_mut(),
-                    &mem,
-                    self.event_idx,
-                    &self.port.counters,
-                );
-                if notify {
-                    if let Err(e) = st.signal_used_queue() {
-                        tracing::debug!(error = %e, "tx used signal failed");
-                    }
-                }
+                let q = st.get_queue_mut();
+                (msgs, heads) = take_tx_round(q, &mem, self.event_idx, &self.port.counters);
+                next_avail = q.next_avail();
             }
             let full_round = msgs.len() >= TX_ROUND;
             if !msgs.is_empty() {
-                let bad = self.handle_tx(msgs);
+                let bad = self.handle_tx(msgs, next_avail);
+                {
+                    let mut st = vring.get_mut();
+                    if return_tx_round(st.get_queue_mut(), &mem, &heads) {
+                        if let Err(e) = st.signal_used_queue() {
+                            tracing::debug!(error = %e, "tx used signal failed");
+                        }
+                    }
+                }
                 self.deliver_rx(rx);
                 if let Some(pause) = self.throttle.after_round(bad) {
                     // A guest flooding bad input waits here, on its own worker thread:
@@ -373,7 +416,7 @@ impl PvcmDevice {
 
     /// Handles a round of tx messages: one mux lock for all MADs, then I/O. Returns how
     /// many of them were dropped.
-    fn handle_tx(&mut self, msgs: Vec<Result<TxMsg, DevDrop>>) -> usize {
+    fn handle_tx(&mut self, msgs: Vec<Result<TxMsg, DevDrop>>, next_avail: u16) -> usize {
         let port = &self.port;
         let c = &port.counters;
         c.add(Io::TxMessages, msgs.len() as u64);
@@ -483,6 +526,8 @@ impl PvcmDevice {
                 }
             }
             outbox = core.mux.drain_outbox().collect::<Vec<_>>();
+            // In the same journal frame as the batch's changes, before its MADs leave.
+            core.note_tx_progress(&self.port.spec.vm.name, next_avail);
             core.commit();
             self.shared.note_deadline(core.mux.next_deadline());
         }
@@ -799,6 +844,7 @@ mod queue_tests {
             counters: DevCounters::default(),
             session: Mutex::new(None),
             restored: AtomicBool::new(false),
+            tx_resume: Mutex::new(None),
             span: tracing::Span::none(),
         });
         let sent = Sent::default();
@@ -884,11 +930,39 @@ mod queue_tests {
     fn tx(r: &mut Rig, chains: &[Vec<D>]) -> usize {
         let mock = MockSplitQueue::new(&r.mem, QSIZE);
         let mut q = post(&mock, chains);
-        let (msgs, notify) = take_tx_round(&mut q, &&r.mem, false, &r.port.counters);
-        assert!(notify);
+        let (msgs, heads) = take_tx_round(&mut q, &&r.mem, false, &r.port.counters);
         assert_eq!(msgs.len(), chains.len());
+        // Nothing is returned before the messages were handled.
+        assert_eq!(mock.used().idx().load(), 0);
+        let bad = r.dev.handle_tx(msgs, q.next_avail());
+        assert!(return_tx_round(&mut q, &&r.mem, &heads));
         assert_eq!(mock.used().idx().load(), chains.len() as u16);
-        r.dev.handle_tx(msgs)
+        bad
+    }
+
+    #[test]
+    fn after_a_restart_chains_whose_mads_left_are_returned_unsent() {
+        let r = rig();
+        let vm = r.vm.clone();
+        let chains: Vec<Vec<D>> = (0..3u64)
+            .map(|i| {
+                let h = MsgHeader::mad(remote());
+                msg_chain(&r.mem, i, &h, &good_req(&vm))
+            })
+            .collect();
+        let mock = MockSplitQueue::new(&r.mem, QSIZE);
+        let mut q = post(&mock, &chains);
+        // The journal says the ring was consumed up to index 2: chains 0 and 1 left.
+        assert_eq!(skip_resumed(&mut q, &&r.mem, 2), 2);
+        assert_eq!(mock.used().idx().load(), 2);
+        assert_eq!(q.next_avail(), 2);
+        // Only chain 2 is read and sent.
+        let (msgs, _) = take_tx_round(&mut q, &&r.mem, false, &r.port.counters);
+        assert_eq!(msgs.len(), 1);
+        // A resume index behind the ring, or more than a ring ahead, skips nothing.
+        assert_eq!(skip_resumed(&mut q, &&r.mem, 1), 0);
+        assert_eq!(skip_resumed(&mut q, &&r.mem, 3 + QSIZE + 1), 0);
+        assert_eq!(skip_resumed(&mut q, &&r.mem, 3), 0);
     }
 
     fn remote() -> Gid {

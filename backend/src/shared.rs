@@ -35,6 +35,13 @@ impl Core {
             j.commit(&mut self.mux);
         }
     }
+
+    /// With a journal: notes how far the VM's tx ring was consumed, for the next commit.
+    pub(crate) fn note_tx_progress(&mut self, name: &str, next_avail: u16) {
+        if let Some(j) = &mut self.journal {
+            j.note_tx_progress(name, next_avail);
+        }
+    }
 }
 
 /// State shared by the VM threads, their devices and the host loop.
@@ -145,6 +152,8 @@ impl Shared {
         let Some(vm) = cur.take() else {
             return;
         };
+        // A resume index belongs to the ring of the session the journal saw.
+        *lock(&port.tx_resume) = None;
         let (out, next) = {
             let mut core = self.lock_core();
             core.mux.detach_vm(vm);

@@ -34,7 +34,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::mux::{Clock, Mux, MuxConfig, RestoreError, VmConfig, VmId, records};
+use crate::mux::{
+    Clock, FIRST_FOREIGN_KIND, Mux, MuxConfig, RestoreError, VmConfig, VmId, put_record, records,
+};
+
+/// The daemon's record: how far a VM's tx ring was consumed (name, next avail index),
+/// written in the same frame as the mux changes of that batch.
+const REC_TX_PROGRESS: u8 = FIRST_FOREIGN_KIND;
 
 const MAGIC: &[u8; 8] = b"PVCMJNL\x01";
 const VERSION: u32 = 1;
@@ -101,6 +107,8 @@ pub struct Recovery {
     pub quarantined: u64,
     /// The journal came from an earlier boot and was set aside.
     pub previous_boot: bool,
+    /// Per VM name: the tx ring's next avail index after the last committed batch.
+    pub tx_progress: Vec<(String, u16)>,
 }
 
 /// The open journal (see the [module documentation](self)).
@@ -115,6 +123,10 @@ pub struct Journal {
     boot_id: [u8; BOOT_ID_LEN],
     seed: u64,
     table_bits: u8,
+    /// The latest tx progress per VM name (kept for the snapshots).
+    tx_progress: std::collections::BTreeMap<String, u16>,
+    /// Tx progress records of the batch being committed.
+    pending: Vec<u8>,
     /// Commits that could not be written.
     pub write_errors: u64,
     /// Commits written.
@@ -296,6 +308,8 @@ impl Journal {
             boot_id: boot,
             seed: mux.config().seed,
             table_bits: mux.config().table_bits,
+            tx_progress: rec.tx_progress.iter().cloned().collect(),
+            pending: Vec::new(),
             write_errors: 0,
             commits: 0,
             commit_bytes: 0,
@@ -307,14 +321,27 @@ impl Journal {
         Ok((j, mux, rec))
     }
 
-    /// Writes what changed in `mux` since the last commit, as one frame. Call it after
-    /// every batch of mux calls and before any MAD of the batch leaves.
+    /// Notes how far VM `name`'s tx ring was consumed by the batch about to be committed
+    /// (see docs/restart.md: a restarted backend does not send those chains again).
+    pub fn note_tx_progress(&mut self, name: &str, next_avail: u16) {
+        let mut p = next_avail.to_le_bytes().to_vec();
+        p.extend_from_slice(name.as_bytes());
+        put_record(&mut self.pending, REC_TX_PROGRESS, &p);
+        self.tx_progress.insert(name.to_string(), next_avail);
+    }
+
+    /// Writes what changed in `mux` since the last commit (and the noted tx progress),
+    /// as one frame. Call it after every batch of mux calls and before any MAD of the
+    /// batch leaves.
     pub fn commit<C: Clock>(&mut self, mux: &mut Mux<C>) {
         self.buf.clear();
         self.buf.extend_from_slice(&[0; FRAME_HEAD]);
-        if mux.journal_changes(&mut self.buf) == 0 {
+        let n = mux.journal_changes(&mut self.buf);
+        if n == 0 && self.pending.is_empty() {
             return;
         }
+        self.buf.extend_from_slice(&self.pending);
+        self.pending.clear();
         let len = (self.buf.len() - FRAME_HEAD) as u32;
         let crc = crc32fast::hash(&self.buf[FRAME_HEAD..]);
         self.buf[..4].copy_from_slice(&len.to_le_bytes());
@@ -350,6 +377,11 @@ impl Journal {
     pub fn compact<C: Clock>(&mut self, mux: &Mux<C>) -> io::Result<()> {
         let mut body = Vec::new();
         mux.journal_snapshot(&mut body);
+        for (name, idx) in &self.tx_progress {
+            let mut p = idx.to_le_bytes().to_vec();
+            p.extend_from_slice(name.as_bytes());
+            put_record(&mut body, REC_TX_PROGRESS, &p);
+        }
         let mut out = Vec::with_capacity(HEADER_LEN + FRAME_HEAD + body.len());
         out.extend_from_slice(&header(self.seed, self.table_bits, &self.boot_id));
         push_frame(&mut out, &body);

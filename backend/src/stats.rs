@@ -102,11 +102,14 @@ pub enum Io {
     Sessions,
     /// Pauses of the VM's tx after rounds full of bad input (see the device's throttle).
     TxThrottles,
+    /// Tx chains a restarted backend returned unsent because its journal shows their
+    /// MADs left before the restart (see docs/restart.md).
+    TxResumeSkipped,
 }
 
 impl Io {
     /// Every kind.
-    pub const ALL: [Io; 7] = [
+    pub const ALL: [Io; 8] = [
         Io::TxMessages,
         Io::RxMessages,
         Io::WireTxFrames,
@@ -114,6 +117,7 @@ impl Io {
         Io::SendErrors,
         Io::Sessions,
         Io::TxThrottles,
+        Io::TxResumeSkipped,
     ];
 
     /// Snake-case name.
@@ -126,6 +130,7 @@ impl Io {
             Io::SendErrors => "send_errors",
             Io::Sessions => "sessions",
             Io::TxThrottles => "tx_throttles",
+            Io::TxResumeSkipped => "tx_resume_skipped",
         }
     }
 }

@@ -42,6 +42,9 @@ pub struct VmPort {
     /// Restored from the state journal and not reconnected yet: its connections are
     /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
     pub(crate) restored: AtomicBool,
+    /// Restored: the tx ring's next avail index the journal recorded last. The first
+    /// session after the restart returns the chains before it unsent (their MADs left).
+    pub(crate) tx_resume: Mutex<Option<u16>>,
     pub(crate) span: tracing::Span,
 }
 
