@@ -10,6 +10,10 @@
 //! - `guest_to_wire_lap`: the A VM re-sends a LAP, `A.from_guest` -> `ToWire`;
 //! - `wire_to_guest_apr`: an APR from the wire names A's `pv_cm_id`,
 //!   `A.from_wire` -> `ToVm`.
+//! - `*_batch`: the same through the batched entry points, as the daemon calls them;
+//! - `guest_to_wire_lap_batch_journal`: the batch with `--state-dir`'s journal on: the
+//!   changed entries encoded and written to a file after each batch (one `write`), as
+//!   the daemon commits (compare with `guest_to_wire_lap_batch`).
 //!
 //! Throughput is `Elements(BATCH)`: criterion's elem/s is MADs per second, and the
 //! per-MAD time is time/iter divided by [`BATCH`] (minus `copy_baseline`'s, for the mux
@@ -20,6 +24,7 @@
 mod common;
 
 use std::hint::black_box;
+use std::io::{Seek, Write};
 use std::time::Duration;
 
 use common::{MadBuf, Testbed, patch_apr, patch_lap, shuffled};
@@ -178,6 +183,34 @@ fn bench_n(c: &mut Criterion, n: usize) {
             );
         })
     });
+    // Last: the journal stays on once enabled.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut file = std::fs::File::create(dir.path().join("journal")).expect("journal file");
+    let mut frame = Vec::new();
+    mux.enable_journal();
+    let mut order = shuffled(vm0_conns.len());
+    g.bench_function("guest_to_wire_lap_batch_journal", |b| {
+        let mut pos = 0usize;
+        b.iter(|| {
+            for (j, buf) in bufs.iter_mut().enumerate() {
+                let k = &conns[vm0_conns[order[pos] as usize]];
+                pos = (pos + 1) % order.len();
+                buf.copy_from_slice(&laps[k.pair()]);
+                patch_lap(buf, k);
+                dsts[j] = b_gids[k.b_vm as usize];
+            }
+            mux.from_guest_batch(vm0, &mut bufs, &dsts, &mut verdicts);
+            assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
+            frame.clear();
+            mux.journal_changes(&mut frame);
+            file.write_all(&frame).expect("write");
+            if file.stream_position().unwrap_or(0) > 256 << 20 {
+                file.set_len(0).expect("truncate");
+                file.rewind().expect("rewind");
+            }
+        })
+    });
+    order.clear();
     g.finish();
 }
 
