@@ -8,7 +8,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pvcm_backend::mux::{DropReason, Group, GuestVerdict, Policy, State, VmConfig, WireVerdict};
+use pvcm_backend::mux::{
+    DropReason, Group, GuestVerdict, ManualClock, Mux, Policy, State, VmConfig, WireVerdict,
+    records,
+};
 use pvcm_wire::cm::{self, MsgResponse, RejReason, field as f};
 use pvcm_wire::mad::{AttributeId, Header, Method};
 
@@ -1100,4 +1103,28 @@ fn batch_entry_points_match_single_calls() {
         *batch_v.last().unwrap(),
         WireVerdict::Drop(DropReason::Malformed)
     );
+}
+
+/// Found by the mux fuzz target's restart check: a SIDR_REQ whose (peer, request ID) was
+/// last delivered to another VM released the peer twice, so the peer's reference count
+/// fell below the entries that name it: its index went to the free list while an entry
+/// still named it, and the next new peer took that index over (the entry then named the
+/// wrong GID). A restored table counts the references afresh, so it must agree.
+#[test]
+fn a_sidr_req_repeated_to_another_vm_keeps_the_peer_referenced() {
+    let mut n = net2(Policy::Default);
+    let src = n.a.gid(0);
+    for (from, vm) in [(src, 0), (src, 1), (src, 0), (src, 1), (n.a.gid(1), 0)] {
+        let mut m = ids(AttributeId::SidrReq, 0x51D, 0, 0);
+        f::SIDR_REQUEST_ID.set(&mut m, 9);
+        assert_eq!(
+            n.b.mux.from_wire(&mut m, from, n.b.gid(vm)),
+            WireVerdict::ToVm(n.b.id(vm))
+        );
+    }
+    let mut j = Vec::new();
+    n.b.mux.journal_snapshot(&mut j);
+    let recs: Vec<_> = records(&j).collect::<Result<_, _>>().unwrap();
+    let r = Mux::restore(n.b.mux.config().clone(), ManualClock::new(), recs).unwrap();
+    n.b.mux.same_state_as(&r.mux).unwrap();
 }

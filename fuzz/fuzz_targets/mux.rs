@@ -30,7 +30,7 @@ use common::*;
 use libfuzzer_sys::fuzz_target;
 use pvcm_backend::mux::{
     Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
-    WireVerdict,
+    WireVerdict, records,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as f};
@@ -168,6 +168,9 @@ enum Op {
     Reattach {
         vm: u8,
     },
+    /// The daemon restarts: the mux is rebuilt from its journal and must hold the same
+    /// state (then the run goes on with it).
+    Restart,
 }
 
 #[derive(Debug, Arbitrary)]
@@ -233,6 +236,8 @@ struct World {
     next_tid: u64,
     /// A VM may be refused for quota (Reply) when the input set a small quota.
     small_quota: bool,
+    /// The mux's journal: a snapshot, then the changes of every operation.
+    journal: Vec<u8>,
 }
 
 fn raw_view(b: &Mad) -> Option<CmMad<&[u8]>> {
@@ -280,6 +285,9 @@ impl World {
         let peers = (0..NPEER)
             .map(|i| VmConfig::new(format!("peer{i}"), gid(9, i as u8 + 1)))
             .collect();
+        let mut journal = Vec::new();
+        mux.journal_snapshot(&mut journal);
+        mux.enable_journal();
         World {
             clock,
             mux,
@@ -293,6 +301,7 @@ impl World {
             detached: HashSet::new(),
             next_tid: 1,
             small_quota: input.quota.is_some(),
+            journal,
         }
     }
 
@@ -978,6 +987,32 @@ impl World {
                 assert!(self.mux.vm_config(id).is_none());
                 assert_eq!(self.mux.vm_stats(id).live, 0);
             }
+            Op::Restart => {
+                self.mux.journal_changes(&mut self.journal);
+                let recs: Vec<(u8, &[u8])> = records(&self.journal)
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                let r = Mux::restore(self.mux.config().clone(), self.clock.clone(), recs).unwrap();
+                if let Err(e) = self.mux.same_state_as(&r.mux) {
+                    panic!("restored state differs: {e}");
+                }
+                let mut attached: Vec<VmId> = r.attached.iter().map(|(id, _)| *id).collect();
+                let mut expect: Vec<VmId> = self
+                    .slots
+                    .iter()
+                    .filter(|s| s.attached)
+                    .map(|s| s.id)
+                    .collect();
+                attached.sort_unstable();
+                expect.sort_unstable();
+                assert_eq!(attached, expect);
+                self.mux = r.mux;
+                // Pending ClassPortInfo Gets are not kept: their answers are dropped.
+                self.get_owner.clear();
+                self.journal.clear();
+                self.mux.journal_snapshot(&mut self.journal);
+                self.mux.enable_journal();
+            }
             Op::Reattach { vm } => {
                 let vm = idx(vm, NVM);
                 let cfg = self.slots[vm].cfg.clone();
@@ -1037,6 +1072,8 @@ fuzz_target!(|input: Input| {
         w.apply(op);
         w.drain();
         w.check_counts();
+        w.mux.journal_changes(&mut w.journal);
     }
+    w.apply(&Op::Restart);
     w.finish();
 });

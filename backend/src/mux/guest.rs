@@ -424,6 +424,10 @@ impl<C: Clock> Mux<C> {
         if m.method() == Method::Get as u8 {
             let host_tid = self.tids.get_tid(self.next_get);
             self.next_get = self.next_get.wrapping_add(1);
+            if let Some(c) = &mut self.changes {
+                // A restored mux must not hand out a TID a late GetResp still names.
+                c.next_get = true;
+            }
             let deadline = Time(now).after(self.cfg.class_port_info_timeout).0;
             self.gets.insert(
                 host_tid,

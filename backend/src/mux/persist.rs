@@ -33,11 +33,15 @@ use super::{
 pub(super) struct Changes {
     pub(super) slots: Vec<u32>,
     pub(super) vms: Vec<u32>,
+    /// A ClassPortInfo Get took a host TID.
+    pub(super) next_get: bool,
 }
 
 const REC_VM: u8 = 1;
 const REC_PEER: u8 = 2;
 const REC_SLOT: u8 = 3;
+/// The next ClassPortInfo Get number (host TIDs of Gets are never handed out twice).
+const REC_NEXT_GET: u8 = 4;
 /// Record kinds from here on are not the mux's: [`Mux::restore`] skips them.
 pub const FIRST_FOREIGN_KIND: u8 = 0x40;
 
@@ -298,6 +302,11 @@ impl<C: Clock> Mux<C> {
             }
             c.vms.clear();
         }
+        if c.next_get {
+            c.next_get = false;
+            put_record(out, REC_NEXT_GET, &self.next_get.to_le_bytes());
+            n += 1;
+        }
         if !c.slots.is_empty() {
             // Overwrites of a whole entry drop its DIRTY bit, so a slot can be listed
             // twice: one record each is enough.
@@ -337,7 +346,8 @@ impl<C: Clock> Mux<C> {
                 n += 1;
             }
         }
-        n
+        put_record(out, REC_NEXT_GET, &self.next_get.to_le_bytes());
+        n + 1
     }
 
     /// Rebuilds a mux from records ([`Mux::journal_snapshot`] then
@@ -408,6 +418,10 @@ impl<C: Clock> Mux<C> {
                     } else {
                         m.vms[id] = v;
                     }
+                }
+                REC_NEXT_GET => {
+                    let mut r = Rd(p);
+                    m.next_get = r.u32().ok_or_else(|| corrupt(index, "short Get number"))?;
                 }
                 _ => continue,
             }
@@ -560,6 +574,11 @@ impl<C: Clock> Mux<C> {
         };
         eq("sidr", sidr(&self.sidr_rcvd), sidr(&o.sidr_rcvd))?;
         eq(
+            "next Get",
+            self.next_get.to_string(),
+            o.next_get.to_string(),
+        )?;
+        eq(
             "VM count",
             self.vms.len().to_string(),
             o.vms.len().to_string(),
@@ -607,6 +626,17 @@ impl<C: Clock> Mux<C> {
             format!("{v:?}")
         };
         eq("peers", peers(&self.peers), peers(&o.peers))?;
+        for m in [&self.peers, &o.peers] {
+            if let Some((g, i)) = m
+                .index
+                .iter()
+                .find(|(g, i)| m.slots.get(**i as usize).is_none_or(|p| p.gid != **g))
+            {
+                return Err(format!(
+                    "peer index names slot {i} for {g}, which holds another GID"
+                ));
+            }
+        }
         let mut fa: Vec<u32> = self.free.iter().copied().collect();
         let mut fb: Vec<u32> = o.free.iter().copied().collect();
         fa.sort_unstable();

@@ -315,16 +315,18 @@ impl<C: Clock> Mux<C> {
     ) -> Result<WireVerdict, DropReason> {
         let &vm = self.gid_to_vm.get(&dst).ok_or(DropReason::UnknownGid)?;
         let rid = m.sidr_request_id().unwrap_or(0);
+        // The peer's index, only to look the request up (released at once: the entry
+        // takes its own reference).
         let peer = self.peers.acquire(src);
-        if let Some(&s) = self.sidr_rcvd.get(&(peer, rid)) {
-            self.peers.release(peer);
+        let earlier = self.sidr_rcvd.get(&(peer, rid)).copied();
+        self.peers.release(peer);
+        if let Some(s) = earlier {
             if self.slab[s as usize].vm == vm {
                 self.rx_dup(vm, AttributeId::SidrReq);
                 return Ok(WireVerdict::ToVm(VmId(vm)));
             }
             self.retire(s, now);
         }
-        self.peers.release(peer);
         if !self.legacy() && self.vms[vm as usize].live >= self.vms[vm as usize].quota {
             return Err(DropReason::VmOverQuota);
         }
