@@ -540,7 +540,7 @@ impl<C: Clock> Mux<C> {
         for s in 0..n {
             let a = self.slab.get(s).map_or(Entry::FREE, strip);
             let b = o.slab.get(s).map_or(Entry::FREE, strip);
-            if format!("{a:?}") != format!("{b:?}") {
+            if a != b {
                 return Err(format!("slot {s}: {a:?} != {b:?}"));
             }
         }

@@ -87,7 +87,7 @@ pub(super) mod flag {
 }
 
 /// One connection (or SIDR exchange). 64 bytes, one cache line (asserted below).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(align(64))] // one cache line per entry: a wire-side lookup touches one line
 pub(super) struct Entry {
     /// The VM's own comm ID (0 until the passive VM answers).
