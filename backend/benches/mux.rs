@@ -160,7 +160,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
                 patch_lap(buf, k);
                 dsts[j] = b_gids[k.b_vm as usize];
             }
-            mux.from_guest_batch(vm0, &mut bufs, &dsts, &mut verdicts);
+            mux.from_guest_batch(vm0, &mut bufs, |i, _| dsts[i], &mut verdicts);
             assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
         })
     });
@@ -175,7 +175,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
                 patch_apr(buf, k, lap_tid_hi);
                 addrs[j] = (b_gids[k.b_vm as usize], a_gids[k.a_vm as usize]);
             }
-            mux.from_wire_batch(&mut bufs, &addrs, &mut wire_verdicts);
+            mux.from_wire_batch(&mut bufs, |i, _| addrs[i], &mut wire_verdicts);
             assert!(
                 wire_verdicts
                     .iter()
@@ -199,7 +199,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
                 patch_lap(buf, k);
                 dsts[j] = b_gids[k.b_vm as usize];
             }
-            mux.from_guest_batch(vm0, &mut bufs, &dsts, &mut verdicts);
+            mux.from_guest_batch(vm0, &mut bufs, |i, _| dsts[i], &mut verdicts);
             assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
             frame.clear();
             mux.journal_changes(&mut frame);

@@ -29,7 +29,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pvcm_wire::Gid;
-use pvcm_wire::mad::MAD_LEN;
+
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
@@ -164,8 +164,9 @@ impl HostLoop {
     }
 
     /// Takes a batch of MADs the port received for VM `vm`'s address through the mux
-    /// to VMs (and replies to the wire).
-    fn route(&self, vm: usize, frames: Vec<InMad>) {
+    /// to VMs (and replies to the wire). The MADs are rewritten where the port put them;
+    /// a delivery copies its MAD once, into the VM's rx backlog.
+    fn route(&self, vm: usize, mut frames: Vec<InMad>) {
         let Some(port) = self.shared.ports.get(vm).cloned() else {
             return;
         };
@@ -173,26 +174,23 @@ impl HostLoop {
             return;
         }
         let dst = port.spec.vm.gid;
-        let mut deliveries: Vec<(usize, RxMsg)> = Vec::new();
-        let mut replies: Vec<(Gid, [u8; MAD_LEN])> = Vec::new();
-        let out: Vec<Outgoing>;
-        let mut mads: Vec<[u8; MAD_LEN]> = frames.iter().map(|f| f.mad).collect();
-        let addrs: Vec<(Gid, Gid)> = frames.iter().map(|f| (f.src, dst)).collect();
         let mut verdicts = vec![WireVerdict::Reply; frames.len()];
+        // Per frame: the index of the port it goes to (`usize::MAX`: none).
+        let mut to_port = vec![usize::MAX; frames.len()];
+        let out: Vec<Outgoing>;
         {
             let mut core = self.shared.lock_core();
             // One call for the batch: the mux prefetches every entry it names first.
-            core.mux.from_wire_batch(&mut mads, &addrs, &mut verdicts);
-            for ((f, mad), verdict) in frames.iter().zip(&mads).zip(&verdicts) {
+            core.mux
+                .from_wire_batch(&mut frames, |_, f| (f.src, dst), &mut verdicts);
+            for ((f, verdict), target) in frames.iter().zip(&verdicts).zip(&mut to_port) {
                 match *verdict {
                     WireVerdict::ToVm(vm) => {
                         if let Some(&p) = core.by_vm.get(&vm) {
-                            deliveries.push((p, RxMsg::from_wire(f, mad)));
+                            *target = p;
                         }
                     }
-                    // To the sender's GID (the soft port: its RoCEv2 port; its UDP source
-                    // port is entropy, as Linux rxe hashes the flow label into it).
-                    WireVerdict::Reply => replies.push((f.src, *mad)),
+                    WireVerdict::Reply => {}
                     WireVerdict::Drop(r) => {
                         tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
                     }
@@ -202,11 +200,12 @@ impl HostLoop {
             core.commit();
         }
         let mut woken: Vec<usize> = Vec::new();
-        for (p, m) in deliveries {
-            if let Some(vp) = self.shared.ports.get(p) {
-                if vp.push_rx(m) && !woken.contains(&p) {
-                    woken.push(p);
-                }
+        for (f, &p) in frames.iter().zip(&to_port) {
+            if let Some(vp) = self.shared.ports.get(p)
+                && vp.push_rx(RxMsg::from_wire(f, &f.mad))
+                && !woken.contains(&p)
+            {
+                woken.push(p);
             }
         }
         for p in woken {
@@ -214,6 +213,14 @@ impl HostLoop {
                 vp.wake_rx();
             }
         }
+        // To the sender's GID (the soft port: its RoCEv2 port; its UDP source port is
+        // entropy, as Linux rxe hashes the flow label into it).
+        let replies: Vec<_> = frames
+            .iter()
+            .zip(&verdicts)
+            .filter(|(_, v)| **v == WireVerdict::Reply)
+            .map(|(f, _)| (f.src, &f.mad))
+            .collect();
         self.shared.send_mads(&port, &replies);
         if !out.is_empty() {
             self.shared.send_outgoing(out);

@@ -24,7 +24,6 @@ use std::io;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use pvcm_wire::Gid;
 use pvcm_wire::abi::{
     self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_LEN, PortInfo, RX_BUFFER_LEN, SendStatus,
 };
@@ -36,14 +35,17 @@ use virtio_bindings::bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddressSpace, GuestMemory, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{
+    Address, Bytes, GuestAddressSpace, GuestMemory, GuestMemoryAtomic, GuestMemoryMmap,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
 use crate::backlog::RxBacklog;
-use crate::mux::{DropReason, GuestVerdict};
+use crate::mux::{DropReason, GuestVerdict, MadSlot};
+use crate::port::OutMad;
 use crate::rx::RxMsg;
 use crate::shared::Shared;
 use crate::stats::{DevCounters, DevDrop, Io};
@@ -95,10 +97,44 @@ pub fn config_bytes(offset: u32, size: u32) -> Vec<u8> {
         .collect()
 }
 
-/// A tx message as read from its chain.
+/// A tx message as read from its chain: the header, then the payload (at most one
+/// MAD), laid out so that the mux can rewrite the MAD where it was read ([`MadSlot`]).
 struct TxMsg {
-    buf: [u8; RX_BUFFER_LEN],
+    head: [u8; HEADER_LEN],
+    mad: [u8; MAD_LEN],
     len: usize,
+}
+
+// The payload part holds the largest payload the ABI allows.
+const _: () = assert!(RX_BUFFER_LEN == HEADER_LEN + MAD_LEN);
+
+impl TxMsg {
+    /// The message's bytes `off..off + len` (within [`RX_BUFFER_LEN`]), as the part in
+    /// the header and the part in the payload (either may be empty).
+    fn parts_mut(&mut self, off: usize, len: usize) -> (&mut [u8], &mut [u8]) {
+        let end = (off + len).min(RX_BUFFER_LEN);
+        let head: &mut [u8] = if off < HEADER_LEN {
+            &mut self.head[off..end.min(HEADER_LEN)]
+        } else {
+            &mut []
+        };
+        let p = off.max(HEADER_LEN) - HEADER_LEN..end.max(HEADER_LEN) - HEADER_LEN;
+        (head, &mut self.mad[p])
+    }
+
+    /// The first `n` payload bytes.
+    fn payload(&self, n: usize) -> &[u8] {
+        &self.mad[..n.min(MAD_LEN)]
+    }
+}
+
+impl MadSlot for TxMsg {
+    fn mad(&self) -> &[u8; MAD_LEN] {
+        &self.mad
+    }
+    fn mad_mut(&mut self) -> &mut [u8; MAD_LEN] {
+        &mut self.mad
+    }
 }
 
 /// Reads one tx chain into a buffer, checking it on the way.
@@ -108,7 +144,8 @@ where
     M::Target: GuestMemory,
 {
     let mut msg = TxMsg {
-        buf: [0; RX_BUFFER_LEN],
+        head: [0; HEADER_LEN],
+        mad: [0; MAD_LEN],
         len: 0,
     };
     let mut n = 0usize;
@@ -122,7 +159,16 @@ where
         if msg.len + dl > RX_BUFFER_LEN {
             return Err(DevDrop::ChainTooLong);
         }
-        mem.read_slice(&mut msg.buf[msg.len..msg.len + dl], desc.addr())
+        let at = msg.len;
+        let (head, payload) = msg.parts_mut(at, dl);
+        let in_head = head.len() as u64;
+        mem.read_slice(head, desc.addr())
+            .map_err(|_| DevDrop::BadAddress)?;
+        let addr = desc
+            .addr()
+            .checked_add(in_head)
+            .ok_or(DevDrop::BadAddress)?;
+        mem.read_slice(payload, addr)
             .map_err(|_| DevDrop::BadAddress)?;
         msg.len += dl;
         last_has_next = desc.has_next();
@@ -416,23 +462,24 @@ impl PvcmDevice {
 
     /// Handles a round of tx messages: one mux lock for all MADs, then I/O. Returns how
     /// many of them were dropped.
-    fn handle_tx(&mut self, msgs: Vec<Result<TxMsg, DevDrop>>, next_avail: u16) -> usize {
+    fn handle_tx(&mut self, mut msgs: Vec<Result<TxMsg, DevDrop>>, next_avail: u16) -> usize {
         let port = &self.port;
         let c = &port.counters;
         c.add(Io::TxMessages, msgs.len() as u64);
         let vm = port.current_vm();
         // Messages of this round dropped (by the device or the mux).
         let mut bad = 0usize;
-        // (header, MAD as the guest sent it, MAD to rewrite)
-        let mut mads: Vec<(MsgHeader, [u8; MAD_LEN], [u8; MAD_LEN])> = Vec::new();
+        // The MADs for the mux: each message where it was read (no copy), and its header.
+        let mut mads: Vec<&mut TxMsg> = Vec::new();
+        let mut hdrs: Vec<MsgHeader> = Vec::new();
         let mut own_rx: Vec<RxMsg> = Vec::new();
-        for m in msgs {
+        for m in &mut msgs {
             let m = match m {
                 Ok(m) => m,
                 Err(r) => {
                     tracing::debug!(reason = r.name(), "tx chain dropped");
                     bad += 1;
-                    c.drop(r);
+                    c.drop(*r);
                     continue;
                 }
             };
@@ -441,7 +488,7 @@ impl PvcmDevice {
                 c.drop(DevDrop::Truncated);
                 continue;
             }
-            let h = match MsgHeader::parse(&m.buf[..HEADER_LEN]) {
+            let h = match MsgHeader::parse(&m.head) {
                 Ok(h) => h,
                 Err(pvcm_wire::Error::TooLong { .. }) => {
                     bad += 1;
@@ -464,7 +511,7 @@ impl PvcmDevice {
             match h.msg_type {
                 MsgType::PortInfoRequest => own_rx.push(self.port_info()),
                 MsgType::Mad => {
-                    let payload = &m.buf[HEADER_LEN..HEADER_LEN + len];
+                    let payload = m.payload(len);
                     let reject = if len != MAD_LEN {
                         Some(DevDrop::BadMadLength)
                     } else if pvcm_wire::mad::field::MGMT_CLASS.get(payload)
@@ -489,9 +536,8 @@ impl PvcmDevice {
                         own_rx.push(RxMsg::send_error(&h, status, payload));
                         continue;
                     }
-                    let mut mad = [0u8; MAD_LEN];
-                    mad.copy_from_slice(payload);
-                    mads.push((h, mad, mad));
+                    hdrs.push(h);
+                    mads.push(m);
                 }
                 _ => {
                     tracing::debug!(msg_type = ?h.msg_type, "device-to-driver message on tx dropped");
@@ -501,43 +547,43 @@ impl PvcmDevice {
             }
         }
         let Some(vm) = vm else {
-            self.finish_tx(Vec::new(), own_rx, Vec::new());
+            self.finish_tx(&[], own_rx, Vec::new());
             return bad;
         };
-        let mut to_wire = Vec::new();
+        let mut verdicts = vec![GuestVerdict::ToWire; mads.len()];
         let outbox;
         {
-            let mut bufs: Vec<[u8; MAD_LEN]> = mads.iter().map(|(_, _, m)| *m).collect();
-            let dsts: Vec<Gid> = mads.iter().map(|(h, _, _)| h.remote_gid).collect();
-            let mut verdicts = vec![GuestVerdict::ToWire; mads.len()];
             let mut core = self.shared.lock_core();
-            // One call for the round: the mux prefetches the entries first.
+            // One call for the round: the mux prefetches the entries first, and rewrites
+            // each MAD where it was read.
             core.mux
-                .from_guest_batch(vm, &mut bufs, &dsts, &mut verdicts);
-            for (((h, orig, _), mad), verdict) in mads.iter().zip(bufs).zip(verdicts) {
-                match verdict {
-                    GuestVerdict::ToWire => to_wire.push((h.remote_gid, mad)),
-                    GuestVerdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &mad)),
-                    GuestVerdict::Drop(r) => {
-                        bad += 1;
-                        tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
-                        own_rx.push(RxMsg::send_error(h, send_status(r), orig));
-                    }
-                }
-            }
+                .from_guest_batch(vm, &mut mads, |i, _| hdrs[i].remote_gid, &mut verdicts);
             outbox = core.mux.drain_outbox().collect::<Vec<_>>();
             // In the same journal frame as the batch's changes, before its MADs leave.
             core.note_tx_progress(&self.port.spec.vm.name, next_avail);
             core.commit();
             self.shared.note_deadline(core.mux.next_deadline());
         }
-        self.finish_tx(to_wire, own_rx, outbox);
+        let mut to_wire: Vec<OutMad<'_>> = Vec::with_capacity(mads.len());
+        for ((m, h), verdict) in mads.iter().zip(&hdrs).zip(verdicts) {
+            match verdict {
+                GuestVerdict::ToWire => to_wire.push((h.remote_gid, &m.mad)),
+                GuestVerdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &m.mad)),
+                GuestVerdict::Drop(r) => {
+                    bad += 1;
+                    tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
+                    // The mux leaves a MAD it refuses untouched: echoed as the VM sent it.
+                    own_rx.push(RxMsg::send_error(h, send_status(r), &m.mad));
+                }
+            }
+        }
+        self.finish_tx(&to_wire, own_rx, outbox);
         bad
     }
 
     fn finish_tx(
         &self,
-        to_wire: Vec<(Gid, [u8; MAD_LEN])>,
+        to_wire: &[OutMad<'_>],
         own_rx: Vec<RxMsg>,
         outbox: Vec<crate::mux::Outgoing>,
     ) {
@@ -547,7 +593,7 @@ impl PvcmDevice {
             .count();
         self.port.counters.add(Io::SendErrors, errors as u64);
         if !to_wire.is_empty() {
-            self.shared.send_mads(&self.port, &to_wire);
+            self.shared.send_mads(&self.port, to_wire);
         }
         for m in own_rx {
             self.port.push_rx(m);
@@ -692,7 +738,12 @@ pub mod fuzzing {
         M: Deref,
         M::Target: GuestMemory,
     {
-        read_chain(mem, chain).map(|m| m.buf[..m.len].to_vec())
+        read_chain(mem, chain).map(|m| {
+            let mut v = m.head.to_vec();
+            v.extend_from_slice(&m.mad);
+            v.truncate(m.len);
+            v
+        })
     }
 
     /// Writes `bytes` into one rx chain as the device does, or says why it could not.
@@ -771,6 +822,7 @@ mod queue_tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicU64};
 
+    use pvcm_wire::Gid;
     use pvcm_wire::mad::AttributeId;
     use pvcm_wire::testing;
     use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
@@ -807,9 +859,9 @@ mod queue_tests {
         fn attach(&self, _vm: usize) -> Result<(), String> {
             Ok(())
         }
-        fn send(&self, _ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]) {
+        fn send(&self, _ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
             let mut sent = self.0.lock().unwrap();
-            sent.extend(mads.iter().map(|(g, m)| (vm, *g, *m)));
+            sent.extend(mads.iter().map(|(g, m)| (vm, *g, **m)));
         }
         fn receive(
             &self,

@@ -21,6 +21,15 @@ pub struct InMad {
     pub mad: [u8; MAD_LEN],
 }
 
+impl crate::mux::MadSlot for InMad {
+    fn mad(&self) -> &[u8; MAD_LEN] {
+        &self.mad
+    }
+    fn mad_mut(&mut self) -> &mut [u8; MAD_LEN] {
+        &mut self.mad
+    }
+}
+
 /// One message for a VM's rx queue: header + payload, ready to copy.
 #[derive(Clone)]
 pub struct RxMsg {

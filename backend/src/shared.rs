@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pvcm_wire::Gid;
 use pvcm_wire::abi;
-use pvcm_wire::mad::MAD_LEN;
+
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::mux::{Mux, Outgoing, SystemClock, Time, VmId};
 use crate::pcap::Capture;
-use crate::port::{PortCtx, WirePort};
+use crate::port::{OutMad, PortCtx, WirePort};
 use crate::rx::RxMsg;
 use crate::state::Journal;
 use crate::stats::{DevCounters, DevDrop, Figures, Snapshot, VmFigures};
@@ -96,7 +96,7 @@ impl Shared {
     }
 
     /// Sends MADs from `port` to their GIDs.
-    pub(crate) fn send_mads(&self, port: &VmPort, mads: &[(Gid, [u8; MAD_LEN])]) {
+    pub(crate) fn send_mads(&self, port: &VmPort, mads: &[OutMad<'_>]) {
         if mads.is_empty() {
             return;
         }
@@ -105,10 +105,10 @@ impl Shared {
 
     /// Sends what the mux queued itself, each from its source VM's socket.
     pub(crate) fn send_outgoing(&self, out: Vec<Outgoing>) {
-        let mut per_port: HashMap<usize, Vec<(Gid, [u8; MAD_LEN])>> = HashMap::new();
-        for o in out {
+        let mut per_port: HashMap<usize, Vec<OutMad<'_>>> = HashMap::new();
+        for o in &out {
             match self.by_gid.get(&o.src) {
-                Some(&p) => per_port.entry(p).or_default().push((o.dst, o.mad)),
+                Some(&p) => per_port.entry(p).or_default().push((o.dst, &o.mad)),
                 None => tracing::warn!(src = %o.src, "mux MAD from a GID with no port: not sent"),
             }
         }

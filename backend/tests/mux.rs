@@ -1080,7 +1080,7 @@ fn batch_entry_points_match_single_calls() {
     let mut batch_v = vec![GuestVerdict::ToWire; mads.len()];
     two.a
         .mux
-        .from_guest_batch(two.a.id(0), &mut mads, &dsts, &mut batch_v);
+        .from_guest_batch(two.a.id(0), &mut mads, |i, _| dsts[i], &mut batch_v);
     assert_eq!(single_v, batch_v);
     assert_eq!(singles, mads);
     // Wire -> guest: APRs (and garbage).
@@ -1096,7 +1096,9 @@ fn batch_entry_points_match_single_calls() {
         .map(|m| one.a.mux.from_wire(m, addrs[0].0, addrs[0].1))
         .collect();
     let mut batch_v = vec![WireVerdict::Reply; mads.len()];
-    two.a.mux.from_wire_batch(&mut mads, &addrs, &mut batch_v);
+    two.a
+        .mux
+        .from_wire_batch(&mut mads, |i, _| addrs[i], &mut batch_v);
     assert_eq!(single_v, batch_v);
     assert_eq!(singles, mads);
     assert_eq!(

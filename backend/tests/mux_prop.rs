@@ -538,7 +538,13 @@ impl World {
                 // Only a REQ over quota; the default quota is never reached here.
                 return Err(TestCaseError::fail(format!("unexpected Reply to {name}")));
             }
-            GuestVerdict::Drop(r) => self.count(format!("guest {name} Drop({r:?})")),
+            GuestVerdict::Drop(r) => {
+                // A dropped MAD is echoed to the VM in a SEND_ERROR as it sent it: the
+                // mux leaves the buffer untouched when it refuses (the device rewrites
+                // in place and relies on this).
+                prop_assert_eq!(&m[..], &before[..], "a dropped {} was modified", name);
+                self.count(format!("guest {name} Drop({r:?})"))
+            }
             GuestVerdict::ToWire => {
                 self.count(format!("guest {name} ToWire"));
                 let out = view(m).local_comm_id().unwrap_or(0);

@@ -448,6 +448,11 @@ impl World {
         let dst = self.peers[peer].gid;
         let before = *m;
         let v = self.mux.from_guest(vm, m, dst);
+        if let GuestVerdict::Drop(r) = v {
+            // Echoed to the VM in a SEND_ERROR as it was sent: the device rewrites in
+            // place and relies on a refused MAD being left untouched.
+            assert!(m[..] == before[..], "a dropped MAD was modified ({r:?})");
+        }
         if !attached {
             assert_eq!(v, GuestVerdict::Drop(DropReason::UnknownConnection));
             return v;

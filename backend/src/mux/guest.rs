@@ -11,7 +11,7 @@ use pvcm_wire::timeout::exponent_to_duration;
 
 use super::table::{State, flag};
 use super::{
-    Clock, DropReason, Group, GuestVerdict, Mux, PendingGet, RejTimeoutKey, TidKind, Time,
+    Clock, DropReason, Group, GuestVerdict, MadSlot, Mux, PendingGet, RejTimeoutKey, TidKind, Time,
     VmConfig, VmId, prefetch, set_local, write_rej,
 };
 
@@ -597,20 +597,21 @@ impl<C: Clock> Mux<C> {
     }
 
     /// [`Mux::from_guest`] for a batch of MADs from one VM (as a virtqueue delivers
-    /// them): `dsts[i]` is where `mads[i]` goes, `verdicts[i]` receives its verdict.
-    /// Looks up the VM's comm-ID map and prefetches the entries first, like
+    /// them): `dst(i, &mads[i])` is where `mads[i]` goes, `verdicts[i]` receives its
+    /// verdict. The MADs are rewritten where they are (any [`MadSlot`]: no copy). Looks
+    /// up the VM's comm-ID map and prefetches the entries first, like
     /// [`Mux::from_wire_batch`].
-    pub fn from_guest_batch(
+    pub fn from_guest_batch<B: MadSlot>(
         &mut self,
         vm: VmId,
-        mads: &mut [[u8; mad::MAD_LEN]],
-        dsts: &[Gid],
+        mads: &mut [B],
+        dst: impl Fn(usize, &B) -> Gid,
         verdicts: &mut [GuestVerdict],
     ) {
-        let n = mads.len().min(dsts.len()).min(verdicts.len());
+        let n = mads.len().min(verdicts.len());
         if let Some(v) = self.vms.get(vm.0 as usize) {
             for m in &mads[..n] {
-                let sl = cmf::LOCAL_COMM_ID.get(m) as u32;
+                let sl = cmf::LOCAL_COMM_ID.get(m.mad()) as u32;
                 if let Some(&slot) = v.sl_map.get(&sl)
                     && let Some(e) = self.slab.get(slot as usize)
                 {
@@ -619,7 +620,8 @@ impl<C: Clock> Mux<C> {
             }
         }
         for i in 0..n {
-            verdicts[i] = self.from_guest(vm, &mut mads[i], dsts[i]);
+            let d = dst(i, &mads[i]);
+            verdicts[i] = self.from_guest(vm, mads[i].mad_mut(), d);
         }
     }
 }

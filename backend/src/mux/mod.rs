@@ -68,6 +68,34 @@ pub enum AttachError {
     TooManyVms,
 }
 
+/// A buffer holding one MAD that the batch calls ([`Mux::from_wire_batch`],
+/// [`Mux::from_guest_batch`]) rewrite in place: a bare `[u8; MAD_LEN]`, or an I/O layer's
+/// own message, so that a batch goes through the mux without being copied.
+pub trait MadSlot {
+    /// The MAD.
+    fn mad(&self) -> &[u8; mad::MAD_LEN];
+    /// The MAD, to rewrite.
+    fn mad_mut(&mut self) -> &mut [u8; mad::MAD_LEN];
+}
+
+impl<T: MadSlot + ?Sized> MadSlot for &mut T {
+    fn mad(&self) -> &[u8; mad::MAD_LEN] {
+        (**self).mad()
+    }
+    fn mad_mut(&mut self) -> &mut [u8; mad::MAD_LEN] {
+        (**self).mad_mut()
+    }
+}
+
+impl MadSlot for [u8; mad::MAD_LEN] {
+    fn mad(&self) -> &[u8; mad::MAD_LEN] {
+        self
+    }
+    fn mad_mut(&mut self) -> &mut [u8; mad::MAD_LEN] {
+        self
+    }
+}
+
 /// A VM attached to the mux. IDs are never reused, so a stale ID never names a new VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct VmId(pub u32);

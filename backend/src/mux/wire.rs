@@ -11,8 +11,8 @@ use pvcm_wire::timeout::exponent_to_duration;
 
 use super::table::{State, flag};
 use super::{
-    Clock, DropReason, Group, Mux, RejTimeoutKey, TidKind, Time, VmId, WireVerdict, prefetch,
-    write_cm_ids, write_rej,
+    Clock, DropReason, Group, MadSlot, Mux, RejTimeoutKey, TidKind, Time, VmId, WireVerdict,
+    prefetch, write_cm_ids, write_rej,
 };
 
 impl<C: Clock> Mux<C> {
@@ -47,21 +47,22 @@ impl<C: Clock> Mux<C> {
         verdict
     }
 
-    /// [`Mux::from_wire`] for a batch (as `recvmmsg` delivers them): `addrs[i]` is the
-    /// (source, destination) of `mads[i]`, and `verdicts[i]` receives its verdict.
+    /// [`Mux::from_wire`] for a batch (as `recvmmsg` delivers them): `addr(i, &mads[i])`
+    /// is the (source, destination) of `mads[i]`, and `verdicts[i]` receives its verdict.
+    /// The MADs are rewritten where they are (any [`MadSlot`]: no copy).
     ///
     /// Same results as one call per MAD, but first prefetches every entry the batch
     /// names, so that with a table far larger than the caches the misses overlap instead
     /// of being paid one after the other.
-    pub fn from_wire_batch(
+    pub fn from_wire_batch<B: MadSlot>(
         &mut self,
-        mads: &mut [[u8; mad::MAD_LEN]],
-        addrs: &[(Gid, Gid)],
+        mads: &mut [B],
+        addr: impl Fn(usize, &B) -> (Gid, Gid),
         verdicts: &mut [WireVerdict],
     ) {
-        let n = mads.len().min(addrs.len()).min(verdicts.len());
+        let n = mads.len().min(verdicts.len());
         for m in &mads[..n] {
-            if let Ok(Some(pv)) = CmMad::new_checked(&m[..]).map(|m| m.remote_comm_id()) {
+            if let Ok(Some(pv)) = CmMad::new_checked(&m.mad()[..]).map(|m| m.remote_comm_id()) {
                 let slot = self.perm.invert(pv) & ((1u32 << self.slot_bits) - 1);
                 if let Some(e) = self.slab.get(slot as usize) {
                     prefetch(e);
@@ -69,8 +70,8 @@ impl<C: Clock> Mux<C> {
             }
         }
         for i in 0..n {
-            let (src, dst) = addrs[i];
-            verdicts[i] = self.from_wire(&mut mads[i], src, dst);
+            let (src, dst) = addr(i, &mads[i]);
+            verdicts[i] = self.from_wire(mads[i].mad_mut(), src, dst);
         }
     }
 

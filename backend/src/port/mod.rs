@@ -31,6 +31,10 @@ pub use crate::config::PortSpec;
 
 pub use crate::rx::InMad;
 
+/// A MAD to send: its destination GID and the MAD where it already is (the mux rewrote
+/// it in place; sending copies it once, into the frame).
+pub type OutMad<'a> = (Gid, &'a [u8; MAD_LEN]);
+
 /// What a port may touch of the daemon while it sends or receives.
 #[derive(Debug, Clone, Copy)]
 pub struct PortCtx<'a> {
@@ -56,7 +60,7 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     /// the port's GID table). An error refuses the attach and says why.
     fn attach(&self, vm: usize) -> Result<(), String>;
     /// Sends MADs from VM `vm` to their GIDs; counts frames and drops on the VM.
-    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]);
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]);
     /// Reads what is waiting on `token`'s descriptor, in batches, and hands every batch
     /// of checked MADs to `route` with the index of the VM they are addressed to.
     fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>));

@@ -34,7 +34,7 @@ use pvcm_wire::roce::{
 use pvcm_wire::{Error as WireError, Gid};
 
 use crate::error::{Error, RAW_SOCKET_HOW};
-use crate::port::{InMad, PortCtx};
+use crate::port::{InMad, OutMad, PortCtx};
 use crate::stats::{DevDrop, Io};
 
 pub use crate::config::RxMode;
@@ -827,7 +827,7 @@ impl crate::port::WirePort for SoftPort {
         Ok(())
     }
 
-    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]) {
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
         let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
             return;
         };

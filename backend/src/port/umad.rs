@@ -38,7 +38,7 @@ use pvcm_wire::mad::{self, MAD_LEN, MGMT_CLASS_CM};
 use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr};
 
 use crate::error::Error;
-use crate::port::{InMad, PortCtx, WirePort};
+use crate::port::{InMad, OutMad, PortCtx, WirePort};
 use crate::stats::{DevDrop, Io};
 
 /// `struct ib_user_mad_hdr` with the P_Key index (after `IB_USER_MAD_ENABLE_PKEY`).
@@ -594,7 +594,7 @@ impl WirePort for UmadPort {
         self.resolve(vm, &table).map(|_| ())
     }
 
-    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[(Gid, [u8; MAD_LEN])]) {
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
         let Some(p) = ctx.vms.get(vm) else { return };
         let Some(gid_index) = self.lock().of_vm.get(vm).copied().flatten() else {
             for _ in mads {
@@ -619,7 +619,7 @@ impl WirePort for UmadPort {
             let mut h = [0u8; HDR_LEN];
             hdr.emit(&mut h);
             msg[..HDR_LEN].copy_from_slice(&h);
-            msg[HDR_LEN..].copy_from_slice(mad);
+            msg[HDR_LEN..].copy_from_slice(&mad[..]);
             Self::record(ctx, p.spec.vm.gid, *dst, mad);
             match self.write_mad(&msg) {
                 Ok(()) => p.counters.add(Io::WireTxFrames, 1),
