@@ -4,7 +4,7 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: qemu-scripts/interop.sh [--conns N] [--only LIST] [--workdir DIR] [--pcap FILE]
+Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--workdir DIR] [--pcap FILE]
        qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--workdir DIR]
 
 Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe (../shared/tools/rxe-peer): two
@@ -26,8 +26,11 @@ on the same bridge in a private network namespace, a pvcm-backend whose VM addre
     pvcm-backend shows 0 drops and 0 retries, and every MAD pvcm sent was taken by a
     kernel CM
 
-Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run. The last
-line reads "interop: N passed, N failed". Exit 0 when all selected tests passed.
+Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run, then runs
+tests 1 and 2's cmtime --trials more times each, alternating, and prints the medians of
+kernel -> kernel and pvcm VM -> kernel and their ratio (figures, not asserted; one
+sample each is noise on a shared machine). The last line reads "interop: N passed, N
+failed". Exit 0 when all selected tests passed.
 
 --bench runs the benchmark instead (interop/bench.sh): at each size, all in one run,
 kernel CM <-> kernel CM (cmtime between k and j) next to pvcm VM <-> pvcm VM (two TCG
@@ -37,6 +40,7 @@ a MAD or needs a retry; the figures are for reading, not asserted.
 
 Options:
   --conns N      connections for tests 1, 2 and 5 (default 1000)
+  --trials N     more alternating runs of tests 1 and 2 for the medians (default 2)
   --only LIST    comma-separated test numbers (default: all; 8 always runs)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   --pcap FILE    capture br0 to FILE (dumpcap) and check its tshark decode
@@ -52,11 +56,11 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000"
+conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) bench=1 ;;
-    --conns | --only | --workdir | --pcap | --sizes)
+    --conns | --only | --workdir | --pcap | --sizes | --trials)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --conns) conns="$2" ;;
@@ -64,6 +68,7 @@ while [ $# -gt 0 ]; do
         --workdir) workdir="$2" ;;
         --pcap) pcap="$2" ;;
         --sizes) sizes="$2" ;;
+        --trials) trials="$2" ;;
         esac
         shift
         ;;
@@ -135,7 +140,7 @@ pcap_args=()
 rc=0
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
     IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_CONNS="$conns" \
-    IOP_ONLY="$only" PVCM_CACHE="$PVCM_CACHE" \
+    IOP_ONLY="$only" IOP_TRIALS="$trials" PVCM_CACHE="$PVCM_CACHE" \
     bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
     --logdir "$workdir/rxe" --timeout 900 -q "${pcap_args[@]}" \
     --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \

@@ -1049,7 +1049,9 @@ impl World {
         }
         self.drain()?;
         // Drive the mux as its I/O layer does: poll at each deadline, for 3 x 700 s.
-        let end = self.clock.now().after(Duration::from_secs(3 * 700));
+        // The longest an entry can outlive its VM: the orphan's DREQ attempts (3) and
+        // then TimeWait, each up to max_wait (600 s), then 30 s of quarantine: 2,430 s.
+        let end = self.clock.now().after(Duration::from_secs(3600));
         let mut steps = 0;
         while let Some(t) = self.mux.next_deadline().filter(|t| *t <= end) {
             self.clock.set(t);

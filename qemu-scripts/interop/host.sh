@@ -5,7 +5,7 @@
 # Both run kpeer.sh, so this script can run commands in them through the 9p share.
 #
 # Environment (set by interop.sh): IOP_WORK, IOP_SHARE, IOP_BACKEND, IOP_RUNVM,
-# IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY.
+# IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY, IOP_TRIALS.
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
@@ -249,6 +249,55 @@ with open(figures, "w") as fo:
                  f"disconnect {pk['disconnect'] / kk['disconnect']:.2f}x (time ratio; < 1 is faster)\n")
     fo.write(f"pvcm-backend: cm_tx_msgs {s['cm']['cm_tx_msgs']}\n")
 PY
+
+# ---- speed: more alternating trials of tests 1 and 2, for medians from this one run
+# (after test 8, whose MAD accounting covers tests 1-7 only).
+trials="${IOP_TRIALS:-0}"
+if [ "$trials" -gt 0 ] && selected 1 && selected 2; then
+    say "speed: $trials more trials each of kernel -> kernel and pvcm VM -> kernel, alternating"
+    for t in $(seq "$trials"); do
+        if [ $((t % 2)) = 1 ]; then
+            vm_start "pk$t" "pvcm-guest cmtime --dest $k_ip --connections $conns --timeout 120"
+            vm_wait "pk$t"
+            kexec j "kk$t" 300 "cmtime -s $k_ip -c $conns"
+        else
+            kexec j "kk$t" 300 "cmtime -s $k_ip -c $conns"
+            vm_start "pk$t" "pvcm-guest cmtime --dest $k_ip --connections $conns --timeout 120"
+            vm_wait "pk$t"
+        fi
+    done
+    python3 - "$work" "$trials" "$figures" <<'PY'
+import os, re, sys
+wd, trials, figures = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def read(p):
+    return open(p, errors="replace").read() if os.path.exists(p) else ""
+def kernel(t):
+    m = {s: re.search(rf"^{s}\s*:\s*([\d.]+)", t, re.M) for s in ("connect", "disconnect")}
+    return {s: float(v.group(1)) for s, v in m.items() if v}
+def pvcm(t):
+    m = {k: re.search(rf"^{s}\s+([\d.]+)", t, re.M) for s, k in (("establish", "connect"), ("disconnect", "disconnect"))}
+    r = {s: float(v.group(1)) for s, v in m.items() if v}
+    f = re.search(r"connections (\d+) established (\d+) failed (\d+) disconnected (\d+)", t)
+    if not f or f.group(3) != "0" or f.group(2) != f.group(1) or f.group(4) != f.group(1):
+        return {}
+    return r
+kk = [kernel(read(f"{wd}/j.kk.out"))] + [kernel(read(f"{wd}/j.kk{t}.out")) for t in range(1, trials + 1)]
+pk = [pvcm(read(f"{wd}/client.out"))] + [pvcm(read(f"{wd}/pk{t}.out")) for t in range(1, trials + 1)]
+def med(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else None
+with open(figures, "a") as fo:
+    for step in ("connect", "disconnect"):
+        a = [x[step] for x in kk if step in x]
+        b = [x[step] for x in pk if step in x]
+        if len(a) == len(b) == trials + 1:
+            ratios = " ".join(f"{y / x:.2f}" for x, y in zip(a, b))
+            fo.write(f"{step}: kernel -> kernel median {med(a):.1f} ms, pvcm VM -> kernel median {med(b):.1f} ms "
+                     f"({trials + 1} runs each, alternating): {med(b) / med(a):.2f}x (per pair: {ratios})\n")
+        else:
+            fo.write(f"{step}: trials incomplete (kernel {len(a)}, pvcm {len(b)} of {trials + 1})\n")
+PY
+fi
 
 touch "$share/flag.stop"
 kill "$backend_pid" 2>/dev/null
