@@ -30,6 +30,7 @@ use std::time::Duration;
 use common::{MadBuf, Testbed, patch_apr, patch_lap, shuffled};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use pvcm_backend::mux::{GuestVerdict, WireVerdict};
+use pvcm_wire::Gid;
 
 /// MADs per iteration.
 const BATCH: usize = 1024;
@@ -150,16 +151,20 @@ fn bench_n(c: &mut Criterion, n: usize) {
     let vm0_conns: Vec<usize> = (0..conns.len()).filter(|&i| conns[i].a_vm == 0).collect();
     let mut order = shuffled(vm0_conns.len());
     let mut dsts = vec![b_gids[0]; BATCH];
+    // A batch of VM 0's LAPs on its connections in `order`, from `pos` on.
+    let fill_laps = |bufs: &mut [MadBuf], dsts: &mut [Gid], order: &[u32], pos: &mut usize| {
+        for (j, buf) in bufs.iter_mut().enumerate() {
+            let k = &conns[vm0_conns[order[*pos] as usize]];
+            *pos = (*pos + 1) % order.len();
+            buf.copy_from_slice(&laps[k.pair()]);
+            patch_lap(buf, k);
+            dsts[j] = b_gids[k.b_vm as usize];
+        }
+    };
     g.bench_function("guest_to_wire_lap_batch", |b| {
         let mut pos = 0usize;
         b.iter(|| {
-            for (j, buf) in bufs.iter_mut().enumerate() {
-                let k = &conns[vm0_conns[order[pos] as usize]];
-                pos = (pos + 1) % order.len();
-                buf.copy_from_slice(&laps[k.pair()]);
-                patch_lap(buf, k);
-                dsts[j] = b_gids[k.b_vm as usize];
-            }
+            fill_laps(&mut bufs, &mut dsts, &order, &mut pos);
             mux.from_guest_batch(vm0, &mut bufs, |i, _| dsts[i], &mut verdicts);
             assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
         })
@@ -192,13 +197,7 @@ fn bench_n(c: &mut Criterion, n: usize) {
     g.bench_function("guest_to_wire_lap_batch_journal", |b| {
         let mut pos = 0usize;
         b.iter(|| {
-            for (j, buf) in bufs.iter_mut().enumerate() {
-                let k = &conns[vm0_conns[order[pos] as usize]];
-                pos = (pos + 1) % order.len();
-                buf.copy_from_slice(&laps[k.pair()]);
-                patch_lap(buf, k);
-                dsts[j] = b_gids[k.b_vm as usize];
-            }
+            fill_laps(&mut bufs, &mut dsts, &order, &mut pos);
             mux.from_guest_batch(vm0, &mut bufs, |i, _| dsts[i], &mut verdicts);
             assert!(verdicts.iter().all(|v| *v == GuestVerdict::ToWire));
             frame.clear();

@@ -163,6 +163,22 @@ struct Vm {
     attached: bool,
 }
 
+impl Vm {
+    /// A VM with no entries.
+    fn new(cfg: VmConfig, quota: u32, attached: bool) -> Vm {
+        Vm {
+            quota,
+            cfg,
+            sl_map: FastMap::with_hasher(RandomState::default()),
+            live: 0,
+            quarantined: 0,
+            counters: CmCounters::default(),
+            drops: DropCounters::default(),
+            attached,
+        }
+    }
+}
+
 /// A ClassPortInfo Get the VM sent, waiting for its GetResp.
 #[derive(Debug, Clone, Copy)]
 struct PendingGet {
@@ -289,16 +305,8 @@ impl<C: Clock> Mux<C> {
         if let Some(c) = &mut self.changes {
             c.vms.push(id);
         }
-        self.vms.push(Vm {
-            quota: cfg.quota.unwrap_or(self.cfg.default_quota),
-            cfg,
-            sl_map: FastMap::with_hasher(RandomState::default()),
-            live: 0,
-            quarantined: 0,
-            counters: CmCounters::default(),
-            drops: DropCounters::default(),
-            attached: true,
-        });
+        let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
+        self.vms.push(Vm::new(cfg, quota, true));
         Ok(VmId(id))
     }
 

@@ -19,14 +19,11 @@
 
 use std::cmp::Reverse;
 
-use foldhash::fast::RandomState;
 use pvcm_wire::Gid;
 
 use super::peers::Peer;
 use super::table::{Entry, NO_PEER, NO_VM, State, flag};
-use super::{
-    Clock, CmCounters, DropCounters, FastMap, Mux, MuxConfig, RejTimeoutKey, Vm, VmConfig, VmId,
-};
+use super::{Clock, FastMap, Mux, MuxConfig, RejTimeoutKey, Vm, VmConfig, VmId};
 
 /// What changed since the journal last took the changes.
 #[derive(Debug, Default)]
@@ -244,19 +241,6 @@ fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig)> {
     ))
 }
 
-fn empty_vm(cfg: VmConfig, quota: u32, attached: bool) -> Vm {
-    Vm {
-        quota,
-        cfg,
-        sl_map: FastMap::with_hasher(RandomState::default()),
-        live: 0,
-        quarantined: 0,
-        counters: CmCounters::default(),
-        drops: DropCounters::default(),
-        attached,
-    }
-}
-
 impl<C: Clock> Mux<C> {
     /// Turns change tracking on (the daemon does this once its journal holds a snapshot).
     pub fn enable_journal(&mut self) {
@@ -412,7 +396,7 @@ impl<C: Clock> Mux<C> {
                         return Err(corrupt(index, "VM IDs out of order"));
                     }
                     let quota = vcfg.quota.unwrap_or(m.cfg.default_quota);
-                    let v = empty_vm(vcfg, quota, attached);
+                    let v = Vm::new(vcfg, quota, attached);
                     if id == m.vms.len() {
                         m.vms.push(v);
                     } else {

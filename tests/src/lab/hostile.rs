@@ -167,36 +167,18 @@ impl HostileReport {
 
 /// Runs `pvcm-lab hostile ARGS` (`args` after `hostile`).
 pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
-    let argv = std::iter::once(OsString::from("pvcm-lab hostile")).chain(args);
-    let a = match HostileCli::try_parse_from(argv) {
-        Ok(a) => a,
-        Err(e) => e.exit(),
-    };
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("pvcm-lab hostile: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match run(&exe, &a) {
-        Ok(r) => {
-            print!("{}", r.render());
-            if r.neighbour_drops == 0
+    super::command_main(
+        "pvcm-lab hostile",
+        args,
+        run,
+        HostileReport::render,
+        |a: &HostileCli, r: &HostileReport| {
+            r.neighbour_drops == 0
                 && r.solo.disconnected == a.connections
                 && r.flooded.disconnected == a.connections
-            {
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("pvcm-lab hostile: the neighbour lost connections or MADs");
-                ExitCode::from(1)
-            }
-        }
-        Err(e) => {
-            eprintln!("pvcm-lab hostile: {e}");
-            ExitCode::from(1)
-        }
-    }
+        },
+        "the neighbour lost connections or MADs",
+    )
 }
 
 fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {

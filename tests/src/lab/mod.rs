@@ -42,3 +42,48 @@ pub mod world;
 pub use opts::{LabOptions, ScenarioName};
 pub use report::Report;
 pub use scenarios::run;
+
+/// The `main` of a lab command that measures with backends it starts itself
+/// (`pvcm-lab hostile`, `pvcm-lab restart`): parses `args` as `T` (named `name`), runs
+/// `run(exe, &options)` with this executable, prints the report, and exits 0 when
+/// `passed` says so (else prints `failed` and exits 1).
+pub fn command_main<T, R>(
+    name: &str,
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+    run: impl FnOnce(&std::path::Path, &T) -> Result<R, String>,
+    render: impl Fn(&R) -> String,
+    passed: impl Fn(&T, &R) -> bool,
+    failed: &str,
+) -> std::process::ExitCode
+where
+    T: clap::Parser,
+{
+    use std::process::ExitCode;
+    let argv = std::iter::once(std::ffi::OsString::from(name)).chain(args);
+    let a = match T::try_parse_from(argv) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match run(&exe, &a) {
+        Ok(r) => {
+            print!("{}", render(&r));
+            if passed(&a, &r) {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{name}: {failed}");
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

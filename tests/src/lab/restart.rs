@@ -284,32 +284,14 @@ impl RestartReport {
 
 /// Runs `pvcm-lab restart ARGS` (`args` after `restart`).
 pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
-    let argv = std::iter::once(OsString::from("pvcm-lab restart")).chain(args);
-    let a = match RestartCli::try_parse_from(argv) {
-        Ok(a) => a,
-        Err(e) => e.exit(),
-    };
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("pvcm-lab restart: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match run(&exe, &a) {
-        Ok(r) => {
-            print!("{}", r.render());
-            if r.passed() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            }
-        }
-        Err(e) => {
-            eprintln!("pvcm-lab restart: {e}");
-            ExitCode::from(1)
-        }
-    }
+    super::command_main(
+        "pvcm-lab restart",
+        args,
+        run,
+        RestartReport::render,
+        |_: &RestartCli, r: &RestartReport| r.passed(),
+        "a check failed",
+    )
 }
 
 fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
