@@ -1,7 +1,7 @@
 //! The backend daemon driven as QEMU would: vhost-user frontends over its sockets,
 //! memfd guest memory, the guest driver's split queues; CM MADs built by hand.
 //!
-//! Each test owns its loopback addresses (127.11.x.x to 127.20.x.x, one second octet per
+//! Each test owns its loopback addresses (127.11.x.x to 127.22.x.x, one second octet per
 //! test), so the tests run in parallel with each other and with the lab (127.10.x.x).
 
 #![allow(clippy::unwrap_used)]
@@ -782,4 +782,49 @@ fn a_backlog_left_by_an_ended_session_is_counted() {
     assert!(again.recv_all(Duration::from_millis(200)).is_empty());
     drop((a, again));
     h.shutdown();
+}
+
+/// With `--state-dir`, a clean stop keeps the connections (no DREQ on the VM's behalf);
+/// the next daemon restores them, and a restored VM that never reconnects has them
+/// released on its behalf once `--reconnect-grace` has passed.
+#[test]
+fn a_stop_with_state_keeps_connections_and_the_grace_releases_a_vm_that_stays_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(22, 1, 1));
+    let sb = LabVmSpec::new("b", ip(22, 2, 1));
+    let state = dir.path().join("state");
+    let cfg_a = || {
+        let mut c = backend::config(dir.path(), "h1", &[&sa], 1);
+        c.state_dir = Some(state.clone());
+        c.reconnect_grace = Duration::from_secs(1);
+        c
+    };
+    let h1 = backend::start(cfg_a());
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let c1 = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    h1.shutdown();
+    assert!(
+        b.recv(Duration::from_millis(500)).is_none(),
+        "a stop with --state-dir sends nothing on the VM's behalf"
+    );
+    drop(a); // the VM's QEMU is gone too: it will not reconnect
+    let h1 = backend::start(cfg_a());
+    let s = stats(dir.path(), "h1");
+    assert_eq!(s.host.live, 1, "{}", s.render());
+    assert!(s.vms[0].attached, "restored, waiting for its session");
+    // The grace ends: the connection is released on the VM's behalf.
+    let (_, m) = recv_mad(&mut b);
+    assert_eq!(view(&m).attr(), AttributeId::Dreq);
+    assert_eq!(view(&m).remote_comm_id(), Some(c1.b_sl));
+    assert_eq!(
+        view(&m).local_comm_id(),
+        Some(c1.a_pv),
+        "under its old pv_cm_id"
+    );
+    assert!(!stats(dir.path(), "h1").vms[0].attached);
+    drop(b);
+    h1.shutdown();
+    h2.shutdown();
 }
