@@ -24,6 +24,7 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod error;
+mod files;
 pub mod mux;
 pub mod pcap;
 pub mod port;

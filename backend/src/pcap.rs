@@ -54,13 +54,11 @@ impl Capture {
     /// `path` is refused (`O_NOFOLLOW`), so a link another local user planted cannot
     /// redirect the daemon's writes, and so is anything but a regular file.
     pub fn create(path: &Path) -> io::Result<Capture> {
-        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-        let file = std::fs::OpenOptions::new()
+        use std::os::unix::fs::FileTypeExt;
+        let file = crate::files::owner_only()
             .write(true)
             .create(true)
             .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| {
                 if e.raw_os_error() == Some(libc::ELOOP) {

@@ -28,19 +28,37 @@
 //!   journal from another boot is set aside (`mux.journal.previous-boot`), not restored.
 //! - **One daemon per directory:** `DIR/lock` is held with `flock`.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
+use crate::files::owner_only;
 use crate::mux::{
-    Clock, FIRST_FOREIGN_KIND, Mux, MuxConfig, RestoreError, VmConfig, VmId, put_record, records,
+    Clock, FIRST_FOREIGN_KIND, Mux, MuxConfig, RestoreError, VmConfig, VmId, put_record_parts,
+    records,
 };
 
-/// The daemon's record: how far a VM's tx ring was consumed (name, next avail index),
-/// written in the same frame as the mux changes of that batch.
+/// The daemon's record: how far a VM's tx ring was consumed (next avail index, then the
+/// VM's name), written in the same frame as the mux changes of that batch.
 const REC_TX_PROGRESS: u8 = FIRST_FOREIGN_KIND;
+
+fn put_tx_progress(out: &mut Vec<u8>, name: &str, next_avail: u16) {
+    put_record_parts(
+        out,
+        REC_TX_PROGRESS,
+        &[&next_avail.to_le_bytes(), name.as_bytes()],
+    );
+}
+
+fn parse_tx_progress(p: &[u8]) -> Option<(String, u16)> {
+    let (idx, name) = p.split_first_chunk::<2>()?;
+    Some((
+        String::from_utf8_lossy(name).into_owned(),
+        u16::from_le_bytes(*idx),
+    ))
+}
 
 const MAGIC: &[u8; 8] = b"PVCMJNL\x01";
 const VERSION: u32 = 1;
@@ -205,12 +223,10 @@ impl Journal {
             .mode(0o700)
             .create(dir)
             .map_err(io("create"))?;
-        let lock = OpenOptions::new()
+        let lock = owner_only()
             .create(true)
             .truncate(false)
             .write(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
             .open(dir.join("lock"))
             .map_err(io("lock file"))?;
         // SAFETY: flock on a descriptor this function owns; no memory is passed.
@@ -225,11 +241,7 @@ impl Journal {
         let boot = boot_id();
         let mut rec = Recovery::default();
         let mut old = Vec::new();
-        match OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-        {
+        match owner_only().read(true).open(&path) {
             Ok(mut f) => {
                 f.read_to_end(&mut old).map_err(io("read the journal"))?;
             }
@@ -276,6 +288,15 @@ impl Journal {
                 for r in records(b) {
                     let r =
                         r.map_err(|j| unreadable(format!("frame {i}: record {j} is cut short")))?;
+                    if r.0 == REC_TX_PROGRESS
+                        && let Some((name, idx)) = parse_tx_progress(r.1)
+                    {
+                        // The last record of each VM wins.
+                        match rec.tx_progress.iter_mut().find(|(n, _)| *n == name) {
+                            Some(e) => e.1 = idx,
+                            None => rec.tx_progress.push((name, idx)),
+                        }
+                    }
                     recs.push(r);
                 }
             }
@@ -290,12 +311,10 @@ impl Journal {
         rec.live = mux.live_entries();
         rec.quarantined = mux.quarantined_entries();
         drop(old);
-        let file = OpenOptions::new()
+        let file = owner_only()
             .append(true)
             .create(true)
             .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io("open the journal"))?;
         let mut j = Journal {
@@ -323,11 +342,15 @@ impl Journal {
 
     /// Notes how far VM `name`'s tx ring was consumed by the batch about to be committed
     /// (see docs/restart.md: a restarted backend does not send those chains again).
+    /// Called once per tx batch: allocates nothing once the VM is known.
     pub fn note_tx_progress(&mut self, name: &str, next_avail: u16) {
-        let mut p = next_avail.to_le_bytes().to_vec();
-        p.extend_from_slice(name.as_bytes());
-        put_record(&mut self.pending, REC_TX_PROGRESS, &p);
-        self.tx_progress.insert(name.to_string(), next_avail);
+        put_tx_progress(&mut self.pending, name, next_avail);
+        match self.tx_progress.get_mut(name) {
+            Some(i) => *i = next_avail,
+            None => {
+                self.tx_progress.insert(name.to_string(), next_avail);
+            }
+        }
     }
 
     /// Writes what changed in `mux` since the last commit (and the noted tx progress),
@@ -378,9 +401,7 @@ impl Journal {
         let mut body = Vec::new();
         mux.journal_snapshot(&mut body);
         for (name, idx) in &self.tx_progress {
-            let mut p = idx.to_le_bytes().to_vec();
-            p.extend_from_slice(name.as_bytes());
-            put_record(&mut body, REC_TX_PROGRESS, &p);
+            put_tx_progress(&mut body, name, *idx);
         }
         let mut out = Vec::with_capacity(HEADER_LEN + FRAME_HEAD + body.len());
         out.extend_from_slice(&header(self.seed, self.table_bits, &self.boot_id));
@@ -388,22 +409,14 @@ impl Journal {
         let tmp = self.dir.join("mux.journal.tmp");
         let path = self.dir.join("mux.journal");
         let _ = std::fs::remove_file(&tmp);
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
+        let mut f = owner_only().write(true).create_new(true).open(&tmp)?;
         f.write_all(&out)?;
         f.sync_data()?;
         std::fs::rename(&tmp, &path)?;
         if let Ok(d) = File::open(&self.dir) {
             let _ = d.sync_all();
         }
-        self.file = OpenOptions::new()
-            .append(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)?;
+        self.file = owner_only().append(true).open(&path)?;
         self.bytes = out.len() as u64;
         self.compact_at = MIN_COMPACT_BYTES.max(4 * self.bytes);
         self.compactions += 1;
@@ -429,6 +442,7 @@ mod tests {
     use crate::mux::{ManualClock, State};
     use pvcm_wire::Gid;
     use pvcm_wire::testing::req;
+    use std::fs::OpenOptions;
 
     fn vm(n: u8) -> VmConfig {
         VmConfig::new(format!("vm{n}"), Gid::from_ipv4([127, 9, 0, n].into()))
@@ -502,5 +516,27 @@ mod tests {
             "the torn commit is dropped"
         );
         assert_eq!(mux2.live_entries(), 1);
+    }
+
+    #[test]
+    fn tx_ring_positions_go_with_their_frame_and_survive_a_compaction() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let clock = ManualClock::new();
+        let (mut j, mut mux, _) = Journal::open(dir.path(), MuxConfig::default(), clock.clone())
+            .unwrap_or_else(|e| panic!("{e}"));
+        // A batch with no mux change still commits its position.
+        j.note_tx_progress("vm1", 7);
+        j.commit(&mut mux);
+        j.note_tx_progress("vm1", 65_535);
+        j.commit(&mut mux);
+        j.compact(&mux).unwrap_or_else(|e| panic!("{e}"));
+        j.note_tx_progress("vm2", 3);
+        j.commit(&mut mux);
+        drop(j);
+        let (_j, _m, rec) = Journal::open(dir.path(), MuxConfig::default(), clock)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut p = rec.tx_progress.clone();
+        p.sort();
+        assert_eq!(p, vec![("vm1".to_string(), 65_535), ("vm2".to_string(), 3)]);
     }
 }

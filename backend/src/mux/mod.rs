@@ -44,7 +44,9 @@ pub use clock::{Clock, ManualClock, SystemClock, Time};
 pub use config::{MuxConfig, Policy, UnknownPolicy, VmConfig};
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace};
-pub use persist::{FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, records};
+pub use persist::{
+    FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, put_record_parts, records,
+};
 pub use table::State;
 
 use peers::{Peer, Peers};

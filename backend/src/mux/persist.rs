@@ -75,10 +75,21 @@ pub struct Restored<C: Clock> {
 
 /// Appends one record.
 pub fn put_record(out: &mut Vec<u8>, kind: u8, payload: &[u8]) {
-    let len = u16::try_from(payload.len()).unwrap_or(u16::MAX);
+    put_record_parts(out, kind, &[payload]);
+}
+
+/// Appends one record whose payload is `parts` one after the other (no temporary
+/// buffer). A payload over 64 KiB is cut at 64 KiB.
+pub fn put_record_parts(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut left = usize::from(u16::try_from(total).unwrap_or(u16::MAX));
     out.push(kind);
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&payload[..usize::from(len)]);
+    out.extend_from_slice(&(left as u16).to_le_bytes());
+    for p in parts {
+        let n = p.len().min(left);
+        out.extend_from_slice(&p[..n]);
+        left -= n;
+    }
 }
 
 /// The records of a buffer: `(kind, payload)`, or an error at the first truncated one.
