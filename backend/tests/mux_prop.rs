@@ -24,7 +24,7 @@ use proptest::sample::Index;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
 use pvcm_backend::mux::{
     Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
-    WireVerdict, records,
+    WireVerdict,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{MsgResponse, RejReason};
@@ -347,9 +347,7 @@ impl World {
         let peers = (0..NPEER)
             .map(|i| VmConfig::new(format!("peer{i}"), gid(9, i as u8 + 1)))
             .collect();
-        let mut journal = Vec::new();
-        mux.journal_snapshot(&mut journal);
-        mux.enable_journal();
+        let journal = start_journal(&mut mux);
         World {
             clock,
             mux,
@@ -993,16 +991,8 @@ impl World {
                 prop_assert_eq!(self.mux.vm_stats(id).live, 0);
             }
             Op::Restart => {
-                self.mux.journal_changes(&mut self.journal);
-                let recs: Vec<(u8, &[u8])> = records(&self.journal)
-                    .collect::<Result<_, _>>()
-                    .map_err(|i| TestCaseError::fail(format!("journal record {i} torn")))?;
-                let restored = Mux::restore(self.mux.config().clone(), self.clock.clone(), recs)
-                    .map_err(|e| TestCaseError::fail(format!("restore: {e}")))?;
-                if let Err(e) = self.mux.same_state_as(&restored.mux) {
-                    return Err(TestCaseError::fail(format!("restored state differs: {e}")));
-                }
-                let attached: Vec<VmId> = restored.attached.iter().map(|(id, _)| *id).collect();
+                let attached = restart_from_journal(&mut self.mux, &mut self.journal, &self.clock)
+                    .map_err(TestCaseError::fail)?;
                 let mut expect: Vec<VmId> = self
                     .slots
                     .iter()
@@ -1011,10 +1001,6 @@ impl World {
                     .collect();
                 expect.sort_unstable();
                 prop_assert_eq!(attached, expect);
-                self.mux = restored.mux;
-                self.journal.clear();
-                self.mux.journal_snapshot(&mut self.journal);
-                self.mux.enable_journal();
                 self.count("restart".into());
             }
             Op::Reattach { vm } => {

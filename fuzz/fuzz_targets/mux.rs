@@ -30,7 +30,7 @@ use common::*;
 use libfuzzer_sys::fuzz_target;
 use pvcm_backend::mux::{
     Clock, DropReason, GuestVerdict, ManualClock, Mux, MuxConfig, Policy, State, VmConfig, VmId,
-    WireVerdict, records,
+    WireVerdict,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as f};
@@ -285,9 +285,7 @@ impl World {
         let peers = (0..NPEER)
             .map(|i| VmConfig::new(format!("peer{i}"), gid(9, i as u8 + 1)))
             .collect();
-        let mut journal = Vec::new();
-        mux.journal_snapshot(&mut journal);
-        mux.enable_journal();
+        let journal = start_journal(&mut mux);
         World {
             clock,
             mux,
@@ -993,30 +991,18 @@ impl World {
                 assert_eq!(self.mux.vm_stats(id).live, 0);
             }
             Op::Restart => {
-                self.mux.journal_changes(&mut self.journal);
-                let recs: Vec<(u8, &[u8])> = records(&self.journal)
-                    .collect::<Result<_, _>>()
-                    .unwrap();
-                let r = Mux::restore(self.mux.config().clone(), self.clock.clone(), recs).unwrap();
-                if let Err(e) = self.mux.same_state_as(&r.mux) {
-                    panic!("restored state differs: {e}");
-                }
-                let mut attached: Vec<VmId> = r.attached.iter().map(|(id, _)| *id).collect();
+                let attached =
+                    restart_from_journal(&mut self.mux, &mut self.journal, &self.clock).unwrap();
                 let mut expect: Vec<VmId> = self
                     .slots
                     .iter()
                     .filter(|s| s.attached)
                     .map(|s| s.id)
                     .collect();
-                attached.sort_unstable();
                 expect.sort_unstable();
                 assert_eq!(attached, expect);
-                self.mux = r.mux;
                 // Pending ClassPortInfo Gets are not kept: their answers are dropped.
                 self.get_owner.clear();
-                self.journal.clear();
-                self.mux.journal_snapshot(&mut self.journal);
-                self.mux.enable_journal();
             }
             Op::Reattach { vm } => {
                 let vm = idx(vm, NVM);

@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use pvcm_backend::mux::{
-    GuestVerdict, ManualClock, Mux, MuxConfig, Policy, VmConfig, VmId, WireVerdict,
+    GuestVerdict, ManualClock, Mux, MuxConfig, Policy, VmConfig, VmId, WireVerdict, records,
 };
 use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
@@ -257,4 +257,36 @@ impl Net {
             self.advance(Duration::from_secs(700));
         }
     }
+}
+
+/// Turns the mux's journal on and returns it, starting with a snapshot (as `--state-dir`
+/// does at start).
+pub fn start_journal(mux: &mut Mux<ManualClock>) -> Vec<u8> {
+    let mut journal = Vec::new();
+    mux.journal_snapshot(&mut journal);
+    mux.enable_journal();
+    journal
+}
+
+/// A daemon restart in miniature: rebuilds `mux` from `journal` (its snapshot, then
+/// every change since), checks the restored state is the live one's, and goes on with
+/// the restored mux (journal on, `journal` reset to its snapshot). Returns the VMs it
+/// restored as attached, by ID.
+pub fn restart_from_journal(
+    mux: &mut Mux<ManualClock>,
+    journal: &mut Vec<u8>,
+    clock: &ManualClock,
+) -> Result<Vec<VmId>, String> {
+    mux.journal_changes(journal);
+    let recs: Vec<(u8, &[u8])> = records(journal)
+        .collect::<Result<_, _>>()
+        .map_err(|i| format!("journal record {i} torn"))?;
+    let restored = Mux::restore(mux.config().clone(), clock.clone(), recs)
+        .map_err(|e| format!("restore: {e}"))?;
+    mux.same_state_as(&restored.mux)
+        .map_err(|e| format!("restored state differs: {e}"))?;
+    let attached = restored.attached.iter().map(|(id, _)| *id).collect();
+    *mux = restored.mux;
+    *journal = start_journal(mux);
+    Ok(attached)
 }
