@@ -52,6 +52,20 @@ pub struct VmSlot {
 }
 
 impl VmSlot {
+    /// A VM of a standalone lab command (`hostile`, `restart`): VM `vm` of host `host`
+    /// at 127.`net`.(host+1).(vm+1), its socket `dir/NAME.sock`, the default quota.
+    pub fn loopback(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
+        VmSlot {
+            host,
+            vm,
+            global: host * 64 + vm,
+            name: name.to_string(),
+            addr: Ipv4Addr::new(127, net, host as u8 + 1, vm as u8 + 1),
+            socket: dir.join(format!("{name}.sock")),
+            quota: None,
+        }
+    }
+
     /// The VM's GID.
     pub fn gid(&self) -> Gid {
         Gid::from_ipv4(self.addr)
@@ -86,6 +100,25 @@ pub struct HostSpec {
 }
 
 impl HostSpec {
+    /// Host `index` (`h1`, ...) of a standalone lab command: the default policy and rx
+    /// budget, control socket and log in `dir`.
+    pub fn standalone(dir: &Path, index: usize, vms: Vec<VmSlot>, seed: u64) -> HostSpec {
+        HostSpec {
+            index,
+            name: format!("h{}", index + 1),
+            vms,
+            policy: Policy::Default,
+            seed,
+            bind_port: pvcm_wire::roce::UDP_PORT,
+            control: dir.join(format!("h{}.ctl", index + 1)),
+            pcap: None,
+            // The default budget (32 MiB per VM) as messages.
+            rx_backlog: pvcm_backend::backlog::DEFAULT_VM_BYTES / pvcm_backend::backlog::MSG_COST,
+            log: dir.join(format!("h{}.log", index + 1)),
+            extra: Vec::new(),
+        }
+    }
+
     /// The backend's command line (without the program name).
     pub fn args(&self) -> Vec<String> {
         let mut a = Vec::new();

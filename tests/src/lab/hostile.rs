@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use pvcm_backend::mux::{Policy, VmConfig};
+use pvcm_backend::mux::VmConfig;
 use pvcm_backend::stats::Snapshot;
 use pvcm_guest::cm::rdma_cm::tcp_service_id;
 use pvcm_guest::device::cmtime::{self, ClientOptions, CmtimeReport, ServerOptions, Step};
@@ -182,32 +182,11 @@ pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
 }
 
 fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
-    VmSlot {
-        host,
-        vm,
-        global: host * 2 + vm,
-        name: name.to_string(),
-        addr: std::net::Ipv4Addr::new(127, net, host as u8 + 1, vm as u8 + 1),
-        socket: dir.join(format!("{name}.sock")),
-        quota: None,
-    }
+    VmSlot::loopback(dir, host, vm, name, net)
 }
 
 fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>) -> HostSpec {
-    HostSpec {
-        index,
-        name: format!("h{}", index + 1),
-        vms,
-        policy: Policy::Default,
-        seed: 0x4057_11e0 + index as u64,
-        bind_port: pvcm_wire::roce::UDP_PORT,
-        control: dir.join(format!("h{}.ctl", index + 1)),
-        pcap: None,
-        // The default budget (32 MiB per VM) as messages.
-        rx_backlog: pvcm_backend::backlog::DEFAULT_VM_BYTES / pvcm_backend::backlog::MSG_COST,
-        log: dir.join(format!("h{}.log", index + 1)),
-        extra: Vec::new(),
-    }
+    HostSpec::standalone(dir, index, vms, 0x4057_11e0 + index as u64)
 }
 
 type LabResult<T> = Result<T, String>;

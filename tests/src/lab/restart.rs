@@ -32,7 +32,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use pvcm_backend::mux::Policy;
 use pvcm_backend::stats::Snapshot;
 use pvcm_guest::cm::rdma_cm::tcp_service_id;
 use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group};
@@ -295,36 +294,15 @@ pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
 }
 
 fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
-    VmSlot {
-        host,
-        vm,
-        global: host * 64 + vm,
-        name: name.to_string(),
-        addr: std::net::Ipv4Addr::new(127, net, host as u8 + 1, vm as u8 + 1),
-        socket: dir.join(format!("{name}.sock")),
-        quota: None,
-    }
+    VmSlot::loopback(dir, host, vm, name, net)
 }
 
 fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>, state: Option<PathBuf>) -> HostSpec {
-    let mut extra = Vec::new();
+    let mut h = HostSpec::standalone(dir, index, vms, 0x5e57_a270 + index as u64);
     if let Some(s) = state {
-        extra.push("--state-dir".to_string());
-        extra.push(s.display().to_string());
+        h.extra = vec!["--state-dir".to_string(), s.display().to_string()];
     }
-    HostSpec {
-        index,
-        name: format!("h{}", index + 1),
-        vms,
-        policy: Policy::Default,
-        seed: 0x5e57_a270 + index as u64,
-        bind_port: pvcm_wire::roce::UDP_PORT,
-        control: dir.join(format!("h{}.ctl", index + 1)),
-        pcap: None,
-        rx_backlog: pvcm_backend::backlog::DEFAULT_VM_BYTES / pvcm_backend::backlog::MSG_COST,
-        log: dir.join(format!("h{}.log", index + 1)),
-        extra,
-    }
+    h
 }
 
 fn guest(socket: &Path, seed: u64) -> LabResult<GuestVm> {
@@ -421,6 +399,15 @@ fn drain(dev: &mut LabDevice, s: &mut Side, conns: &mut Vec<CmId>, listen: Optio
 /// taken (a VM that went away would make its backend release things on its behalf).
 type Done = (Side, GuestVm);
 
+/// Disconnects every connection in `conns` (one DREQ each, counted in `s`).
+fn disconnect_all(dev: &mut LabDevice, conns: &[CmId], s: &mut Side) -> LabResult<()> {
+    for id in conns {
+        dev.disconnect(*id).map_err(|e| e.to_string())?;
+        s.dreqs += 1;
+    }
+    Ok(())
+}
+
 fn finish(mut g: GuestVm, mut s: Side) -> Done {
     let _ = g.dev.flush(Duration::from_millis(200));
     let c = g.dev.agent().counters();
@@ -447,17 +434,11 @@ fn peer(socket: PathBuf, n: u32, role: Role, ph: Arc<Phases>, until: Instant) ->
     ph.arrive(ESTABLISHED);
     ph.wait(dev, DOWN, until)?;
     if role == Role::PeerDuringGap {
-        for id in &conns {
-            dev.disconnect(*id).map_err(|e| e.to_string())?;
-            s.dreqs += 1;
-        }
+        disconnect_all(dev, &conns, &mut s)?;
     }
     ph.wait(dev, RECONNECTED, until)?;
     if role == Role::Peer {
-        for id in &conns {
-            dev.disconnect(*id).map_err(|e| e.to_string())?;
-            s.dreqs += 1;
-        }
+        disconnect_all(dev, &conns, &mut s)?;
     }
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, Some(listen));
@@ -528,10 +509,7 @@ fn vm(
     ph.arrive(RECONNECTED);
     ph.wait(dev, RECONNECTED, until)?;
     if role == Role::Vm {
-        for id in &conns {
-            dev.disconnect(*id).map_err(|e| e.to_string())?;
-            s.dreqs += 1;
-        }
+        disconnect_all(dev, &conns, &mut s)?;
     }
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, None);
