@@ -123,8 +123,6 @@ pub struct Recovery {
     pub live: u64,
     /// Quarantined IDs restored.
     pub quarantined: u64,
-    /// The journal came from an earlier boot and was set aside.
-    pub previous_boot: bool,
     /// Per VM name: the tx ring's next avail index after the last committed batch.
     pub tx_progress: Vec<(String, u16)>,
 }
@@ -145,14 +143,8 @@ pub struct Journal {
     tx_progress: std::collections::BTreeMap<String, u16>,
     /// Tx progress records of the batch being committed.
     pending: Vec<u8>,
-    /// Commits that could not be written.
-    pub write_errors: u64,
-    /// Commits written.
-    pub commits: u64,
-    /// Bytes written by commits.
-    pub commit_bytes: u64,
-    /// Compactions done.
-    pub compactions: u64,
+    /// Commits that could not be written (the log reports the first of each power of 2).
+    write_errors: u64,
 }
 
 fn boot_id() -> [u8; BOOT_ID_LEN] {
@@ -270,7 +262,6 @@ impl Journal {
                 );
                 std::fs::rename(&path, dir.join("mux.journal.previous-boot"))
                     .map_err(io("set the old journal aside"))?;
-                rec.previous_boot = true;
             } else {
                 cfg.table_bits = old[12];
                 cfg.seed = u64::from_le_bytes(old[16..24].try_into().unwrap_or([0; 8]));
@@ -330,9 +321,6 @@ impl Journal {
             tx_progress: rec.tx_progress.iter().cloned().collect(),
             pending: Vec::new(),
             write_errors: 0,
-            commits: 0,
-            commit_bytes: 0,
-            compactions: 0,
         };
         let mut mux = mux;
         j.compact(&mux).map_err(io("write the snapshot"))?;
@@ -370,11 +358,7 @@ impl Journal {
         self.buf[..4].copy_from_slice(&len.to_le_bytes());
         self.buf[4..8].copy_from_slice(&crc.to_le_bytes());
         match self.file.write_all(&self.buf) {
-            Ok(()) => {
-                self.commits += 1;
-                self.commit_bytes += self.buf.len() as u64;
-                self.bytes += self.buf.len() as u64;
-            }
+            Ok(()) => self.bytes += self.buf.len() as u64,
             Err(e) => {
                 self.write_errors += 1;
                 if self.write_errors.is_power_of_two() {
@@ -419,7 +403,6 @@ impl Journal {
         self.file = owner_only().append(true).open(&path)?;
         self.bytes = out.len() as u64;
         self.compact_at = MIN_COMPACT_BYTES.max(4 * self.bytes);
-        self.compactions += 1;
         Ok(())
     }
 

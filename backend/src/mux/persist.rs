@@ -43,7 +43,6 @@ const REC_NEXT_GET: u8 = 4;
 pub const FIRST_FOREIGN_KIND: u8 = 0x40;
 
 const SLOT_LEN: usize = 4 + 64;
-const PEER_LEN: usize = 4 + 16 + 8;
 
 /// Why a journal could not be restored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -204,11 +203,11 @@ fn decode_entry(p: &[u8]) -> Option<(u32, Entry)> {
 }
 
 fn encode_peer(i: u32, p: &Peer, out: &mut Vec<u8>) {
-    let mut b = Vec::with_capacity(PEER_LEN);
-    b.extend_from_slice(&i.to_le_bytes());
-    b.extend_from_slice(&p.gid.0);
-    b.extend_from_slice(&p.ca_guid.to_le_bytes());
-    put_record(out, REC_PEER, &b);
+    put_record_parts(
+        out,
+        REC_PEER,
+        &[&i.to_le_bytes(), &p.gid.0, &p.ca_guid.to_le_bytes()],
+    );
 }
 
 fn encode_vm(id: u32, v: &Vm, out: &mut Vec<u8>) {
@@ -259,11 +258,6 @@ impl<C: Clock> Mux<C> {
             self.changes = Some(Changes::default());
             self.peers.dirty = Some(Vec::new());
         }
-    }
-
-    /// True when change tracking is on.
-    pub fn journal_enabled(&self) -> bool {
-        self.changes.is_some()
     }
 
     /// Appends the records of everything that changed since the last call (peers, then
