@@ -28,7 +28,8 @@ Options:
                        repeatable; a directory is copied recursively
   --extra-list FILE    lines of SRC[:DEST], as --extra (# comments, blank lines ok)
   --module NAME        include kernel module NAME (+ its dependencies) and load it
-                       at boot (repeatable; none by default)
+                       at boot (repeatable; uio_pci_generic always is: pvcm-guest
+                       waits on the device's INTx through it instead of polling)
   --force              rebuild even if cached
   -h, --help           this help
 
@@ -41,7 +42,10 @@ EOF
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 print_dir=0 guest_bin_mode=build force=0
-guest_bins=() extras=() modules=()
+guest_bins=() extras=()
+# uio_pci_generic: pvcm-guest binds the pvcm device to it and sleeps on /dev/uioN until
+# the device interrupts (INTx), instead of a timed poll (docs/scale.md, "Idle cost").
+modules=(uio_pci_generic)
 while [ $# -gt 0 ]; do
     case "$1" in
     --print-dir) print_dir=1 ;;
@@ -192,6 +196,11 @@ done
 mod_files=()
 if [ "${#modules[@]}" -gt 0 ]; then
     moddir="$kdir/lib/modules/$kver"
+    # Debian's package ships no modules.dep (its postinst runs depmod): make one.
+    if [ ! -f "$moddir/modules.dep" ]; then
+        apt_install kmod
+        depmod -b "$kdir" "$kver" || die "depmod -b $kdir $kver failed"
+    fi
     [ -f "$moddir/modules.dep" ] || die "no modules.dep in $moddir"
     declare -A seen=()
     add_mod() { # depth-first: dependencies first

@@ -49,6 +49,8 @@ Options:
   -h, --help       this help
 
 Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6),
+PVCM_E2E_BURST_ARGS (extra pvcm-guest cmtime options for the burst client),
+PVCM_E2E_GUEST_OPTS (global pvcm-guest options for both burst VMs, e.g. --no-interrupts),
 PVCM_E2E_RESTART (test 9), PVCM_E2E_VM_TIMEOUT (per VM,
 default 150 s), PVCM_E2E_NET (first two octets of the loopback addresses, default
 127.10; change it when another run uses those addresses).
@@ -574,9 +576,9 @@ run_burst() { # N ROUTE DEVICE_OPT PORT
         dump "$h"
         return
     }
-    start_vm "$s" "$route" "pvcm-guest $dev cmtime --server --port $port --connections $burst --timeout 200"
+    start_vm "$s" "$route" "pvcm-guest $dev ${PVCM_E2E_GUEST_OPTS:-} cmtime --server --port $port --connections $burst --timeout 200"
     if wait_console "$s" 'cmtime server on' 120; then
-        start_vm "$c" "$route" "pvcm-guest $dev cmtime --dest $net.$n.1 --port $port --connections $burst --timeout 120"
+        start_vm "$c" "$route" "pvcm-guest $dev ${PVCM_E2E_GUEST_OPTS:-} cmtime --dest $net.$n.1 --port $port --connections $burst --timeout 120 ${PVCM_E2E_BURST_ARGS:-}"
     else
         echo "   $s never listened"
         ok=0

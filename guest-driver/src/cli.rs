@@ -135,6 +135,10 @@ pub struct Cli {
     /// what the VMM allows, up to 1024).
     #[arg(long, global = true, default_value_t = 1024, value_name = "N")]
     queue_size: u16,
+    /// Poll the device's rings with a timed sleep instead of waiting on its interrupt
+    /// (INTx through uio_pci_generic, used when that module is loaded).
+    #[arg(long, global = true)]
+    no_interrupts: bool,
     /// Seed of comm IDs, TIDs and PSNs (default: random).
     #[arg(long, global = true, value_name = "N")]
     seed: Option<u64>,
@@ -150,6 +154,9 @@ pub struct Cli {
     /// while answers come (default 1024; 0: no pacing, every request at once).
     #[arg(long, global = true, value_name = "N")]
     max_window: Option<u32>,
+    /// The window a destination starts with (default 32; at most --max-window).
+    #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    initial_window: Option<u32>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -287,13 +294,14 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
         bdf: cli.pci_addr.clone(),
         hugetlbfs: cli.hugepages.clone(),
         queue_size: cli.queue_size,
+        interrupts: !cli.no_interrupts,
         ..PciOptions::default()
     };
     let (t, q) = PciDevice::open(&o)?;
     let opts = DeviceOptions {
         seed: cli.seed.unwrap_or_else(random_seed),
         configure: agent_configure(cli.linux_drep),
-        pacing: cli.max_window.map(pacing_with_max),
+        pacing: pacing_from(cli.max_window, cli.initial_window),
         ..DeviceOptions::default()
     };
     Device::start(t, q, SystemClock::new(), opts)
@@ -311,6 +319,21 @@ pub fn pacing_with_max(n: u32) -> Option<Pacing> {
             min_window: d.min_window.min(n),
         }
     })
+}
+
+/// The pacing the options ask for (`None`: the agent's default; `Some(None)`: none).
+pub fn pacing_from(max_window: Option<u32>, initial_window: Option<u32>) -> Option<Option<Pacing>> {
+    let p = match max_window {
+        Some(n) => pacing_with_max(n),
+        None if initial_window.is_some() => Some(Pacing::default()),
+        None => return None,
+    };
+    Some(p.map(|mut p| {
+        if let Some(i) = initial_window {
+            p.initial_window = i.clamp(p.min_window.max(1), p.max_window);
+        }
+        p
+    }))
 }
 
 pub fn agent_configure(linux_drep: bool) -> Option<fn(&mut AgentConfig)> {
@@ -884,7 +907,9 @@ fn cmtime_client<T: Transport, C: Clock>(
     out: Out,
     o: &ClientOptions,
 ) -> Result<ExitCode, DeviceError> {
+    let cpu0 = ProcessCpu::now();
     let r = cmtime::client(dev, o)?;
+    let cpu = ProcessCpu::now().since(cpu0);
     let mut steps = serde_json::Map::new();
     for s in Step::ALL {
         let t = r.step(s);
@@ -912,6 +937,7 @@ fn cmtime_client<T: Transport, C: Clock>(
             "steps": steps, "pacing": pacing_json(&r.pacing),
         }),
     );
+    cpu.emit(out);
     Ok(if r.success() {
         ExitCode::SUCCESS
     } else {
@@ -929,7 +955,9 @@ fn cmtime_server<T: Transport, C: Clock>(
         format!("cmtime server on {gid} port {} for {} connections", o.port, o.connections),
         json!({"event": "listening", "gid": gid.to_string(), "port": o.port, "connections": o.connections}),
     );
+    let cpu0 = ProcessCpu::now();
     let r = cmtime::server(dev, o)?;
+    let cpu = ProcessCpu::now().since(cpu0);
     out.emit(
         r,
         json!({
@@ -937,11 +965,59 @@ fn cmtime_server<T: Transport, C: Clock>(
             "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
         }),
     );
+    cpu.emit(out);
     Ok(if r.disconnected >= o.connections {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(EXIT_CM_FAILED)
     })
+}
+
+/// This process's CPU time (getrusage), so a run can report what it cost the guest: in
+/// a TCG VM, user time is the agent's own work and system time the guest kernel's (the
+/// poll's sleeps, page faults).
+#[derive(Debug, Clone, Copy, Default)]
+struct ProcessCpu {
+    user: Duration,
+    system: Duration,
+}
+
+impl ProcessCpu {
+    fn now() -> ProcessCpu {
+        // SAFETY: `usage` is a plain C struct that getrusage fills; zeroed is a valid
+        // value for it, and RUSAGE_SELF needs no other argument.
+        let mut usage: libc::rusage = unsafe { core::mem::zeroed() };
+        // SAFETY: `usage` is a valid, writable rusage for the duration of the call.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+            return ProcessCpu::default();
+        }
+        let tv = |t: libc::timeval| {
+            Duration::from_secs(t.tv_sec.max(0) as u64)
+                + Duration::from_micros(t.tv_usec.max(0) as u64)
+        };
+        ProcessCpu {
+            user: tv(usage.ru_utime),
+            system: tv(usage.ru_stime),
+        }
+    }
+
+    fn since(self, earlier: ProcessCpu) -> ProcessCpu {
+        ProcessCpu {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+        }
+    }
+
+    fn emit(self, out: Out) {
+        out.emit(
+            format!(
+                "cpu user {:.1} ms system {:.1} ms",
+                ms(self.user),
+                ms(self.system)
+            ),
+            json!({"event": "cpu", "user_ms": ms(self.user), "system_ms": ms(self.system)}),
+        );
+    }
 }
 
 #[cfg(test)]
@@ -982,6 +1058,24 @@ mod tests {
         let c = parse(&["cmtime", "--server", "--max-window", "0"]).unwrap();
         assert_eq!(pacing_with_max(c.max_window.unwrap()), None);
         assert_eq!(parse(&["cmtime", "--server"]).unwrap().max_window, None);
+    }
+
+    #[test]
+    fn initial_window_sets_the_start_within_the_bounds() {
+        let c = parse(&["--initial-window", "128", "cmtime", "--server"]).unwrap();
+        let p = pacing_from(c.max_window, c.initial_window)
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.initial_window, p.max_window), (128, 1024));
+        let c = parse(&["--initial-window", "128", "--max-window", "64", "info"]).unwrap();
+        let p = pacing_from(c.max_window, c.initial_window)
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.initial_window, p.max_window), (64, 64));
+        let c = parse(&["--initial-window", "8", "--max-window", "0", "info"]).unwrap();
+        assert_eq!(pacing_from(c.max_window, c.initial_window), Some(None));
+        assert_eq!(pacing_from(None, None), None);
+        assert!(parse(&["--initial-window", "0", "info"]).is_err());
     }
 
     #[test]

@@ -9,9 +9,11 @@
 //! checks the config space (magic "PVCM", ABI version), sets up both queues and sets
 //! DRIVER_OK. The returned [`Queues`] go to [`super::Device::start`].
 //!
-//! Notifications go through the notify BAR. There are no interrupts (MSI-X vectors are
-//! "none"): [`Transport::wait`] sleeps a short poll interval and the device layer polls
-//! the used rings. Dropping a `PciDevice` resets the device so it stops using the
+//! Notifications go through the notify BAR. The device's used-buffer notifications
+//! arrive as INTx through `uio_pci_generic` when that driver is loaded
+//! ([`crate::transport::pci::uio`]): [`Transport::wait`] then sleeps until the device
+//! interrupts. Without it (or with [`PciOptions::interrupts`] off), `wait` sleeps a
+//! short poll interval and the device layer polls the used rings. Dropping a `PciDevice` resets the device so it stops using the
 //! queues before their memory goes away.
 //!
 //! # Where this runs
@@ -31,7 +33,7 @@ use pvcm_wire::abi::{self, RX_QUEUE, TX_QUEUE};
 use super::{DeviceError, Queues, Transport, TransportError};
 use crate::transport::pci::sysfs::{VIRTIO_PCI_MODERN_DEVICE_BASE, VIRTIO_PCI_VENDOR};
 use crate::transport::pci::{
-    HugeDma, MmapBar, Mmio, PciError, PciNotifier, VirtioPciDevice, find_virtio_pci,
+    HugeDma, MmapBar, Mmio, PciError, PciNotifier, UioIrq, VirtioPciDevice, find_virtio_pci,
     open_virtio_pci,
 };
 use crate::virtq::{DmaMemory, Notify, features};
@@ -49,8 +51,13 @@ pub struct PciOptions {
     pub hugetlbfs: PathBuf,
     /// Queue size wanted (rounded down to a power of two and to the device's maximum).
     pub queue_size: u16,
-    /// How long [`Transport::wait`] sleeps between polls of the used rings.
+    /// How long [`Transport::wait`] sleeps between polls of the used rings, when it polls.
     pub poll_interval: Duration,
+    /// Wait on the device's interrupt (INTx through `uio_pci_generic`) when the driver
+    /// is loaded; off: always poll.
+    pub interrupts: bool,
+    /// Where the `uioN` device nodes are (`/dev`).
+    pub dev_root: PathBuf,
 }
 
 impl Default for PciOptions {
@@ -62,9 +69,16 @@ impl Default for PciOptions {
             hugetlbfs: PathBuf::from("/dev/hugepages"),
             queue_size: 1024,
             poll_interval: Duration::from_micros(100),
+            interrupts: true,
+            dev_root: PathBuf::from("/dev"),
         }
     }
 }
+
+/// The longest a wait on the interrupt lasts before the rings are looked at anyway: a
+/// guard against an interrupt that never comes (a VMM that does not deliver INTx), at
+/// a cost of 10 wake-ups a second when idle. Far below any CM timeout.
+pub const INTERRUPT_WAIT_CAP: Duration = Duration::from_millis(100);
 
 /// The pvcm device behind a virtio-pci function, as a [`Transport`].
 #[derive(Debug)]
@@ -75,6 +89,8 @@ pub struct PciDevice<M: Mmio + Clone = Arc<MmapBar>> {
     poll_interval: Duration,
     /// Waits since messages last moved (see [`idle_poll_interval`]).
     idle_waits: u32,
+    /// The device's interrupt, when the driver waits on it instead of polling.
+    irq: Option<UioIrq>,
     name: String,
 }
 
@@ -130,13 +146,26 @@ impl PciDevice<Arc<MmapBar>> {
         })?;
         let dma = HugeDma::new(&o.hugetlbfs, Queues::dma_bytes(o.queue_size.max(1)))?;
         let dev = open_virtio_pci(&f)?;
-        Self::setup(
+        let (irq, wakes) = if o.interrupts {
+            match UioIrq::attach(&o.sysfs_root, &o.dev_root, &f) {
+                Ok(irq) => {
+                    let w = format!("INTx via {}", irq.name());
+                    (Some(irq), w)
+                }
+                Err(e) => (None, format!("polling ({e})")),
+            }
+        } else {
+            (None, "polling (interrupts off)".to_string())
+        };
+        let (mut d, q) = Self::setup(
             dev,
             &dma,
             o.queue_size,
-            format!("pci {}", f.bdf()),
+            format!("pci {}, {wakes}", f.bdf()),
             o.poll_interval,
-        )
+        )?;
+        d.irq = irq;
+        Ok((d, q))
     }
 }
 
@@ -168,6 +197,7 @@ impl<M: Mmio + Clone> PciDevice<M> {
                 features,
                 poll_interval,
                 idle_waits: 0,
+                irq: None,
                 name,
             },
             queues,
@@ -243,8 +273,17 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
         self.features
     }
 
-    /// Sleeps the poll interval (or `timeout`, if shorter): there are no interrupts.
+    /// With the interrupt: sleeps until the device interrupts (or `timeout`, at most
+    /// [`INTERRUPT_WAIT_CAP`]), then clears the interrupt (reading the ISR lowers the
+    /// line) and unmasks it. Without: sleeps the poll interval (or `timeout`, if shorter).
     fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
+        if let Some(irq) = &self.irq {
+            if irq.wait(timeout.min(INTERRUPT_WAIT_CAP))? {
+                let _ = self.dev.isr_status();
+                irq.unmask()?;
+            }
+            return Ok(());
+        }
         let d = timeout.min(idle_poll_interval(self.idle_waits, self.poll_interval));
         self.idle_waits = self.idle_waits.saturating_add(1);
         if !d.is_zero() {

@@ -44,13 +44,16 @@
 //! memory after bus mastering, hugetlbfs with reserved huge pages, and physical
 //! addresses from pagemap (root / CAP_SYS_ADMIN). The driver assumes no vIOMMU
 //! (guest-physical address = DMA address). Used buffers are found by polling
-//! (`Virtq::pop_used`); no interrupts (MSI-X vectors are set to "none").
+//! (`Virtq::pop_used`); the device's INTx wakes the driver through `uio_pci_generic`
+//! when that is loaded ([`uio`]), and the driver polls otherwise (MSI-X vectors are set
+//! to "none" and MSI-X stays off).
 
 pub mod caps;
 pub mod common;
 pub mod hugepage;
 pub mod mmio;
 pub mod sysfs;
+pub mod uio;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,6 +63,7 @@ pub use common::{CommonCfg, PciNotifier, QueueSetup};
 pub use hugepage::{HugeDma, PagemapError, pagemap_phys, virt_to_phys};
 pub use mmio::{Mmio, MmioWindow};
 pub use sysfs::{MmapBar, PciFunction, find_virtio_pci};
+pub use uio::UioIrq;
 
 use crate::virtq::Virtq;
 
@@ -189,6 +193,9 @@ pub enum PciError {
         /// Why.
         error: PagemapError,
     },
+    /// The device's interrupt cannot be used (the driver polls instead).
+    #[error("no interrupts: {0}")]
+    NoInterrupts(String),
     /// A "huge page" that is not physically contiguous.
     #[error("DMA chunk of {chunk} bytes is not physically contiguous")]
     NotContiguous {
@@ -315,7 +322,10 @@ impl<M: Mmio + Clone> VirtioPciDevice<M> {
 /// virtio structures live in. Needs root (full config space, `resourceN`, unbind).
 pub fn open_virtio_pci(f: &PciFunction) -> Result<VirtioPciDevice<Arc<MmapBar>>, PciError> {
     let caps = parse_virtio_caps(&f.config()?)?;
-    f.unbind_driver()?;
+    // uio_pci_generic only reports interrupts and leaves the device alone: keep it.
+    if f.driver().as_deref() != Some(uio::UIO_PCI_GENERIC) {
+        f.unbind_driver()?;
+    }
     f.enable_bus_master()?;
     let mut bars: [Option<Arc<MmapBar>>; 6] = Default::default();
     VirtioPciDevice::new(&caps, |b| {
