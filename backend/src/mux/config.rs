@@ -128,7 +128,121 @@ pub struct VmConfig {
     pub qpn_count: u32,
     /// Live entries the VM may hold; `None` takes [`MuxConfig::default_quota`].
     pub quota: Option<u32>,
+    /// The VM's own `pv_cm_id` range, which makes it migratable: every `pv_cm_id` of the
+    /// VM comes from it, on whichever host it runs, so IDs the peers know stay valid
+    /// after a move (docs/migration.md). `None`: IDs from the host's shared space.
+    pub id_range: Option<IdRange>,
 }
+
+/// A VM's `pv_cm_id` range in CIDR notation: the IDs whose top `prefix_len` bits equal
+/// `base`'s. Ranges live in the upper half of the ID space (top bit set), which the
+/// host's shared allocation never uses; the operator gives every migratable VM of a
+/// cluster a range of its own, as it gives each a GID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IdRange {
+    /// The first ID (its low `32 - prefix_len` bits are 0).
+    pub base: u32,
+    /// Bits fixed by the range.
+    pub prefix_len: u8,
+}
+
+/// Why a string is not an [`IdRange`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdRangeError {
+    /// Not `BASE/LEN`.
+    #[error("{0:?}: expected BASE/LEN, e.g. 0x80010000/16")]
+    Syntax(String),
+    /// The prefix length is outside 1..=24.
+    #[error("prefix length {0}: must be 1..=24 (at least 256 IDs)")]
+    PrefixLen(u32),
+    /// The base has bits below the prefix.
+    #[error("base {base:#010x} has bits set below /{len}")]
+    Unaligned {
+        /// The base.
+        base: u32,
+        /// The prefix length.
+        len: u8,
+    },
+    /// The base lies in the host-shared lower half.
+    #[error("base {0:#010x}: ranges must have the top bit set (0x80000000 and up)")]
+    LowerHalf(u32),
+}
+
+impl IdRange {
+    /// The longest prefix (smallest range, 256 IDs) allowed.
+    pub const MAX_PREFIX_LEN: u8 = 24;
+
+    /// A checked range.
+    pub fn new(base: u32, prefix_len: u8) -> Result<IdRange, IdRangeError> {
+        if !(1..=Self::MAX_PREFIX_LEN).contains(&prefix_len) {
+            return Err(IdRangeError::PrefixLen(u32::from(prefix_len)));
+        }
+        let r = IdRange { base, prefix_len };
+        if base & r.suffix_mask() != 0 {
+            return Err(IdRangeError::Unaligned {
+                base,
+                len: prefix_len,
+            });
+        }
+        if base & ID_RANGE_BIT == 0 {
+            return Err(IdRangeError::LowerHalf(base));
+        }
+        Ok(r)
+    }
+
+    /// Bits below the prefix.
+    pub fn suffix_bits(&self) -> u32 {
+        32 - u32::from(self.prefix_len)
+    }
+
+    /// Mask of the bits below the prefix.
+    pub fn suffix_mask(&self) -> u32 {
+        (((1u64 << self.suffix_bits()) - 1) & u64::from(u32::MAX)) as u32
+    }
+
+    /// IDs in the range.
+    pub fn size(&self) -> u64 {
+        1u64 << self.suffix_bits()
+    }
+
+    /// True when `id` lies in the range.
+    pub fn contains(&self, id: u32) -> bool {
+        id & !self.suffix_mask() == self.base
+    }
+
+    /// True when the two ranges share an ID.
+    pub fn overlaps(&self, o: &IdRange) -> bool {
+        self.contains(o.base) || o.contains(self.base)
+    }
+}
+
+impl std::fmt::Display for IdRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#010x}/{}", self.base, self.prefix_len)
+    }
+}
+
+impl std::str::FromStr for IdRange {
+    type Err = IdRangeError;
+
+    fn from_str(s: &str) -> Result<IdRange, IdRangeError> {
+        let syntax = || IdRangeError::Syntax(s.to_string());
+        let (b, l) = s.split_once('/').ok_or_else(syntax)?;
+        let b = b.trim();
+        let base = match b.strip_prefix("0x").or_else(|| b.strip_prefix("0X")) {
+            Some(h) => u32::from_str_radix(h, 16),
+            None => b.parse::<u32>(),
+        }
+        .map_err(|_| syntax())?;
+        let len: u32 = l.trim().parse().map_err(|_| syntax())?;
+        let len = u8::try_from(len).map_err(|_| IdRangeError::PrefixLen(len))?;
+        IdRange::new(base, len)
+    }
+}
+
+/// The bit that marks a `pv_cm_id` from a VM's own range ([`IdRange`]): the host's
+/// shared allocation never hands out an ID with it set.
+pub const ID_RANGE_BIT: u32 = 0x8000_0000;
 
 impl VmConfig {
     /// A VM with a GID, deriving the CA GUID from it and a 64 Ki QPN range at 0x10000.
@@ -140,6 +254,7 @@ impl VmConfig {
             qpn_base: 0x0001_0000,
             qpn_count: 0x0001_0000,
             quota: None,
+            id_range: None,
         }
     }
 
@@ -148,5 +263,50 @@ impl VmConfig {
         self.qpn_count == 0
             || (qpn >= self.qpn_base
                 && u64::from(qpn) < u64::from(self.qpn_base) + u64::from(self.qpn_count))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_ranges_parse_in_cidr_notation_and_refuse_what_cannot_work() {
+        let r: IdRange = "0x80010000/16".parse().expect("range");
+        assert_eq!((r.base, r.prefix_len, r.size()), (0x8001_0000, 16, 65_536));
+        assert!(r.contains(0x8001_ffff) && !r.contains(0x8002_0000));
+        assert_eq!(r.to_string(), "0x80010000/16");
+        assert_eq!(r.to_string().parse::<IdRange>(), Ok(r));
+        let big: IdRange = "0x80000000/1".parse().expect("half");
+        assert!(big.overlaps(&r) && r.overlaps(&big));
+        let other: IdRange = "0x80020000/16".parse().expect("range");
+        assert!(!other.overlaps(&r));
+        assert_eq!(
+            "0x80010001/16".parse::<IdRange>(),
+            Err(IdRangeError::Unaligned {
+                base: 0x8001_0001,
+                len: 16
+            })
+        );
+        assert_eq!(
+            "0x00010000/16".parse::<IdRange>(),
+            Err(IdRangeError::LowerHalf(0x0001_0000))
+        );
+        assert_eq!(
+            "0x80000000/25".parse::<IdRange>(),
+            Err(IdRangeError::PrefixLen(25))
+        );
+        assert_eq!(
+            "0x80000000/0".parse::<IdRange>(),
+            Err(IdRangeError::PrefixLen(0))
+        );
+        assert!(matches!(
+            "80000000".parse::<IdRange>(),
+            Err(IdRangeError::Syntax(_))
+        ));
+        assert!(matches!(
+            "zz/16".parse::<IdRange>(),
+            Err(IdRangeError::Syntax(_))
+        ));
     }
 }

@@ -87,13 +87,13 @@ impl<C: Clock> Mux<C> {
                         RejReason::Timeout,
                         MsgResponse::Other,
                         0,
-                        self.tids.tid(TidKind::Req, pv),
+                        self.tids_of(e.vm).tid(TidKind::Req, pv),
                     ),
                     State::RepRcvd => (
                         RejReason::ConsumerDefined,
                         MsgResponse::Rep,
                         e.remote_comm_id,
-                        self.tids.tid(TidKind::Req, pv),
+                        self.tids_of(e.vm).tid(TidKind::Req, pv),
                     ),
                     State::ReqRcvd => (
                         RejReason::ConsumerDefined,
@@ -172,7 +172,7 @@ impl<C: Clock> Mux<C> {
         write_cm_ids(
             &mut m,
             AttributeId::Dreq,
-            self.tids.tid(TidKind::Dreq, e.pv_cm_id),
+            self.tids_of(e.vm).tid(TidKind::Dreq, e.pv_cm_id),
             e.pv_cm_id,
             e.remote_comm_id,
         );

@@ -97,8 +97,7 @@ impl<C: Clock> Mux<C> {
 
     /// Whether the VM is at its quota of live entries (never under the mlx4 policies).
     fn vm_at_quota(&self, vm: u32) -> bool {
-        let v = &self.vms[vm as usize];
-        self.checks() && v.live >= v.quota
+        self.checks() && self.vm_full(vm)
     }
 
     /// REQ: checked, then a retry reuses its entry (see `req_retry`), anything else
@@ -166,7 +165,7 @@ impl<C: Clock> Mux<C> {
         };
         self.ent(slot).vm_tid_req = m.tid();
         let pv = self.slab[slot as usize].pv_cm_id;
-        m.set_tid(self.tids.tid(TidKind::Req, pv));
+        m.set_tid(self.tids_of(vm).tid(TidKind::Req, pv));
         set_local(m, pv);
         Ok(GuestVerdict::ToWire)
     }
@@ -305,7 +304,7 @@ impl<C: Clock> Mux<C> {
             }
         }
         self.ent(slot).vm_tid_other = m.tid();
-        m.set_tid(self.tids.tid(TidKind::Dreq, e.pv_cm_id));
+        m.set_tid(self.tids_of(e.vm).tid(TidKind::Dreq, e.pv_cm_id));
         set_local(m, e.pv_cm_id);
         Ok(GuestVerdict::ToWire)
     }
@@ -341,7 +340,7 @@ impl<C: Clock> Mux<C> {
         let pv = self.slab[slot as usize].pv_cm_id;
         if m.attr() == AttributeId::Lap {
             self.ent(slot).vm_tid_other = m.tid();
-            m.set_tid(self.tids.tid(TidKind::Lap, pv));
+            m.set_tid(self.tids_of(vm).tid(TidKind::Lap, pv));
         }
         set_local(m, pv);
         Ok(GuestVerdict::ToWire)
@@ -385,7 +384,7 @@ impl<C: Clock> Mux<C> {
         };
         self.ent(slot).vm_tid_req = m.tid();
         let pv = self.slab[slot as usize].pv_cm_id;
-        m.set_tid(self.tids.tid(TidKind::Sidr, pv));
+        m.set_tid(self.tids_of(vm).tid(TidKind::Sidr, pv));
         // A SIDR_REQ has a request ID, never a comm ID.
         let _ = m.set_sidr_request_id(pv);
         Ok(GuestVerdict::ToWire)
@@ -505,7 +504,7 @@ impl<C: Clock> Mux<C> {
     pub(super) fn req_tid_to_host(&self, slot: u32, m: &mut CmMad<&mut [u8]>) {
         let e = &self.slab[slot as usize];
         if e.has(flag::ACTIVE) && e.pv_cm_id != 0 && m.tid() == e.vm_tid_req {
-            m.set_tid(self.tids.tid(TidKind::Req, e.pv_cm_id));
+            m.set_tid(self.tids_of(e.vm).tid(TidKind::Req, e.pv_cm_id));
         }
     }
 

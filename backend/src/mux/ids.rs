@@ -86,6 +86,20 @@ impl IdPermutation {
     }
 }
 
+/// A keyed bijection on the low `bits` bits (1..=32) of `x` (the rest ignored): odd
+/// multiplications and right xorshifts, each invertible modulo 2^bits. Gives a VM's
+/// range IDs ([`super::IdRange`]) a random look while a counter walks the range.
+pub fn permute_bits(x: u32, bits: u32, key: u32) -> u32 {
+    let bits = bits.clamp(1, 32);
+    let mask = (((1u64 << bits) - 1) & u64::from(u32::MAX)) as u32;
+    let mut x = (x ^ key) & mask;
+    x = x.wrapping_mul(0x9E37_79B1) & mask;
+    x ^= x >> (bits / 2).max(1);
+    x = x.wrapping_mul(0x85EB_CA6B) & mask;
+    x ^= x >> (bits / 3).max(1);
+    x ^ (key.rotate_right(11) & mask)
+}
+
 /// Which transaction a host TID belongs to; replies echo it, so the kind tells the mux
 /// which of the VM's TIDs to restore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +181,21 @@ mod tests {
         hi.sort_unstable();
         hi.dedup();
         assert!(hi.len() > 200, "{}", hi.len());
+    }
+
+    #[test]
+    fn permute_bits_is_a_bijection_of_every_width() {
+        for bits in [1u32, 2, 3, 8, 12, 16] {
+            for key in [0u32, 0xDEAD_BEEF] {
+                let n = 1usize << bits;
+                let mut seen = vec![false; n];
+                for x in 0..n as u32 {
+                    let y = permute_bits(x, bits, key) as usize;
+                    assert!(y < n && !seen[y], "bits {bits} key {key:#x} x {x}");
+                    seen[y] = true;
+                }
+            }
+        }
     }
 
     #[test]

@@ -27,6 +27,7 @@ mod detach;
 mod guest;
 mod ids;
 mod legacy;
+mod migrate;
 mod peers;
 mod persist;
 mod table;
@@ -41,9 +42,10 @@ use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as cmf};
 use pvcm_wire::mad::{self, AttributeId};
 
 pub use clock::{Clock, ManualClock, SystemClock, Time};
-pub use config::{MuxConfig, Policy, UnknownPolicy, VmConfig};
+pub use config::{ID_RANGE_BIT, IdRange, IdRangeError, MuxConfig, Policy, UnknownPolicy, VmConfig};
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
-pub use ids::{IdPermutation, TidKind, TidSpace};
+pub use ids::{IdPermutation, TidKind, TidSpace, permute_bits};
+pub use migrate::MigrateError;
 pub use persist::{
     FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, put_record_parts, records,
 };
@@ -68,6 +70,32 @@ pub enum AttachError {
     /// VM IDs are never reused and all 2^32 are spent: restart the daemon.
     #[error("too many VMs")]
     TooManyVms,
+    /// Another attached VM's `pv_cm_id` range shares IDs with this one's.
+    #[error("ID range {range} overlaps VM {name:?}'s {other}")]
+    IdRangeOverlap {
+        /// This VM's range.
+        range: IdRange,
+        /// The other VM's range.
+        other: IdRange,
+        /// The other VM.
+        name: String,
+    },
+    /// The range cannot hold the quota's IDs twice over (freed IDs wait in quarantine).
+    #[error(
+        "ID range {range} holds {size} IDs; a quota of {quota} connections needs at least \
+         twice that (freed IDs wait in quarantine): use a shorter prefix or a smaller quota"
+    )]
+    IdRangeTooSmall {
+        /// The range.
+        range: IdRange,
+        /// IDs in it.
+        size: u64,
+        /// The VM's quota.
+        quota: u32,
+    },
+    /// The mlx4 comparison policies keep no per-VM ID ranges.
+    #[error("ID ranges (migration) need the default policy")]
+    IdRangeLegacy,
 }
 
 /// A buffer holding one MAD that the batch calls ([`Mux::from_wire_batch`],
@@ -163,13 +191,29 @@ struct Vm {
     counters: CmCounters,
     drops: DropCounters,
     attached: bool,
+    /// The TIDs of the transactions its entries start: the host's, or for a VM with an
+    /// ID range its own (derived from the range, the same on every host).
+    tids: TidSpace,
+    /// With an ID range: the counter the next `pv_cm_id` is drawn from (cyclic, so an
+    /// ID comes back only after the whole range went round).
+    next_id: u32,
 }
 
 impl Vm {
-    /// A VM with no entries.
-    fn new(cfg: VmConfig, quota: u32, attached: bool) -> Vm {
+    /// The key of the VM's range permutation (the same on every host).
+    fn tids_key(&self) -> u32 {
+        self.cfg.id_range.map_or(0, range_key)
+    }
+
+    /// A VM with no entries; `host_tids` unless it has an ID range.
+    fn new(cfg: VmConfig, quota: u32, attached: bool, host_tids: TidSpace) -> Vm {
+        let tids = cfg
+            .id_range
+            .map_or(host_tids, |r| TidSpace::new(range_key(r)));
         Vm {
             quota,
+            tids,
+            next_id: 0,
             cfg,
             sl_map: FastMap::with_hasher(RandomState::default()),
             live: 0,
@@ -227,6 +271,9 @@ pub struct Mux<C: Clock> {
     gets: FastMap<u64, PendingGet>,
     next_get: u32,
     outbox: Vec<Outgoing>,
+    /// Entries with an ID from a VM's range ([`IdRange`]): `pv_cm_id` -> slot (live and
+    /// quarantined). IDs of the host's space are found through the permutation instead.
+    ranged: FastMap<u32, u32>,
     /// Counters of MADs the proxy itself sent or absorbed, and of VMs that left.
     host_counters: CmCounters,
     host_drops: DropCounters,
@@ -268,6 +315,7 @@ impl<C: Clock> Mux<C> {
             gets: FastMap::with_hasher(hasher()),
             next_get: 1,
             outbox: Vec::new(),
+            ranged: FastMap::with_hasher(hasher()),
             host_counters: CmCounters::default(),
             host_drops: DropCounters::default(),
             live: 0,
@@ -296,20 +344,59 @@ impl<C: Clock> Mux<C> {
 
     /// Attaches a VM. Fails if another attached VM has the same GID.
     pub fn attach_vm(&mut self, cfg: VmConfig) -> Result<VmId, AttachError> {
-        if let Some(&other) = self.gid_to_vm.get(&cfg.gid) {
-            return Err(AttachError::GidInUse {
-                gid: cfg.gid,
-                name: self.vms[other as usize].cfg.name.clone(),
-            });
-        }
+        self.check_attach(&cfg)?;
         let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
         self.gid_to_vm.insert(cfg.gid, id);
         if let Some(c) = &mut self.changes {
             c.vms.push(id);
         }
         let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
-        self.vms.push(Vm::new(cfg, quota, true));
+        self.vms.push(Vm::new(cfg, quota, true, self.tids));
         Ok(VmId(id))
+    }
+
+    /// Whether `cfg` could attach now: its GID and ID range are its own, and the range
+    /// holds its quota.
+    fn check_attach(&self, cfg: &VmConfig) -> Result<(), AttachError> {
+        if let Some(&other) = self.gid_to_vm.get(&cfg.gid) {
+            return Err(AttachError::GidInUse {
+                gid: cfg.gid,
+                name: self.vms[other as usize].cfg.name.clone(),
+            });
+        }
+        let Some(range) = cfg.id_range else {
+            return Ok(());
+        };
+        if self.legacy() {
+            return Err(AttachError::IdRangeLegacy);
+        }
+        let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
+        if u64::from(quota) * 2 > range.size() {
+            return Err(AttachError::IdRangeTooSmall {
+                range,
+                size: range.size(),
+                quota,
+            });
+        }
+        // Detached VMs count too while they still own entries (orphans, quarantine).
+        for v in &self.vms {
+            if let Some(other) = v.cfg.id_range
+                && other.overlaps(&range)
+                && (v.attached || v.live > 0 || v.quarantined > 0)
+            {
+                return Err(AttachError::IdRangeOverlap {
+                    range,
+                    other,
+                    name: v.cfg.name.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The TID space of the transactions `vm`'s entries start.
+    pub(super) fn tids_of(&self, vm: u32) -> TidSpace {
+        self.vms.get(vm as usize).map_or(self.tids, |v| v.tids)
     }
 
     /// The VM's configuration, if it is attached.
@@ -379,8 +466,7 @@ impl<C: Clock> Mux<C> {
 
     /// The state and owner of the entry a `pv_cm_id` names (for tests and debugging).
     pub fn lookup(&self, pv_cm_id: u32) -> Option<(State, Option<VmId>)> {
-        let raw = self.perm.invert(pv_cm_id);
-        let slot = raw & ((1u32 << self.slot_bits) - 1);
+        let slot = self.slot_named(pv_cm_id)?;
         let e = self.slab.get(slot as usize)?;
         (e.pv_cm_id == pv_cm_id && e.state != State::Free).then(|| {
             (
@@ -413,12 +499,22 @@ impl<C: Clock> Mux<C> {
             + map(self.sidr_rcvd.capacity(), 12)
             + map(self.legacy_rej.capacity(), 16)
             + self.peers.slots.capacity() * size_of::<Peer>()
-            + map(self.peers.index.capacity(), 20);
+            + map(self.peers.index.capacity(), 20)
+            + map(self.ranged.capacity(), 8);
         for v in &self.vms {
             b += map(v.sl_map.capacity(), 8);
         }
         b
     }
+}
+
+/// The key of a VM's range permutation and TID space: a fixed mix of the range, so
+/// every host derives the same from the VM's configuration.
+fn range_key(r: IdRange) -> u32 {
+    let mut z = (u64::from(r.base) << 8 | u64::from(r.prefix_len)) ^ 0x7076_636d_5449_4453;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
 }
 
 /// Asks the CPU to start loading `e`'s cache line, without waiting for it: the batch

@@ -23,7 +23,9 @@ use pvcm_wire::Gid;
 
 use super::peers::Peer;
 use super::table::{Entry, NO_PEER, NO_VM, State, flag};
-use super::{Clock, FastMap, Mux, MuxConfig, RejTimeoutKey, Vm, VmConfig, VmId};
+use super::{
+    Clock, FastMap, ID_RANGE_BIT, IdRange, Mux, MuxConfig, RejTimeoutKey, Vm, VmConfig, VmId,
+};
 
 /// What changed since the journal last took the changes.
 #[derive(Debug, Default)]
@@ -34,7 +36,7 @@ pub(super) struct Changes {
     pub(super) next_get: bool,
 }
 
-const REC_VM: u8 = 1;
+pub(super) const REC_VM: u8 = 1;
 const REC_PEER: u8 = 2;
 const REC_SLOT: u8 = 3;
 /// The next ClassPortInfo Get number (host TIDs of Gets are never handed out twice).
@@ -42,7 +44,7 @@ const REC_NEXT_GET: u8 = 4;
 /// Record kinds from here on are not the mux's: [`Mux::restore`] skips them.
 pub const FIRST_FOREIGN_KIND: u8 = 0x40;
 
-const SLOT_LEN: usize = 4 + 64;
+pub(super) const SLOT_LEN: usize = 4 + 64;
 
 /// Why a journal could not be restored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -121,7 +123,7 @@ pub fn records(buf: &[u8]) -> impl Iterator<Item = Result<(u8, &[u8]), usize>> {
 }
 
 /// Little-endian reader over a record's payload.
-struct Rd<'a>(&'a [u8]);
+pub(super) struct Rd<'a>(pub(super) &'a [u8]);
 
 impl Rd<'_> {
     fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
@@ -129,24 +131,30 @@ impl Rd<'_> {
         self.0 = t;
         h.try_into().ok()
     }
-    fn u8(&mut self) -> Option<u8> {
+    pub(super) fn u8(&mut self) -> Option<u8> {
         self.take::<1>().map(|b| b[0])
     }
-    fn u16(&mut self) -> Option<u16> {
+    pub(super) fn u16(&mut self) -> Option<u16> {
         self.take().map(u16::from_le_bytes)
     }
-    fn u32(&mut self) -> Option<u32> {
+    pub(super) fn u32(&mut self) -> Option<u32> {
         self.take().map(u32::from_le_bytes)
     }
-    fn u64(&mut self) -> Option<u64> {
+    pub(super) fn u64(&mut self) -> Option<u64> {
         self.take().map(u64::from_le_bytes)
     }
-    fn gid(&mut self) -> Option<Gid> {
+    pub(super) fn gid(&mut self) -> Option<Gid> {
         self.take::<16>().map(Gid)
     }
 }
 
 fn encode_entry(slot: u32, e: &Entry, out: &mut Vec<u8>) {
+    let (b, w) = entry_payload(slot, e);
+    put_record(out, REC_SLOT, &b[..w]);
+}
+
+/// An entry record's payload (and its length).
+pub(super) fn entry_payload(slot: u32, e: &Entry) -> ([u8; SLOT_LEN], usize) {
     let mut b = [0u8; SLOT_LEN];
     let mut w = 0;
     let mut put = |x: &[u8]| {
@@ -174,10 +182,10 @@ fn encode_entry(slot: u32, e: &Entry, out: &mut Vec<u8>) {
         e.ack,
         e.retries,
     ]);
-    put_record(out, REC_SLOT, &b[..w]);
+    (b, w)
 }
 
-fn decode_entry(p: &[u8]) -> Option<(u32, Entry)> {
+pub(super) fn decode_entry(p: &[u8]) -> Option<(u32, Entry)> {
     let mut r = Rd(p);
     let slot = r.u32()?;
     let e = Entry {
@@ -210,7 +218,7 @@ fn encode_peer(i: u32, p: &Peer, out: &mut Vec<u8>) {
     );
 }
 
-fn encode_vm(id: u32, v: &Vm, out: &mut Vec<u8>) {
+pub(super) fn encode_vm(id: u32, v: &Vm, out: &mut Vec<u8>) {
     let c = &v.cfg;
     let mut b = Vec::with_capacity(48 + c.name.len());
     b.extend_from_slice(&id.to_le_bytes());
@@ -223,10 +231,15 @@ fn encode_vm(id: u32, v: &Vm, out: &mut Vec<u8>) {
     let name = &c.name.as_bytes()[..c.name.len().min(1024)];
     b.extend_from_slice(&(name.len() as u16).to_le_bytes());
     b.extend_from_slice(name);
+    // Appended later (older records end at the name): the ID range and its counter.
+    let (base, len) = c.id_range.map_or((0, 0), |r| (r.base, r.prefix_len));
+    b.extend_from_slice(&base.to_le_bytes());
+    b.push(len);
+    b.extend_from_slice(&v.next_id.to_le_bytes());
     put_record(out, REC_VM, &b);
 }
 
-fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig)> {
+pub(super) fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig, u32)> {
     let mut r = Rd(p);
     let id = r.u32()?;
     let attached = r.u8()? != 0;
@@ -237,6 +250,15 @@ fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig)> {
     let quota = Some(r.u32()?).filter(|&q| q != u32::MAX);
     let n = usize::from(r.u16()?);
     let name = String::from_utf8_lossy(r.0.get(..n)?).into_owned();
+    r.0 = &r.0[n..];
+    let (mut id_range, mut next_id) = (None, 0);
+    if !r.0.is_empty() {
+        let (base, len) = (r.u32()?, r.u8()?);
+        if len != 0 {
+            id_range = Some(IdRange::new(base, len).ok()?);
+        }
+        next_id = r.u32()?;
+    }
     Some((
         id,
         attached,
@@ -247,7 +269,9 @@ fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig)> {
             qpn_base,
             qpn_count,
             quota,
+            id_range,
         },
+        next_id,
     ))
 }
 
@@ -394,14 +418,15 @@ impl<C: Clock> Mux<C> {
                     };
                 }
                 REC_VM => {
-                    let (id, attached, vcfg) =
+                    let (id, attached, vcfg, next_id) =
                         decode_vm(p).ok_or_else(|| corrupt(index, "short VM"))?;
                     let id = id as usize;
                     if id > m.vms.len() {
                         return Err(corrupt(index, "VM IDs out of order"));
                     }
                     let quota = vcfg.quota.unwrap_or(m.cfg.default_quota);
-                    let v = Vm::new(vcfg, quota, attached);
+                    let mut v = Vm::new(vcfg, quota, attached, m.tids);
+                    v.next_id = next_id;
                     if id == m.vms.len() {
                         m.vms.push(v);
                     } else {
@@ -499,6 +524,16 @@ impl<C: Clock> Mux<C> {
             if e.state == State::SidrReqRcvd {
                 self.sidr_rcvd.insert((e.peer, e.remote_comm_id), slot);
             }
+            if e.pv_cm_id & ID_RANGE_BIT != 0
+                && self
+                    .vms
+                    .get(e.vm as usize)
+                    .and_then(|v| v.cfg.id_range)
+                    .is_some_and(|r| r.contains(e.pv_cm_id))
+                && self.ranged.insert(e.pv_cm_id, slot).is_some()
+            {
+                return Err(format!("two entries hold pv_cm_id {:#x}", e.pv_cm_id));
+            }
         }
         quarantine.sort_unstable();
         self.quarantine = quarantine.into();
@@ -563,6 +598,11 @@ impl<C: Clock> Mux<C> {
         };
         eq("sidr", sidr(&self.sidr_rcvd), sidr(&o.sidr_rcvd))?;
         eq(
+            "ranged",
+            sorted_id_map(&self.ranged),
+            sorted_id_map(&o.ranged),
+        )?;
+        eq(
             "next Get",
             self.next_get.to_string(),
             o.next_get.to_string(),
@@ -577,8 +617,8 @@ impl<C: Clock> Mux<C> {
                 let mut s: Vec<_> = v.sl_map.iter().map(|(k, s)| (*k, *s)).collect();
                 s.sort_unstable();
                 format!(
-                    "{:?} attached {} live {} quarantined {} quota {} sl {s:?}",
-                    v.cfg, v.attached, v.live, v.quarantined, v.quota
+                    "{:?} attached {} live {} quarantined {} quota {} next {} sl {s:?}",
+                    v.cfg, v.attached, v.live, v.quarantined, v.quota, v.next_id
                 )
             };
             eq(&format!("VM {i}"), m(a), m(b))?;
@@ -632,6 +672,12 @@ impl<C: Clock> Mux<C> {
         fb.sort_unstable();
         eq("free slots", format!("{fa:?}"), format!("{fb:?}"))
     }
+}
+
+fn sorted_id_map(m: &FastMap<u32, u32>) -> String {
+    let mut v: Vec<_> = m.iter().map(|(k, s)| (*k, *s)).collect();
+    v.sort_unstable();
+    format!("{v:?}")
 }
 
 fn timers_of<D: Clock>(m: &Mux<D>) -> String {

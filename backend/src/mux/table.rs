@@ -10,7 +10,7 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
 use pvcm_wire::timeout::exponent_to_duration;
 
-use super::{Clock, DropReason, Group, Mux, RejTimeoutKey, Time};
+use super::{Clock, DropReason, Group, ID_RANGE_BIT, Mux, RejTimeoutKey, Time, permute_bits};
 
 /// Connection state as the proxy sees it from the MADs that pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -188,37 +188,106 @@ impl<C: Clock> Mux<C> {
         Some(slot)
     }
 
-    /// Gives the entry its `pv_cm_id` (slot + generation through the permutation).
+    /// Gives the entry its `pv_cm_id`: the next free ID of its VM's range if the VM has
+    /// one, otherwise slot + generation through the permutation, in the lower half.
     pub(super) fn assign_pv(&mut self, slot: u32) -> u32 {
+        if let Some(pv) = self.assign_ranged(slot) {
+            return pv;
+        }
         let (bits, mask, perm) = (self.slot_bits, self.generation_mask, self.perm);
         let e = self.ent(slot);
-        loop {
-            let raw = (u32::from(e.generation) << bits) | slot;
-            let pv = perm.apply(raw);
-            if pv != 0 {
-                e.pv_cm_id = pv;
-                return pv;
+        let old_generation = e.generation;
+        let mut pv = 0;
+        for _ in 0..=u32::from(mask) {
+            let candidate = perm.apply((u32::from(e.generation) << bits) | slot);
+            // 0 means "no comm ID" on the wire, and the upper half belongs to the VMs'
+            // own ranges: skip such generations.
+            if candidate != 0 && candidate & ID_RANGE_BIT == 0 {
+                pv = candidate;
+                break;
             }
-            // 0 means "no comm ID" on the wire: skip this generation.
             e.generation = (e.generation + 1) & mask;
         }
+        if pv == 0 {
+            // Every generation of this slot lands in the upper half (a tiny generation
+            // space): take one anyway. Lookups of upper-half IDs fall back to the
+            // permutation, and an import refuses a range ID that collides with it.
+            pv = perm.apply((u32::from(e.generation) << bits) | slot).max(1);
+        }
+        e.pv_cm_id = pv;
+        let (generation, deadline) = (e.generation, e.deadline);
+        // A passive entry gets its ID late (at its REP) and may have a timer already:
+        // timers name the generation, so re-arm it under the new one.
+        if generation != old_generation && deadline != u64::MAX {
+            self.timers.push(Reverse((deadline, slot, generation)));
+        }
+        pv
+    }
+
+    /// A range VM's entry: draws the next ID of its range not in use. The VM's quota
+    /// check (`Mux::vm_full`) keeps one free, so the walk ends.
+    fn assign_ranged(&mut self, slot: u32) -> Option<u32> {
+        let vm = self.slab[slot as usize].vm;
+        let v = self.vms.get(vm as usize)?;
+        let r = v.cfg.id_range?;
+        let (mask, bits, key) = (r.suffix_mask(), r.suffix_bits(), v.tids_key());
+        let mut next = v.next_id;
+        for _ in 0..=u64::from(mask) {
+            let c = next & mask;
+            next = next.wrapping_add(1) & mask;
+            let pv = r.base | permute_bits(c, bits, key);
+            if !self.ranged.contains_key(&pv) && self.slot_by_permutation(pv).is_none() {
+                self.vms[vm as usize].next_id = next;
+                if let Some(ch) = &mut self.changes {
+                    ch.vms.push(vm);
+                }
+                self.ranged.insert(pv, slot);
+                self.ent(slot).pv_cm_id = pv;
+                return Some(pv);
+            }
+        }
+        None
+    }
+
+    /// The slot whose entry holds `pv` through the permutation (host-space IDs).
+    fn slot_by_permutation(&self, pv: u32) -> Option<u32> {
+        let raw = self.perm.invert(pv);
+        let slot = raw & ((1u32 << self.slot_bits) - 1);
+        let e = self.slab.get(slot as usize)?;
+        (e.pv_cm_id == pv && e.state != State::Free).then_some(slot)
+    }
+
+    /// The slot whose entry holds `pv` (any state but Free).
+    pub(super) fn slot_named(&self, pv: u32) -> Option<u32> {
+        if pv == 0 {
+            return None;
+        }
+        if pv & ID_RANGE_BIT != 0
+            && let Some(&s) = self.ranged.get(&pv)
+        {
+            return Some(s);
+        }
+        self.slot_by_permutation(pv)
     }
 
     /// The slot a wire-side `pv_cm_id` names.
     pub(super) fn lookup_pv(&self, pv: u32) -> Result<u32, DropReason> {
-        if pv == 0 {
-            return Err(DropReason::NoRoute);
+        let slot = self.slot_named(pv).ok_or(DropReason::NoRoute)?;
+        match self.slab[slot as usize].state {
+            State::Free => Err(DropReason::NoRoute),
+            State::Quarantined => Err(DropReason::Quarantined),
+            _ => Ok(slot),
         }
-        let raw = self.perm.invert(pv);
-        let slot = raw & ((1u32 << self.slot_bits) - 1);
-        match self.slab.get(slot as usize) {
-            Some(e) if e.pv_cm_id == pv => match e.state {
-                State::Free => Err(DropReason::NoRoute),
-                State::Quarantined => Err(DropReason::Quarantined),
-                _ => Ok(slot),
-            },
-            _ => Err(DropReason::NoRoute),
-        }
+    }
+
+    /// Whether `vm` may not take another entry: at its quota of live entries, or (with
+    /// an ID range) with no ID of its range left free.
+    pub(super) fn vm_full(&self, vm: u32) -> bool {
+        let v = &self.vms[vm as usize];
+        v.live >= v.quota
+            || v.cfg
+                .id_range
+                .is_some_and(|r| u64::from(v.live) + u64::from(v.quarantined) >= r.size())
     }
 
     pub(super) fn set_deadline(&mut self, slot: u32, deadline: u64) {
@@ -478,6 +547,9 @@ impl<C: Clock> Mux<C> {
     pub(super) fn free_slot(&mut self, slot: u32) {
         self.unindex_sl(slot);
         let e = self.slab[slot as usize];
+        if e.pv_cm_id & ID_RANGE_BIT != 0 && self.ranged.get(&e.pv_cm_id) == Some(&slot) {
+            self.ranged.remove(&e.pv_cm_id);
+        }
         if e.peer != NO_PEER {
             self.peers.release(e.peer);
         }

@@ -106,7 +106,7 @@ impl<C: Clock> Mux<C> {
     pub(super) fn deliver(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
         let e = self.slab[slot as usize];
         let _ = m.set_remote_comm_id(e.sl_cm_id);
-        if let Some(kind) = self.tids.kind_of(m.tid(), e.pv_cm_id) {
+        if let Some(kind) = self.tids_of(e.vm).kind_of(m.tid(), e.pv_cm_id) {
             let tid = match kind {
                 TidKind::Req | TidKind::Sidr => e.vm_tid_req,
                 TidKind::Dreq | TidKind::Lap => e.vm_tid_other,
@@ -328,7 +328,7 @@ impl<C: Clock> Mux<C> {
             }
             self.retire(s, now);
         }
-        if !self.legacy() && self.vms[vm as usize].live >= self.vms[vm as usize].quota {
+        if !self.legacy() && self.vm_full(vm) {
             return Err(DropReason::VmOverQuota);
         }
         let s = self.new_entry(vm, src).ok_or(DropReason::TableFull)?;
@@ -355,7 +355,7 @@ impl<C: Clock> Mux<C> {
         }
         let e = self.slab[slot as usize];
         let _ = m.set_sidr_request_id(e.sl_cm_id);
-        if self.tids.kind_of(m.tid(), e.pv_cm_id) == Some(TidKind::Sidr) {
+        if self.tids_of(e.vm).kind_of(m.tid(), e.pv_cm_id) == Some(TidKind::Sidr) {
             m.set_tid(e.vm_tid_req);
         }
         self.retire(slot, now);
@@ -420,7 +420,7 @@ impl<C: Clock> Mux<C> {
             // The peer reuses (CA GUID, comm ID) towards another VM: the old attempt is over.
             self.retire(s, now);
         }
-        if self.vms[vm as usize].live >= self.vms[vm as usize].quota {
+        if self.vm_full(vm) {
             let tid = m.tid();
             write_rej(
                 m.as_bytes_mut(),
