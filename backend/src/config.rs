@@ -27,7 +27,7 @@ use clap::{Args, Parser, Subcommand};
 use pvcm_wire::Gid;
 
 use crate::backlog;
-use crate::mux::{Policy, VmConfig};
+use crate::mux::{IdRange, Policy, VmConfig};
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -49,8 +49,12 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
 pub struct VmSpec {
     /// The vhost-user socket the backend listens on for this VM.
     pub socket: PathBuf,
-    /// The mux's view of the VM (name, GID, CA GUID, QPN range, quota).
+    /// The mux's view of the VM (name, GID, CA GUID, QPN range, quota, ID range).
     pub vm: VmConfig,
+    /// The VM arrives by live migration (docs/migration.md): its address is not bound
+    /// and the VM not attached until its state is loaded (or its rings start without
+    /// one, a fresh boot).
+    pub incoming: bool,
 }
 
 impl VmSpec {
@@ -109,8 +113,11 @@ pub fn parse_gid(v: &str) -> Result<Gid, ConfigError> {
 impl FromStr for VmSpec {
     type Err = ConfigError;
 
-    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N]`.
+    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
+    /// id-range=BASE/LEN,incoming=yes]`.
     fn from_str(s: &str) -> Result<VmSpec, ConfigError> {
+        let mut id_range = None;
+        let mut incoming = None;
         let mut socket = None;
         let mut gid = None;
         let mut name = None;
@@ -165,10 +172,25 @@ impl FromStr for VmSpec {
                     dup(quota.is_some())?;
                     quota = Some(parse_u32(k, v)?);
                 }
+                "id-range" => {
+                    dup(id_range.is_some())?;
+                    id_range = Some(
+                        IdRange::from_str(v)
+                            .map_err(|e| ConfigError(format!("--vm: id-range: {e}")))?,
+                    );
+                }
+                "incoming" => {
+                    dup(incoming.is_some())?;
+                    incoming = Some(match v {
+                        "yes" | "true" | "1" => true,
+                        "no" | "false" | "0" => false,
+                        _ => return err(format!("--vm: incoming={v:?}: expected yes or no")),
+                    });
+                }
                 _ => {
                     return err(format!(
                         "--vm: unknown key {k:?} (expected socket, gid, name, qpn-base, \
-                         qpn-count, ca-guid, quota)"
+                         qpn-count, ca-guid, quota, id-range, incoming)"
                     ));
                 }
             }
@@ -209,15 +231,28 @@ impl FromStr for VmSpec {
             }
             vm.quota = Some(q);
         }
-        Ok(VmSpec { socket, vm })
+        vm.id_range = id_range;
+        let incoming = incoming.unwrap_or(false);
+        if incoming && id_range.is_none() {
+            return err(format!(
+                "--vm {s:?}: incoming=yes needs id-range=BASE/LEN (the range the VM's \
+                 connections carry from the host it leaves)"
+            ));
+        }
+        Ok(VmSpec {
+            socket,
+            vm,
+            incoming,
+        })
     }
 }
 
 /// The daemon's options.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N]`
-    /// (repeatable; one vhost-user socket per VM).
+    /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
+    /// id-range=BASE/LEN,incoming=yes]` (repeatable; one vhost-user socket per VM).
+    /// `id-range` makes the VM migratable; `incoming=yes` waits for it to arrive.
     #[arg(long = "vm", value_name = "SPEC", value_parser = VmSpec::from_str)]
     pub vms: Vec<VmSpec>,
     /// A file of options, one per line without the leading dashes (`vm socket=...`).

@@ -314,7 +314,12 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
             break;
         }
         port.counters.add(Io::Sessions, 1);
-        let vm = shared.attach(&port);
+        // An incoming VM attaches when its state arrives (or its rings start without).
+        let vm = if port.awaiting.load(Ordering::Acquire) {
+            None
+        } else {
+            shared.attach(&port)
+        };
         if port.restored.swap(false, Ordering::AcqRel) {
             tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
             // What waited in the backlog during the gap goes to the new session now.
@@ -457,7 +462,13 @@ impl Daemon {
                     .iter()
                     .map(|v| (v.vm.name.clone(), v.ipv4()))
                     .collect();
-                Box::new(SoftPort::open(&addrs, cfg.bind_port, cfg.wire_rx)?)
+                let incoming: Vec<bool> = cfg.vms.iter().map(|v| v.incoming).collect();
+                Box::new(SoftPort::open(
+                    &addrs,
+                    &incoming,
+                    cfg.bind_port,
+                    cfg.wire_rx,
+                )?)
             }
             PortSpec::Umad { device, port } => {
                 let vms: Vec<(String, Gid)> = cfg
@@ -485,6 +496,8 @@ impl Daemon {
                 session: Mutex::new(None),
                 restored: AtomicBool::new(false),
                 tx_resume: Mutex::new(None),
+                awaiting: AtomicBool::new(spec.incoming),
+                migrated_out: Mutex::new(None),
                 span: tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid),
             }));
         }

@@ -20,15 +20,20 @@
 //! the vring lock and notifications around them, so the unit tests below drive them
 //! through virtio-queue's `MockSplitQueue`, and the fuzz target through [`fuzzing`].
 
-use std::io;
+use std::fs::File;
+use std::io::{self, Read, Write};
 use std::ops::Deref;
 use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use pvcm_wire::abi::{
     self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_LEN, PortInfo, RX_BUFFER_LEN, SendStatus,
 };
 use pvcm_wire::mad::{MAD_LEN, MGMT_CLASS_CM};
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+};
 use vhost_user_backend::{VhostUserBackendMut, VringRwLock, VringT};
 use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::bindings::virtio_ring::{
@@ -60,6 +65,9 @@ pub const MAX_QUEUE_SIZE: usize = 1024;
 pub const RX_WAKE_EVENT: u16 = 3;
 /// Chains taken from the tx queue per round (then the used ring is published).
 const TX_ROUND: usize = 256;
+/// The largest device state accepted on load: 64-byte entries and 256-byte backlog
+/// messages, far above any VM's quota and backlog budget.
+const MAX_STATE_BYTES: u64 = 1 << 30;
 /// The active MTU PORT_INFO reports (IBTA code): 1024 bytes, rdma_cm's RoCE default, until
 /// the daemon's configuration names the link's own (Linux takes it from the netdev).
 pub const PORT_ACTIVE_MTU: u8 = abi::MTU_1024;
@@ -85,6 +93,19 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::RESET_DEVICE
+        | VhostUserProtocolFeatures::DEVICE_STATE
+}
+
+/// A device-state transfer in progress (`SET_DEVICE_STATE_FD` started it; the pipe is
+/// served on its own thread, as the protocol wants; `CHECK_DEVICE_STATE` ends it).
+#[derive(Debug)]
+enum Transfer {
+    /// Writing the saved state to the front-end.
+    Saving(std::thread::JoinHandle<io::Result<()>>),
+    /// Reading the state to load.
+    Loading(std::thread::JoinHandle<io::Result<Vec<u8>>>),
+    /// Refused at the start; the check reports it.
+    Failed(String),
 }
 
 /// The config space read at `offset`, `size` bytes: the 8-byte [`abi::config_space`],
@@ -361,6 +382,7 @@ pub struct PvcmDevice {
     exit_consumer: EventConsumer,
     exit_notifier: EventNotifier,
     throttle: TxThrottle,
+    transfer: Mutex<Option<Transfer>>,
 }
 
 /// Rounds of tx with at least this many dropped messages pause the VM's tx (a guest
@@ -401,7 +423,36 @@ impl PvcmDevice {
             exit_consumer,
             exit_notifier,
             throttle: TxThrottle::default(),
+            transfer: Mutex::new(None),
         })
+    }
+
+    /// The guest kicked a ring, so the VM runs on this host: an incoming VM whose state
+    /// never came is a fresh boot (attach it); one whose state left is back because the
+    /// migration failed and the source resumed (load the saved state again).
+    fn vm_runs_here(&self) {
+        if self.port.current_vm().is_some() {
+            return;
+        }
+        let saved = lock(&self.port.migrated_out).take();
+        if let Some(blob) = saved {
+            match self.shared.migrate_in(&self.port, &blob) {
+                Ok(_) => tracing::warn!("the VM runs here again after leaving: its state is back"),
+                Err(e) => {
+                    tracing::error!(error = %e, "the VM runs here again but its state cannot come back")
+                }
+            }
+        } else if self.port.awaiting.swap(false, Ordering::AcqRel) {
+            match self.shared.port.claim(self.port.index) {
+                Ok(_) => {
+                    tracing::info!("incoming VM started without a state: a fresh boot here");
+                    self.shared.attach(&self.port);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "incoming VM started but its address cannot be taken")
+                }
+            }
+        }
     }
 
     /// Takes every available tx chain, handles the messages, publishes the used ring.
@@ -688,6 +739,64 @@ impl VhostUserBackendMut for PvcmDevice {
         Ok(())
     }
 
+    fn set_device_state_fd(
+        &mut self,
+        direction: VhostTransferStateDirection,
+        phase: VhostTransferStatePhase,
+        file: File,
+    ) -> io::Result<Option<File>> {
+        let t = if phase != VhostTransferStatePhase::STOPPED {
+            Transfer::Failed(format!("state transfer in phase {phase:?}: only STOPPED"))
+        } else if direction == VhostTransferStateDirection::SAVE {
+            match self.shared.migrate_out(&self.port) {
+                Ok(blob) => Transfer::Saving(std::thread::spawn(move || {
+                    let mut f = file;
+                    f.write_all(&blob)
+                })),
+                Err(e) => Transfer::Failed(e),
+            }
+        } else {
+            Transfer::Loading(std::thread::spawn(move || {
+                let mut f = file;
+                let mut b = Vec::new();
+                // A state is a few MiB at most (64 bytes per entry); a front-end that
+                // sends more is not sending pvcm state.
+                (&mut f).take(MAX_STATE_BYTES + 1).read_to_end(&mut b)?;
+                if b.len() as u64 > MAX_STATE_BYTES {
+                    return Err(io::Error::other("device state larger than the limit"));
+                }
+                Ok(b)
+            }))
+        };
+        if let Transfer::Failed(e) = &t {
+            tracing::error!(error = %e, "device state transfer refused");
+        }
+        *lock(&self.transfer) = Some(t);
+        Ok(None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        let t = lock(&self.transfer).take();
+        let r = match t {
+            None => Err("no device state transfer was started".to_string()),
+            Some(Transfer::Failed(e)) => Err(e),
+            Some(Transfer::Saving(h)) => match h.join() {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("writing the state: {e}")),
+                Err(_) => Err("the state writer panicked".into()),
+            },
+            Some(Transfer::Loading(h)) => match h.join() {
+                Ok(Ok(blob)) => self.shared.migrate_in(&self.port, &blob).map(|_| ()),
+                Ok(Err(e)) => Err(format!("reading the state: {e}")),
+                Err(_) => Err("the state reader panicked".into()),
+            },
+        };
+        r.map_err(|e| {
+            tracing::error!(error = %e, "device state transfer failed");
+            io::Error::other(e)
+        })
+    }
+
     fn reset_device(&mut self) {
         tracing::info!("device reset: releasing the VM's connections");
         self.shared.reset_vm(&self.port);
@@ -712,6 +821,9 @@ impl VhostUserBackendMut for PvcmDevice {
         let [tx, rx] = vrings else {
             return Ok(());
         };
+        if device_event <= 1 {
+            self.vm_runs_here();
+        }
         match device_event {
             0 => self.process_tx(tx, rx),
             1 => self.deliver_rx(rx),
@@ -889,6 +1001,7 @@ mod queue_tests {
             spec: VmSpec {
                 socket: "/nonexistent/a.sock".into(),
                 vm: vm.clone(),
+                incoming: false,
             },
             current: Mutex::new(None),
             rx: Mutex::new(RxBacklog::new(backlog::DEFAULT_VM_BYTES, host)),
@@ -896,6 +1009,8 @@ mod queue_tests {
             counters: DevCounters::default(),
             session: Mutex::new(None),
             restored: AtomicBool::new(false),
+            awaiting: AtomicBool::new(false),
+            migrated_out: Mutex::new(None),
             tx_resume: Mutex::new(None),
             span: tracing::Span::none(),
         });

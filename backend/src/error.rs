@@ -62,6 +62,12 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// An incoming VM (migration) on a port that receives in udp mode.
+    #[error(
+        "VM {0}: incoming=yes needs raw receive (--wire-rx raw, CAP_NET_RAW): a udp-mode \
+         port cannot take an address over while running"
+    )]
+    IncomingNeedsRaw(String),
     /// A VM's UDP socket refused the drop-all filter raw receive puts on it.
     #[error("VM {vm}: wire socket filter: {source}; --wire-rx udp does not need it")]
     WireFilter {

@@ -25,6 +25,7 @@ pub mod daemon;
 pub mod device;
 pub mod error;
 mod files;
+pub mod migration;
 pub mod mux;
 pub mod pcap;
 pub mod port;

@@ -105,6 +105,20 @@ impl RxMsg {
         RxMsg::control(MsgType::Event, 0, &p)
     }
 
+    /// A message from the bytes [`RxMsg::bytes`] gave (a migrated backlog): `None` if
+    /// they cannot be one (shorter than a header, longer than an rx buffer).
+    pub fn from_bytes(b: &[u8]) -> Option<RxMsg> {
+        if b.len() < HEADER_LEN || b.len() > RX_BUFFER_LEN {
+            return None;
+        }
+        let mut m = RxMsg {
+            buf: [0; RX_BUFFER_LEN],
+            len: b.len() as u16,
+        };
+        m.buf[..b.len()].copy_from_slice(b);
+        Some(m)
+    }
+
     /// The bytes to write into an rx buffer.
     pub fn bytes(&self) -> &[u8] {
         &self.buf[..usize::from(self.len)]

@@ -45,6 +45,12 @@ pub struct VmPort {
     /// Restored: the tx ring's next avail index the journal recorded last. The first
     /// session after the restart returns the chains before it unsent (their MADs left).
     pub(crate) tx_resume: Mutex<Option<u16>>,
+    /// `incoming=yes` and not arrived yet: sessions do not attach the VM; a state load
+    /// (or rings starting without one, a fresh boot) does.
+    pub(crate) awaiting: AtomicBool,
+    /// The state this host saved when the VM left; if the VM runs here again (the
+    /// migration failed and the source resumed), it is loaded back.
+    pub(crate) migrated_out: Mutex<Option<Vec<u8>>>,
     pub(crate) span: tracing::Span,
 }
 

@@ -46,6 +46,7 @@ pub fn config(dir: &Path, host: &str, vms: &[&LabVmSpec], seed: u64) -> Config {
         .map(|v| VmSpec {
             socket: dir.join(format!("{}.sock", v.name)),
             vm: v.vm_config(),
+            incoming: false,
         })
         .collect();
     let mut c = Config::new(specs);

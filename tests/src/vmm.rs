@@ -19,7 +19,10 @@ use pvcm_wire::abi::{
     RX_BUFFER_LEN, RX_QUEUE, TX_QUEUE,
 };
 use pvcm_wire::mad::MAD_LEN;
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags,
+    VhostUserProtocolFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
@@ -265,6 +268,43 @@ pub fn negotiate(
     Ok((features, protocol))
 }
 
+/// One device-state transfer over a pipe: SAVE returns what the backend wrote, LOAD
+/// writes `state`; then `CHECK_DEVICE_STATE`.
+pub fn transfer_state(
+    frontend: &Frontend,
+    direction: VhostTransferStateDirection,
+    state: &[u8],
+) -> io::Result<Vec<u8>> {
+    use std::io::{Read, Write};
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two new descriptors into `fds`, a valid [i32; 2].
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created by pipe2 and are owned here only.
+    let (mut r, mut w) = unsafe {
+        (
+            std::fs::File::from(OwnedFd::from_raw_fd(fds[0])),
+            std::fs::File::from(OwnedFd::from_raw_fd(fds[1])),
+        )
+    };
+    let mut out = Vec::new();
+    if direction == VhostTransferStateDirection::SAVE {
+        frontend
+            .set_device_state_fd(direction, VhostTransferStatePhase::STOPPED, w.into())
+            .map_err(other)?;
+        r.read_to_end(&mut out)?;
+    } else {
+        frontend
+            .set_device_state_fd(direction, VhostTransferStatePhase::STOPPED, r.into())
+            .map_err(other)?;
+        w.write_all(state)?;
+        drop(w);
+    }
+    frontend.check_device_state().map_err(other)?;
+    Ok(out)
+}
+
 /// Sets one vring up from the driver's ring addresses (guest-physical, translated to
 /// this process's mapping as a VMM does), with base 0, its kick and call eventfds, and
 /// enables it.
@@ -331,7 +371,8 @@ impl LabVm {
             want,
             VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::RESET_DEVICE,
+                | VhostUserProtocolFeatures::RESET_DEVICE
+                | VhostUserProtocolFeatures::DEVICE_STATE,
         )?;
         let cfg = |q: u16| VirtqConfig::new(q, opts.queue_size).with_features(features);
         let tx = Virtq::new(&dma, cfg(TX_QUEUE)).map_err(other)?;
@@ -380,6 +421,56 @@ impl LabVm {
             &self.kicks.0[i],
             &self.calls[i],
         )
+    }
+
+    /// Live-migrates the device as QEMU does: stops both rings on the current backend
+    /// (`GET_VRING_BASE`), saves its state (`SET_DEVICE_STATE_FD` SAVE, then
+    /// `CHECK_DEVICE_STATE`), connects to the backend at `socket`, loads the state there
+    /// before any ring runs, and starts the rings at the bases the old backend gave.
+    /// Guest memory, the rings and the driver's state stay as they are. Returns the
+    /// state's size in bytes.
+    pub fn migrate_to(&mut self, socket: &Path) -> io::Result<usize> {
+        let bases = [
+            self.frontend
+                .get_vring_base(usize::from(TX_QUEUE))
+                .map_err(other)?,
+            self.frontend
+                .get_vring_base(usize::from(RX_QUEUE))
+                .map_err(other)?,
+        ];
+        let state = transfer_state(&self.frontend, VhostTransferStateDirection::SAVE, &[])?;
+        let mut f = Frontend::connect(socket, 2).map_err(other)?;
+        let (features, protocol) = negotiate(
+            &mut f,
+            &self.mem,
+            self.features & !PROTOCOL_FEATURES,
+            self.protocol,
+        )?;
+        if features != self.features || !protocol.contains(VhostUserProtocolFeatures::DEVICE_STATE)
+        {
+            return Err(other(format!(
+                "the destination offers features {features:#x} protocol {protocol:?}"
+            )));
+        }
+        transfer_state(&f, VhostTransferStateDirection::LOAD, &state)?;
+        for (q, base) in [TX_QUEUE, RX_QUEUE].into_iter().zip(bases) {
+            let vq = if q == TX_QUEUE {
+                &self.tx
+            } else {
+                self.rx.virtq()
+            };
+            let i = usize::from(q);
+            setup_vring_at(
+                &mut f,
+                &self.mem,
+                &QueueSetup::from(vq),
+                &self.kicks.0[i],
+                &self.calls[i],
+                u16::try_from(base).map_err(|_| other("vring base above 16 bits"))?,
+            )?;
+        }
+        self.frontend = f;
+        Ok(state.len())
     }
 
     /// Posts every free rx buffer and kicks the rx queue.

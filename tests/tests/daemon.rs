@@ -1,7 +1,7 @@
 //! The backend daemon driven as QEMU would: vhost-user frontends over its sockets,
 //! memfd guest memory, the guest driver's split queues; CM MADs built by hand.
 //!
-//! Each test owns its loopback addresses (127.11.x.x to 127.22.x.x, one second octet per
+//! Each test owns its loopback addresses (127.11.x.x to 127.23.x.x, one second octet per
 //! test), so the tests run in parallel with each other and with the lab (127.10.x.x).
 
 #![allow(clippy::unwrap_used)]
@@ -827,4 +827,144 @@ fn a_stop_with_state_keeps_connections_and_the_grace_releases_a_vm_that_stays_aw
     drop(b);
     h1.shutdown();
     h2.shutdown();
+}
+
+/// Live migration through vhost-user's device-state transfer: VM `m` holds connections
+/// to VM `p` on a third backend and moves from backend A to backend B (which has it as
+/// `incoming`) as QEMU moves a device: rings stopped on A, state saved from A and loaded
+/// into B, rings started on B. Afterwards a handshake begun before the move completes,
+/// the peer's DREQs (to the pv_cm_ids A gave) reach `m` on B, `m`'s own DREQs reach the
+/// peer, A holds nothing of `m`, and nothing is dropped anywhere.
+#[test]
+fn a_vm_live_migrates_between_backends_with_its_connections() {
+    let (da, db, dp) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let sm = LabVmSpec::new("m", ip(23, 1, 1));
+    let sp = LabVmSpec::new("p", ip(23, 2, 1));
+    let range: pvcm_backend::mux::IdRange = "0x80230000/16".parse().unwrap();
+    let with_range = |mut c: pvcm_backend::config::Config, incoming: bool| {
+        c.vms[0].vm.id_range = Some(range);
+        c.vms[0].vm.quota = Some(1000);
+        c.vms[0].incoming = incoming;
+        c
+    };
+    let _a = backend::start(with_range(
+        backend::config(da.path(), "a", &[&sm], 0xA),
+        false,
+    ));
+    let _b = backend::start(with_range(
+        backend::config(db.path(), "b", &[&sm], 0xB),
+        true,
+    ));
+    let _p = backend::start(backend::config(dp.path(), "p", &[&sp], 0xC));
+    let mut m = connect(da.path(), "m");
+    let mut p = connect(dp.path(), "p");
+
+    let conns: Vec<Conn> = (0..20)
+        .map(|i| handshake(&mut m, &sm, &mut p, &sp, 100 + i, 500 + i))
+        .collect();
+    for c in &conns {
+        assert!(range.contains(c.a_pv), "{:#x} from the VM's range", c.a_pv);
+    }
+    // A handshake in flight across the move: the REQ reached the peer, no REP yet.
+    let (cm, cp) = (sm.vm_config(), sp.vm_config());
+    let tid = 0xAAAA_0000_0000_0999;
+    m.send_mad(
+        sp.gid(),
+        &mads::req(sm.gid(), cm.ca_guid, 999, tid, sp.gid(), cm.qpn_base + 1),
+    )
+    .unwrap();
+    let (_, req) = recv_mad(&mut p);
+    let pending_pv = view(&req).local_comm_id().unwrap();
+    assert_eq!(
+        stats(db.path(), "b").host.live,
+        0,
+        "B has nothing before the move"
+    );
+
+    let bytes = m.migrate_to(&backend::socket(db.path(), "m")).unwrap();
+    assert!(bytes > 21 * 64, "{bytes} bytes of state");
+    let (sa, sb) = (stats(da.path(), "a"), stats(db.path(), "b"));
+    assert_eq!(
+        (sa.host.live, sa.host.quarantined),
+        (0, 0),
+        "A let m go: {}",
+        sa.render()
+    );
+    assert_eq!(sb.host.live, 21, "B has m's entries: {}", sb.render());
+
+    // The pending handshake completes through B.
+    p.send_mad(
+        sm.gid(),
+        &mads::rep(
+            cp.ca_guid,
+            view(&req).tid(),
+            1999,
+            pending_pv,
+            cp.qpn_base + 9,
+        ),
+    )
+    .unwrap();
+    let (h, rep) = recv_mad(&mut m);
+    assert_eq!(h.remote_gid, sp.gid());
+    assert_eq!(
+        view(&rep).remote_comm_id(),
+        Some(999),
+        "routed by the pv_cm_id A gave"
+    );
+    assert_eq!(view(&rep).tid(), tid, "the REQ's TID restored on B");
+    let p_pv = view(&rep).local_comm_id().unwrap();
+    m.send_mad(sp.gid(), &mads::rtu(tid, 999, p_pv)).unwrap();
+    let (_, rtu) = recv_mad(&mut p);
+    assert_eq!(view(&rtu).remote_comm_id(), Some(1999));
+
+    // Half the connections end from the peer (DREQs to A's IDs), half from m.
+    for c in &conns[..10] {
+        let back = Conn {
+            a_sl: c.b_sl,
+            b_sl: c.a_sl,
+            a_pv: c.b_pv,
+            b_pv: c.a_pv,
+            b_qpn: cm.qpn_base + 1,
+        };
+        disconnect(&mut p, &sp, &mut m, &sm, &back);
+    }
+    for c in &conns[10..] {
+        disconnect(&mut m, &sm, &mut p, &sp, c);
+    }
+    disconnect(
+        &mut m,
+        &sm,
+        &mut p,
+        &sp,
+        &Conn {
+            a_sl: 999,
+            b_sl: 1999,
+            a_pv: pending_pv,
+            b_pv: p_pv,
+            b_qpn: cp.qpn_base + 9,
+        },
+    );
+    for (dir, host) in [(da.path(), "a"), (db.path(), "b"), (dp.path(), "p")] {
+        let s = stats(dir, host);
+        let d: u64 = s
+            .host
+            .drops
+            .values()
+            .chain(s.host.device_drops.values())
+            .sum();
+        assert_eq!(d, 0, "{host}: {}", s.render());
+    }
+    let sa = stats(da.path(), "a");
+    assert_eq!(
+        sa.host.cm("cm_tx_msgs", "dreq"),
+        0,
+        "A sent nothing on m's behalf"
+    );
+    let sb = stats(db.path(), "b");
+    assert_eq!(sb.host.cm("cm_rx_msgs", "dreq"), 10);
+    assert_eq!(sb.host.cm("cm_tx_msgs", "dreq"), 11);
 }

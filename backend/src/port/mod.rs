@@ -59,6 +59,18 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     /// A session of VM `vm` begins: checks the VM can use the port (umad: its GID is in
     /// the port's GID table). An error refuses the attach and says why.
     fn attach(&self, vm: usize) -> Result<(), String>;
+    /// VM `vm` arrived by migration: take over its address (bind it); true if it was
+    /// bound now (false: it already was). The default refuses: only the soft port
+    /// moves addresses.
+    fn claim(&self, vm: usize) -> Result<bool, String> {
+        let _ = vm;
+        Err("this port cannot take over a VM's address (migration needs the soft port)".into())
+    }
+    /// VM `vm` left by migration: give its address up (unbind it), so the host it
+    /// moved to can take it. What still arrives for it is not this host's any more.
+    fn release(&self, vm: usize) {
+        let _ = vm;
+    }
     /// Sends MADs from VM `vm` to their GIDs; counts frames and drops on the VM.
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]);
     /// Reads what is waiting on `token`'s descriptor, in batches, and hands every batch

@@ -591,7 +591,11 @@ const RX_ROUNDS: usize = 16;
 /// mode, the raw receive socket.
 #[derive(Debug)]
 pub struct SoftPort {
-    socks: Vec<UdpPort>,
+    /// Per VM: its bound socket, `None` while the address is not this host's (an
+    /// incoming VM not arrived yet, or one that left by migration).
+    socks: Vec<std::sync::RwLock<Option<std::sync::Arc<UdpPort>>>>,
+    /// Per VM: its name and address, to bind it later.
+    addrs: Vec<(String, Ipv4Addr)>,
     raw: Option<RawRx>,
     port_num: u16,
     by_addr: std::collections::HashMap<Ipv4Addr, usize>,
@@ -620,45 +624,73 @@ fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<Raw
 }
 
 impl SoftPort {
-    /// Binds every VM address (`names` for the errors) and opens the receive path the
-    /// mode asks for.
+    /// Binds every VM address (`names` for the errors) but those of `incoming` VMs
+    /// (bound by [`WirePort::claim`] when they arrive), and opens the receive path the
+    /// mode asks for. Incoming VMs need raw receive: a udp-mode socket set is fixed.
     pub fn open(
         addrs: &[(String, Ipv4Addr)],
+        incoming: &[bool],
         port_num: u16,
         mode: RxMode,
     ) -> Result<SoftPort, Error> {
         let ips: Vec<Ipv4Addr> = addrs.iter().map(|(_, a)| *a).collect();
         let raw = open_raw_rx(mode, port_num, &ips)?;
-        let mut socks = Vec::new();
-        let mut by_addr = std::collections::HashMap::new();
-        for (i, (name, a)) in addrs.iter().enumerate() {
-            let s = UdpPort::bind(*a, port_num).map_err(|source| Error::WireBind {
-                vm: name.clone(),
-                addr: *a,
-                port: port_num,
-                source,
-            })?;
-            by_addr.insert(*a, i);
-            socks.push(s);
+        if raw.is_none()
+            && let Some(i) = incoming.iter().position(|&x| x)
+        {
+            return Err(Error::IncomingNeedsRaw(addrs[i].0.clone()));
         }
-        if raw.is_some() {
-            for (s, (name, _)) in socks.iter().zip(addrs) {
-                s.discard_rx().map_err(|source| Error::WireFilter {
-                    vm: name.clone(),
-                    source,
-                })?;
-            }
-        }
-        Ok(SoftPort {
-            socks,
+        let mut port = SoftPort {
+            socks: Vec::new(),
+            addrs: addrs.to_vec(),
             raw,
             port_num,
-            by_addr,
-        })
+            by_addr: std::collections::HashMap::new(),
+        };
+        for (i, (_, a)) in addrs.iter().enumerate() {
+            port.by_addr.insert(*a, i);
+            port.socks.push(std::sync::RwLock::new(None));
+            if !incoming.get(i).copied().unwrap_or(false) {
+                port.bind_vm(i)?;
+            }
+        }
+        Ok(port)
+    }
+
+    /// Binds VM `vm`'s address (and, in raw mode, makes its socket drop what it gets).
+    fn bind_vm(&self, vm: usize) -> Result<(), Error> {
+        let (Some((name, a)), Some(slot)) = (self.addrs.get(vm), self.socks.get(vm)) else {
+            return Ok(());
+        };
+        let s = UdpPort::bind(*a, self.port_num).map_err(|source| Error::WireBind {
+            vm: name.clone(),
+            addr: *a,
+            port: self.port_num,
+            source,
+        })?;
+        if self.raw.is_some() {
+            s.discard_rx().map_err(|source| Error::WireFilter {
+                vm: name.clone(),
+                source,
+            })?;
+        }
+        *slot
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(std::sync::Arc::new(s));
+        Ok(())
+    }
+
+    /// VM `vm`'s socket, if its address is this host's now.
+    fn sock(&self, vm: usize) -> Option<std::sync::Arc<UdpPort>> {
+        self.socks
+            .get(vm)?
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
-        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
         };
         if frames.is_empty() {
@@ -686,7 +718,7 @@ impl SoftPort {
         rb: &mut RecvBatch,
         route: &mut dyn FnMut(usize, Vec<InMad>),
     ) {
-        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
         };
         let local = sock.local();
@@ -764,6 +796,11 @@ impl SoftPort {
                 let Some(&p) = self.by_addr.get(&Ipv4Addr::from(dst)) else {
                     continue;
                 };
+                // An address this host does not hold now (a VM not arrived yet, or
+                // gone by migration) is not ours either: its frames are another host's.
+                if self.sock(p).is_none() {
+                    continue;
+                }
                 let Some(port) = ctx.vms.get(p) else {
                     continue;
                 };
@@ -814,11 +851,8 @@ impl crate::port::WirePort for SoftPort {
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {
         match &self.raw {
             Some(r) => vec![(r.as_raw_fd(), TOK_RAW)],
-            None => self
-                .socks
-                .iter()
-                .enumerate()
-                .map(|(i, s)| (s.socket().as_raw_fd(), i as u64))
+            None => (0..self.socks.len())
+                .filter_map(|i| Some((self.sock(i)?.socket().as_raw_fd(), i as u64)))
                 .collect(),
         }
     }
@@ -827,8 +861,27 @@ impl crate::port::WirePort for SoftPort {
         Ok(())
     }
 
+    fn claim(&self, vm: usize) -> Result<bool, String> {
+        if self.sock(vm).is_some() {
+            return Ok(false);
+        }
+        if self.raw.is_none() {
+            return Err("migration needs raw receive (--wire-rx raw)".into());
+        }
+        self.bind_vm(vm).map_err(|e| e.to_string())?;
+        Ok(true)
+    }
+
+    fn release(&self, vm: usize) {
+        if let Some(slot) = self.socks.get(vm) {
+            *slot
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+    }
+
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
-        let (Some(sock), Some(port)) = (self.socks.get(vm), ctx.vms.get(vm)) else {
+        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
         };
         let frames: Vec<OutFrame> = mads
