@@ -32,7 +32,7 @@ use pvcm_wire::Gid;
 
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vmm_sys_util::timerfd::TimerFd;
@@ -282,7 +282,7 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
         let mut daemon = match VhostUserDaemon::new(
             format!("pvcm-{}", port.spec.vm.name),
             backend,
-            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+            GuestMemoryAtomic::new(crate::device::Mem::new()),
         ) {
             Ok(d) => d,
             Err(e) => {

@@ -76,8 +76,16 @@ pub const PORT_ACTIVE_MTU: u8 = abi::MTU_1024;
 pub const PORT_CA_ACK_DELAY: u8 = 15;
 /// The `VHOST_USER_F_PROTOCOL_FEATURES` feature bit.
 const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// `VHOST_F_LOG_ALL`: the device logs its writes to guest memory while the VMM
+/// migrates (QEMU blocks migration of a vhost device without it).
+const VHOST_F_LOG_ALL: u64 = 1 << 26;
 
-type Mem = GuestMemoryMmap<()>;
+/// Guest memory as the device maps it: with the dirty-page log vhost-user-backend keeps
+/// during a live migration (`VHOST_F_LOG_ALL`), so every byte the device writes into
+/// guest memory (rx messages, used rings) is copied again by the VMM.
+pub type Mem = GuestMemoryMmap<crate::dirty_log::DirtyLog>;
+/// A vring over [`Mem`].
+pub type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
 
 /// Virtio features the device offers.
 pub fn device_features() -> u64 {
@@ -85,6 +93,7 @@ pub fn device_features() -> u64 {
         | (1 << VIRTIO_RING_F_EVENT_IDX)
         | (1 << VIRTIO_RING_F_INDIRECT_DESC)
         | VHOST_USER_F_PROTOCOL_FEATURES
+        | VHOST_F_LOG_ALL
 }
 
 /// vhost-user protocol features the device offers.
@@ -94,6 +103,7 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::RESET_DEVICE
         | VhostUserProtocolFeatures::DEVICE_STATE
+        | VhostUserProtocolFeatures::LOG_SHMFD
 }
 
 /// A device-state transfer in progress (`SET_DEVICE_STATE_FD` started it; the pipe is
@@ -456,7 +466,7 @@ impl PvcmDevice {
     }
 
     /// Takes every available tx chain, handles the messages, publishes the used ring.
-    fn process_tx(&mut self, vring: &VringRwLock, rx: &VringRwLock) {
+    fn process_tx(&mut self, vring: &Vring, rx: &Vring) {
         let Some(atomic) = self.mem.clone() else {
             return;
         };
@@ -678,7 +688,7 @@ impl PvcmDevice {
     }
 
     /// Writes backlogged messages into the driver's rx buffers.
-    fn deliver_rx(&mut self, vring: &VringRwLock) {
+    fn deliver_rx(&mut self, vring: &Vring) {
         let Some(atomic) = self.mem.clone() else {
             return;
         };
@@ -707,8 +717,8 @@ impl PvcmDevice {
 }
 
 impl VhostUserBackendMut for PvcmDevice {
-    type Bitmap = ();
-    type Vring = VringRwLock;
+    type Bitmap = crate::dirty_log::DirtyLog;
+    type Vring = Vring;
 
     fn num_queues(&self) -> usize {
         NUM_QUEUES
@@ -813,7 +823,7 @@ impl VhostUserBackendMut for PvcmDevice {
         &mut self,
         device_event: u16,
         _evset: EventSet,
-        vrings: &[VringRwLock],
+        vrings: &[Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
         let port = self.port.clone();

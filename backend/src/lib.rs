@@ -23,6 +23,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod device;
+pub mod dirty_log;
 pub mod error;
 mod files;
 pub mod migration;

@@ -21,7 +21,8 @@ use virtio_queue::desc::RawDescriptor;
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use pvcm_backend::device::Mem;
+use vm_memory::{Bytes, GuestAddress};
 
 /// Guest memory: [0, 0x4000) and [0x5000, 0x6000); 0x4000..0x5000 is a hole.
 const LOW_END: u64 = 0x4000;
@@ -33,10 +34,10 @@ const INDIRECT: u64 = 0x3000;
 /// The device's tx round.
 const TX_ROUND: usize = 256;
 
-fn memory() -> &'static GuestMemoryMmap<()> {
-    static MEM: OnceLock<GuestMemoryMmap<()>> = OnceLock::new();
+fn memory() -> &'static Mem {
+    static MEM: OnceLock<Mem> = OnceLock::new();
     MEM.get_or_init(|| {
-        GuestMemoryMmap::from_ranges(&[
+        Mem::from_ranges(&[
             (GuestAddress(0), LOW_END as usize),
             (GuestAddress(HIGH), HIGH_LEN as usize),
         ])

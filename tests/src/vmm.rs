@@ -24,7 +24,7 @@ use vhost::vhost_user::message::{
     VhostUserProtocolFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 /// Where guest memory starts in guest-physical space (not 0: rust-vmm notes item 6).
@@ -268,6 +268,81 @@ pub fn negotiate(
     Ok((features, protocol))
 }
 
+/// A dirty-page log shared with the backend (memfd), as QEMU keeps one.
+#[derive(Debug)]
+pub struct DirtyLogMem {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl DirtyLogMem {
+    fn new(len: usize) -> io::Result<DirtyLogMem> {
+        // SAFETY: a plain memfd_create call with a valid C string.
+        let fd = unsafe { libc::memfd_create(c"pvcm-lab-dirty-log".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd was just created and is owned here only.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh shared mapping of the whole memfd; unmapped in Drop.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| other("mmap returned null"))?;
+        Ok(DirtyLogMem { fd, ptr, len })
+    }
+
+    /// Whether the page holding guest-physical address `gpa` is marked dirty.
+    pub fn is_dirty(&self, gpa: u64) -> bool {
+        let page = gpa / 0x1000;
+        let Ok(byte) = usize::try_from(page / 8) else {
+            return false;
+        };
+        if byte >= self.len {
+            return false;
+        }
+        // SAFETY: `byte` is inside the mapping; the backend sets bits with atomic ORs,
+        // and a byte read racing with them reads either value.
+        let b = unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(byte)) };
+        b & (1 << (page % 8)) != 0
+    }
+
+    /// Pages marked dirty.
+    pub fn dirty_pages(&self) -> u64 {
+        (0..self.len)
+            .map(|i| {
+                // SAFETY: `i` is inside the mapping (see `is_dirty`).
+                let b = unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(i)) };
+                u64::from(b.count_ones())
+            })
+            .sum()
+    }
+}
+
+impl Drop for DirtyLogMem {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of `len` bytes, unmapped once.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
 /// One device-state transfer over a pipe: SAVE returns what the backend wrote, LOAD
 /// writes `state`; then `CHECK_DEVICE_STATE`.
 pub fn transfer_state(
@@ -372,7 +447,8 @@ impl LabVm {
             VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::RESET_DEVICE
-                | VhostUserProtocolFeatures::DEVICE_STATE,
+                | VhostUserProtocolFeatures::DEVICE_STATE
+                | VhostUserProtocolFeatures::LOG_SHMFD,
         )?;
         let cfg = |q: u16| VirtqConfig::new(q, opts.queue_size).with_features(features);
         let tx = Virtq::new(&dma, cfg(TX_QUEUE)).map_err(other)?;
@@ -421,6 +497,29 @@ impl LabVm {
             &self.kicks.0[i],
             &self.calls[i],
         )
+    }
+
+    /// Starts dirty-page logging as QEMU does when a migration begins: `SET_FEATURES`
+    /// with `VHOST_F_LOG_ALL`, then `SET_LOG_BASE` with a shared log that covers guest
+    /// memory (one bit per 4 KiB page of guest-physical addresses).
+    pub fn start_dirty_log(&mut self) -> io::Result<DirtyLogMem> {
+        const VHOST_F_LOG_ALL: u64 = 1 << 26;
+        let pages = (self.mem.base + self.mem.len as u64).div_ceil(0x1000);
+        let log = DirtyLogMem::new(usize::try_from(pages.div_ceil(8)).map_err(other)?)?;
+        self.frontend
+            .set_features(self.features | VHOST_F_LOG_ALL)
+            .map_err(other)?;
+        self.frontend
+            .set_log_base(
+                0,
+                Some(VhostUserDirtyLogRegion {
+                    mmap_size: log.len as u64,
+                    mmap_offset: 0,
+                    mmap_handle: log.fd.as_raw_fd(),
+                }),
+            )
+            .map_err(other)?;
+        Ok(log)
     }
 
     /// Live-migrates the device as QEMU does: stops both rings on the current backend

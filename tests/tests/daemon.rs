@@ -968,3 +968,25 @@ fn a_vm_live_migrates_between_backends_with_its_connections() {
     assert_eq!(sb.host.cm("cm_rx_msgs", "dreq"), 10);
     assert_eq!(sb.host.cm("cm_tx_msgs", "dreq"), 11);
 }
+
+/// While the VMM migrates (`VHOST_F_LOG_ALL` and a log base set), every page the device
+/// writes (the rx message, the used ring) is marked in the VMM's dirty log.
+#[test]
+fn device_writes_are_in_the_dirty_log_while_migrating() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(23, 3, 1));
+    let sb = LabVmSpec::new("b", ip(23, 3, 2));
+    let _d = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    let log = b.start_dirty_log().unwrap();
+    assert_eq!(log.dirty_pages(), 0);
+    let _ = handshake(&mut a, &sa, &mut b, &sb, 0x31, 0x32);
+    let used = pvcm_guest::transport::pci::QueueSetup::from(b.rx.virtq()).device;
+    assert!(log.is_dirty(used), "B's rx used ring is logged");
+    assert!(
+        log.dirty_pages() >= 2,
+        "the rx buffers too: {} pages",
+        log.dirty_pages()
+    );
+}
