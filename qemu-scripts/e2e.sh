@@ -34,6 +34,11 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
     SIGKILL and started again with the same options; QEMU (patched, reconnect-ms)
     reconnects; then C tears every connection down: all DREQs answered, 0 drops,
     the restored backend shows every entry right after the restart, 0 live after.
+ 10 live migration: VM C (id-range, on backend A) holds PVCM_E2E_MIGRATE (default 100)
+    connections to VM S on backend P; C is live-migrated (QMP migrate, vhost-user
+    device state) to a second QEMU on backend B, which has it as incoming=yes; the
+    source backend holds nothing right after; C's cmtime then tears every connection
+    down from B: all DREQs answered, 0 drops anywhere. Prints QEMU's downtime.
 
 A test whose pieces are missing (no pvcm-backend or pvcm-guest binary, a missing
 subcommand) prints SKIP with the reason. Exit status: 0 if every selected test passed
@@ -43,7 +48,7 @@ backends' logs and counters are printed.
 
 Options:
   --allow-missing  exit 0 when tests were skipped for missing pieces
-  --only LIST      comma-separated test numbers (default 1-9)
+  --only LIST      comma-separated test numbers (default 1-10)
   --workdir DIR    keep logs here (default: a new dir under /tmp, removed on success)
   --budget SECS    overall deadline (default 900); tests not started by then fail
   -h, --help       this help
@@ -51,7 +56,7 @@ Options:
 Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6),
 PVCM_E2E_BURST_ARGS (extra pvcm-guest cmtime options for the burst client),
 PVCM_E2E_GUEST_OPTS (global pvcm-guest options for both burst VMs, e.g. --no-interrupts),
-PVCM_E2E_RESTART (test 9), PVCM_E2E_VM_TIMEOUT (per VM,
+PVCM_E2E_RESTART (test 9), PVCM_E2E_MIGRATE (test 10), PVCM_E2E_VM_TIMEOUT (per VM,
 default 150 s), PVCM_E2E_NET (first two octets of the loopback addresses, default
 127.10; change it when another run uses those addresses).
 EOF
@@ -60,7 +65,7 @@ EOF
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-allow_missing=0 only="1,2,3,4,5,6,7,8,9" workdir="" budget=900
+allow_missing=0 only="1,2,3,4,5,6,7,8,9,10" workdir="" budget=900
 while [ $# -gt 0 ]; do
     case "$1" in
     --allow-missing) allow_missing=1 ;;
@@ -85,6 +90,7 @@ done
 conns="${PVCM_E2E_CONNS:-8192}"
 burst="${PVCM_E2E_BURST:-4000}"
 restart_conns="${PVCM_E2E_RESTART:-400}"
+migrate_conns="${PVCM_E2E_MIGRATE:-100}"
 net="${PVCM_E2E_NET:-127.10}" # host H's VM V is at $net.H.V (loopback)
 vm_timeout="${PVCM_E2E_VM_TIMEOUT:-150}"
 t_start="$(now_s)"
@@ -191,14 +197,19 @@ need_guest_cmd() { # prints the reason if a guest subcommand is missing
 # ---------------------------------------------------------------- helpers
 
 # start_backend NAME SPEC...: a pvcm-backend "host" with one --vm per SPEC
-# (SPEC = vmname:ipv4). Sockets: $workdir/vmname.sock, control $workdir/NAME.ctl.
+# (SPEC = vmname:ipv4[:more,--vm,keys]). Sockets: $workdir/vmname.sock, control $workdir/NAME.ctl.
 start_backend() {
     local name="$1" spec vm ip args=()
     shift
     for spec in "$@"; do
+        # vmname:ipv4[:more --vm keys] (test 10's id-range=..., incoming=yes)
+        local extra=""
         vm="${spec%%:*}" ip="${spec#*:}"
+        if [[ "$ip" == *:* ]]; then
+            extra=",${ip#*:}" ip="${ip%%:*}"
+        fi
         rm -f "$workdir/$vm.sock"
-        args+=(--vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm")
+        args+=(--vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm$extra")
     done
     rm -f "$workdir/$name.ctl"
     # backend_extra: more options for this start (test 9's --state-dir).
@@ -802,6 +813,130 @@ PY
     fi
 }
 
+# Live migration: VM C holds $migrate_conns connections to VM S on a third backend; C
+# is live-migrated from its QEMU on backend A to a second QEMU on backend B (which has C
+# as incoming=yes) while connected; then C tears every connection down from B.
+test10() {
+    local n=10 ha="t10a" hb="t10b" hp="t10p" s="t10s" c="t10c" c2="t10d" port=7010 why ok=1 t0
+    why="$(need_guest_cmd cmtime)"
+    [ -z "$missing_backend" ] || why="$missing_backend"
+    [ -z "$missing_qemu" ] || why="$missing_qemu"
+    if [ -n "$why" ]; then
+        result "$n" skip "$why"
+        return
+    fi
+    budget_left || {
+        result "$n" fail "over the ${budget} s budget before it started"
+        return
+    }
+    t0="$(now_s)"
+    local keys="id-range=0x800a0000/16:quota=1000" ip="$net.10.2"
+    keys="${keys//:/,}"
+    start_backend "$hp" "$s:$net.10.1" &&
+        start_backend "$ha" "$c:$ip:$keys" &&
+        start_backend "$hb" "$c2:$ip:$keys,incoming=yes" || {
+        result "$n" fail "backends did not start"
+        dump "$hp" "$ha" "$hb"
+        return
+    }
+    start_vm "$s" generic "pvcm-guest cmtime --server --port $port --connections $migrate_conns --timeout 300"
+    local cmd="pvcm-guest cmtime --dest $net.10.1 --port $port --connections $migrate_conns --hold 20 --timeout 120"
+    if wait_console "$s" 'cmtime server on' 120; then
+        rm -f "$workdir/$c.console.log" "$workdir/$c.out" "$workdir/$c.qmp"
+        "$PVCM_SCRIPTS_DIR/run-vm.sh" --quiet --route generic --socket "$workdir/$c.sock" \
+            --name "$c" --guest-dir "$guest_dir" --log "$workdir/$c.console.log" \
+            --qmp "$workdir/$c.qmp" --timeout "$vm_timeout" --cmd "$cmd" \
+            >"$workdir/$c.out" 2>"$workdir/$c.err" &
+        bg_pids+=($!)
+        eval "vmpid_$c=$!"
+    else
+        echo "   $s never listened"
+        ok=0
+    fi
+    local live=0 up=0
+    for _ in $(seq 300); do
+        [ "$ok" = 1 ] || break
+        stat_json "$ha" 2>/dev/null &&
+            live="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["host"]["live"])' "$workdir/$ha.stat.json")"
+        [ "$live" -ge "$migrate_conns" ] && { up=1; break; }
+        sleep 0.2
+    done
+    [ "$up" = 1 ] || { echo "   only $live of $migrate_conns connections up"; ok=0; }
+    if [ "$ok" = 1 ]; then
+        # The destination: the same VM, waiting for the migration stream.
+        rm -f "$workdir/$c2.console.log" "$workdir/$c2.out" "$workdir/mig.sock"
+        "$PVCM_SCRIPTS_DIR/run-vm.sh" --quiet --route generic --socket "$workdir/$c2.sock" \
+            --name "$c2" --guest-dir "$guest_dir" --log "$workdir/$c2.console.log" \
+            --incoming "unix:$workdir/mig.sock" --timeout "$vm_timeout" --cmd "$cmd" \
+            >"$workdir/$c2.out" 2>"$workdir/$c2.err" &
+        bg_pids+=($!)
+        eval "vmpid_$c2=$!"
+        for _ in $(seq 100); do [ -S "$workdir/mig.sock" ] && break; sleep 0.2; done
+        echo "   migrating $c ($live connections) from $ha to $hb"
+        if "$PVCM_SCRIPTS_DIR/qmp.py" "$workdir/$c.qmp" migrate "unix:$workdir/mig.sock" 120 \
+            >"$workdir/migrate.json" 2>"$workdir/migrate.err"; then
+            python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); print("   migration completed: total %s ms, downtime %s ms, setup %s ms" % (m.get("total-time"), m.get("downtime"), m.get("setup-time")))' "$workdir/migrate.json"
+        else
+            echo "   migration failed: $(cat "$workdir/migrate.err") $(head -c 600 "$workdir/migrate.json")"
+            ok=0
+        fi
+        "$PVCM_SCRIPTS_DIR/qmp.py" "$workdir/$c.qmp" quit >/dev/null 2>&1 || true
+        stat_json "$ha" || ok=0
+        stat_json "$hb" || ok=0
+        python3 - "$workdir" "$ha" "$hb" <<'PY' || ok=0
+import json, sys
+wd, ha, hb = sys.argv[1:4]
+a = json.load(open(f"{wd}/{ha}.stat.json"))["host"]
+b = json.load(open(f"{wd}/{hb}.stat.json"))["host"]
+print(f"   right after: source backend live {a['live']} quarantined {a['quarantined']}; destination live {b['live']}")
+sys.exit(1 if a["live"] or a["quarantined"] else 0)
+PY
+    fi
+    local rcs="" vm r
+    for vm in "$s" "$c2"; do
+        r=0
+        eval "[ -n \"\${vmpid_$vm:-}\" ]" || continue
+        wait_vm "$vm" || r=$?
+        rcs="$rcs $vm=$r"
+        [ "$r" = 0 ] || ok=0
+    done
+    eval "[ -n \"\${vmpid_$c:-}\" ]" && { wait_vm "$c" || true; }
+    echo "   exit codes:$rcs"
+    local drained=1
+    wait_drained "$hb" 60 && wait_drained "$hp" 60 || drained=0
+    stat_json "$ha" && stat_json "$hb" && stat_json "$hp" || ok=0
+    check_py "$workdir" "$ha" "$hb" "$hp" "$c2" "$drained" "$migrate_conns" <<'PY' || ok=0
+import json, re, sys
+wd, ha, hb, hp, c2, drained, conns = sys.argv[1:7] + [int(sys.argv[7])]
+drained = drained == "1"
+bad = []
+def host(h): return json.load(open(f"{wd}/{h}.stat.json"))["host"]
+a, b, p = host(ha), host(hb), host(hp)
+out = open(f"{wd}/{c2}.out", errors="replace").read()
+if not re.search(rf"connections {conns} established {conns} failed 0 disconnected {conns}", out):
+    bad.append(f"the migrated VM's cmtime: {out[-400:]!r}")
+for name, h in (("source", a), ("destination", b), ("peer", p)):
+    d = {k: v for g in ("drops", "device_drops") for k, v in h.get(g, {}).items() if v}
+    r = sum(h["cm"]["cm_tx_retries"].values())
+    print(f"   {name}: REQ {h['cm']['cm_tx_msgs']['req']} DREQ tx {h['cm']['cm_tx_msgs']['dreq']} rx {h['cm']['cm_rx_msgs']['dreq']} DREP rx {h['cm']['cm_rx_msgs']['drep']} retries {r} drops {d} live {h['live']}")
+    if d: bad.append(f"{name}: drops {d}")
+if a["live"] or a["quarantined"]: bad.append("the source still holds entries")
+if b["cm"]["cm_tx_msgs"]["dreq"] != conns: bad.append(f"destination sent {b['cm']['cm_tx_msgs']['dreq']} DREQs, want {conns}")
+if b["cm"]["cm_rx_msgs"]["drep"] < conns: bad.append(f"destination got {b['cm']['cm_rx_msgs']['drep']} DREPs, want {conns}")
+if a["cm"]["cm_tx_msgs"]["dreq"]: bad.append("the source sent DREQs on the VM's behalf")
+if not drained: bad.append("live entries did not drain within 60 s")
+for x in bad: print("   check:", x)
+sys.exit(1 if bad else 0)
+PY
+    for b in "$ha" "$hb" "$hp"; do stop_backend "$b"; done
+    if [ "$ok" = 1 ]; then
+        result "$n" pass "live migration of a VM holding $migrate_conns connections between backends (QEMU migrate), all torn down from the destination, 0 drops ($(elapsed "$t0") s)"
+    else
+        result "$n" fail "live migration ($(elapsed "$t0") s)"
+        dump "$s" "$c" "$c2" "$ha" "$hb" "$hp"
+    fi
+}
+
 selected 1 && run_connect_disconnect 1 generic "" 7001
 selected 2 && test2
 selected 3 && test3
@@ -811,6 +946,7 @@ selected 6 && run_burst 6 gpio-stub "--device pci:41" 7006
 selected 7 && run_late_app 7 0 7007
 selected 8 && run_late_app 8 1 7008
 selected 9 && test9
+selected 10 && test10
 
 echo
 echo "== summary ($(elapsed "$t_start") s, logs in $workdir)"

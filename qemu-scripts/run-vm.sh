@@ -44,6 +44,10 @@ Options:
   --num-vqs N        generic route: number of queues (default 2)
   --config-size N    generic route: config space bytes (default 8)
   --name NAME        VM name (log file names, QEMU -name)
+  --qmp PATH         a QMP socket at PATH (qemu-scripts/qmp.py drives it: migrate, quit)
+  --incoming URI     start as a live-migration destination (QEMU -incoming URI, e.g.
+                     unix:/tmp/m.sock): the guest arrives running its command, so the
+                     console has its PVCM-END but not its PVCM-BEGIN
   --quiet            print only the command's output (no progress lines)
   --print-cmdline    print the QEMU command line and exit
   -h, --help         this help
@@ -60,7 +64,7 @@ EOF
 
 route=generic socket="" cmd="uname -a" cmd_file="" mem=512M smp=1 hugepages=64
 log_file="" timeout=120 qemu="" kvm=0 guest_dir="" append="" virtio_id=63 vq_size=1024
-num_vqs=2 config_size=8 name="" quiet=0 print_cmdline=0 reconnect_ms=""
+num_vqs=2 config_size=8 name="" quiet=0 print_cmdline=0 reconnect_ms="" qmp="" incoming=""
 files=()
 usage_error() {
     printf '[%s] ERROR: %s (see --help)\n' "$_pvcm_prog" "$*" >&2
@@ -78,7 +82,7 @@ while [ $# -gt 0 ]; do
         ;;
     --route | --socket | --cmd | --cmd-file | --file | --mem | --smp | --hugepages | --log | \
         --timeout | --qemu | --guest-dir | --append | --virtio-id | --vq-size | --num-vqs | \
-        --config-size | --name | --reconnect-ms)
+        --config-size | --name | --reconnect-ms | --qmp | --incoming)
         [ $# -ge 2 ] || usage_error "$opt needs a value"
         val="$2"
         shift
@@ -102,6 +106,8 @@ while [ $# -gt 0 ]; do
         --config-size) config_size="$val" ;;
         --name) name="$val" ;;
         --reconnect-ms) reconnect_ms="$val" ;;
+        --qmp) qmp="$val" ;;
+        --incoming) incoming="$val" ;;
         esac
         ;;
     *) usage_error "unknown option '$opt'" ;;
@@ -213,6 +219,8 @@ args+=(
     -serial "file:$log_file" -monitor none
     -kernel "$guest_dir/vmlinuz" -initrd "$initrd" -append "$kcmd"
 )
+[ -n "$qmp" ] && args+=(-qmp "unix:$qmp,server=on,wait=off")
+[ -n "$incoming" ] && args+=(-incoming "$incoming")
 if [ -n "$socket" ]; then
     chardev="socket,id=pvcm,path=$socket"
     [ "$reconnect_ms" -gt 0 ] && chardev="$chardev,reconnect-ms=$reconnect_ms"
@@ -289,6 +297,10 @@ secs="$(elapsed "$t0")"
 clean="$run_dir/console.txt"
 tr -d '\r' <"$log_file" >"$clean"
 end_line="$(grep -E '^PVCM-END rc=[0-9]+$' "$clean" | tail -n1 || true)"
+# A migration destination's console starts mid-command: no PVCM-BEGIN there.
+if [ -n "$incoming" ] && ! grep -qx 'PVCM-BEGIN' "$clean" && [ -n "$end_line" ]; then
+    sed -i '1i PVCM-BEGIN' "$clean"
+fi
 if ! grep -qx 'PVCM-BEGIN' "$clean" || [ -z "$end_line" ]; then
     print_log
     if [ "$qrc" != 0 ] && ! grep -q 'PVCM-BEGIN' "$clean"; then
