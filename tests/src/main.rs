@@ -10,6 +10,8 @@
 //! backend and runs a `pvcm-guest` command through it (see `lab::attach`).
 //! `pvcm-lab hostile` measures a neighbour VM alone and while a hostile VM floods the
 //! same backend (see `lab::hostile`).
+//! `pvcm-lab migrate` live-migrates a VM between two backends in the middle of its
+//! handshakes (see `lab::migrate`).
 //! `pvcm-lab restart` kills a backend under established connections and starts it again
 //! (see `lab::restart`).
 
@@ -31,6 +33,9 @@ fn main() -> ExitCode {
     }
     if rest.first().is_some_and(|a| a == "hostile") {
         return pvcm_lab::lab::hostile::main(rest.into_iter().skip(1));
+    }
+    if rest.first().is_some_and(|a| a == "migrate") {
+        return pvcm_lab::lab::migrate::main(rest.into_iter().skip(1));
     }
     if rest.first().is_some_and(|a| a == "restart") {
         return pvcm_lab::lab::restart::main(rest.into_iter().skip(1));

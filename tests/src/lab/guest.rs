@@ -23,7 +23,9 @@ use vhost::vhost_user::Frontend;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::vmm::{GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring, setup_vring_at};
+use crate::vmm::{
+    GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring, setup_vring_at, transfer_state,
+};
 
 /// The guest driver's device as the lab runs it.
 pub type LabDevice = Device<LabTransport<EventFd>, SystemClock>;
@@ -88,7 +90,9 @@ impl GuestVm {
             &mut frontend,
             &mem,
             features::VERSION_1 | features::EVENT_IDX,
-            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ,
+            VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::DEVICE_STATE,
         )?;
 
         // The driver's DMA window: page-aligned, inside the shared memory.
@@ -140,7 +144,9 @@ impl GuestVm {
             &mut frontend,
             &self.mem,
             self.features & !PROTOCOL_FEATURES,
-            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ,
+            VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::DEVICE_STATE,
         )?;
         if negotiated != self.features {
             return Err(other(
@@ -170,6 +176,60 @@ impl GuestVm {
             let _ = self.dev.transport().kick_fd(q).write(1);
         }
         Ok(())
+    }
+
+    /// Live-migrates the VM's device to the backend at `socket` as QEMU does (see
+    /// [`crate::vmm::LabVm::migrate_to`]): rings stopped here, state saved from this
+    /// backend and loaded into that one before its rings start at the saved bases. The
+    /// guest is paused meanwhile (the caller does not pump), as in QEMU's stop-and-copy;
+    /// its memory, queues, CM agent and connections stay. Returns the state's size.
+    pub fn migrate_to(&mut self, socket: &Path) -> io::Result<usize> {
+        use vhost::VhostBackend;
+        use vhost::vhost_user::message::VhostTransferStateDirection;
+        let bases = [
+            self.frontend
+                .get_vring_base(usize::from(self.rings[0].index))
+                .map_err(|e| other("GET_VRING_BASE", e))?,
+            self.frontend
+                .get_vring_base(usize::from(self.rings[1].index))
+                .map_err(|e| other("GET_VRING_BASE", e))?,
+        ];
+        let state = transfer_state(&self.frontend, VhostTransferStateDirection::SAVE, &[])?;
+        let mut frontend =
+            Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
+        let (negotiated, protocol) = negotiate(
+            &mut frontend,
+            &self.mem,
+            self.features & !PROTOCOL_FEATURES,
+            VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::DEVICE_STATE,
+        )?;
+        if negotiated != self.features
+            || !protocol.contains(VhostUserProtocolFeatures::DEVICE_STATE)
+        {
+            return Err(other(
+                "migrate",
+                format!("the destination negotiated {negotiated:#x} {protocol:?}"),
+            ));
+        }
+        transfer_state(&frontend, VhostTransferStateDirection::LOAD, &state)?;
+        for (ring, base) in self.rings.iter().zip(bases) {
+            let t = self.dev.transport();
+            setup_vring_at(
+                &mut frontend,
+                &self.mem,
+                ring,
+                t.kick_fd(ring.index),
+                t.call_fd(ring.index),
+                u16::try_from(base).map_err(|e| other("vring base", e))?,
+            )?;
+        }
+        self.frontend = frontend;
+        for q in 0..2 {
+            let _ = self.dev.transport().kick_fd(q).write(1);
+        }
+        Ok(state.len())
     }
 
     /// The VM dies: no goodbye on the CM level, the vhost-user session just closes (as

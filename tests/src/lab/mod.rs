@@ -30,6 +30,7 @@ pub mod cli;
 pub mod guest;
 pub mod host;
 pub mod hostile;
+pub mod migrate;
 pub mod opts;
 pub mod progress;
 pub mod relay;
