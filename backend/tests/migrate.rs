@@ -306,3 +306,83 @@ fn a_full_range_refuses_new_connections_until_quarantine_frees_ids() {
     let c = n.connect(mv, 0, 77_777, 88_888, 5);
     assert!(range("0x80aa5500/24").contains(c.a_pv));
 }
+
+mod hostile_state {
+    //! The state comes from the source through the VMM: a broken or hostile one must be
+    //! refused with the destination unchanged, never panic, and never leave it with
+    //! entries it cannot route or release.
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A valid export of a VM with established, half-open and quarantined entries.
+    fn exported() -> Vec<u8> {
+        let mut n = Net::new(Policy::Default);
+        n.b.add_vm("peer", gid(2, 1));
+        let mv = add(&mut n.a, migratable("m", gid(1, 1), "0x80010000/16", 1000));
+        let cs: Vec<Conn> = (0..6)
+            .map(|i| n.connect(mv, 0, 10 + i, 50 + i, i))
+            .collect();
+        n.disconnect_from_a(&cs[0]);
+        n.advance(Duration::from_secs(60));
+        half_open(&mut n, mv, 99, 99);
+        n.a.mux.export_vm(n.a.id(mv)).unwrap()
+    }
+
+    fn destination(clock: &ManualClock) -> Host {
+        let mut b = Host::new(Policy::Default, 7, clock);
+        b.add_vm("native", gid(3, 1));
+        let mut m = req(b.cfg(0), 1, 1, gid(2, 1), b.qpn(0, 1), &LINUX);
+        b.mux.from_guest(b.id(0), &mut m, gid(2, 1));
+        b
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn a_mutated_state_is_imported_whole_or_refused_cleanly(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in proptest::option::of(any::<prop::sample::Index>()),
+        ) {
+            let mut s = exported();
+            for (i, v) in edits {
+                let at = i.index(s.len());
+                s[at] = v;
+            }
+            if let Some(c) = cut {
+                s.truncate(c.index(s.len()));
+            }
+            let clock = ManualClock::new();
+            let mut b = destination(&clock);
+            let before = copy(&b.mux);
+            match b.mux.import_vm(&s) {
+                Err(_) => b.mux.same_state_as(&before).unwrap(),
+                Ok(id) => {
+                    // Whatever came in can be routed, timed out and released: run
+                    // every window out and nothing of it may stay.
+                    for _ in 0..6 {
+                        clock.advance(Duration::from_secs(700));
+                        b.mux.poll();
+                    }
+                    b.mux.detach_vm(id);
+                    for _ in 0..6 {
+                        clock.advance(Duration::from_secs(700));
+                        b.mux.poll();
+                        b.mux.drain_outbox().for_each(drop);
+                    }
+                    prop_assert_eq!(b.mux.vm_stats(id).live, 0);
+                    prop_assert_eq!(b.mux.vm_stats(id).quarantined, 0);
+                }
+            }
+        }
+
+        #[test]
+        fn random_bytes_never_import(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let clock = ManualClock::new();
+            let mut b = destination(&clock);
+            let before = copy(&b.mux);
+            prop_assert!(b.mux.import_vm(&bytes).is_err());
+            b.mux.same_state_as(&before).unwrap();
+        }
+    }
+}
