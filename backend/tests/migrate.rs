@@ -386,3 +386,52 @@ mod hostile_state {
         }
     }
 }
+
+/// Deadlines arrive as time left: one longer than this host would ever set (a source
+/// with a longer quarantine, or a hostile state) is shortened, so the quarantine queue
+/// stays in release order and nothing is pinned for hours. Found by the property test
+/// below: a quarantine of 2.4 h held up every later release behind it.
+#[test]
+fn imported_deadlines_are_no_longer_than_this_host_sets() {
+    let mut n = Net::new(Policy::Default);
+    n.b.add_vm("peer", gid(2, 1));
+    let mv = add(&mut n.a, migratable("m", gid(1, 1), "0x80010000/16", 1000));
+    let cs: Vec<Conn> = (0..3)
+        .map(|i| n.connect(mv, 0, 10 + i, 50 + i, i))
+        .collect();
+    n.disconnect_from_a(&cs[0]);
+    n.advance(Duration::from_secs(60)); // cs[0] quarantined
+    let mut s = n.a.mux.export_vm(n.a.id(mv)).unwrap();
+    // Every entry's time left (its last 8 bytes) becomes ~2.4 hours or "never".
+    let mut at = 0;
+    let mut entries = 0;
+    while at + 3 <= s.len() {
+        // kind (1 byte), payload length (u16 LE), payload
+        let len = usize::from(u16::from_le_bytes([s[at + 1], s[at + 2]]));
+        if s[at] == 0x21 {
+            let end = at + 3 + len;
+            let left: u64 = if entries % 2 == 0 {
+                8_800_000_000_000
+            } else {
+                u64::MAX
+            };
+            s[end - 8..end].copy_from_slice(&left.to_le_bytes());
+            entries += 1;
+        }
+        at += 3 + len;
+    }
+    assert_eq!(entries, 3);
+    let clock = ManualClock::new();
+    let mut b = Host::new(Policy::Default, 7, &clock);
+    let id = b.mux.import_vm(&s).unwrap();
+    assert_eq!(b.mux.vm_stats(id).quarantined, 1);
+    b.mux.detach_vm(id); // the two live ones are disconnected on the VM's behalf
+    for _ in 0..30 {
+        clock.advance(Duration::from_secs(60));
+        b.mux.poll();
+        b.mux.drain_outbox().for_each(drop);
+    }
+    let st = b.mux.vm_stats(id);
+    assert_eq!((st.live, st.quarantined), (0, 0));
+    assert_eq!(b.mux.host_stats().quarantined, 0);
+}

@@ -270,10 +270,18 @@ impl<C: Clock> Mux<C> {
                 }
                 i
             });
-            let deadline = if m.left == u64::MAX {
+            // No deadline is longer here than this host would set itself: the quarantine
+            // queue is released in order (every release is now + quarantine), and a
+            // source's clock or a hostile state must not pin an entry for hours.
+            let cap = if m.e.state == State::Quarantined {
+                self.cfg.quarantine
+            } else {
+                self.cfg.max_wait.max(self.cfg.quarantine)
+            };
+            let deadline = if m.left == u64::MAX && m.e.state != State::Quarantined {
                 u64::MAX
             } else {
-                Time(now).after(Duration::from_nanos(m.left)).0
+                Time(now).after(Duration::from_nanos(m.left).min(cap)).0
             };
             let generation = self.slab[slot as usize].generation;
             let e = Entry {
