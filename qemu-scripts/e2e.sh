@@ -241,6 +241,21 @@ stop_backend() {
 
 stat_json() { "$backend" stat --control "$workdir/$1.ctl" --json >"$workdir/$1.stat.json"; }
 
+# wait_live HOST N: waits up to 60 s until HOST's backend holds N live entries; sets
+# $live to the last count seen; says how many when it gives up.
+wait_live() {
+    local h="$1" want="$2"
+    live=0
+    for _ in $(seq 300); do
+        stat_json "$h" 2>/dev/null &&
+            live="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["host"]["live"])' "$workdir/$h.stat.json")"
+        [ "$live" -ge "$want" ] && return 0
+        sleep 0.2
+    done
+    echo "   only $live of $want connections up"
+    return 1
+}
+
 # start_vm NAME ROUTE 'COMMAND': run-vm.sh in the background; console in NAME.console.log,
 # the command's output in NAME.out.
 start_vm() {
@@ -738,15 +753,8 @@ test9() {
         ok=0
     fi
     # Every connection established: the client's backend holds them all.
-    local live=0 up=0
-    for _ in $(seq 300); do
-        [ "$ok" = 1 ] || break
-        stat_json "$h" 2>/dev/null &&
-            live="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["host"]["live"])' "$workdir/$h.stat.json")"
-        [ "$live" -ge "$restart_conns" ] && { up=1; break; }
-        sleep 0.2
-    done
-    [ "$up" = 1 ] || { echo "   only $live of $restart_conns connections up"; ok=0; }
+    local live=0
+    [ "$ok" = 1 ] && { wait_live "$h" "$restart_conns" || ok=0; }
     local restored="none"
     if [ "$ok" = 1 ]; then
         eval "pid=\$pid_$h"
@@ -853,15 +861,8 @@ test10() {
         echo "   $s never listened"
         ok=0
     fi
-    local live=0 up=0
-    for _ in $(seq 300); do
-        [ "$ok" = 1 ] || break
-        stat_json "$ha" 2>/dev/null &&
-            live="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["host"]["live"])' "$workdir/$ha.stat.json")"
-        [ "$live" -ge "$migrate_conns" ] && { up=1; break; }
-        sleep 0.2
-    done
-    [ "$up" = 1 ] || { echo "   only $live of $migrate_conns connections up"; ok=0; }
+    local live=0
+    [ "$ok" = 1 ] && { wait_live "$ha" "$migrate_conns" || ok=0; }
     if [ "$ok" = 1 ]; then
         # The destination: the same VM, waiting for the migration stream.
         rm -f "$workdir/$c2.console.log" "$workdir/$c2.out" "$workdir/mig.sock"

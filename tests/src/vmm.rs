@@ -52,35 +52,43 @@ unsafe impl Send for GuestMem {}
 // documented as racing with the device like guest RAM does.
 unsafe impl Sync for GuestMem {}
 
+/// A fresh memfd of `len` bytes named `name`, mapped shared read-write (the caller
+/// unmaps it).
+fn shared_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<(OwnedFd, NonNull<u8>)> {
+    // SAFETY: the name is a NUL-terminated C string; the result is checked.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let size = libc::off_t::try_from(len).map_err(|_| other("memory size too large"))?;
+    // SAFETY: ftruncate on our own memfd.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh shared mapping of the whole memfd; the result is checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| other("mmap returned null"))?;
+    Ok((fd, ptr))
+}
+
 impl GuestMem {
     /// `len` bytes of memfd-backed memory at guest-physical `base`.
     pub fn new(len: usize, base: u64) -> io::Result<Arc<GuestMem>> {
-        // SAFETY: the name is a NUL-terminated C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"pvcm-lab-guest".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh shared mapping of the whole memfd; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let host = NonNull::new(p.cast::<u8>()).ok_or_else(|| other("mmap returned null"))?;
+        let (fd, host) = shared_memfd(c"pvcm-lab-guest", len)?;
         Ok(Arc::new(GuestMem {
             fd,
             host,
@@ -278,32 +286,7 @@ pub struct DirtyLogMem {
 
 impl DirtyLogMem {
     fn new(len: usize) -> io::Result<DirtyLogMem> {
-        // SAFETY: a plain memfd_create call with a valid C string.
-        let fd = unsafe { libc::memfd_create(c"pvcm-lab-dirty-log".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd was just created and is owned here only.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh shared mapping of the whole memfd; unmapped in Drop.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| other("mmap returned null"))?;
+        let (fd, ptr) = shared_memfd(c"pvcm-lab-dirty-log", len)?;
         Ok(DirtyLogMem { fd, ptr, len })
     }
 

@@ -138,44 +138,16 @@ impl GuestVm {
     /// agent and connections stay), and each ring resumes at the used index found in
     /// guest memory.
     pub fn reconnect(&mut self, socket: &Path) -> io::Result<()> {
-        let mut frontend =
-            Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
-        let (negotiated, _) = negotiate(
-            &mut frontend,
-            &self.mem,
-            self.features & !PROTOCOL_FEATURES,
-            VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::DEVICE_STATE,
-        )?;
-        if negotiated != self.features {
-            return Err(other(
-                "reconnect",
-                format!("features {negotiated:#x}, were {:#x}", self.features),
-            ));
-        }
-        for ring in &self.rings {
+        let (frontend, _) = self.open_session(socket, "reconnect")?;
+        let mut bases = [0u16; 2];
+        for (ring, base) in self.rings.iter().zip(&mut bases) {
             // The used ring: flags (u16), then idx (u16).
-            let used = self
+            *base = self
                 .mem
                 .read_u16(ring.device + 2)
                 .ok_or_else(|| other("reconnect", "used ring outside guest memory"))?;
-            let t = self.dev.transport();
-            setup_vring_at(
-                &mut frontend,
-                &self.mem,
-                ring,
-                t.kick_fd(ring.index),
-                t.call_fd(ring.index),
-                used,
-            )?;
         }
-        self.frontend = frontend;
-        // Wake the new session's worker for what the driver queued meanwhile.
-        for q in 0..2 {
-            let _ = self.dev.transport().kick_fd(q).write(1);
-        }
-        Ok(())
+        self.resume_on(frontend, bases)
     }
 
     /// Live-migrates the VM's device to the backend at `socket` as QEMU does (see
@@ -186,15 +158,34 @@ impl GuestVm {
     pub fn migrate_to(&mut self, socket: &Path) -> io::Result<usize> {
         use vhost::VhostBackend;
         use vhost::vhost_user::message::VhostTransferStateDirection;
-        let bases = [
-            self.frontend
-                .get_vring_base(usize::from(self.rings[0].index))
-                .map_err(|e| other("GET_VRING_BASE", e))?,
-            self.frontend
-                .get_vring_base(usize::from(self.rings[1].index))
-                .map_err(|e| other("GET_VRING_BASE", e))?,
-        ];
+        let mut bases = [0u16; 2];
+        for (ring, base) in self.rings.iter().zip(&mut bases) {
+            let b = self
+                .frontend
+                .get_vring_base(usize::from(ring.index))
+                .map_err(|e| other("GET_VRING_BASE", e))?;
+            *base = u16::try_from(b).map_err(|e| other("vring base", e))?;
+        }
         let state = transfer_state(&self.frontend, VhostTransferStateDirection::SAVE, &[])?;
+        let (frontend, protocol) = self.open_session(socket, "migrate")?;
+        if !protocol.contains(VhostUserProtocolFeatures::DEVICE_STATE) {
+            return Err(other(
+                "migrate",
+                format!("the destination negotiated {protocol:?}, no DEVICE_STATE"),
+            ));
+        }
+        transfer_state(&frontend, VhostTransferStateDirection::LOAD, &state)?;
+        self.resume_on(frontend, bases)?;
+        Ok(state.len())
+    }
+
+    /// A new vhost-user session at `socket` that must negotiate the features this VM
+    /// runs with (the guest cannot renegotiate: it does not know it moved).
+    fn open_session(
+        &self,
+        socket: &Path,
+        what: &str,
+    ) -> io::Result<(Frontend, VhostUserProtocolFeatures)> {
         let mut frontend =
             Frontend::connect(socket, 2).map_err(|e| other("vhost-user connect", e))?;
         let (negotiated, protocol) = negotiate(
@@ -205,31 +196,34 @@ impl GuestVm {
                 | VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::DEVICE_STATE,
         )?;
-        if negotiated != self.features
-            || !protocol.contains(VhostUserProtocolFeatures::DEVICE_STATE)
-        {
+        if negotiated != self.features {
             return Err(other(
-                "migrate",
-                format!("the destination negotiated {negotiated:#x} {protocol:?}"),
+                what,
+                format!("features {negotiated:#x}, were {:#x}", self.features),
             ));
         }
-        transfer_state(&frontend, VhostTransferStateDirection::LOAD, &state)?;
+        Ok((frontend, protocol))
+    }
+
+    /// Gives `frontend` the rings, each starting at `bases`, makes it this VM's session
+    /// (the old one closes) and wakes its worker for what the driver queued meanwhile.
+    fn resume_on(&mut self, mut frontend: Frontend, bases: [u16; 2]) -> io::Result<()> {
+        let t = self.dev.transport();
         for (ring, base) in self.rings.iter().zip(bases) {
-            let t = self.dev.transport();
             setup_vring_at(
                 &mut frontend,
                 &self.mem,
                 ring,
                 t.kick_fd(ring.index),
                 t.call_fd(ring.index),
-                u16::try_from(base).map_err(|e| other("vring base", e))?,
+                base,
             )?;
         }
         self.frontend = frontend;
         for q in 0..2 {
             let _ = self.dev.transport().kick_fd(q).write(1);
         }
-        Ok(state.len())
+        Ok(())
     }
 
     /// The VM dies: no goodbye on the CM level, the vhost-user session just closes (as

@@ -169,12 +169,7 @@ impl MigrateReport {
             self.vm.dreq_retries,
             self.peer.dreq_retries,
         );
-        for (name, ok, detail) in self.checks() {
-            s.push_str(&format!(
-                "  {:<4} {name}: {detail}\n",
-                if ok { "ok" } else { "FAIL" }
-            ));
-        }
+        super::render_checks(&mut s, &self.checks());
         s
     }
 }

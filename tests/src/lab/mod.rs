@@ -44,6 +44,17 @@ pub use opts::{LabOptions, ScenarioName};
 pub use report::Report;
 pub use scenarios::run;
 
+/// One line per check of a lab command's report: `PASS name: detail` or `FAIL ...`
+/// (the form the QEMU scripts print too).
+pub fn render_checks(out: &mut String, checks: &[(&str, bool, String)]) {
+    for (name, ok, detail) in checks {
+        out.push_str(&format!(
+            "{} {name}: {detail}\n",
+            if *ok { "PASS" } else { "FAIL" }
+        ));
+    }
+}
+
 /// The `main` of a lab command that measures with backends it starts itself
 /// (`pvcm-lab hostile`, `pvcm-lab restart`): parses `args` as `T` (named `name`), runs
 /// `run(exe, &options)` with this executable, prints the report, and exits 0 when

@@ -271,12 +271,7 @@ impl RestartReport {
                 if b > 0.0 { a / b } else { 0.0 }
             ));
         }
-        for (name, ok, detail) in self.checks() {
-            o.push_str(&format!(
-                "{} {name}: {detail}\n",
-                if ok { "PASS" } else { "FAIL" }
-            ));
-        }
+        super::render_checks(&mut o, &self.checks());
         o
     }
 }
