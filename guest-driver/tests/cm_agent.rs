@@ -1602,6 +1602,54 @@ fn destroy_withdraws_queued_events() {
     assert!(matches!(parse(&one(&mut a)).1, CmRepr::Dreq(_)));
 }
 
+/// Destroying a handle withdraws its own queued events, whether or not others' are
+/// queued around them, and only its own: the per-slot count that lets destroy skip the
+/// queue stays right through pops and slot reuse.
+#[test]
+fn destroy_withdraws_only_its_own_events_through_pops_and_slot_reuse() {
+    let mut a = agent();
+    let (x, xl, xq, _) = establish_active(&mut a, 0x51, 0x601, ms(0));
+    let (y, yl, yq, _) = establish_active(&mut a, 0x52, 0x602, ms(0));
+    events(&mut a);
+    // The peer ends both: a Disconnected for each, x's first.
+    a.handle_mad(&dreq_mad(0x71, 0x51, xl, xq), peer_gid(), ms(1));
+    a.handle_mad(&dreq_mad(0x72, 0x52, yl, yq), peer_gid(), ms(1));
+    take(&mut a);
+    // x's event leaves by pop; destroying x then leaves y's in place.
+    assert_eq!(a.pop_event(), Some(Event::Disconnected { id: x }));
+    a.destroy(x, ms(2)).unwrap();
+    assert_eq!(a.pop_event(), Some(Event::Disconnected { id: y }));
+    assert_eq!(a.pop_event(), None);
+    // y gets another event queued (its TimeWait ends), then z one behind it, and y is
+    // destroyed with its event queued.
+    let (z, zl, zq, _) = establish_active(&mut a, 0x53, 0x603, ms(2));
+    a.poll(ms(60_000));
+    a.handle_mad(&dreq_mad(0x73, 0x53, zl, zq), peer_gid(), ms(60_000));
+    take(&mut a);
+    a.destroy(y, ms(60_001)).unwrap();
+    let left = events(&mut a);
+    assert!(
+        left.iter().all(|e| e.id() != y),
+        "y's events are gone: {left:?}"
+    );
+    assert!(left.iter().any(|e| e.id() == z), "z's stay: {left:?}");
+    // A handle on a reused slot gets and loses its events like any other.
+    let w = a
+        .connect(peer_gid(), SID, &[], &ConnectOptions::default(), ms(60_002))
+        .unwrap();
+    let m = one(&mut a);
+    let (h, CmRepr::Req(r)) = parse(&m) else {
+        panic!()
+    };
+    a.handle_mad(
+        &rep_mad(h.tid, peer_rep(0x54, r.local_comm_id, 0x604)),
+        peer_gid(),
+        ms(60_003),
+    );
+    a.destroy(w, ms(60_004)).unwrap();
+    assert!(events(&mut a).iter().all(|e| e.id() != w));
+}
+
 #[test]
 fn late_dreq_in_timewait_after_our_own_disconnect_gets_a_fresh_drep() {
     let mut a = agent();

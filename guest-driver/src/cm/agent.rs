@@ -2,7 +2,9 @@
 //! The application-facing calls are in `api.rs`.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
+
+use super::FastMap;
 
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{
@@ -154,22 +156,25 @@ pub struct Agent {
     /// (remote CA GUID, remote comm ID) -> slot: duplicate REQ/REP detection and
     /// REJ(TIMEOUT) lookup. Left on entering TimeWait (Linux `cm_remove_remote()`), so a
     /// REQ reusing the remote comm ID then is a new request.
-    remote_ids: HashMap<(u64, u32), u32>,
+    remote_ids: FastMap<(u64, u32), u32>,
     /// (remote CA GUID, remote QPN) -> slot of a *connected* connection (REQ_RCVD or
     /// REP_RCVD up to DREQ): stale-connection detection. Left on entering TimeWait.
-    remote_qpns: HashMap<(u64, u32), u32>,
-    pub(crate) listeners: HashMap<u64, u32>,
-    sidr_rcvd: HashMap<(Gid, u32), u32>,
+    remote_qpns: FastMap<(u64, u32), u32>,
+    pub(crate) listeners: FastMap<u64, u32>,
+    sidr_rcvd: FastMap<(Gid, u32), u32>,
     timers: BinaryHeap<Reverse<(u64, u64, u32)>>,
     timer_seq: u64,
     armed: usize,
     outbox: VecDeque<OutMad>,
     events: VecDeque<Event>,
+    /// Events in `events` per slot (never fewer than there are): lets
+    /// [`Agent::forget_events`] skip the queue for a slot with none.
+    queued_events: Vec<u32>,
     pub(crate) counters: CmCounters,
     pub(crate) drops: Drops,
     pub(crate) connections: usize,
     /// Per-destination request windows (see `pacing.rs`).
-    pub(crate) windows: HashMap<Gid, Window>,
+    pub(crate) windows: FastMap<Gid, Window>,
     /// Destinations whose window freed a slot since the last flush.
     pub(crate) pace_dirty: Vec<Gid>,
     pub(crate) pace_counters: PacingCounters,
@@ -188,19 +193,20 @@ impl Agent {
             free: Vec::new(),
             comm_ids: CommIds::new(operand),
             qpns,
-            remote_ids: HashMap::new(),
-            remote_qpns: HashMap::new(),
-            listeners: HashMap::new(),
-            sidr_rcvd: HashMap::new(),
+            remote_ids: FastMap::default(),
+            remote_qpns: FastMap::default(),
+            listeners: FastMap::default(),
+            sidr_rcvd: FastMap::default(),
             timers: BinaryHeap::new(),
             timer_seq: 0,
             armed: 0,
             outbox: VecDeque::new(),
             events: VecDeque::new(),
+            queued_events: Vec::new(),
             counters: CmCounters::default(),
             drops: Drops::default(),
             connections: 0,
-            windows: HashMap::new(),
+            windows: FastMap::default(),
             pace_dirty: Vec::new(),
             pace_counters: PacingCounters::default(),
         }
@@ -228,12 +234,15 @@ impl Agent {
 
     /// The next event for the application.
     pub fn pop_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        let e = self.events.pop_front()?;
+        unqueued(&mut self.queued_events, &e);
+        Some(e)
     }
 
     /// Every pending event, oldest first.
     pub fn drain_events(&mut self) -> impl Iterator<Item = Event> + '_ {
-        self.events.drain(..)
+        let queued = &mut self.queued_events;
+        self.events.drain(..).inspect(move |e| unqueued(queued, e))
     }
 
     /// The counters (Linux `infiniband_cm` shape).
@@ -575,7 +584,7 @@ impl Agent {
                 } else {
                     // REQ/REP/SIDR_REQ error -> rdma_cm UNREACHABLE.
                     if self.conns[slot as usize].app {
-                        self.events.push_back(Event::Unreachable { id });
+                        self.event(Event::Unreachable { id });
                     }
                     self.go_idle(slot);
                 }
@@ -587,7 +596,7 @@ impl Agent {
                 let app = self.conns[slot as usize].app;
                 self.go_idle(slot);
                 if app {
-                    self.events.push_back(Event::TimewaitExit { id });
+                    self.event(Event::TimewaitExit { id });
                 }
             }
             _ => {}
@@ -787,16 +796,33 @@ impl Agent {
         let c = &mut self.conns[slot as usize];
         if c.app && !c.disconnect_reported {
             c.disconnect_reported = true;
-            self.events.push_back(Event::Disconnected { id });
+            self.event(Event::Disconnected { id });
         }
     }
 
-    /// Withdraws the queued events of a destroyed handle.
+    /// Withdraws the queued events of a destroyed handle. Only a slot with events
+    /// queued walks the queue: an application that destroys each connection as its
+    /// last event arrives (cmtime's server, most rdma_cm loops) would otherwise walk
+    /// the whole queue once per connection, quadratic in a burst.
     pub(crate) fn forget_events(&mut self, id: CmId) {
+        let s = id.slot as usize;
+        if self.queued_events.get(s).is_none_or(|n| *n == 0) {
+            return;
+        }
+        let before = self.events.len();
         self.events.retain(|e| e.id() != id);
+        let gone = (before - self.events.len()) as u32;
+        self.queued_events[s] = self.queued_events[s].saturating_sub(gone);
     }
 
+    /// Queues an event for the application (the only way one is queued, so
+    /// `queued_events` never undercounts).
     pub(crate) fn event(&mut self, e: Event) {
+        let s = e.id().slot as usize;
+        if self.queued_events.len() <= s {
+            self.queued_events.resize(s + 1, 0);
+        }
+        self.queued_events[s] += 1;
         self.events.push_back(e);
     }
 
@@ -1364,4 +1390,11 @@ pub(crate) mod pd {
         rtu::PRIVATE_DATA_LEN as RTU, sidr_rep::PRIVATE_DATA_LEN as SIDR_REP,
         sidr_req::PRIVATE_DATA_LEN as SIDR_REQ,
     };
+}
+
+/// An event left the queue: its slot has one fewer queued.
+fn unqueued(queued: &mut [u32], e: &Event) {
+    if let Some(n) = queued.get_mut(e.id().slot as usize) {
+        *n = n.saturating_sub(1);
+    }
 }

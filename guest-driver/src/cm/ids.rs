@@ -1,7 +1,7 @@
 //! Identifier allocation: comm IDs the Linux way (a cyclic index XORed with a random
 //! operand), simulated QPNs from the port's range, and the small seeded PRNG both use.
 
-use std::collections::{HashMap, HashSet};
+use super::{FastMap, FastSet};
 
 /// SplitMix64: a tiny, seedable, statistically sound PRNG (no I/O, reproducible).
 #[derive(Debug, Clone)]
@@ -45,7 +45,7 @@ pub struct CommIds {
     next: u32,
     operand: u32,
     /// Held IDs and the slot of the connection holding each.
-    held: HashMap<u32, u32>,
+    held: FastMap<u32, u32>,
 }
 
 impl CommIds {
@@ -54,7 +54,7 @@ impl CommIds {
         CommIds {
             next: 0,
             operand,
-            held: HashMap::new(),
+            held: FastMap::default(),
         }
     }
 
@@ -102,7 +102,7 @@ pub struct QpnPool {
     base: u32,
     count: u32,
     next: u32,
-    used: HashSet<u32>,
+    used: FastSet<u32>,
 }
 
 impl QpnPool {
@@ -114,7 +114,7 @@ impl QpnPool {
             base,
             count,
             next: 0,
-            used: HashSet::new(),
+            used: FastSet::default(),
         }
     }
 

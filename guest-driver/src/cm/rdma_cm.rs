@@ -79,7 +79,7 @@ pub const EPHEMERAL_PORTS: core::ops::RangeInclusive<u16> = 32768..=60999;
 #[derive(Debug, Clone)]
 pub struct EphemeralPorts {
     next: u16,
-    used: std::collections::HashSet<u16>,
+    used: super::FastSet<u16>,
 }
 
 impl EphemeralPorts {
@@ -90,7 +90,7 @@ impl EphemeralPorts {
         let start = crate::cm::SplitMix64::new(seed).below(span) as u16;
         EphemeralPorts {
             next: lo + start,
-            used: std::collections::HashSet::new(),
+            used: super::FastSet::default(),
         }
     }
 
