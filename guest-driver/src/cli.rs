@@ -36,7 +36,8 @@ use crate::cm::{
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use crate::device::pci::{PciDevice, PciOptions};
 use crate::device::{
-    Device, DeviceError, DeviceEvent, DeviceOptions, Notice, Transport, random_seed,
+    DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, Notice, Transport,
+    random_seed,
 };
 use crate::time::{Clock, SystemClock};
 use clap::{Parser, Subcommand};
@@ -81,6 +82,13 @@ impl std::str::FromStr for DeviceSpec {
             );
         }
         Err(format!("unknown device {s:?}: use pci or pci:VIRTIO_ID"))
+    }
+}
+
+fn parse_rx_batch(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=32_768).contains(&n) => Ok(n),
+        _ => Err(format!("{s:?}: a number of messages, 1 to 32768")),
     }
 }
 
@@ -157,6 +165,11 @@ pub struct Cli {
     /// The window a destination starts with (default 32; at most --max-window).
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     initial_window: Option<u32>,
+    /// Messages the driver takes from rx before the application sees them and the
+    /// answers go out (at most the queue size).
+    #[arg(long, global = true, value_name = "N", default_value_t = DEFAULT_RX_BATCH,
+          value_parser = parse_rx_batch)]
+    rx_batch: usize,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -302,6 +315,7 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
         seed: cli.seed.unwrap_or_else(random_seed),
         configure: agent_configure(cli.linux_drep),
         pacing: pacing_from(cli.max_window, cli.initial_window),
+        rx_batch: cli.rx_batch,
         ..DeviceOptions::default()
     };
     Device::start(t, q, SystemClock::new(), opts)
@@ -938,6 +952,7 @@ fn cmtime_client<T: Transport, C: Clock>(
         }),
     );
     cpu.emit(out);
+    emit_device_work(dev, out);
     Ok(if r.success() {
         ExitCode::SUCCESS
     } else {
@@ -966,6 +981,7 @@ fn cmtime_server<T: Transport, C: Clock>(
         }),
     );
     cpu.emit(out);
+    emit_device_work(dev, out);
     Ok(if r.disconnected >= o.connections {
         ExitCode::SUCCESS
     } else {
@@ -980,6 +996,21 @@ fn cmtime_server<T: Transport, C: Clock>(
 struct ProcessCpu {
     user: Duration,
     system: Duration,
+}
+
+/// How the device's queues were worked, for a benchmark's report: messages per
+/// notification and per sleep are what a VM pays for in exits and interrupts.
+fn emit_device_work<T: Transport, C: Clock>(dev: &Device<T, C>, out: Out) {
+    let s = dev.stats();
+    out.emit(
+        format!(
+            "device rx {} tx {} in {} batches, kicks tx {} rx {}, waits {}",
+            s.rx_msgs, s.tx_mads, s.tx_batches, s.tx_kicks, s.rx_kicks, s.waits
+        ),
+        json!({"event": "device", "rx_msgs": s.rx_msgs, "tx_mads": s.tx_mads,
+            "tx_batches": s.tx_batches, "tx_kicks": s.tx_kicks, "rx_kicks": s.rx_kicks,
+            "waits": s.waits}),
+    );
 }
 
 impl ProcessCpu {

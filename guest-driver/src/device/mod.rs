@@ -78,7 +78,15 @@ pub struct DeviceOptions {
     /// Replaces the agent's pacing policy (`None`: keep the agent's; `Some(None)`: no
     /// pacing, every request goes out at once).
     pub pacing: Option<Option<Pacing>>,
+    /// Messages one pump takes from rx before the application sees their events and
+    /// the answers go out (at least 1; at most the queue's size is used). Smaller
+    /// batches let the peer work on the first answers while this side handles the
+    /// rest of a burst; each batch costs a notification.
+    pub rx_batch: usize,
 }
+
+/// [`DeviceOptions::rx_batch`] by default.
+pub const DEFAULT_RX_BATCH: usize = 64;
 
 impl Default for DeviceOptions {
     fn default() -> Self {
@@ -88,6 +96,7 @@ impl Default for DeviceOptions {
             max_device_events: 1024,
             configure: None,
             pacing: None,
+            rx_batch: DEFAULT_RX_BATCH,
         }
     }
 }
@@ -381,6 +390,9 @@ pub struct DeviceStats {
     pub resets: u64,
     /// Device events dropped because the application did not read them.
     pub events_lost: u64,
+    /// Times the driver slept on the transport (an interrupt or a timed poll) with
+    /// nothing to do.
+    pub waits: u64,
     rx_drops: [u64; 8],
 }
 
@@ -811,8 +823,12 @@ impl<T: Transport, C: Clock> Device<T, C> {
         let mut report = Pump::default();
         reclaim(&mut self.tx)?;
 
-        // Rx: at most one queue's worth per pump, so a flood cannot starve tx.
-        let budget = usize::from(self.rx.pool().count());
+        // Rx: at most one batch per pump (never more than the queue holds), so a flood
+        // cannot starve tx and a burst's first answers leave while the rest wait.
+        let budget = self
+            .opts
+            .rx_batch
+            .clamp(1, usize::from(self.rx.pool().count()).max(1));
         let mut copy = [0u8; RX_BUFFER_LEN];
         while report.rx < budget {
             let Some(u) = self.rx.pop_used()? else { break };
@@ -1034,6 +1050,7 @@ impl<T: Transport, C: Clock> Device<T, C> {
             self.tx.disable_notifications();
             return Ok(());
         }
+        self.stats.waits += 1;
         let r = self.transport.wait(wake.since(now));
         if blocked {
             self.tx.disable_notifications();
