@@ -305,6 +305,13 @@ impl DirtyLogMem {
         b & (1 << (page % 8)) != 0
     }
 
+    /// Clears every mark (as QEMU does between its passes over guest RAM).
+    pub fn clear(&self) {
+        // SAFETY: the mapping holds `len` bytes; the backend only ORs bits into it, so
+        // a mark racing with this is either kept or cleared, as with QEMU's sync.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+    }
+
     /// Pages marked dirty.
     pub fn dirty_pages(&self) -> u64 {
         (0..self.len)
