@@ -29,11 +29,38 @@ fn deliver(from: &mut Agent, from_gid: Gid, to: &mut Agent, now: Time) -> usize 
     mads.len()
 }
 
+/// One round trip of a burst: the client's due timers and queued MADs go to the server,
+/// the server's application reacts to its events, and its MADs come back; returns how
+/// many client events `on_client` counted.
+fn round_trip(
+    c: &mut Agent,
+    s: &mut Agent,
+    (cg, sg): (Gid, Gid),
+    now: Time,
+    on_server: &mut dyn FnMut(&mut Agent, Event),
+    on_client: &mut dyn FnMut(&mut Agent, Event) -> bool,
+) -> usize {
+    c.poll(now);
+    deliver(c, cg, s, now);
+    while let Some(e) = s.pop_event() {
+        on_server(s, e);
+    }
+    s.poll(now);
+    deliver(s, sg, c, now);
+    let mut n = 0;
+    while let Some(e) = c.pop_event() {
+        n += usize::from(on_client(c, e));
+    }
+    n
+}
+
 fn round(n: usize, seed: u64) -> [u64; 3] {
-    let (cg, sg) = (gid(1), gid(2));
+    let gids = (gid(1), gid(2));
+    let (cg, sg) = gids;
     let mut c = Agent::new(AgentConfig::new(cg, 0x0200_0001, 0x1000, 0x10000, seed));
     let mut s = Agent::new(AgentConfig::new(sg, 0x0200_0002, 0x1000, 0x10000, !seed));
     let sid = 0x0000_0000_0106_1d2f;
+    let step = std::time::Duration::from_micros(50);
     let mut now = Time::from_millis(1);
     s.listen(sid).expect("listen");
     let opts = ConnectOptions::default();
@@ -47,21 +74,19 @@ fn round(n: usize, seed: u64) -> [u64; 3] {
     let t1 = Instant::now();
     let mut established = 0;
     while established < n {
-        now = now.after(std::time::Duration::from_micros(50));
-        c.poll(now);
-        deliver(&mut c, cg, &mut s, now);
-        while let Some(e) = s.pop_event() {
-            if let Event::ConnectRequest { id, .. } = e {
-                s.accept(id, &[], now).expect("accept");
-            }
-        }
-        s.poll(now);
-        deliver(&mut s, sg, &mut c, now);
-        while let Some(e) = c.pop_event() {
-            if let Event::Established { .. } = e {
-                established += 1;
-            }
-        }
+        now = now.after(step);
+        established += round_trip(
+            &mut c,
+            &mut s,
+            gids,
+            now,
+            &mut |s, e| {
+                if let Event::ConnectRequest { id, .. } = e {
+                    s.accept(id, &[], now).expect("accept");
+                }
+            },
+            &mut |_, e| matches!(e, Event::Established { .. }),
+        );
     }
     deliver(&mut c, cg, &mut s, now); // the last RTUs
     while s.pop_event().is_some() {}
@@ -71,22 +96,25 @@ fn round(n: usize, seed: u64) -> [u64; 3] {
     }
     let mut done = 0;
     while done < n {
-        now = now.after(std::time::Duration::from_micros(50));
-        c.poll(now);
-        deliver(&mut c, cg, &mut s, now);
-        while let Some(e) = s.pop_event() {
+        now = now.after(step);
+        // Both sides destroy a connection on its Disconnected, as cmtime does.
+        let destroy = |a: &mut Agent, e: Event| {
             if let Event::Disconnected { id } = e {
-                s.destroy(id, now).expect("destroy");
+                a.destroy(id, now).expect("destroy");
+                return true;
             }
-        }
-        s.poll(now);
-        deliver(&mut s, sg, &mut c, now);
-        while let Some(e) = c.pop_event() {
-            if let Event::Disconnected { id } = e {
-                c.destroy(id, now).expect("destroy");
-                done += 1;
-            }
-        }
+            false
+        };
+        done += round_trip(
+            &mut c,
+            &mut s,
+            gids,
+            now,
+            &mut |s, e| {
+                destroy(s, e);
+            },
+            &mut |c, e| destroy(c, e),
+        );
     }
     let t3 = Instant::now();
     black_box((&c, &s));
