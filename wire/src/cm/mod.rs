@@ -538,6 +538,7 @@ const LAP_PATH: PathLayout = PathLayout {
 pub const PATH_LEN: usize = 44;
 
 impl PathRepr {
+    #[inline(always)]
     fn read(l: &PathLayout, buf: &[u8], base: usize) -> PathRepr {
         let b = &buf[base..base + PATH_LEN];
         let gid = |at: usize| {
@@ -560,6 +561,7 @@ impl PathRepr {
         }
     }
 
+    #[inline(always)]
     fn write(&self, l: &PathLayout, buf: &mut [u8], base: usize) {
         let b = &mut buf[base..base + PATH_LEN];
         l.local_lid.set(b, self.local_lid.into());
