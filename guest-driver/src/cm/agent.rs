@@ -180,29 +180,44 @@ pub struct Agent {
     pub(crate) pace_counters: PacingCounters,
 }
 
+/// Connections an agent makes room for when it starts (fewer if its quota is smaller):
+/// a burst of up to this many connections never grows the agent's tables. About 1 MiB
+/// of address space, touched only as connections arrive.
+pub const PRESIZED_CONNECTIONS: usize = 1024;
+
 impl Agent {
     /// An agent with no connections.
     pub fn new(cfg: AgentConfig) -> Agent {
         let mut rng = SplitMix64::new(cfg.seed);
         let operand = rng.next_u32();
-        let qpns = QpnPool::new(cfg.qpn_base, cfg.qpn_count);
+        let mut qpns = QpnPool::new(cfg.qpn_base, cfg.qpn_count);
+        // Room for a first burst up front: growing the connection table and its indexes
+        // one doubling at a time moves every entry again (a Conn holds two MADs), and
+        // the burst would pay for it.
+        let cap = match cfg.max_connections {
+            0 => PRESIZED_CONNECTIONS,
+            n => (n as usize).min(PRESIZED_CONNECTIONS),
+        };
+        let mut comm_ids = CommIds::new(operand);
+        comm_ids.reserve(cap);
+        qpns.reserve(cap);
         Agent {
             cfg,
             rng,
-            conns: Vec::new(),
+            conns: Vec::with_capacity(cap),
             free: Vec::new(),
-            comm_ids: CommIds::new(operand),
+            comm_ids,
             qpns,
-            remote_ids: FastMap::default(),
-            remote_qpns: FastMap::default(),
+            remote_ids: FastMap::with_capacity_and_hasher(cap, Default::default()),
+            remote_qpns: FastMap::with_capacity_and_hasher(cap, Default::default()),
             listeners: FastMap::default(),
             sidr_rcvd: FastMap::default(),
-            timers: BinaryHeap::new(),
+            timers: BinaryHeap::with_capacity(cap),
             timer_seq: 0,
             armed: 0,
-            outbox: VecDeque::new(),
-            events: VecDeque::new(),
-            queued_events: Vec::new(),
+            outbox: VecDeque::with_capacity(cap),
+            events: VecDeque::with_capacity(cap),
+            queued_events: Vec::with_capacity(cap),
             counters: CmCounters::default(),
             drops: Drops::default(),
             connections: 0,

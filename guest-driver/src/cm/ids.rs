@@ -74,6 +74,11 @@ impl CommIds {
         }
     }
 
+    /// Makes room for `n` more held IDs.
+    pub fn reserve(&mut self, n: usize) {
+        self.held.reserve(n);
+    }
+
     /// Releases a held ID.
     pub fn release(&mut self, id: u32) {
         self.held.remove(&id);
@@ -116,6 +121,11 @@ impl QpnPool {
             next: 0,
             used: FastSet::default(),
         }
+    }
+
+    /// Makes room for `n` more QPNs in use.
+    pub fn reserve(&mut self, n: usize) {
+        self.used.reserve(n.min(self.count as usize));
     }
 
     /// True if `qpn` lies in the port's range.
