@@ -56,6 +56,7 @@ Options:
 Environment: PVCM_CACHE, PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6),
 PVCM_E2E_BURST_ARGS (extra pvcm-guest cmtime options for the burst client),
 PVCM_E2E_GUEST_OPTS (global pvcm-guest options for both burst VMs, e.g. --no-interrupts),
+PVCM_E2E_BACKEND_ARGS (extra pvcm-backend options for every backend, e.g. --pcap FILE),
 PVCM_E2E_RESTART (test 9), PVCM_E2E_MIGRATE (test 10), PVCM_E2E_VM_TIMEOUT (per VM,
 default 150 s), PVCM_E2E_NET (first two octets of the loopback addresses, default
 127.10; change it when another run uses those addresses).
@@ -213,7 +214,9 @@ start_backend() {
     done
     rm -f "$workdir/$name.ctl"
     # backend_extra: more options for this start (test 9's --state-dir).
+    # shellcheck disable=SC2086 # PVCM_E2E_BACKEND_ARGS is a list of words
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" "${args[@]}" ${backend_extra[@]+"${backend_extra[@]}"} \
+        ${PVCM_E2E_BACKEND_ARGS:-} \
         --control "$workdir/$name.ctl" >>"$workdir/$name.backend.log" 2>&1 &
     bg_pids+=($!)
     eval "pid_$name=$!"

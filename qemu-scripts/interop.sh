@@ -5,7 +5,7 @@ set -euo pipefail
 usage() {
     cat <<'USAGE'
 Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--workdir DIR] [--pcap FILE]
-       qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--workdir DIR]
+       qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--rounds 3] [--workdir DIR]
 
 Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe (../shared/tools/rxe-peer): two
 TCG guests with the kernel CM (k 10.99.0.2 with a cmtime listener, j 10.99.0.3) and,
@@ -35,8 +35,11 @@ failed". Exit 0 when all selected tests passed.
 --bench runs the benchmark instead (interop/bench.sh): at each size, all in one run,
 kernel CM <-> kernel CM (cmtime between k and j) next to pvcm VM <-> pvcm VM (two TCG
 VMs on one pvcm-backend, default options): connect and disconnect totals, the speed-up
-and the CPU per connection on each side. It fails only when pvcm loses a connection,
-a MAD or needs a retry; the figures are for reading, not asserted.
+and the CPU per connection on each side. Each side runs --rounds bursts back to back in
+VMs that stay up (the kernel guests run cmtime again; pvcm's VMs run one cmtime process
+with --rounds), so both are warm after the first; it prints every round, the medians,
+and the speed-up of the medians and of the first (cold) round. It fails only when pvcm
+loses a connection, a MAD or needs a retry; the figures are for reading, not asserted.
 
 Options:
   --conns N      connections for tests 1, 2 and 5 (default 1000)
@@ -46,6 +49,7 @@ Options:
   --pcap FILE    capture br0 to FILE (dumpcap) and check its tshark decode
   --bench        run the benchmark instead of the tests
   --sizes LIST   benchmark sizes (default 1000,4000)
+  --rounds N     benchmark bursts per size and side (default 3)
   -h, --help     this help
 
 Needs root (network namespace, taps, raw socket), and installs what it needs:
@@ -56,11 +60,11 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2
+conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) bench=1 ;;
-    --conns | --only | --workdir | --pcap | --sizes | --trials)
+    --conns | --only | --workdir | --pcap | --sizes | --trials | --rounds)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --conns) conns="$2" ;;
@@ -69,6 +73,7 @@ while [ $# -gt 0 ]; do
         --pcap) pcap="$2" ;;
         --sizes) sizes="$2" ;;
         --trials) trials="$2" ;;
+        --rounds) rounds="$2" ;;
         esac
         shift
         ;;
@@ -80,6 +85,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+case "$rounds" in '' | *[!0-9]* | 0) die "--rounds needs a positive number, not '$rounds'" ;; esac
 need_root "interop.sh (network namespace, raw socket)"
 rxe_peer="$PVCM_REPO_DIR/../shared/tools/rxe-peer"
 [ -x "$rxe_peer/run.sh" ] || [ -f "$rxe_peer/run.sh" ] || die "no rxe-peer at $rxe_peer"
@@ -122,7 +128,7 @@ if [ "$bench" = 1 ]; then
     rc=0
     IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
         IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_SIZES="$sizes" \
-        PVCM_CACHE="$PVCM_CACHE" \
+        IOP_ROUNDS="$rounds" PVCM_CACHE="$PVCM_CACHE" \
         bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
         --logdir "$workdir/rxe" --timeout 1800 -q \
         --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \

@@ -36,8 +36,8 @@ use crate::cm::{
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use crate::device::pci::{PciDevice, PciOptions};
 use crate::device::{
-    DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, Notice, Transport,
-    random_seed,
+    DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, DeviceStats, Notice,
+    Transport, random_seed,
 };
 use crate::time::{Clock, SystemClock};
 use clap::{Parser, Subcommand};
@@ -252,6 +252,14 @@ pub enum Cmd {
         /// Client: seconds to stay connected between establishing and disconnecting.
         #[arg(long, default_value = "0", value_parser = parse_secs, value_name = "SECS", conflicts_with = "server")]
         hold: Duration,
+        /// Bursts to run in this one process, one after the other (the client reports
+        /// each; the server serves N connections per round). A long-running guest CM
+        /// service is warm after its first burst; the first round shows the cold start.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000), value_name = "R")]
+        rounds: u32,
+        /// Client: seconds between rounds (the device keeps being served).
+        #[arg(long, default_value = "1", value_parser = parse_secs, value_name = "SECS", conflicts_with = "server")]
+        pause: Duration,
     },
 }
 
@@ -413,6 +421,8 @@ pub fn run_command<T: Transport, C: Clock>(
             server,
             timeout,
             hold,
+            rounds,
+            pause,
         } => match (dest, server) {
             (Some(dest), false) => {
                 let o = ClientOptions {
@@ -422,12 +432,18 @@ pub fn run_command<T: Transport, C: Clock>(
                     timeout: timeout.unwrap_or(Duration::from_secs(30)),
                     hold: *hold,
                 };
-                cmtime_client(dev, out, &o)
+                cmtime_client(dev, out, &o, *rounds, *pause)
             }
             _ => {
+                let Some(total) = connections.checked_mul(*rounds) else {
+                    return Err(DeviceError::Invalid(format!(
+                        "--connections {connections} x --rounds {rounds} is more than {} connections",
+                        u32::MAX
+                    )));
+                };
                 let o = ServerOptions {
                     port: *port,
-                    connections: *connections,
+                    connections: total,
                     timeout: *timeout,
                 };
                 cmtime_server(dev, out, &o)
@@ -920,8 +936,37 @@ fn cmtime_client<T: Transport, C: Clock>(
     dev: &mut Device<T, C>,
     out: Out,
     o: &ClientOptions,
+    rounds: u32,
+    pause: Duration,
 ) -> Result<ExitCode, DeviceError> {
-    let cpu0 = ProcessCpu::now();
+    let mut ok = true;
+    for round in 1..=rounds {
+        if rounds > 1 {
+            if round > 1 {
+                dev.run_until(pause, |_| false)?;
+            }
+            out.emit(
+                format!("round {round} of {rounds}"),
+                json!({"event": "round", "round": round, "rounds": rounds}),
+            );
+        }
+        ok &= cmtime_client_round(dev, out, o)?;
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CM_FAILED)
+    })
+}
+
+/// One client burst: runs it and prints its report, CPU and device work; true if every
+/// connection was established and torn down.
+fn cmtime_client_round<T: Transport, C: Clock>(
+    dev: &mut Device<T, C>,
+    out: Out,
+    o: &ClientOptions,
+) -> Result<bool, DeviceError> {
+    let (cpu0, work0) = (ProcessCpu::now(), *dev.stats());
     let r = cmtime::client(dev, o)?;
     let cpu = ProcessCpu::now().since(cpu0);
     let mut steps = serde_json::Map::new();
@@ -952,12 +997,8 @@ fn cmtime_client<T: Transport, C: Clock>(
         }),
     );
     cpu.emit(out);
-    emit_device_work(dev, out);
-    Ok(if r.success() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(EXIT_CM_FAILED)
-    })
+    emit_device_work(dev, out, &work0);
+    Ok(r.success())
 }
 
 fn cmtime_server<T: Transport, C: Clock>(
@@ -981,7 +1022,7 @@ fn cmtime_server<T: Transport, C: Clock>(
         }),
     );
     cpu.emit(out);
-    emit_device_work(dev, out);
+    emit_device_work(dev, out, &DeviceStats::default());
     Ok(if r.disconnected >= o.connections {
         ExitCode::SUCCESS
     } else {
@@ -1000,16 +1041,21 @@ struct ProcessCpu {
 
 /// How the device's queues were worked, for a benchmark's report: messages per
 /// notification and per sleep are what a VM pays for in exits and interrupts.
-fn emit_device_work<T: Transport, C: Clock>(dev: &Device<T, C>, out: Out) {
-    let s = dev.stats();
+fn emit_device_work<T: Transport, C: Clock>(dev: &Device<T, C>, out: Out, since: &DeviceStats) {
+    let (now, b) = (dev.stats(), since);
+    let rx_msgs = now.rx_msgs - b.rx_msgs;
+    let tx_mads = now.tx_mads - b.tx_mads;
+    let tx_batches = now.tx_batches - b.tx_batches;
+    let tx_kicks = now.tx_kicks - b.tx_kicks;
+    let rx_kicks = now.rx_kicks - b.rx_kicks;
+    let waits = now.waits - b.waits;
     out.emit(
         format!(
-            "device rx {} tx {} in {} batches, kicks tx {} rx {}, waits {}",
-            s.rx_msgs, s.tx_mads, s.tx_batches, s.tx_kicks, s.rx_kicks, s.waits
+            "device rx {rx_msgs} tx {tx_mads} in {tx_batches} batches, kicks tx {tx_kicks} rx {rx_kicks}, waits {waits}"
         ),
-        json!({"event": "device", "rx_msgs": s.rx_msgs, "tx_mads": s.tx_mads,
-            "tx_batches": s.tx_batches, "tx_kicks": s.tx_kicks, "rx_kicks": s.rx_kicks,
-            "waits": s.waits}),
+        json!({"event": "device", "rx_msgs": rx_msgs, "tx_mads": tx_mads,
+            "tx_batches": tx_batches, "tx_kicks": tx_kicks, "rx_kicks": rx_kicks,
+            "waits": waits}),
     );
 }
 

@@ -61,6 +61,8 @@ fn usage_errors_exit_with_status_2() {
     for args in [
         vec!["--device", "lab:vm1", "info"],
         vec!["cmtime"],
+        vec!["cmtime", "--server", "--rounds", "0"],
+        vec!["cmtime", "--server", "--pause", "1"],
         vec!["connect", "--dest", "not-a-gid", "--port", "1"],
         vec!["listen"],
         vec![],

@@ -197,3 +197,68 @@ fn lab_transport_handshake_connect_and_cmtime() {
     assert_eq!(a.stats().rx_dropped() + b.stats().rx_dropped(), 0);
     assert_eq!(a.stats().send_errors + b.stats().send_errors, 0);
 }
+
+#[test]
+fn cmtime_rounds_run_bursts_back_to_back_in_one_process() {
+    use pvcm_guest::cli::{Cmd, Out, run_command};
+    use pvcm_wire::counters::Group;
+    use pvcm_wire::mad::AttributeId;
+
+    let host = FakeHost::new();
+    let (la, qa, ka) = lab_vm(&host, port(1), 64);
+    let (lb, qb, kb) = lab_vm(&host, port(2), 64);
+    let stop = Arc::new(AtomicBool::new(false));
+    let dev_thread = device_thread(
+        host.clone(),
+        ka.into_iter().chain(kb).collect(),
+        stop.clone(),
+    );
+    let opts = DeviceOptions {
+        seed: 11,
+        ..DeviceOptions::default()
+    };
+    let mut a = Device::start(la, qa, SystemClock::new(), opts).unwrap();
+    let mut b = Device::start(lb, qb, SystemClock::new(), opts).unwrap();
+    const N: u32 = 20;
+    const ROUNDS: u32 = 3;
+    let cmtime = |dest, server| Cmd::Cmtime {
+        dest,
+        connections: N,
+        port: 6100,
+        server,
+        timeout: Some(Duration::from_secs(20)),
+        hold: Duration::ZERO,
+        rounds: ROUNDS,
+        pause: Duration::from_millis(50),
+    };
+    let out = Out { json: true };
+    let server_cmd = cmtime(None, true);
+    let server = std::thread::spawn(move || {
+        let code = run_command(&mut b, &server_cmd, out).unwrap();
+        (format!("{code:?}"), b)
+    });
+    // The server listens from its first pump; give it that before the first REQ.
+    std::thread::sleep(Duration::from_millis(200));
+    let code = run_command(&mut a, &cmtime(Some(gid(2)), false), out).unwrap();
+    let (server_code, b) = server.join().unwrap();
+    let ok = format!("{:?}", std::process::ExitCode::SUCCESS);
+    assert_eq!(format!("{code:?}"), ok);
+    // The server stops only after N connections of every round were torn down.
+    assert_eq!(server_code, ok);
+    let (ca, cb) = (a.agent().counters(), b.agent().counters());
+    assert_eq!(
+        ca.get(Group::TxMsgs, AttributeId::Req),
+        u64::from(N * ROUNDS)
+    );
+    assert_eq!(
+        ca.get(Group::TxMsgs, AttributeId::Dreq),
+        u64::from(N * ROUNDS)
+    );
+    assert_eq!(
+        cb.get(Group::TxMsgs, AttributeId::Rep),
+        u64::from(N * ROUNDS)
+    );
+    assert_eq!(ca.get(Group::TxRetries, AttributeId::Req), 0);
+    stop.store(true, Ordering::Relaxed);
+    dev_thread.join().unwrap();
+}
