@@ -57,6 +57,8 @@ stat_json() { "$IOP_BACKEND" stat --control "$work/h.ctl" --json >"$work/$1.stat
 
 # vm_start NAME 'CMD' [SOCKET]: a pvcm QEMU VM (TCG) on the backend, in the background.
 vm_start() {
+    # A log left by an earlier run in the same --workdir would answer vm_console at once.
+    rm -f "$work/$1.console.log" "$work/$1.out" "$work/$1.err"
     "$IOP_RUNVM" --quiet --socket "$work/${3:-vm}.sock" --name "$1" --guest-dir "$IOP_GUEST_DIR" \
         --log "$work/$1.console.log" --timeout 300 --cmd "$2" >"$work/$1.out" 2>"$work/$1.err" &
     eval "vmpid_$1=$!"
