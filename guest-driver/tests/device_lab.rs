@@ -89,8 +89,17 @@ fn device_thread(
     })
 }
 
-#[test]
-fn lab_transport_handshake_connect_and_cmtime() {
+/// Two started devices (VMs 1 and 2) on one fake host, served by a device thread that
+/// runs until `stop` is set.
+struct TwoVms {
+    host: Arc<std::sync::Mutex<FakeHost>>,
+    a: Device<LabTransport, SystemClock>,
+    b: Device<LabTransport, SystemClock>,
+    stop: Arc<AtomicBool>,
+    dev_thread: std::thread::JoinHandle<u64>,
+}
+
+fn two_vms(seed: u64) -> TwoVms {
     let host = FakeHost::new();
     let (la, qa, ka) = lab_vm(&host, port(1), 64);
     let (lb, qb, kb) = lab_vm(&host, port(2), 64);
@@ -101,13 +110,31 @@ fn lab_transport_handshake_connect_and_cmtime() {
         stop.clone(),
     );
     let opts = DeviceOptions {
-        seed: 7,
+        seed,
         ..DeviceOptions::default()
     };
     let t = Instant::now();
-    let mut a = Device::start(la, qa, SystemClock::new(), opts).unwrap();
-    let mut b = Device::start(lb, qb, SystemClock::new(), opts).unwrap();
+    let a = Device::start(la, qa, SystemClock::new(), opts).unwrap();
+    let b = Device::start(lb, qb, SystemClock::new(), opts).unwrap();
     assert!(t.elapsed() < Duration::from_secs(3));
+    TwoVms {
+        host,
+        a,
+        b,
+        stop,
+        dev_thread,
+    }
+}
+
+#[test]
+fn lab_transport_handshake_connect_and_cmtime() {
+    let TwoVms {
+        host,
+        mut a,
+        mut b,
+        stop,
+        dev_thread,
+    } = two_vms(7);
     assert_eq!(a.agent().config().gid, gid(1));
     assert_eq!(b.port_info().name, "vm2");
     assert_eq!(a.transport().describe(), "lab");
@@ -204,21 +231,13 @@ fn cmtime_rounds_run_bursts_back_to_back_in_one_process() {
     use pvcm_wire::counters::Group;
     use pvcm_wire::mad::AttributeId;
 
-    let host = FakeHost::new();
-    let (la, qa, ka) = lab_vm(&host, port(1), 64);
-    let (lb, qb, kb) = lab_vm(&host, port(2), 64);
-    let stop = Arc::new(AtomicBool::new(false));
-    let dev_thread = device_thread(
-        host.clone(),
-        ka.into_iter().chain(kb).collect(),
-        stop.clone(),
-    );
-    let opts = DeviceOptions {
-        seed: 11,
-        ..DeviceOptions::default()
-    };
-    let mut a = Device::start(la, qa, SystemClock::new(), opts).unwrap();
-    let mut b = Device::start(lb, qb, SystemClock::new(), opts).unwrap();
+    let TwoVms {
+        mut a,
+        mut b,
+        stop,
+        dev_thread,
+        ..
+    } = two_vms(11);
     const N: u32 = 20;
     const ROUNDS: u32 = 3;
     let cmtime = |dest, server| Cmd::Cmtime {
