@@ -19,6 +19,7 @@ use super::counters::{CmCounters, DropReason, Drops, Group};
 use super::event::{CmId, Event, State};
 use super::ids::{CommIds, QpnPool, SplitMix64};
 use super::pacing::{Pace, PacingCounters, Window};
+use super::qp_attr::{PathAv, QpParams};
 use crate::time::Time;
 
 /// A MAD the agent wants sent, with its destination GID (the device ABI's addressing:
@@ -98,6 +99,8 @@ pub(crate) struct Conn {
     pub sidr_auto: Option<(u32, u32)>,
     /// Where the connection's paced request (REQ, DREQ) stands.
     pub pace: Pace,
+    /// What the exchange settled for the QP (for [`Agent::qp_attr`]).
+    pub qp: QpParams,
 }
 
 impl Conn {
@@ -136,6 +139,7 @@ impl Conn {
             sidr_key: None,
             sidr_auto: None,
             pace: Pace::Idle,
+            qp: QpParams::default(),
         }
     }
 }
@@ -998,6 +1002,26 @@ impl Agent {
         c.av_timeout = r.primary_path.local_ack_timeout.max(1);
         c.req_responder_resources = r.responder_resources;
         c.req_initiator_depth = r.initiator_depth;
+        // Linux cm_req_handler: the REQ's values, seen from this side.
+        c.qp = QpParams {
+            local_qpn: 0,
+            remote_qpn: r.local_qpn,
+            sq_psn: r.starting_psn,
+            rq_psn: 0,
+            path_mtu: r.path_mtu,
+            retry_count: r.retry_count,
+            rnr_retry_count: r.rnr_retry_count,
+            responder_resources: r.initiator_depth,
+            initiator_depth: r.responder_resources,
+            path: PathAv {
+                remote_gid: src,
+                local_gid: r.primary_path.remote_gid,
+                flow_label: r.primary_path.flow_label,
+                hop_limit: r.primary_path.hop_limit,
+                traffic_class: r.primary_path.traffic_class,
+                sl: r.primary_path.sl,
+            },
+        };
         self.index_remote(slot);
         let id = self.id_of(slot);
         self.event(Event::ConnectRequest {
@@ -1152,6 +1176,13 @@ impl Agent {
         c.remote_ca_guid = r.local_ca_guid;
         c.remote_qpn = r.local_qpn;
         c.av_timeout = cm_ack_timeout(r.target_ack_delay, c.av_timeout.saturating_sub(1));
+        // Linux cm_rep_handler: the peer's PSN is ours to send with; its resources bound
+        // ours; its RNR retry count is for our QP.
+        c.qp.remote_qpn = r.local_qpn;
+        c.qp.sq_psn = r.starting_psn;
+        c.qp.rnr_retry_count = r.rnr_retry_count;
+        c.qp.initiator_depth = r.responder_resources;
+        c.qp.responder_resources = r.initiator_depth;
         c.msg = None;
         let auto = c.auto_rtu;
         self.disarm(slot);

@@ -15,6 +15,7 @@ use super::config::{
     cm_ack_timeout,
 };
 use super::event::{CmError, CmId, State};
+use super::qp_attr::{PathAv, QpAttr, QpParams, QpState};
 use super::rdma_cm;
 use crate::time::Time;
 
@@ -102,6 +103,20 @@ impl Agent {
             listen_id: c.listen,
             deadline: c.deadline,
         })
+    }
+
+    /// The attributes that move the connection's QP to `target` (INIT, RTR or RTS), from
+    /// what its exchange settled, as Linux's `ib_cm_init_qp_attr()` gives them (see
+    /// [`QpParams::attr`]); `InvalidState` where Linux refuses (e.g. RTR before the
+    /// peer's values are known).
+    pub fn qp_attr(&self, id: CmId, target: QpState) -> Result<QpAttr, CmError> {
+        let c = &self.conns[self.slot(id)? as usize];
+        c.qp.attr(c.state, target, c.av_timeout)
+    }
+
+    /// What the exchange settled for the connection's QP so far.
+    pub fn qp_params(&self, id: CmId) -> Option<QpParams> {
+        self.slot_of(id).map(|s| self.conns[s as usize].qp)
     }
 
     /// Listens for REQs and SIDR_REQs on `service_id` (exact match).
@@ -213,7 +228,7 @@ impl Agent {
             rdc_exists: false,
             rnr_retry_count: opts.rnr_retry_count & 0x7,
             max_cm_retries: opts.max_cm_retries & 0xF,
-            srq: false,
+            srq: opts.srq,
             primary_path: PathRepr {
                 local_lid: lid,
                 remote_lid: if routed { 0xFFFF } else { 0 },
@@ -248,6 +263,26 @@ impl Agent {
         c.av_timeout = (opts.packet_life_time + 1).min(31);
         c.auto_rtu = opts.auto_rtu;
         c.msg = Some(sent);
+        // Linux ib_send_cm_req: the REQ's values are this side's until the REP.
+        c.qp = QpParams {
+            local_qpn,
+            remote_qpn: 0,
+            sq_psn: 0,
+            rq_psn: psn,
+            path_mtu,
+            retry_count: opts.retry_count & 0x7,
+            rnr_retry_count: opts.rnr_retry_count & 0x7,
+            responder_resources,
+            initiator_depth,
+            path: PathAv {
+                remote_gid: dest,
+                local_gid: self.cfg.gid,
+                flow_label,
+                hop_limit: opts.hop_limit,
+                traffic_class: opts.traffic_class,
+                sl: opts.sl & 0xF,
+            },
+        };
         let t = c.timeout_ms;
         // Through the destination's window: a REQ that has to wait is sent (and its
         // timer started) when a slot frees up.
@@ -312,7 +347,7 @@ impl Agent {
                     failover_accepted: FailoverAccepted::Accepted,
                     end_to_end_flow_control: opts.flow_control,
                     rnr_retry_count: opts.rnr_retry_count & 0x7,
-                    srq: false,
+                    srq: opts.srq,
                     local_ca_guid: self.cfg.ca_guid,
                     private_data,
                 });
@@ -320,6 +355,11 @@ impl Agent {
                 let sent = self.send(dst, &Header::cm_send(AttributeId::Rep, tid), &r, false);
                 self.disarm(slot);
                 let c = &mut self.conns[slot as usize];
+                // Linux ib_send_cm_rep: the REP's values are ours.
+                c.qp.local_qpn = c.local_qpn;
+                c.qp.rq_psn = psn;
+                c.qp.responder_resources = responder_resources;
+                c.qp.initiator_depth = initiator_depth;
                 c.msg = sent;
                 c.reply = None;
                 c.retries_left = c.max_retries;

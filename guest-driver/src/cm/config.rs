@@ -208,6 +208,8 @@ pub struct ConnectOptions {
     pub auto_rtu: bool,
     /// Starting PSN (24 bits); `None`: random.
     pub starting_psn: Option<u32>,
+    /// The QP takes its receives from a shared receive queue (the REQ's SRQ bit).
+    pub srq: bool,
 }
 
 impl Default for ConnectOptions {
@@ -231,6 +233,7 @@ impl Default for ConnectOptions {
             transport: TransportService::Rc,
             auto_rtu: true,
             starting_psn: None,
+            srq: false,
         }
     }
 }
@@ -253,6 +256,8 @@ pub struct AcceptOptions {
     pub flow_control: bool,
     /// RNR retry count (3 bits; librdmacm's default 7 retries without limit).
     pub rnr_retry_count: u8,
+    /// The QP takes its receives from a shared receive queue (the REP's SRQ bit).
+    pub srq: bool,
 }
 
 impl Default for AcceptOptions {
@@ -264,6 +269,7 @@ impl Default for AcceptOptions {
             initiator_depth: RDMA_MAX_INIT_DEPTH,
             flow_control: false,
             rnr_retry_count: 7,
+            srq: false,
         }
     }
 }

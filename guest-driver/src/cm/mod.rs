@@ -73,6 +73,7 @@ mod counters;
 mod event;
 mod ids;
 mod pacing;
+pub mod qp_attr;
 pub mod rdma_cm;
 
 pub use agent::{Agent, OutMad};
@@ -87,6 +88,7 @@ pub use event::{CmError, CmId, Event, State};
 pub use ids::{CommIds, QpnPool, SplitMix64};
 pub use pacing::{PacingCounters, WindowInfo};
 pub use pvcm_wire::cm::{RejReason, SidrStatus};
+pub use qp_attr::{QpAttr, QpParams, QpState};
 
 /// The agent's hash maps and sets: foldhash, randomly keyed per map, instead of std's
 /// SipHash, which cost a fifth of the agent's time per connection (agent_burst bench).
