@@ -19,6 +19,7 @@
 pub mod cli;
 pub mod cm;
 pub mod device;
+pub mod service;
 pub mod time;
 pub mod transport;
 pub mod virtq;

@@ -1021,6 +1021,8 @@ impl Agent {
                 traffic_class: r.primary_path.traffic_class,
                 sl: r.primary_path.sl,
             },
+            peer_flow_control: r.end_to_end_flow_control,
+            peer_srq: r.srq,
         };
         self.index_remote(slot);
         let id = self.id_of(slot);
@@ -1183,6 +1185,8 @@ impl Agent {
         c.qp.rnr_retry_count = r.rnr_retry_count;
         c.qp.initiator_depth = r.responder_resources;
         c.qp.responder_resources = r.initiator_depth;
+        c.qp.peer_flow_control = r.end_to_end_flow_control;
+        c.qp.peer_srq = r.srq;
         c.msg = None;
         let auto = c.auto_rtu;
         self.disarm(slot);

@@ -14,7 +14,7 @@ use super::config::{
     AcceptOptions, ConnectOptions, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES, SidrOptions,
     cm_ack_timeout,
 };
-use super::event::{CmError, CmId, State};
+use super::event::{CmError, CmId, Event, State};
 use super::qp_attr::{PathAv, QpAttr, QpParams, QpState};
 use super::rdma_cm;
 use crate::time::Time;
@@ -282,6 +282,8 @@ impl Agent {
                 traffic_class: opts.traffic_class,
                 sl: opts.sl & 0xF,
             },
+            peer_flow_control: false,
+            peer_srq: false,
         };
         let t = c.timeout_ms;
         // Through the destination's window: a REQ that has to wait is sent (and its
@@ -373,6 +375,31 @@ impl Agent {
                 self.disarm(slot);
                 self.send_rtu(slot, private_data);
                 self.conns[slot as usize].state = State::Established;
+                Ok(())
+            }
+            s => Err(CmError::InvalidState(s)),
+        }
+    }
+
+    /// The passive side learnt from its QP that the peer sent data (Linux
+    /// `ib_cm_notify(IB_EVENT_COMM_EST)`): a connection in REP_SENT or MRA_REP_RCVD is
+    /// established without its RTU (`Established` is reported, later RTUs are
+    /// duplicates). `InvalidState(Established)` if it already is; `InvalidState` in
+    /// every other state.
+    pub fn establish(&mut self, id: CmId) -> Result<(), CmError> {
+        let slot = self.slot(id)?;
+        match self.conns[slot as usize].state {
+            State::RepSent | State::MraRepRcvd => {
+                self.disarm(slot);
+                let c = &mut self.conns[slot as usize];
+                c.msg = None;
+                c.state = State::Established;
+                let remote_qpn = c.remote_qpn;
+                self.event(Event::Established {
+                    id,
+                    remote_qpn,
+                    private_data: Vec::new(),
+                });
                 Ok(())
             }
             s => Err(CmError::InvalidState(s)),

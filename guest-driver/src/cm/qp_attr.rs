@@ -151,6 +151,10 @@ pub struct QpParams {
     pub initiator_depth: u8,
     /// The primary path.
     pub path: PathAv,
+    /// The peer asked for end-to-end flow control (its REQ's or REP's bit).
+    pub peer_flow_control: bool,
+    /// The peer's QP uses a shared receive queue (its REQ's or REP's SRQ bit).
+    pub peer_srq: bool,
 }
 
 /// Attributes for `ibv_modify_qp` (the fields a CM fills of `struct ib_qp_attr`).
@@ -295,6 +299,8 @@ mod tests {
                 traffic_class: 0x20,
                 sl: 0,
             },
+            peer_flow_control: false,
+            peer_srq: false,
         }
     }
 

@@ -1,0 +1,1376 @@
+//! The rdma_cm character device's command ABI (Linux `include/uapi/rdma/rdma_user_cm.h`,
+//! ABI version 4), as the distribution's librdmacm writes it to `/dev/infiniband/rdma_cm`.
+//!
+//! Every command is one `write()`: an 8-byte header (`cmd`, `in`, `out`) and a command
+//! structure; commands that answer carry a `response` address in the caller's memory,
+//! which the service fills (the kernel's `copy_to_user`). Structures are in the host's
+//! byte order (little-endian x86_64 here), except the network-order fields of socket
+//! addresses and path records. Offsets below were checked against the header with a C
+//! `offsetof` program (the `layouts` test holds them).
+//!
+//! Parsing never panics: a command shorter than its structure is
+//! [`AbiError::Short`]; an address of a family or size the kernel would refuse is
+//! [`AbiError::BadAddr`].
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+
+/// The ABI version librdmacm checks (`RDMA_USER_CM_ABI_VERSION`).
+pub const ABI_VERSION: u32 = 4;
+/// `RDMA_MAX_PRIVATE_DATA`.
+pub const MAX_PRIVATE_DATA: usize = 256;
+
+/// Command codes (`RDMA_USER_CM_CMD_*`).
+pub mod cmd {
+    /// CREATE_ID.
+    pub const CREATE_ID: u32 = 0;
+    /// DESTROY_ID.
+    pub const DESTROY_ID: u32 = 1;
+    /// BIND_IP.
+    pub const BIND_IP: u32 = 2;
+    /// RESOLVE_IP.
+    pub const RESOLVE_IP: u32 = 3;
+    /// RESOLVE_ROUTE.
+    pub const RESOLVE_ROUTE: u32 = 4;
+    /// QUERY_ROUTE.
+    pub const QUERY_ROUTE: u32 = 5;
+    /// CONNECT.
+    pub const CONNECT: u32 = 6;
+    /// LISTEN.
+    pub const LISTEN: u32 = 7;
+    /// ACCEPT.
+    pub const ACCEPT: u32 = 8;
+    /// REJECT.
+    pub const REJECT: u32 = 9;
+    /// DISCONNECT.
+    pub const DISCONNECT: u32 = 10;
+    /// INIT_QP_ATTR.
+    pub const INIT_QP_ATTR: u32 = 11;
+    /// GET_EVENT.
+    pub const GET_EVENT: u32 = 12;
+    /// GET_OPTION (no kernel serves it).
+    pub const GET_OPTION: u32 = 13;
+    /// SET_OPTION.
+    pub const SET_OPTION: u32 = 14;
+    /// NOTIFY.
+    pub const NOTIFY: u32 = 15;
+    /// JOIN_IP_MCAST.
+    pub const JOIN_IP_MCAST: u32 = 16;
+    /// LEAVE_MCAST.
+    pub const LEAVE_MCAST: u32 = 17;
+    /// MIGRATE_ID.
+    pub const MIGRATE_ID: u32 = 18;
+    /// QUERY.
+    pub const QUERY: u32 = 19;
+    /// BIND.
+    pub const BIND: u32 = 20;
+    /// RESOLVE_ADDR.
+    pub const RESOLVE_ADDR: u32 = 21;
+    /// JOIN_MCAST.
+    pub const JOIN_MCAST: u32 = 22;
+    /// Commands the kernel's table has (`ARRAY_SIZE(ucma_cmd_table)`): codes at or past
+    /// this are EINVAL.
+    pub const TABLE_LEN: u32 = 23;
+
+    /// The command's name, for logs and counters.
+    pub fn name(c: u32) -> &'static str {
+        const NAMES: [&str; TABLE_LEN as usize] = [
+            "create_id",
+            "destroy_id",
+            "bind_ip",
+            "resolve_ip",
+            "resolve_route",
+            "query_route",
+            "connect",
+            "listen",
+            "accept",
+            "reject",
+            "disconnect",
+            "init_qp_attr",
+            "get_event",
+            "get_option",
+            "set_option",
+            "notify",
+            "join_ip_mcast",
+            "leave_mcast",
+            "migrate_id",
+            "query",
+            "bind",
+            "resolve_addr",
+            "join_mcast",
+        ];
+        NAMES.get(c as usize).copied().unwrap_or("unknown")
+    }
+}
+
+/// Port spaces (`enum rdma_ucm_port_space`).
+pub mod ps {
+    /// IPoIB.
+    pub const IPOIB: u16 = 0x0002;
+    /// IB (AF_IB only).
+    pub const IB: u16 = 0x013F;
+    /// TCP: RC connections.
+    pub const TCP: u16 = 0x0106;
+    /// UDP: UD, resolved with SIDR.
+    pub const UDP: u16 = 0x0111;
+}
+
+/// Events (`enum rdma_cm_event_type`).
+pub mod event {
+    /// ADDR_RESOLVED.
+    pub const ADDR_RESOLVED: u32 = 0;
+    /// ADDR_ERROR.
+    pub const ADDR_ERROR: u32 = 1;
+    /// ROUTE_RESOLVED.
+    pub const ROUTE_RESOLVED: u32 = 2;
+    /// ROUTE_ERROR.
+    pub const ROUTE_ERROR: u32 = 3;
+    /// CONNECT_REQUEST.
+    pub const CONNECT_REQUEST: u32 = 4;
+    /// CONNECT_RESPONSE.
+    pub const CONNECT_RESPONSE: u32 = 5;
+    /// CONNECT_ERROR.
+    pub const CONNECT_ERROR: u32 = 6;
+    /// UNREACHABLE.
+    pub const UNREACHABLE: u32 = 7;
+    /// REJECTED.
+    pub const REJECTED: u32 = 8;
+    /// ESTABLISHED.
+    pub const ESTABLISHED: u32 = 9;
+    /// DISCONNECTED.
+    pub const DISCONNECTED: u32 = 10;
+    /// DEVICE_REMOVAL.
+    pub const DEVICE_REMOVAL: u32 = 11;
+    /// MULTICAST_JOIN.
+    pub const MULTICAST_JOIN: u32 = 12;
+    /// MULTICAST_ERROR.
+    pub const MULTICAST_ERROR: u32 = 13;
+    /// ADDR_CHANGE.
+    pub const ADDR_CHANGE: u32 = 14;
+    /// TIMEWAIT_EXIT.
+    pub const TIMEWAIT_EXIT: u32 = 15;
+
+    /// The event's name (librdmacm's `rdma_event_str` without the prefix).
+    pub fn name(e: u32) -> &'static str {
+        const NAMES: [&str; 16] = [
+            "ADDR_RESOLVED",
+            "ADDR_ERROR",
+            "ROUTE_RESOLVED",
+            "ROUTE_ERROR",
+            "CONNECT_REQUEST",
+            "CONNECT_RESPONSE",
+            "CONNECT_ERROR",
+            "UNREACHABLE",
+            "REJECTED",
+            "ESTABLISHED",
+            "DISCONNECTED",
+            "DEVICE_REMOVAL",
+            "MULTICAST_JOIN",
+            "MULTICAST_ERROR",
+            "ADDR_CHANGE",
+            "TIMEWAIT_EXIT",
+        ];
+        NAMES.get(e as usize).copied().unwrap_or("UNKNOWN")
+    }
+}
+
+/// Option levels and names of SET_OPTION.
+pub mod opt {
+    /// `RDMA_OPTION_ID`.
+    pub const LEVEL_ID: u32 = 0;
+    /// `RDMA_OPTION_IB`.
+    pub const LEVEL_IB: u32 = 1;
+    /// `RDMA_OPTION_ID_TOS` (u8).
+    pub const ID_TOS: u32 = 0;
+    /// `RDMA_OPTION_ID_REUSEADDR` (int).
+    pub const ID_REUSEADDR: u32 = 1;
+    /// `RDMA_OPTION_ID_AFONLY` (int).
+    pub const ID_AFONLY: u32 = 2;
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT` (u8).
+    pub const ID_ACK_TIMEOUT: u32 = 3;
+    /// `RDMA_OPTION_IB_PATH` (array of `ib_path_rec_data`).
+    pub const IB_PATH: u32 = 1;
+}
+
+/// QUERY options (`RDMA_USER_CM_QUERY_*`).
+pub mod query {
+    /// Addresses and device.
+    pub const ADDR: u32 = 0;
+    /// Path records.
+    pub const PATH: u32 = 1;
+    /// Addresses as AF_IB GIDs.
+    pub const GID: u32 = 2;
+}
+
+/// Socket address families.
+pub mod af {
+    /// AF_INET.
+    pub const INET: u16 = 2;
+    /// AF_INET6.
+    pub const INET6: u16 = 10;
+    /// AF_IB.
+    pub const IB: u16 = 27;
+}
+
+/// Why a command could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AbiError {
+    /// Fewer bytes than the structure.
+    #[error("command of {got} bytes, its structure needs {need}")]
+    Short {
+        /// Bytes given.
+        got: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// An address the kernel would refuse (family, size).
+    #[error("bad socket address")]
+    BadAddr,
+    /// An AF_IB address (the port is RoCE: no AF_IB).
+    #[error("AF_IB address")]
+    AfIb,
+}
+
+/// Command header size.
+pub const HDR_LEN: usize = 8;
+
+/// `struct rdma_ucm_cmd_hdr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CmdHdr {
+    /// Command code.
+    pub cmd: u32,
+    /// Bytes of command after the header.
+    pub in_len: u16,
+    /// Bytes of response the caller's buffer holds.
+    pub out_len: u16,
+}
+
+impl CmdHdr {
+    /// Reads the header of a write.
+    pub fn parse(b: &[u8]) -> Result<CmdHdr, AbiError> {
+        need(b, HDR_LEN)?;
+        Ok(CmdHdr {
+            cmd: u32_at(b, 0),
+            in_len: u16_at(b, 4),
+            out_len: u16_at(b, 6),
+        })
+    }
+
+    /// Writes the header (for clients and tests).
+    pub fn emit(&self, b: &mut [u8]) {
+        put_u32(b, 0, self.cmd);
+        put_u16(b, 4, self.in_len);
+        put_u16(b, 6, self.out_len);
+    }
+}
+
+fn need(b: &[u8], n: usize) -> Result<(), AbiError> {
+    if b.len() < n {
+        Err(AbiError::Short {
+            got: b.len(),
+            need: n,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+fn arr<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    let mut a = [0u8; N];
+    if let Some(s) = b.get(at..at + N) {
+        a.copy_from_slice(s);
+    }
+    a
+}
+
+/// A little-endian u16 at `at` (0 past the end; callers check lengths first).
+pub fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(arr(b, at))
+}
+/// A little-endian u32 at `at`.
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(arr(b, at))
+}
+/// A little-endian u64 at `at`.
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(arr(b, at))
+}
+fn put(b: &mut [u8], at: usize, v: &[u8]) {
+    if let Some(d) = b.get_mut(at..at + v.len()) {
+        d.copy_from_slice(v);
+    }
+}
+/// Writes a little-endian u16 at `at` (nothing past the end).
+pub fn put_u16(b: &mut [u8], at: usize, v: u16) {
+    put(b, at, &v.to_le_bytes());
+}
+/// Writes a little-endian u32 at `at`.
+pub fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    put(b, at, &v.to_le_bytes());
+}
+/// Writes a little-endian u64 at `at`.
+pub fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    put(b, at, &v.to_le_bytes());
+}
+
+// ------------------------------------------------------------------ socket addresses
+
+/// `sizeof(struct sockaddr_in)`.
+pub const SOCKADDR_IN_LEN: usize = 16;
+/// `sizeof(struct sockaddr_in6)`.
+pub const SOCKADDR_IN6_LEN: usize = 28;
+/// `sizeof(struct sockaddr_ib)`.
+pub const SOCKADDR_IB_LEN: usize = 48;
+/// `sizeof(struct __kernel_sockaddr_storage)`.
+pub const SOCKADDR_STORAGE_LEN: usize = 128;
+
+/// An address family's size (the kernel's `rdma_addr_size`); 0 for others.
+pub fn family_len(family: u16) -> usize {
+    match family {
+        af::INET => SOCKADDR_IN_LEN,
+        af::INET6 => SOCKADDR_IN6_LEN,
+        af::IB => SOCKADDR_IB_LEN,
+        _ => 0,
+    }
+}
+
+/// Reads a socket address from the start of `b` (a `sockaddr_in6` field or a
+/// `sockaddr_storage`): AF_INET or AF_INET6; AF_IB is [`AbiError::AfIb`].
+pub fn parse_sockaddr(b: &[u8]) -> Result<SocketAddr, AbiError> {
+    let family = u16_at(b, 0);
+    let n = family_len(family);
+    if n == 0 || b.len() < n {
+        return Err(AbiError::BadAddr);
+    }
+    let port = u16::from_be_bytes(arr(b, 2));
+    match family {
+        af::INET => Ok(SocketAddr::V4(SocketAddrV4::new(
+            Ipv4Addr::from(arr::<4>(b, 4)),
+            port,
+        ))),
+        af::INET6 => Ok(SocketAddr::V6(SocketAddrV6::new(
+            Ipv6Addr::from(arr::<16>(b, 8)),
+            port,
+            u32::from_be_bytes(arr(b, 4)),
+            u32_at(b, 24),
+        ))),
+        _ => Err(AbiError::AfIb),
+    }
+}
+
+/// Writes a socket address at the start of `b` (which holds at least its size; the
+/// rest is left alone); returns its size.
+pub fn emit_sockaddr(a: &SocketAddr, b: &mut [u8]) -> usize {
+    match a {
+        SocketAddr::V4(v) => {
+            put_u16(b, 0, af::INET);
+            put(b, 2, &v.port().to_be_bytes());
+            put(b, 4, &v.ip().octets());
+            put(b, 8, &[0u8; 8]);
+            SOCKADDR_IN_LEN
+        }
+        SocketAddr::V6(v) => {
+            put_u16(b, 0, af::INET6);
+            put(b, 2, &v.port().to_be_bytes());
+            put(b, 4, &v.flowinfo().to_be_bytes());
+            put(b, 8, &v.ip().octets());
+            put_u32(b, 24, v.scope_id());
+            SOCKADDR_IN6_LEN
+        }
+    }
+}
+
+/// Writes an AF_IB address (`struct sockaddr_ib`) at the start of `b`: what QUERY's GID
+/// option answers.
+pub fn emit_sockaddr_ib(gid: [u8; 16], pkey: u16, service_id: u64, b: &mut [u8]) -> usize {
+    put_u16(b, 0, af::IB);
+    put(b, 2, &pkey.to_be_bytes());
+    put(b, 4, &[0u8; 4]);
+    put(b, 8, &gid);
+    put(b, 24, &service_id.to_be_bytes());
+    put(b, 32, &u64::MAX.to_be_bytes());
+    put(b, 40, &[0u8; 8]);
+    SOCKADDR_IB_LEN
+}
+
+// ------------------------------------------------------------------ commands
+
+/// `struct rdma_ucm_create_id` (24 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CreateId {
+    /// The caller's context, echoed in events.
+    pub uid: u64,
+    /// Where `rdma_ucm_create_id_resp` goes.
+    pub response: u64,
+    /// Port space.
+    pub ps: u16,
+    /// QP type (`enum ib_qp_type`; taken only for PS_IB).
+    pub qp_type: u8,
+}
+
+impl CreateId {
+    /// Size.
+    pub const LEN: usize = 24;
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<CreateId, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(CreateId {
+            uid: u64_at(b, 0),
+            response: u64_at(b, 8),
+            ps: u16_at(b, 16),
+            qp_type: b[18],
+        })
+    }
+}
+
+/// `struct rdma_ucm_destroy_id` (16 bytes), also LEAVE_MCAST's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DestroyId {
+    /// Where `rdma_ucm_destroy_id_resp` goes.
+    pub response: u64,
+    /// The id.
+    pub id: u32,
+}
+
+impl DestroyId {
+    /// Size.
+    pub const LEN: usize = 16;
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<DestroyId, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(DestroyId {
+            response: u64_at(b, 0),
+            id: u32_at(b, 8),
+        })
+    }
+}
+
+/// BIND_IP (`struct rdma_ucm_bind_ip`, 40 bytes) and BIND (`struct rdma_ucm_bind`, 136).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bind {
+    /// The id.
+    pub id: u32,
+    /// The address.
+    pub addr: SocketAddr,
+}
+
+impl Bind {
+    /// BIND_IP's size.
+    pub const IP_LEN: usize = 40;
+    /// BIND's size.
+    pub const LEN: usize = 136;
+
+    /// Parses BIND_IP.
+    pub fn parse_ip(b: &[u8]) -> Result<Bind, AbiError> {
+        need(b, Self::IP_LEN)?;
+        Ok(Bind {
+            id: u32_at(b, 36),
+            addr: parse_sockaddr(&b[8..36])?,
+        })
+    }
+
+    /// Parses BIND (`addr_size` must be the family's size, `reserved` 0).
+    pub fn parse(b: &[u8]) -> Result<Bind, AbiError> {
+        need(b, Self::LEN)?;
+        let (size, reserved) = (u16_at(b, 4), u16_at(b, 6));
+        let kss = &b[8..8 + SOCKADDR_STORAGE_LEN];
+        if reserved != 0 || size == 0 || usize::from(size) != family_len(u16_at(kss, 0)) {
+            return Err(AbiError::BadAddr);
+        }
+        Ok(Bind {
+            id: u32_at(b, 0),
+            addr: parse_sockaddr(kss)?,
+        })
+    }
+}
+
+/// RESOLVE_IP (64 bytes) and RESOLVE_ADDR (272).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolveAddr {
+    /// The id.
+    pub id: u32,
+    /// How long address resolution may take.
+    pub timeout_ms: u32,
+    /// The source address, if given.
+    pub src: Option<SocketAddr>,
+    /// The destination.
+    pub dst: SocketAddr,
+}
+
+impl ResolveAddr {
+    /// RESOLVE_IP's size.
+    pub const IP_LEN: usize = 64;
+    /// RESOLVE_ADDR's size.
+    pub const LEN: usize = 272;
+
+    /// Parses RESOLVE_IP (a zero source family means "no source").
+    pub fn parse_ip(b: &[u8]) -> Result<ResolveAddr, AbiError> {
+        need(b, Self::IP_LEN)?;
+        let src = match u16_at(b, 0) {
+            0 => None,
+            _ => Some(parse_sockaddr(&b[0..28])?),
+        };
+        Ok(ResolveAddr {
+            id: u32_at(b, 56),
+            timeout_ms: u32_at(b, 60),
+            src,
+            dst: parse_sockaddr(&b[28..56])?,
+        })
+    }
+
+    /// Parses RESOLVE_ADDR (sizes must match the families; a zero source size means no
+    /// source).
+    pub fn parse(b: &[u8]) -> Result<ResolveAddr, AbiError> {
+        need(b, Self::LEN)?;
+        let (src_size, dst_size, reserved) = (u16_at(b, 8), u16_at(b, 10), u32_at(b, 12));
+        let src_kss = &b[16..144];
+        let dst_kss = &b[144..272];
+        if reserved != 0
+            || (src_size != 0 && usize::from(src_size) != family_len(u16_at(src_kss, 0)))
+            || dst_size == 0
+            || usize::from(dst_size) != family_len(u16_at(dst_kss, 0))
+        {
+            return Err(AbiError::BadAddr);
+        }
+        let src = match src_size {
+            0 => None,
+            _ => Some(parse_sockaddr(src_kss)?),
+        };
+        Ok(ResolveAddr {
+            id: u32_at(b, 0),
+            timeout_ms: u32_at(b, 4),
+            src,
+            dst: parse_sockaddr(dst_kss)?,
+        })
+    }
+}
+
+/// Two u32 fields: RESOLVE_ROUTE (`id`, `timeout_ms`), LISTEN (`id`, `backlog`), NOTIFY
+/// (`id`, `event`); DISCONNECT has only the first (4 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdArg {
+    /// The id.
+    pub id: u32,
+    /// The second field.
+    pub arg: u32,
+}
+
+impl IdArg {
+    /// Parses the 8-byte form.
+    pub fn parse(b: &[u8]) -> Result<IdArg, AbiError> {
+        need(b, 8)?;
+        Ok(IdArg {
+            id: u32_at(b, 0),
+            arg: u32_at(b, 4),
+        })
+    }
+
+    /// Parses DISCONNECT's 4 bytes.
+    pub fn parse_id(b: &[u8]) -> Result<IdArg, AbiError> {
+        need(b, 4)?;
+        Ok(IdArg {
+            id: u32_at(b, 0),
+            arg: 0,
+        })
+    }
+}
+
+/// A command with a response address, an id and a u32: QUERY_ROUTE and QUERY
+/// (`struct rdma_ucm_query`: option), INIT_QP_ATTR (qp_state), MIGRATE_ID (fd); all 16
+/// bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RespIdArg {
+    /// Where the response goes.
+    pub response: u64,
+    /// The id.
+    pub id: u32,
+    /// The third field.
+    pub arg: u32,
+}
+
+impl RespIdArg {
+    /// Size.
+    pub const LEN: usize = 16;
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<RespIdArg, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(RespIdArg {
+            response: u64_at(b, 0),
+            id: u32_at(b, 8),
+            arg: u32_at(b, 12),
+        })
+    }
+}
+
+/// `struct rdma_ucm_conn_param` (272 bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnParam {
+    /// QPN (24 bits).
+    pub qp_num: u32,
+    /// Q_Key (AF_IB only).
+    pub qkey: u32,
+    /// Private data.
+    pub private_data: Vec<u8>,
+    /// SRQ.
+    pub srq: bool,
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// Flow control.
+    pub flow_control: bool,
+    /// Retry count.
+    pub retry_count: u8,
+    /// RNR retry count.
+    pub rnr_retry_count: u8,
+    /// Whether the structure was filled (`valid`).
+    pub valid: bool,
+}
+
+impl ConnParam {
+    /// Size.
+    pub const LEN: usize = 272;
+
+    /// Parses (private data cut to its length, at most 256).
+    pub fn parse(b: &[u8]) -> Result<ConnParam, AbiError> {
+        need(b, Self::LEN)?;
+        let len = usize::from(b[264]);
+        Ok(ConnParam {
+            qp_num: u32_at(b, 0),
+            qkey: u32_at(b, 4),
+            private_data: b[8..8 + len].to_vec(),
+            srq: b[265] != 0,
+            responder_resources: b[266],
+            initiator_depth: b[267],
+            flow_control: b[268] != 0,
+            retry_count: b[269],
+            rnr_retry_count: b[270],
+            valid: b[271] != 0,
+        })
+    }
+
+    /// Writes the structure into `b` (272 bytes).
+    pub fn emit(&self, b: &mut [u8]) {
+        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
+        put_u32(b, 0, self.qp_num);
+        put_u32(b, 4, self.qkey);
+        put(b, 8, &self.private_data[..n]);
+        if let Some(f) = b.get_mut(264..272) {
+            f.copy_from_slice(&[
+                n as u8,
+                u8::from(self.srq),
+                self.responder_resources,
+                self.initiator_depth,
+                u8::from(self.flow_control),
+                self.retry_count,
+                self.rnr_retry_count,
+                u8::from(self.valid),
+            ]);
+        }
+    }
+
+    /// An empty parameter set (what an event without one carries).
+    pub fn empty() -> ConnParam {
+        ConnParam {
+            qp_num: 0,
+            qkey: 0,
+            private_data: Vec::new(),
+            srq: false,
+            responder_resources: 0,
+            initiator_depth: 0,
+            flow_control: false,
+            retry_count: 0,
+            rnr_retry_count: 0,
+            valid: false,
+        }
+    }
+}
+
+/// `struct rdma_ucm_ece`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ece {
+    /// Vendor ID.
+    pub vendor_id: u32,
+    /// Options.
+    pub attr_mod: u32,
+}
+
+/// CONNECT (`struct rdma_ucm_connect`, 288 bytes; 280 without the ECE).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connect {
+    /// Parameters.
+    pub conn: ConnParam,
+    /// The id.
+    pub id: u32,
+    /// ECE, when given.
+    pub ece: Ece,
+}
+
+impl Connect {
+    /// Size with the ECE.
+    pub const LEN: usize = 288;
+    /// The least the kernel takes (up to `reserved`).
+    pub const MIN_LEN: usize = 280;
+
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<Connect, AbiError> {
+        need(b, Self::MIN_LEN)?;
+        Ok(Connect {
+            conn: ConnParam::parse(&b[0..272])?,
+            id: u32_at(b, 272),
+            ece: if b.len() >= Self::LEN {
+                Ece {
+                    vendor_id: u32_at(b, 280),
+                    attr_mod: u32_at(b, 284),
+                }
+            } else {
+                Ece::default()
+            },
+        })
+    }
+}
+
+/// ACCEPT (`struct rdma_ucm_accept`, 296 bytes; 288 without the ECE).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accept {
+    /// The context for the id's later events.
+    pub uid: u64,
+    /// Parameters (`valid` 0: the active side's "send the RTU").
+    pub conn: ConnParam,
+    /// The id.
+    pub id: u32,
+}
+
+impl Accept {
+    /// Size with the ECE.
+    pub const LEN: usize = 296;
+    /// The least the kernel takes.
+    pub const MIN_LEN: usize = 288;
+
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<Accept, AbiError> {
+        need(b, Self::MIN_LEN)?;
+        Ok(Accept {
+            uid: u64_at(b, 0),
+            conn: ConnParam::parse(&b[8..280])?,
+            id: u32_at(b, 280),
+        })
+    }
+}
+
+/// REJECT (`struct rdma_ucm_reject`, 264 bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    /// The id.
+    pub id: u32,
+    /// Reason (0: CONSUMER_DEFINED).
+    pub reason: u8,
+    /// Private data.
+    pub private_data: Vec<u8>,
+}
+
+impl Reject {
+    /// Size.
+    pub const LEN: usize = 264;
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<Reject, AbiError> {
+        need(b, Self::LEN)?;
+        let len = usize::from(b[4]);
+        Ok(Reject {
+            id: u32_at(b, 0),
+            reason: b[5],
+            private_data: b[8..8 + len].to_vec(),
+        })
+    }
+}
+
+/// GET_EVENT (`struct rdma_ucm_get_event`, 8 bytes).
+pub fn parse_get_event(b: &[u8]) -> Result<u64, AbiError> {
+    need(b, 8)?;
+    Ok(u64_at(b, 0))
+}
+
+/// SET_OPTION (`struct rdma_ucm_set_option`, 24 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetOption {
+    /// Where the value is in the caller's memory.
+    pub optval: u64,
+    /// The id.
+    pub id: u32,
+    /// Level.
+    pub level: u32,
+    /// Option.
+    pub optname: u32,
+    /// The value's size.
+    pub optlen: u32,
+}
+
+impl SetOption {
+    /// Size.
+    pub const LEN: usize = 24;
+    /// Parses.
+    pub fn parse(b: &[u8]) -> Result<SetOption, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(SetOption {
+            optval: u64_at(b, 0),
+            id: u32_at(b, 8),
+            level: u32_at(b, 12),
+            optname: u32_at(b, 16),
+            optlen: u32_at(b, 20),
+        })
+    }
+}
+
+/// JOIN_IP_MCAST (48 bytes) and JOIN_MCAST (152).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinMcast {
+    /// Where `rdma_ucm_create_id_resp` goes.
+    pub response: u64,
+    /// The caller's context for the join's events.
+    pub uid: u64,
+    /// The id.
+    pub id: u32,
+    /// The group.
+    pub addr: SocketAddr,
+    /// Join flags (0 full member, 1 send-only full member).
+    pub join_flags: u16,
+}
+
+impl JoinMcast {
+    /// JOIN_IP_MCAST's size.
+    pub const IP_LEN: usize = 48;
+    /// JOIN_MCAST's size.
+    pub const LEN: usize = 152;
+
+    /// Parses JOIN_IP_MCAST.
+    pub fn parse_ip(b: &[u8]) -> Result<JoinMcast, AbiError> {
+        need(b, Self::IP_LEN)?;
+        Ok(JoinMcast {
+            response: u64_at(b, 0),
+            uid: u64_at(b, 8),
+            id: u32_at(b, 44),
+            addr: parse_sockaddr(&b[16..44])?,
+            join_flags: 0,
+        })
+    }
+
+    /// Parses JOIN_MCAST.
+    pub fn parse(b: &[u8]) -> Result<JoinMcast, AbiError> {
+        need(b, Self::LEN)?;
+        let kss = &b[24..152];
+        if usize::from(u16_at(b, 20)) != family_len(u16_at(kss, 0)) {
+            return Err(AbiError::BadAddr);
+        }
+        Ok(JoinMcast {
+            response: u64_at(b, 0),
+            uid: u64_at(b, 8),
+            id: u32_at(b, 16),
+            addr: parse_sockaddr(kss)?,
+            join_flags: u16_at(b, 22),
+        })
+    }
+}
+
+// ------------------------------------------------------------------ responses
+
+/// `struct ib_uverbs_ah_attr` (32 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AhAttr {
+    /// Destination GID.
+    pub dgid: [u8; 16],
+    /// Flow label.
+    pub flow_label: u32,
+    /// Source GID table index.
+    pub sgid_index: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Destination LID (0 on RoCE).
+    pub dlid: u16,
+    /// Service level.
+    pub sl: u8,
+    /// Static rate.
+    pub static_rate: u8,
+    /// A GRH is present (always on RoCE).
+    pub is_global: bool,
+    /// Port number (1-based).
+    pub port_num: u8,
+}
+
+impl AhAttr {
+    /// Size.
+    pub const LEN: usize = 32;
+
+    /// Writes the structure into `b` (32 bytes).
+    pub fn emit(&self, b: &mut [u8]) {
+        put(b, 0, &self.dgid);
+        put_u32(b, 16, self.flow_label);
+        put(
+            b,
+            20,
+            &[self.sgid_index, self.hop_limit, self.traffic_class, 0],
+        );
+        put_u16(b, 24, self.dlid);
+        put(
+            b,
+            26,
+            &[
+                self.sl,
+                0,
+                self.static_rate,
+                u8::from(self.is_global),
+                self.port_num,
+                0,
+            ],
+        );
+    }
+
+    /// Reads the structure.
+    pub fn parse(b: &[u8]) -> Result<AhAttr, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(AhAttr {
+            dgid: arr(b, 0),
+            flow_label: u32_at(b, 16),
+            sgid_index: b[20],
+            hop_limit: b[21],
+            traffic_class: b[22],
+            dlid: u16_at(b, 24),
+            sl: b[26],
+            static_rate: b[28],
+            is_global: b[29] != 0,
+            port_num: b[30],
+        })
+    }
+}
+
+/// `struct rdma_ucm_ud_param` (304 bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UdParam {
+    /// The remote UD QPN.
+    pub qp_num: u32,
+    /// Its Q_Key.
+    pub qkey: u32,
+    /// How to reach it.
+    pub ah_attr: AhAttr,
+    /// Private data.
+    pub private_data: Vec<u8>,
+}
+
+impl UdParam {
+    /// Size.
+    pub const LEN: usize = 304;
+
+    /// Writes the structure into `b` (304 bytes).
+    pub fn emit(&self, b: &mut [u8]) {
+        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
+        put_u32(b, 0, self.qp_num);
+        put_u32(b, 4, self.qkey);
+        if let Some(a) = b.get_mut(8..40) {
+            self.ah_attr.emit(a);
+        }
+        put(b, 40, &self.private_data[..n]);
+        if let Some(x) = b.get_mut(296) {
+            *x = n as u8;
+        }
+    }
+}
+
+/// An event's parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventParam {
+    /// A connected-mode id's.
+    Conn(ConnParam),
+    /// A UD id's.
+    Ud(UdParam),
+}
+
+/// `struct rdma_ucm_event_resp` (336 bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventResp {
+    /// The id's context (the listener's for CONNECT_REQUEST).
+    pub uid: u64,
+    /// The id (the new one for CONNECT_REQUEST).
+    pub id: u32,
+    /// Event type.
+    pub event: u32,
+    /// Status (a negative errno, or a REJ reason).
+    pub status: i32,
+    /// Parameters.
+    pub param: EventParam,
+    /// ECE.
+    pub ece: Ece,
+}
+
+impl EventResp {
+    /// Size.
+    pub const LEN: usize = 336;
+    /// The least a caller's buffer must hold (the kernel takes old 32-bit callers
+    /// without `reserved` and `ece`).
+    pub const MIN_OUT: usize = 324;
+
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.uid);
+        put_u32(&mut b, 8, self.id);
+        put_u32(&mut b, 12, self.event);
+        put_u32(&mut b, 16, self.status as u32);
+        match &self.param {
+            EventParam::Conn(c) => c.emit(&mut b[20..292]),
+            EventParam::Ud(u) => u.emit(&mut b[20..324]),
+        }
+        put_u32(&mut b, 328, self.ece.vendor_id);
+        put_u32(&mut b, 332, self.ece.attr_mod);
+        b
+    }
+}
+
+/// `struct ib_user_path_rec` (64 bytes): a RoCE route's path as QUERY_ROUTE reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UserPathRec {
+    /// Destination GID.
+    pub dgid: [u8; 16],
+    /// Source GID.
+    pub sgid: [u8; 16],
+    /// Flow label (host order; written big-endian).
+    pub flow_label: u32,
+    /// Reversible.
+    pub reversible: bool,
+    /// MTU (IBTA code).
+    pub mtu: u8,
+    /// P_Key.
+    pub pkey: u16,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Service level.
+    pub sl: u8,
+    /// Rate (IBTA code).
+    pub rate: u8,
+    /// Packet lifetime (5-bit exponent).
+    pub packet_life_time: u8,
+}
+
+impl UserPathRec {
+    /// Size.
+    pub const LEN: usize = 64;
+
+    /// Writes the structure into `b` (64 bytes); selectors are "exactly" (2).
+    pub fn emit(&self, b: &mut [u8]) {
+        put(b, 0, &self.dgid);
+        put(b, 16, &self.sgid);
+        put(b, 32, &[0u8; 4]); // dlid, slid
+        put_u32(b, 36, 0); // raw_traffic
+        put(b, 40, &self.flow_label.to_be_bytes());
+        put_u32(b, 44, u32::from(self.reversible));
+        put_u32(b, 48, u32::from(self.mtu));
+        put(b, 52, &self.pkey.to_be_bytes());
+        put(
+            b,
+            54,
+            &[
+                self.hop_limit,
+                self.traffic_class,
+                1, // numb_path
+                self.sl,
+                2, // mtu_selector
+                2, // rate_selector
+                self.rate,
+                2, // packet_life_time_selector
+                self.packet_life_time,
+                0, // preference
+            ],
+        );
+    }
+}
+
+/// `struct rdma_ucm_query_route_resp` (208 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryRouteResp {
+    /// The device's node GUID (as the kernel stores it: the big-endian GUID's bytes).
+    pub node_guid_be: u64,
+    /// Paths (0 before route resolution on RoCE; then 1).
+    pub paths: [Option<UserPathRec>; 2],
+    /// Source address.
+    pub src: Option<SocketAddr>,
+    /// Destination address.
+    pub dst: Option<SocketAddr>,
+    /// Paths reported.
+    pub num_paths: u32,
+    /// Port number (0: no device).
+    pub port_num: u8,
+    /// The device's index.
+    pub ibdev_index: u32,
+}
+
+impl QueryRouteResp {
+    /// Size.
+    pub const LEN: usize = 208;
+    /// The least a caller's buffer must hold (up to `ibdev_index`).
+    pub const MIN_OUT: usize = 200;
+
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.node_guid_be);
+        for (i, p) in self.paths.iter().enumerate() {
+            if let Some(p) = p {
+                p.emit(&mut b[8 + 64 * i..72 + 64 * i]);
+            }
+        }
+        if let Some(a) = &self.src {
+            emit_sockaddr(a, &mut b[136..164]);
+        }
+        if let Some(a) = &self.dst {
+            emit_sockaddr(a, &mut b[164..192]);
+        }
+        put_u32(&mut b, 192, self.num_paths);
+        b[196] = self.port_num;
+        put_u32(&mut b, 200, self.ibdev_index);
+        b
+    }
+}
+
+/// `struct rdma_ucm_query_addr_resp` (280 bytes), for QUERY's ADDR and GID options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryAddrResp {
+    /// The device's node GUID (big-endian GUID's bytes).
+    pub node_guid_be: u64,
+    /// Port number.
+    pub port_num: u8,
+    /// P_Key (big-endian value's bytes, as the kernel stores it).
+    pub pkey_be: u16,
+    /// The source address's bytes and size.
+    pub src: ([u8; SOCKADDR_STORAGE_LEN], u16),
+    /// The destination's.
+    pub dst: ([u8; SOCKADDR_STORAGE_LEN], u16),
+    /// The device's index.
+    pub ibdev_index: u32,
+}
+
+impl QueryAddrResp {
+    /// Size.
+    pub const LEN: usize = 280;
+    /// The least a caller's buffer must hold.
+    pub const MIN_OUT: usize = 272;
+
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.node_guid_be);
+        b[8] = self.port_num;
+        put_u16(&mut b, 10, self.pkey_be);
+        put_u16(&mut b, 12, self.src.1);
+        put_u16(&mut b, 14, self.dst.1);
+        b[16..144].copy_from_slice(&self.src.0);
+        b[144..272].copy_from_slice(&self.dst.0);
+        put_u32(&mut b, 272, self.ibdev_index);
+        b
+    }
+}
+
+/// `struct ib_uverbs_qp_attr` (144 bytes): INIT_QP_ATTR's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UverbsQpAttr {
+    /// Which fields are set.
+    pub qp_attr_mask: u32,
+    /// Target state.
+    pub qp_state: u32,
+    /// Path MTU.
+    pub path_mtu: u32,
+    /// Q_Key.
+    pub qkey: u32,
+    /// Receive PSN.
+    pub rq_psn: u32,
+    /// Send PSN.
+    pub sq_psn: u32,
+    /// Destination QPN.
+    pub dest_qp_num: u32,
+    /// Access flags.
+    pub qp_access_flags: u32,
+    /// Address vector.
+    pub ah_attr: AhAttr,
+    /// P_Key index.
+    pub pkey_index: u16,
+    /// Initiator depth.
+    pub max_rd_atomic: u8,
+    /// Responder resources.
+    pub max_dest_rd_atomic: u8,
+    /// Minimum RNR timer.
+    pub min_rnr_timer: u8,
+    /// Port.
+    pub port_num: u8,
+    /// Local ACK timeout.
+    pub timeout: u8,
+    /// Retry count.
+    pub retry_cnt: u8,
+    /// RNR retry count.
+    pub rnr_retry: u8,
+}
+
+impl UverbsQpAttr {
+    /// Size.
+    pub const LEN: usize = 144;
+
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u32(&mut b, 0, self.qp_attr_mask);
+        put_u32(&mut b, 4, self.qp_state);
+        put_u32(&mut b, 12, self.path_mtu);
+        put_u32(&mut b, 20, self.qkey);
+        put_u32(&mut b, 24, self.rq_psn);
+        put_u32(&mut b, 28, self.sq_psn);
+        put_u32(&mut b, 32, self.dest_qp_num);
+        put_u32(&mut b, 36, self.qp_access_flags);
+        self.ah_attr.emit(&mut b[40..72]);
+        put_u16(&mut b, 124, self.pkey_index);
+        b[130] = self.max_rd_atomic;
+        b[131] = self.max_dest_rd_atomic;
+        b[132] = self.min_rnr_timer;
+        b[133] = self.port_num;
+        b[134] = self.timeout;
+        b[135] = self.retry_cnt;
+        b[136] = self.rnr_retry;
+        b
+    }
+
+    /// Reads the structure (for clients and tests).
+    pub fn parse(b: &[u8]) -> Result<UverbsQpAttr, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(UverbsQpAttr {
+            qp_attr_mask: u32_at(b, 0),
+            qp_state: u32_at(b, 4),
+            path_mtu: u32_at(b, 12),
+            qkey: u32_at(b, 20),
+            rq_psn: u32_at(b, 24),
+            sq_psn: u32_at(b, 28),
+            dest_qp_num: u32_at(b, 32),
+            qp_access_flags: u32_at(b, 36),
+            ah_attr: AhAttr::parse(&b[40..72])?,
+            pkey_index: u16_at(b, 124),
+            max_rd_atomic: b[130],
+            max_dest_rd_atomic: b[131],
+            min_rnr_timer: b[132],
+            port_num: b[133],
+            timeout: b[134],
+            retry_cnt: b[135],
+            rnr_retry: b[136],
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes and offsets from `offsetof` on rdma-core v44's kernel headers.
+    #[test]
+    fn layouts() {
+        assert_eq!(CreateId::LEN, 24);
+        assert_eq!(DestroyId::LEN, 16);
+        assert_eq!(Bind::IP_LEN, 40);
+        assert_eq!(Bind::LEN, 136);
+        assert_eq!(ResolveAddr::IP_LEN, 64);
+        assert_eq!(ResolveAddr::LEN, 272);
+        assert_eq!(QueryRouteResp::LEN, 208);
+        assert_eq!(QueryAddrResp::LEN, 280);
+        assert_eq!(ConnParam::LEN, 272);
+        assert_eq!(UdParam::LEN, 304);
+        assert_eq!(Connect::LEN, 288);
+        assert_eq!(Accept::LEN, 296);
+        assert_eq!(Reject::LEN, 264);
+        assert_eq!(JoinMcast::IP_LEN, 48);
+        assert_eq!(JoinMcast::LEN, 152);
+        assert_eq!(EventResp::LEN, 336);
+        assert_eq!(SetOption::LEN, 24);
+        assert_eq!(UverbsQpAttr::LEN, 144);
+        assert_eq!(AhAttr::LEN, 32);
+        assert_eq!(UserPathRec::LEN, 64);
+    }
+
+    #[test]
+    fn sockaddrs_round_trip() {
+        let v4: SocketAddr = "10.99.0.11:7471".parse().unwrap_or_else(|_| unreachable!());
+        let mut b = [0u8; 28];
+        assert_eq!(emit_sockaddr(&v4, &mut b), 16);
+        assert_eq!(&b[0..4], &[2, 0, 0x1d, 0x2f]);
+        assert_eq!(parse_sockaddr(&b), Ok(v4));
+        let v6 = SocketAddr::V6(SocketAddrV6::new(
+            "fd99::11".parse().unwrap_or(Ipv6Addr::LOCALHOST),
+            7174,
+            0x12345,
+            3,
+        ));
+        assert_eq!(emit_sockaddr(&v6, &mut b), 28);
+        assert_eq!(parse_sockaddr(&b), Ok(v6));
+        b[0] = 27;
+        assert_eq!(
+            parse_sockaddr(&b),
+            Err(AbiError::BadAddr),
+            "too short for AF_IB"
+        );
+        let mut ib = [0u8; 48];
+        emit_sockaddr_ib([1; 16], 0xffff, 7, &mut ib);
+        assert_eq!(parse_sockaddr(&ib), Err(AbiError::AfIb));
+        assert_eq!(parse_sockaddr(&[9, 9, 0, 0]), Err(AbiError::BadAddr));
+    }
+
+    #[test]
+    fn bind_checks_size_and_reserved() {
+        let mut b = [0u8; 136];
+        put_u32(&mut b, 0, 5);
+        put_u16(&mut b, 4, 16);
+        emit_sockaddr(
+            &"0.0.0.0:0".parse().unwrap_or_else(|_| unreachable!()),
+            &mut b[8..],
+        );
+        assert_eq!(Bind::parse(&b).map(|x| x.id), Ok(5));
+        put_u16(&mut b, 4, 28);
+        assert_eq!(Bind::parse(&b), Err(AbiError::BadAddr));
+        put_u16(&mut b, 4, 16);
+        put_u16(&mut b, 6, 1);
+        assert_eq!(Bind::parse(&b), Err(AbiError::BadAddr));
+        assert!(matches!(
+            Bind::parse(&b[..100]),
+            Err(AbiError::Short { need: 136, .. })
+        ));
+    }
+
+    #[test]
+    fn conn_param_round_trip_and_event_offsets() {
+        let c = ConnParam {
+            qp_num: 0x11,
+            qkey: 0,
+            private_data: vec![7; 56],
+            srq: false,
+            responder_resources: 1,
+            initiator_depth: 2,
+            flow_control: true,
+            retry_count: 7,
+            rnr_retry_count: 6,
+            valid: true,
+        };
+        let mut b = [0u8; 272];
+        c.emit(&mut b);
+        assert_eq!(ConnParam::parse(&b), Ok(c.clone()));
+        let e = EventResp {
+            uid: 0xdead_beef,
+            id: 3,
+            event: event::CONNECT_REQUEST,
+            status: -110,
+            param: EventParam::Conn(c),
+            ece: Ece {
+                vendor_id: 1,
+                attr_mod: 2,
+            },
+        };
+        let b = e.to_bytes();
+        assert_eq!(u64_at(&b, 0), 0xdead_beef);
+        assert_eq!(u32_at(&b, 16) as i32, -110);
+        assert_eq!(u32_at(&b, 20), 0x11, "param at 20");
+        assert_eq!(b[20 + 264], 56, "private_data_len");
+        assert_eq!((u32_at(&b, 328), u32_at(&b, 332)), (1, 2), "ece at 328");
+    }
+}

@@ -1,0 +1,1635 @@
+//! The rdma_cm layer of the guest service: Linux's `ucma.c` (files, ids, event queues,
+//! the command table) and the parts of `cma.c` an RoCE port needs (port spaces and
+//! bindings, address and route resolution, the connection calls, event translation),
+//! on top of the CM [`Agent`].
+//!
+//! Pure and I/O-free, like the agent: a command is the bytes a process wrote plus its
+//! memory ([`CallerMemory`]) and the agent; the answer is an [`Outcome`]. The server
+//! (`server.rs`) does the I/O: it reads commands from CUSE, keeps blocked GET_EVENTs
+//! until [`Cma::deliver`] can fill them, and feeds the agent's events to
+//! [`Cma::on_agent_event`].
+//!
+//! What the kernel does and this layer does the same way:
+//! - ids are per file; another file's id is EINVAL, an unknown one ENOENT;
+//! - a file's events form one queue; GET_EVENT takes the head; an id counts the events
+//!   it had reported (`events_reported`), which DESTROY_ID and MIGRATE_ID return, and
+//!   destroying an id withdraws its unreported events (for a listener, with the
+//!   connections they announced, which are rejected);
+//! - CONNECT_REQUEST creates the new id in the listener's file, counts against the
+//!   listener's backlog until reported, and carries the listener's uid; other events
+//!   of an id that has no uid yet (a new connection before ACCEPT) are dropped;
+//! - address and route resolution complete at once (the VM has one address, its
+//!   RoCE v2 GID; the route is its own NIC's), with their events queued;
+//! - releasing a file destroys all its ids, sending what the CM sends for each
+//!   (REJ(TIMEOUT) for a pending REQ, DREQ for a connection, REJ for an unanswered
+//!   request); the agent keeps their TimeWait.
+//!
+//! Not served: multicast (JOIN_IP_MCAST, JOIN_MCAST: ENOSYS; LEAVE_MCAST: ENOENT, no
+//! group was joined), AF_IB addresses (EAFNOSUPPORT, so librdmacm turns AF_IB off and
+//! uses BIND_IP/RESOLVE_IP/QUERY_ROUTE), and SET_OPTION's RDMA_OPTION_IB_PATH (ENOSYS;
+//! librdmacm sets it only with an ibacm service, and resolves the route itself
+//! otherwise).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use pvcm_wire::Gid;
+use pvcm_wire::cm::{RejReason, SidrStatus};
+
+use super::abi::{
+    self, AbiError, Accept, AhAttr, Bind, CmdHdr, ConnParam, Connect, CreateId, DestroyId, Ece,
+    EventParam, EventResp, IdArg, QueryAddrResp, QueryRouteResp, Reject, ResolveAddr, RespIdArg,
+    SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
+};
+use super::caller::CallerMemory;
+use super::verbs::RdmaPort;
+use crate::cm::qp_attr::{PathAv, QpState, mask};
+use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
+use crate::cm::{
+    AcceptOptions, Agent, CMA_IBOE_PACKET_LIFETIME, CmError, CmId, ConnectOptions, Event,
+    SidrOptions, SplitMix64, State,
+};
+use crate::time::Time;
+
+/// A file handle (one open of the device).
+pub type Fh = u64;
+
+/// errno values the commands return.
+pub mod errno {
+    pub use libc::{
+        EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EINTR, EINVAL, EISCONN, ENOENT,
+        ENOMEM, ENOSPC, ENOSYS, ETIMEDOUT,
+    };
+}
+
+/// `RDMA_UDP_QKEY`: the Q_Key of rdma_cm's UDP port space.
+pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
+/// The kernel's `max_backlog` default: a listener's backlog past it (or 0) is this.
+pub const MAX_BACKLOG: u32 = 1024;
+/// `enum ib_qp_type` IB_QPT_UD (PS_IB ids give their QP type).
+const IB_QPT_UD: u8 = 4;
+/// `IB_EVENT_COMM_EST` (NOTIFY's only event with an effect).
+const IB_EVENT_COMM_EST: u32 = 4;
+/// `IB_CM_REJ_VENDOR_OPTION_NOT_SUPPORTED`, REJECT's other allowed reason.
+const REJ_VENDOR_OPTION_NOT_SUPPORTED: u8 = 35;
+/// Private data sizes of the messages (IBA): REQ, REP, REJ, SIDR_REQ, SIDR_REP.
+const PD_REQ: usize = 92;
+const PD_REP: usize = 196;
+const PD_REJ: usize = 148;
+const PD_SIDR_REQ: usize = 216;
+const PD_SIDR_REP: usize = 136;
+/// The largest SET_OPTION value the kernel copies (`KMALLOC_MAX_SIZE` on x86_64).
+const MAX_OPTLEN: u32 = 4 << 20;
+
+/// What a command comes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Answered: 0, or the errno the write fails with.
+    Done(Result<(), i32>),
+    /// GET_EVENT with no event queued: the caller waits (or gets EAGAIN when its file
+    /// is non-blocking) until [`Cma::deliver`] fills it.
+    WaitEvent {
+        /// Where the event goes.
+        response: u64,
+        /// The caller's buffer size.
+        out_len: u16,
+    },
+    /// MIGRATE_ID: the caller's `fd` must be found to be one of the service's files
+    /// first ([`Cma::migrate`]).
+    Migrate {
+        /// The id to move.
+        id: u32,
+        /// The caller's descriptor of the id's current file.
+        fd: u32,
+        /// Where `rdma_ucm_migrate_resp` goes.
+        response: u64,
+        /// The caller's buffer size.
+        out_len: u16,
+    },
+}
+
+fn done(r: Result<(), i32>) -> Outcome {
+    Outcome::Done(r)
+}
+
+/// Who wrote a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// The caller's user ID (ports below 1024 need root, as CAP_NET_BIND_SERVICE).
+    pub uid: u32,
+}
+
+/// The kernel cma states an id goes through here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum St {
+    Idle,
+    AddrBound,
+    AddrResolved,
+    RouteResolved,
+    Connect,
+    Disconnect,
+    Listen,
+}
+
+#[derive(Debug)]
+struct Ctx {
+    file: Fh,
+    uid: u64,
+    ps: u16,
+    ud: bool,
+    st: St,
+    /// Bound (and, after resolution, local) address; its port is the id's port.
+    src: Option<SocketAddr>,
+    dst: Option<SocketAddr>,
+    /// Bound to the VM's address (not a wildcard): QUERY_ROUTE names the device.
+    has_dev: bool,
+    route: bool,
+    /// The (port space, port) this id holds in the bind table.
+    port: Option<(u16, u16)>,
+    cm: Option<CmId>,
+    events_reported: u32,
+    backlog: u32,
+    tos: u8,
+    reuseaddr: bool,
+    afonly: bool,
+    ack_timeout: Option<u8>,
+    seq_num: u32,
+    qkey: u32,
+}
+
+#[derive(Debug)]
+struct Queued {
+    /// The id whose `events_reported` counts it (the listener for CONNECT_REQUEST).
+    ctx: u32,
+    /// The new id a CONNECT_REQUEST announces.
+    child: Option<u32>,
+    resp: EventResp,
+}
+
+#[derive(Debug, Default)]
+struct File {
+    events: VecDeque<Queued>,
+    /// Ids in creation order.
+    ctxs: Vec<u32>,
+    /// The poll handle to notify when an event arrives.
+    poll_kh: Option<u64>,
+}
+
+/// What the service did, for `stat`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CmaStats {
+    /// Commands by code (index `cmd::TABLE_LEN` counts unknown codes).
+    pub commands: [u64; cmd::TABLE_LEN as usize + 1],
+    /// Commands that failed, by code.
+    pub errors: [u64; cmd::TABLE_LEN as usize + 1],
+    /// Events queued, by type.
+    pub events: [u64; 16],
+    /// Events reported by GET_EVENT.
+    pub events_reported: u64,
+    /// Events dropped: of ids without a uid yet, or withdrawn by a destroy.
+    pub events_dropped: u64,
+    /// Requests refused because the listener's backlog was full.
+    pub backlog_full: u64,
+    /// Files opened and released.
+    pub opens: u64,
+    /// Files released.
+    pub releases: u64,
+    /// Ids destroyed by a file's release (the process exited or closed it).
+    pub released_ids: u64,
+}
+
+/// The service's rdma_cm state: files, ids, bindings.
+#[derive(Debug)]
+pub struct Cma {
+    port: RdmaPort,
+    files: BTreeMap<Fh, File>,
+    next_fh: Fh,
+    ctxs: BTreeMap<u32, Ctx>,
+    free_ids: BTreeSet<u32>,
+    next_id: u32,
+    by_cm: std::collections::HashMap<CmId, u32>,
+    binds: BTreeMap<(u16, u16), Vec<u32>>,
+    ephemeral: BTreeMap<u16, EphemeralPorts>,
+    rng: SplitMix64,
+    stats: CmaStats,
+}
+
+/// The agent and the time a command runs at.
+#[derive(Debug)]
+pub struct Env<'a> {
+    /// The CM agent.
+    pub agent: &'a mut Agent,
+    /// Now.
+    pub now: Time,
+}
+
+fn cm_errno(e: CmError) -> i32 {
+    match e {
+        CmError::NoResources => errno::ENOMEM,
+        CmError::ServiceIdInUse(_) => errno::EADDRINUSE,
+        CmError::InvalidState(State::Established) => errno::EISCONN,
+        _ => errno::EINVAL,
+    }
+}
+
+fn abi_errno(e: AbiError) -> i32 {
+    match e {
+        AbiError::AfIb => errno::EAFNOSUPPORT,
+        AbiError::Short { .. } | AbiError::BadAddr => errno::EINVAL,
+    }
+}
+
+fn ip_gid(a: IpAddr) -> Gid {
+    match a {
+        IpAddr::V4(v) => Gid::from_ipv4(v),
+        IpAddr::V6(v) => Gid(v.octets()),
+    }
+}
+
+fn gid_ip(g: Gid) -> IpAddr {
+    match g.to_ipv4() {
+        Some(v) => IpAddr::V4(v),
+        None => IpAddr::V6(Ipv6Addr::from(g.0)),
+    }
+}
+
+fn unspecified(family_of: &SocketAddr) -> IpAddr {
+    match family_of {
+        SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+impl Cma {
+    /// The layer for the VM's RDMA port; `seed` seeds the starting PSNs and ephemeral
+    /// ports.
+    pub fn new(port: RdmaPort, seed: u64) -> Cma {
+        Cma {
+            port,
+            files: BTreeMap::new(),
+            next_fh: 1,
+            ctxs: BTreeMap::new(),
+            free_ids: BTreeSet::new(),
+            next_id: 0,
+            by_cm: std::collections::HashMap::new(),
+            binds: BTreeMap::new(),
+            ephemeral: BTreeMap::new(),
+            rng: SplitMix64::new(seed),
+            stats: CmaStats::default(),
+        }
+    }
+
+    /// The port it serves.
+    pub fn port(&self) -> &RdmaPort {
+        &self.port
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &CmaStats {
+        &self.stats
+    }
+
+    /// Open files.
+    pub fn files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Live ids.
+    pub fn ids(&self) -> usize {
+        self.ctxs.len()
+    }
+
+    /// Opens a file.
+    pub fn open(&mut self) -> Fh {
+        let fh = self.next_fh;
+        self.next_fh += 1;
+        self.files.insert(fh, File::default());
+        self.stats.opens += 1;
+        fh
+    }
+
+    /// Whether `fh` is an open file.
+    pub fn is_open(&self, fh: Fh) -> bool {
+        self.files.contains_key(&fh)
+    }
+
+    /// Whether `fh` has events queued (`poll()`'s POLLIN).
+    pub fn has_events(&self, fh: Fh) -> bool {
+        self.files.get(&fh).is_some_and(|f| !f.events.is_empty())
+    }
+
+    /// Remembers the poll handle to wake when `fh` gets an event.
+    pub fn set_poll_handle(&mut self, fh: Fh, kh: u64) {
+        if let Some(f) = self.files.get_mut(&fh) {
+            f.poll_kh = Some(kh);
+        }
+    }
+
+    /// The poll handle of `fh`, taken (a wakeup is sent once; the next poll arms it).
+    pub fn take_poll_handle(&mut self, fh: Fh) -> Option<u64> {
+        self.files.get_mut(&fh).and_then(|f| f.poll_kh.take())
+    }
+
+    /// Releases a file: every id it holds is destroyed (see the module docs).
+    pub fn release(&mut self, fh: Fh, env: &mut Env<'_>) {
+        let Some(f) = self.files.get(&fh) else { return };
+        let ids = f.ctxs.clone();
+        for id in ids {
+            if self.ctxs.contains_key(&id) {
+                self.destroy_ctx(id, env);
+                self.stats.released_ids += 1;
+            }
+        }
+        self.files.remove(&fh);
+        self.stats.releases += 1;
+    }
+
+    // ------------------------------------------------------------ ids
+
+    fn alloc_id(&mut self) -> u32 {
+        if let Some(id) = self.free_ids.pop_first() {
+            return id;
+        }
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        id
+    }
+
+    fn new_ctx(&mut self, file: Fh, uid: u64, ps: u16, ud: bool) -> u32 {
+        let id = self.alloc_id();
+        let seq_num = self.rng.next_u32() & 0x00FF_FFFF;
+        self.ctxs.insert(
+            id,
+            Ctx {
+                file,
+                uid,
+                ps,
+                ud,
+                st: St::Idle,
+                src: None,
+                dst: None,
+                has_dev: false,
+                route: false,
+                port: None,
+                cm: None,
+                events_reported: 0,
+                backlog: 0,
+                tos: 0,
+                reuseaddr: false,
+                afonly: false,
+                ack_timeout: None,
+                seq_num,
+                qkey: if ud { RDMA_UDP_QKEY } else { 0 },
+            },
+        );
+        if let Some(f) = self.files.get_mut(&file) {
+            f.ctxs.push(id);
+        }
+        id
+    }
+
+    /// The id `id` of file `fh` (kernel `ucma_get_ctx`).
+    fn ctx_of(&self, fh: Fh, id: u32) -> Result<&Ctx, i32> {
+        match self.ctxs.get(&id) {
+            None => Err(errno::ENOENT),
+            Some(c) if c.file != fh => Err(errno::EINVAL),
+            Some(c) => Ok(c),
+        }
+    }
+
+    /// As [`Cma::ctx_of`], and the id must have a device (`ucma_get_ctx_dev`).
+    fn ctx_dev(&self, fh: Fh, id: u32) -> Result<&Ctx, i32> {
+        let c = self.ctx_of(fh, id)?;
+        if c.has_dev { Ok(c) } else { Err(errno::EINVAL) }
+    }
+
+    fn ctx_mut(&mut self, id: u32) -> Result<&mut Ctx, i32> {
+        self.ctxs.get_mut(&id).ok_or(errno::ENOENT)
+    }
+
+    /// Destroys an id: its agent handle, its binding, its unreported events (and the
+    /// unreported connections of a listener); returns its `events_reported`.
+    fn destroy_ctx(&mut self, id: u32, env: &mut Env<'_>) -> u32 {
+        let Some(c) = self.ctxs.remove(&id) else {
+            return 0;
+        };
+        let mut children = Vec::new();
+        if let Some(f) = self.files.get_mut(&c.file) {
+            f.ctxs.retain(|&x| x != id);
+            let before = f.events.len();
+            f.events.retain(|q| {
+                if q.ctx != id {
+                    return true;
+                }
+                if let Some(ch) = q.child {
+                    children.push(ch);
+                }
+                false
+            });
+            self.stats.events_dropped += (before - f.events.len()) as u64;
+        }
+        if let Some(cm) = c.cm {
+            self.by_cm.remove(&cm);
+            let _ = env.agent.destroy(cm, env.now);
+        }
+        self.unbind(id, c.port);
+        self.free_ids.insert(id);
+        for ch in children {
+            self.destroy_ctx(ch, env);
+        }
+        c.events_reported
+    }
+
+    // ------------------------------------------------------------ binding
+
+    fn ephemeral(&mut self, ps: u16) -> &mut EphemeralPorts {
+        let seed = self.rng.next_u64();
+        self.ephemeral
+            .entry(ps)
+            .or_insert_with(|| EphemeralPorts::new(seed))
+    }
+
+    fn unbind(&mut self, id: u32, port: Option<(u16, u16)>) {
+        let Some(key) = port else { return };
+        if let Some(v) = self.binds.get_mut(&key) {
+            v.retain(|&x| x != id);
+            if v.is_empty() {
+                self.binds.remove(&key);
+                if let Some(e) = self.ephemeral.get_mut(&key.0) {
+                    e.release(key.1);
+                }
+            }
+        }
+    }
+
+    /// Kernel `cma_check_port`: may `id` (bound to `addr`) share `key` with its owners?
+    fn check_port(&self, id: u32, key: (u16, u16), addr: IpAddr, reuse: bool) -> Result<(), i32> {
+        let Some(owners) = self.binds.get(&key) else {
+            return Ok(());
+        };
+        let me = self.ctxs.get(&id);
+        for &o in owners {
+            if o == id {
+                continue;
+            }
+            let Some(cur) = self.ctxs.get(&o) else {
+                continue;
+            };
+            if reuse && cur.reuseaddr {
+                continue;
+            }
+            let cur_addr = cur.src.map(|s| s.ip()).unwrap_or(addr);
+            if me.is_some_and(|m| m.afonly && cur.afonly) && addr.is_ipv4() != cur_addr.is_ipv4() {
+                continue;
+            }
+            if addr.is_unspecified() || cur_addr.is_unspecified() {
+                return Err(errno::EADDRNOTAVAIL);
+            }
+            if addr == cur_addr {
+                return Err(errno::EADDRINUSE);
+            }
+        }
+        Ok(())
+    }
+
+    /// Kernel `rdma_bind_addr` for an IDLE id: the address must be a wildcard or the
+    /// VM's; port 0 takes an ephemeral one.
+    fn bind_addr(&mut self, id: u32, addr: SocketAddr, caller: Caller) -> Result<(), i32> {
+        let ours = self.port.addr;
+        let ip = addr.ip();
+        let has_dev = if ip.is_unspecified() {
+            false
+        } else if ip == ours || ip_mapped_eq(ip, ours) {
+            true
+        } else {
+            return Err(errno::EADDRNOTAVAIL);
+        };
+        let (ps, reuse) = {
+            let c = self.ctxs.get(&id).ok_or(errno::ENOENT)?;
+            if c.st != St::Idle {
+                return Err(errno::EINVAL);
+            }
+            (c.ps, c.reuseaddr)
+        };
+        let port = match addr.port() {
+            0 => {
+                let mut tries = 0;
+                loop {
+                    let p = self.ephemeral(ps).alloc().ok_or(errno::EADDRNOTAVAIL)?;
+                    if !self.binds.contains_key(&(ps, p)) {
+                        break p;
+                    }
+                    tries += 1;
+                    if tries > 64 {
+                        return Err(errno::EADDRNOTAVAIL);
+                    }
+                }
+            }
+            p => {
+                if p < 1024 && caller.uid != 0 {
+                    return Err(libc::EACCES);
+                }
+                self.check_port(id, (ps, p), ip, reuse)?;
+                p
+            }
+        };
+        self.binds.entry((ps, port)).or_default().push(id);
+        let c = self.ctx_mut(id)?;
+        c.port = Some((ps, port));
+        c.src = Some(SocketAddr::new(if has_dev { ours } else { ip }, port));
+        c.has_dev = has_dev;
+        c.st = St::AddrBound;
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ events
+
+    fn queue(&mut self, ctx: u32, child: Option<u32>, resp: EventResp) -> Option<Fh> {
+        let file = self.ctxs.get(&ctx)?.file;
+        let f = self.files.get_mut(&file)?;
+        if let Some(n) = self.stats.events.get_mut(resp.event as usize) {
+            *n += 1;
+        }
+        f.events.push_back(Queued { ctx, child, resp });
+        Some(file)
+    }
+
+    /// Queues an event of id `ctx` (dropped while the id has no uid: a new connection
+    /// before ACCEPT, as the kernel drops them); returns the file that got it.
+    fn emit(&mut self, ctx: u32, ev: u32, status: i32, param: EventParam) -> Option<Fh> {
+        let uid = self.ctxs.get(&ctx)?.uid;
+        if uid == 0 {
+            self.stats.events_dropped += 1;
+            return None;
+        }
+        self.queue(
+            ctx,
+            None,
+            EventResp {
+                uid,
+                id: ctx,
+                event: ev,
+                status,
+                param,
+                ece: Ece::default(),
+            },
+        )
+    }
+
+    fn empty_param(&self, ctx: u32) -> EventParam {
+        if self.ctxs.get(&ctx).is_some_and(|c| c.ud) {
+            EventParam::Ud(UdParam {
+                qp_num: 0,
+                qkey: 0,
+                ah_attr: AhAttr::default(),
+                private_data: Vec::new(),
+            })
+        } else {
+            EventParam::Conn(ConnParam::empty())
+        }
+    }
+
+    /// Fills a waiting GET_EVENT of file `fh` with its next event: `None` if it has none
+    /// (the caller keeps waiting); `Some(Err(EFAULT))` if the caller's buffer could not
+    /// be written (the event stays queued).
+    pub fn deliver(
+        &mut self,
+        fh: Fh,
+        response: u64,
+        out_len: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Option<Result<(), i32>> {
+        let f = self.files.get_mut(&fh)?;
+        let head = f.events.front()?;
+        let bytes = head.resp.to_bytes();
+        let n = usize::from(out_len).min(EventResp::LEN);
+        if let Err(e) = mem.write(response, &bytes[..n]) {
+            return Some(Err(e));
+        }
+        let q = f.events.pop_front()?;
+        self.stats.events_reported += 1;
+        if let Some(c) = self.ctxs.get_mut(&q.ctx) {
+            c.events_reported += 1;
+            if q.child.is_some() {
+                c.backlog += 1;
+            }
+        }
+        Some(Ok(()))
+    }
+
+    /// Routes one of the agent's events to the id it concerns; returns the file that
+    /// got an rdma_cm event, if one did.
+    pub fn on_agent_event(&mut self, ev: Event, env: &mut Env<'_>) -> Option<Fh> {
+        match ev {
+            Event::ConnectRequest {
+                id,
+                listen_id,
+                private_data,
+                ..
+            } => self.on_request(id, listen_id, &private_data, false, env),
+            Event::SidrRequest {
+                id,
+                listen_id,
+                private_data,
+                ..
+            } => self.on_request(id, listen_id, &private_data, true, env),
+            Event::ConnectResponse {
+                id,
+                remote_qpn,
+                private_data,
+            } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let qp = env.agent.qp_params(id).unwrap_or_default();
+                let p = ConnParam {
+                    qp_num: remote_qpn,
+                    qkey: 0,
+                    private_data: padded(&private_data, PD_REP),
+                    srq: qp.peer_srq,
+                    responder_resources: qp.responder_resources,
+                    initiator_depth: qp.initiator_depth,
+                    flow_control: qp.peer_flow_control,
+                    retry_count: 0,
+                    rnr_retry_count: qp.rnr_retry_count,
+                    valid: false,
+                };
+                self.emit(ctx, event::CONNECT_RESPONSE, 0, EventParam::Conn(p))
+            }
+            Event::Established { id, .. } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let p = self.empty_param(ctx);
+                self.emit(ctx, event::ESTABLISHED, 0, p)
+            }
+            Event::Rejected {
+                id,
+                reason,
+                private_data,
+                ..
+            } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let p = ConnParam {
+                    private_data: padded(&private_data, PD_REJ),
+                    ..ConnParam::empty()
+                };
+                self.emit(
+                    ctx,
+                    event::REJECTED,
+                    i32::from(rej_code(reason)),
+                    EventParam::Conn(p),
+                )
+            }
+            Event::Unreachable { id } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let p = self.empty_param(ctx);
+                self.emit(ctx, event::UNREACHABLE, -errno::ETIMEDOUT, p)
+            }
+            Event::Disconnected { id } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let c = self.ctxs.get_mut(&ctx)?;
+                // Once per connection, as cma.c's CONNECT -> DISCONNECT transition.
+                if c.st != St::Connect {
+                    return None;
+                }
+                c.st = St::Disconnect;
+                let p = self.empty_param(ctx);
+                self.emit(ctx, event::DISCONNECTED, 0, p)
+            }
+            Event::TimewaitExit { id } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let p = self.empty_param(ctx);
+                self.emit(ctx, event::TIMEWAIT_EXIT, 0, p)
+            }
+            Event::SidrResolved {
+                id,
+                status,
+                qpn,
+                qkey,
+                private_data,
+            } => {
+                let ctx = *self.by_cm.get(&id)?;
+                let c = self.ctxs.get(&ctx)?;
+                if status != SidrStatus::Success {
+                    let p = self.empty_param(ctx);
+                    return self.emit(ctx, event::UNREACHABLE, sidr_code(status), p);
+                }
+                if qkey != c.qkey {
+                    let p = self.empty_param(ctx);
+                    return self.emit(ctx, event::ADDR_ERROR, -errno::EINVAL, p);
+                }
+                let p = UdParam {
+                    qp_num: qpn,
+                    qkey,
+                    ah_attr: self.route_ah(c),
+                    private_data: padded(&private_data, PD_SIDR_REP),
+                };
+                self.emit(ctx, event::ESTABLISHED, 0, EventParam::Ud(p))
+            }
+        }
+    }
+
+    /// A REQ or SIDR_REQ for a listener: the new id, in the listener's file, and its
+    /// CONNECT_REQUEST; refused (the CM rejects it) when the listener is gone, its
+    /// backlog is full, or the private data is not an rdma_cm header.
+    fn on_request(
+        &mut self,
+        conn: CmId,
+        listen: CmId,
+        private_data: &[u8],
+        ud: bool,
+        env: &mut Env<'_>,
+    ) -> Option<Fh> {
+        let refuse = |env: &mut Env<'_>| {
+            let _ = env.agent.destroy(conn, env.now);
+            None
+        };
+        let Some(&lctx) = self.by_cm.get(&listen) else {
+            return refuse(env);
+        };
+        let Ok((hdr, user)) = rdma_cm::split_private_data(private_data) else {
+            return refuse(env);
+        };
+        let (file, lps, luid, lport, backlog, ltos) = match self.ctxs.get(&lctx) {
+            Some(l) if l.st == St::Listen => (
+                l.file,
+                l.ps,
+                l.uid,
+                l.src.map_or(0, |s| s.port()),
+                l.backlog,
+                l.tos,
+            ),
+            _ => return refuse(env),
+        };
+        if backlog == 0 {
+            self.stats.backlog_full += 1;
+            return refuse(env);
+        }
+        let child = self.new_ctx(file, 0, lps, ud);
+        let qp = env.agent.qp_params(conn).unwrap_or_default();
+        {
+            let c = self.ctxs.get_mut(&child)?;
+            c.st = St::Connect;
+            c.has_dev = true;
+            c.route = true;
+            c.cm = Some(conn);
+            c.src = Some(SocketAddr::new(self.port.addr, lport));
+            c.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
+            c.tos = if ud { ltos } else { qp.path.traffic_class };
+        }
+        self.by_cm.insert(conn, child);
+        if let Some(l) = self.ctxs.get_mut(&lctx) {
+            l.backlog -= 1;
+        }
+        let param = if ud {
+            EventParam::Ud(UdParam {
+                qp_num: 0,
+                qkey: 0,
+                ah_attr: AhAttr::default(),
+                private_data: padded(user, PD_SIDR_REQ - rdma_cm::CMA_HDR_LEN),
+            })
+        } else {
+            EventParam::Conn(ConnParam {
+                qp_num: qp.remote_qpn,
+                qkey: 0,
+                private_data: padded(user, PD_REQ - rdma_cm::CMA_HDR_LEN),
+                srq: qp.peer_srq,
+                responder_resources: qp.responder_resources,
+                initiator_depth: qp.initiator_depth,
+                flow_control: qp.peer_flow_control,
+                retry_count: qp.retry_count,
+                rnr_retry_count: qp.rnr_retry_count,
+                valid: false,
+            })
+        };
+        self.queue(
+            lctx,
+            Some(child),
+            EventResp {
+                uid: luid,
+                id: child,
+                event: event::CONNECT_REQUEST,
+                status: 0,
+                param,
+                ece: Ece::default(),
+            },
+        )
+    }
+
+    // ------------------------------------------------------------ routes
+
+    /// The route's path (kernel `cma_resolve_iboe_route`): the VM's GID to the
+    /// destination's, hop limit 64, the id's TOS as traffic class, the netdev's MTU, the
+    /// rdma_cm flow label of the ports.
+    fn route_path(&self, c: &Ctx) -> UserPathRec {
+        let src = c.src.unwrap_or(SocketAddr::new(self.port.addr, 0));
+        let dst = c.dst.unwrap_or(SocketAddr::new(unspecified(&src), 0));
+        UserPathRec {
+            dgid: ip_gid(dst.ip()).0,
+            sgid: self.port.gid.0,
+            flow_label: rdma_cm::roce_flow_label(src.port(), dst.port()),
+            reversible: true,
+            mtu: self.port.path_mtu,
+            pkey: 0xFFFF,
+            hop_limit: 64,
+            traffic_class: c.tos,
+            sl: 0,
+            rate: 0,
+            packet_life_time: CMA_IBOE_PACKET_LIFETIME,
+        }
+    }
+
+    /// The address handle attributes of the route (`ib_init_ah_attr_from_path`).
+    fn route_ah(&self, c: &Ctx) -> AhAttr {
+        let p = self.route_path(c);
+        AhAttr {
+            dgid: p.dgid,
+            flow_label: p.flow_label,
+            sgid_index: self.port.gid_index,
+            hop_limit: p.hop_limit,
+            traffic_class: p.traffic_class,
+            dlid: 0,
+            sl: p.sl,
+            static_rate: p.rate,
+            is_global: true,
+            port_num: self.port.port_num,
+        }
+    }
+
+    fn av_ah(&self, av: &PathAv) -> AhAttr {
+        AhAttr {
+            dgid: av.remote_gid.0,
+            flow_label: av.flow_label,
+            sgid_index: self.port.gid_index,
+            hop_limit: av.hop_limit,
+            traffic_class: av.traffic_class,
+            dlid: 0,
+            sl: av.sl,
+            static_rate: 0,
+            is_global: true,
+            port_num: self.port.port_num,
+        }
+    }
+
+    // ------------------------------------------------------------ commands
+
+    /// Runs one write of file `fh`: the header, then the command (see the module docs
+    /// and [`Outcome`]).
+    pub fn write(
+        &mut self,
+        fh: Fh,
+        caller: Caller,
+        data: &[u8],
+        mem: &mut dyn CallerMemory,
+        env: &mut Env<'_>,
+    ) -> Outcome {
+        let Ok(hdr) = CmdHdr::parse(data) else {
+            return done(Err(errno::EINVAL));
+        };
+        let code = hdr.cmd;
+        let slot = (code.min(cmd::TABLE_LEN)) as usize;
+        self.stats.commands[slot] += 1;
+        let bad = code >= cmd::TABLE_LEN
+            || usize::from(hdr.in_len) + abi::HDR_LEN > data.len()
+            || !self.files.contains_key(&fh);
+        let out = if bad {
+            done(Err(errno::EINVAL))
+        } else {
+            let body = &data[abi::HDR_LEN..];
+            self.command(fh, caller, code, hdr, body, mem, env)
+        };
+        if matches!(out, Outcome::Done(Err(_))) {
+            self.stats.errors[slot] += 1;
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn command(
+        &mut self,
+        fh: Fh,
+        caller: Caller,
+        code: u32,
+        hdr: CmdHdr,
+        body: &[u8],
+        mem: &mut dyn CallerMemory,
+        env: &mut Env<'_>,
+    ) -> Outcome {
+        let out = hdr.out_len;
+        match code {
+            cmd::CREATE_ID => done(self.create_id(fh, body, out, mem)),
+            cmd::DESTROY_ID => done(self.destroy_id(fh, body, out, mem, env)),
+            cmd::BIND_IP => done(
+                Bind::parse_ip(body)
+                    .map_err(abi_errno)
+                    .and_then(|b| self.bind(fh, b, caller)),
+            ),
+            cmd::BIND => done(
+                Bind::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|b| self.bind(fh, b, caller)),
+            ),
+            cmd::RESOLVE_IP => done(
+                ResolveAddr::parse_ip(body)
+                    .map_err(abi_errno)
+                    .and_then(|r| self.resolve_addr(fh, r, caller)),
+            ),
+            cmd::RESOLVE_ADDR => done(
+                ResolveAddr::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|r| self.resolve_addr(fh, r, caller)),
+            ),
+            cmd::RESOLVE_ROUTE => done(
+                IdArg::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|a| self.resolve_route(fh, a.id)),
+            ),
+            cmd::QUERY_ROUTE => done(self.query_route(fh, body, out, mem)),
+            cmd::QUERY => done(self.query(fh, body, out, mem)),
+            cmd::CONNECT => done(self.connect(fh, body, env)),
+            cmd::LISTEN => done(
+                IdArg::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|a| self.listen(fh, a.id, a.arg, caller, env)),
+            ),
+            cmd::ACCEPT => done(self.accept(fh, body, env)),
+            cmd::REJECT => done(self.reject(fh, body, env)),
+            cmd::DISCONNECT => done(
+                IdArg::parse_id(body)
+                    .map_err(abi_errno)
+                    .and_then(|a| self.disconnect(fh, a.id, env)),
+            ),
+            cmd::INIT_QP_ATTR => done(self.init_qp_attr(fh, body, out, mem, env)),
+            cmd::GET_EVENT => self.get_event(fh, body, out, mem),
+            cmd::SET_OPTION => done(self.set_option(fh, body, mem)),
+            cmd::NOTIFY => done(
+                IdArg::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|a| self.notify(fh, a.id, a.arg, env)),
+            ),
+            cmd::MIGRATE_ID => match RespIdArg::parse(body) {
+                Ok(a) => Outcome::Migrate {
+                    id: a.id,
+                    fd: a.arg,
+                    response: a.response,
+                    out_len: out,
+                },
+                Err(e) => done(Err(abi_errno(e))),
+            },
+            cmd::LEAVE_MCAST => done(DestroyId::parse(body).map_err(abi_errno).and_then(|_| {
+                if usize::from(out) < 4 {
+                    Err(errno::ENOSPC)
+                } else {
+                    Err(errno::ENOENT)
+                }
+            })),
+            // GET_OPTION has no handler in the kernel either; multicast is not served.
+            _ => done(Err(errno::ENOSYS)),
+        }
+    }
+
+    fn create_id(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        if usize::from(out) < 4 {
+            return Err(errno::ENOSPC);
+        }
+        let c = CreateId::parse(body).map_err(abi_errno)?;
+        let ud = match c.ps {
+            ps::TCP => false,
+            ps::UDP | ps::IPOIB => true,
+            ps::IB => c.qp_type == IB_QPT_UD,
+            _ => return Err(errno::EINVAL),
+        };
+        let id = self.new_ctx(fh, c.uid, c.ps, ud);
+        if let Err(e) = mem.write(c.response, &id.to_le_bytes()) {
+            self.drop_unused(id);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Removes an id that never reached the agent (a CREATE_ID whose answer could not
+    /// be written).
+    fn drop_unused(&mut self, id: u32) {
+        if let Some(c) = self.ctxs.remove(&id) {
+            if let Some(f) = self.files.get_mut(&c.file) {
+                f.ctxs.retain(|&x| x != id);
+            }
+            self.free_ids.insert(id);
+        }
+    }
+
+    fn destroy_id(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+        env: &mut Env<'_>,
+    ) -> Result<(), i32> {
+        if usize::from(out) < 4 {
+            return Err(errno::ENOSPC);
+        }
+        let d = DestroyId::parse(body).map_err(abi_errno)?;
+        self.ctx_of(fh, d.id)?;
+        let n = self.destroy_ctx(d.id, env);
+        mem.write(d.response, &n.to_le_bytes())
+    }
+
+    fn bind(&mut self, fh: Fh, b: Bind, caller: Caller) -> Result<(), i32> {
+        self.ctx_of(fh, b.id)?;
+        self.bind_addr(b.id, b.addr, caller)
+    }
+
+    fn resolve_addr(&mut self, fh: Fh, r: ResolveAddr, caller: Caller) -> Result<(), i32> {
+        let st = self.ctx_of(fh, r.id)?.st;
+        if st == St::Idle {
+            let src = r
+                .src
+                .unwrap_or_else(|| SocketAddr::new(unspecified(&r.dst), 0));
+            self.bind_addr(r.id, src, caller)?;
+        }
+        let (family_ok, st) = {
+            let c = self.ctxs.get(&r.id).ok_or(errno::ENOENT)?;
+            let bound = c.src.map(|s| s.ip());
+            (
+                bound.is_none_or(|b| b.is_ipv4() == r.dst.ip().is_ipv4() || b.is_unspecified()),
+                c.st,
+            )
+        };
+        if st != St::AddrBound {
+            return Err(errno::EINVAL);
+        }
+        if !family_ok {
+            return Err(errno::EINVAL);
+        }
+        let ours = self.port.addr;
+        let reachable = ours.is_ipv4() == r.dst.ip().is_ipv4() && !r.dst.ip().is_unspecified();
+        let c = self.ctx_mut(r.id)?;
+        c.dst = Some(r.dst);
+        if !reachable {
+            // Nothing routes there from the VM's one address: the kernel's resolution
+            // fails asynchronously the same way.
+            let p = self.empty_param(r.id);
+            self.emit(r.id, event::ADDR_ERROR, -libc::EHOSTUNREACH, p);
+            return Ok(());
+        }
+        let port = c.src.map_or(0, |s| s.port());
+        c.src = Some(SocketAddr::new(ours, port));
+        c.has_dev = true;
+        c.st = St::AddrResolved;
+        let p = self.empty_param(r.id);
+        self.emit(r.id, event::ADDR_RESOLVED, 0, p);
+        Ok(())
+    }
+
+    fn resolve_route(&mut self, fh: Fh, id: u32) -> Result<(), i32> {
+        if self.ctx_dev(fh, id)?.st != St::AddrResolved {
+            return Err(errno::EINVAL);
+        }
+        let c = self.ctx_mut(id)?;
+        c.route = true;
+        c.st = St::RouteResolved;
+        let p = self.empty_param(id);
+        self.emit(id, event::ROUTE_RESOLVED, 0, p);
+        Ok(())
+    }
+
+    fn query_route(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        if usize::from(out) < QueryRouteResp::MIN_OUT {
+            return Err(errno::ENOSPC);
+        }
+        let q = RespIdArg::parse(body).map_err(abi_errno)?;
+        let c = self.ctx_of(fh, q.id)?;
+        let mut r = QueryRouteResp {
+            node_guid_be: 0,
+            paths: [None, None],
+            src: c.src,
+            dst: c.dst,
+            num_paths: 0,
+            port_num: 0,
+            ibdev_index: 0,
+        };
+        if c.has_dev {
+            r.node_guid_be = self.port.node_guid_wire();
+            r.ibdev_index = self.port.ibdev_index;
+            r.port_num = self.port.port_num;
+            if c.route {
+                r.num_paths = 1;
+                r.paths[0] = Some(self.conn_path(c));
+            } else {
+                let src = c.src.map(|s| ip_gid(s.ip()).0).unwrap_or_default();
+                let dst = c.dst.map(|s| ip_gid(s.ip()).0).unwrap_or_default();
+                r.paths[0] = Some(UserPathRec {
+                    dgid: dst,
+                    sgid: src,
+                    pkey: 0xFFFF,
+                    ..UserPathRec::default()
+                });
+            }
+        }
+        let bytes = r.to_bytes();
+        mem.write(
+            q.response,
+            &bytes[..usize::from(out).min(QueryRouteResp::LEN)],
+        )
+    }
+
+    /// The path QUERY_ROUTE reports: the CM's (a passive id's comes from the REQ) or the
+    /// resolved route's.
+    fn conn_path(&self, c: &Ctx) -> UserPathRec {
+        let mut p = self.route_path(c);
+        if let Some(d) = c.dst {
+            p.dgid = ip_gid(d.ip()).0;
+        }
+        p
+    }
+
+    fn query(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        let q = RespIdArg::parse(body).map_err(abi_errno)?;
+        let c = self.ctx_of(fh, q.id)?;
+        match q.arg {
+            abi::query::ADDR | abi::query::GID => {
+                if usize::from(out) < QueryAddrResp::MIN_OUT {
+                    return Err(errno::ENOSPC);
+                }
+                let mut r = QueryAddrResp {
+                    node_guid_be: 0,
+                    port_num: 0,
+                    pkey_be: 0,
+                    src: ([0; abi::SOCKADDR_STORAGE_LEN], 0),
+                    dst: ([0; abi::SOCKADDR_STORAGE_LEN], 0),
+                    ibdev_index: 0,
+                };
+                if c.has_dev {
+                    r.node_guid_be = self.port.node_guid_wire();
+                    r.port_num = self.port.port_num;
+                    r.pkey_be = u16::from_le_bytes(0xFFFFu16.to_be_bytes());
+                    r.ibdev_index = self.port.ibdev_index;
+                }
+                let sid = |a: &SocketAddr| rdma_cm::service_id(c.ps, a.port());
+                if q.arg == abi::query::ADDR {
+                    if let Some(a) = &c.src {
+                        r.src.1 = abi::emit_sockaddr(a, &mut r.src.0) as u16;
+                    }
+                    if let Some(a) = &c.dst {
+                        r.dst.1 = abi::emit_sockaddr(a, &mut r.dst.0) as u16;
+                    }
+                } else {
+                    let sgid = c.src.map(|a| ip_gid(a.ip()).0).unwrap_or_default();
+                    let dgid = c.dst.map(|a| ip_gid(a.ip()).0).unwrap_or_default();
+                    r.src.1 = abi::emit_sockaddr_ib(
+                        sgid,
+                        0xFFFF,
+                        c.src.as_ref().map_or(0, sid),
+                        &mut r.src.0,
+                    ) as u16;
+                    r.dst.1 = abi::emit_sockaddr_ib(
+                        dgid,
+                        0xFFFF,
+                        c.dst.as_ref().map_or(0, sid),
+                        &mut r.dst.0,
+                    ) as u16;
+                }
+                let bytes = r.to_bytes();
+                mem.write(
+                    q.response,
+                    &bytes[..usize::from(out).min(QueryAddrResp::LEN)],
+                )
+            }
+            abi::query::PATH => {
+                if usize::from(out) < 8 {
+                    return Err(errno::ENOSPC);
+                }
+                // Path records travel in the SA's packed format, which only AF_IB users
+                // read; a RoCE route reports its path through QUERY_ROUTE.
+                mem.write(q.response, &[0u8; 8])
+            }
+            _ => Err(errno::ENOSYS),
+        }
+    }
+
+    fn connect(&mut self, fh: Fh, body: &[u8], env: &mut Env<'_>) -> Result<(), i32> {
+        let c = Connect::parse(body).map_err(abi_errno)?;
+        if !c.conn.valid {
+            return Err(errno::EINVAL);
+        }
+        let ctx = self.ctx_dev(fh, c.id)?;
+        if ctx.st != St::RouteResolved {
+            return Err(errno::EINVAL);
+        }
+        let (Some(src), Some(dst)) = (ctx.src, ctx.dst) else {
+            return Err(errno::EINVAL);
+        };
+        let hdr = CmaHdr {
+            src: src.ip(),
+            dst: dst.ip(),
+            src_port: src.port(),
+        };
+        let sid = rdma_cm::service_id(ctx.ps, dst.port());
+        let dest = ip_gid(dst.ip());
+        let handle = if ctx.ud {
+            let pd = rdma_cm::sidr_req_private_data(&hdr, &c.conn.private_data)
+                .map_err(|_| errno::EINVAL)?;
+            env.agent
+                .resolve_sidr(dest, sid, &pd, &SidrOptions::default(), env.now)
+                .map_err(cm_errno)?
+        } else {
+            let pd =
+                rdma_cm::req_private_data(&hdr, &c.conn.private_data).map_err(|_| errno::EINVAL)?;
+            let opts = ConnectOptions {
+                qpn: Some(c.conn.qp_num & 0x00FF_FFFF),
+                starting_psn: Some(ctx.seq_num),
+                responder_resources: c.conn.responder_resources,
+                initiator_depth: c.conn.initiator_depth,
+                flow_control: c.conn.flow_control,
+                retry_count: c.conn.retry_count,
+                rnr_retry_count: c.conn.rnr_retry_count,
+                srq: c.conn.srq,
+                path_mtu: self.port.path_mtu,
+                hop_limit: 64,
+                traffic_class: ctx.tos,
+                auto_rtu: false,
+                ..ConnectOptions::default()
+            };
+            env.agent
+                .connect(dest, sid, &pd, &opts, env.now)
+                .map_err(cm_errno)?
+        };
+        self.by_cm.insert(handle, c.id);
+        let ctx = self.ctx_mut(c.id)?;
+        ctx.cm = Some(handle);
+        ctx.st = St::Connect;
+        Ok(())
+    }
+
+    fn listen(
+        &mut self,
+        fh: Fh,
+        id: u32,
+        backlog: u32,
+        caller: Caller,
+        env: &mut Env<'_>,
+    ) -> Result<(), i32> {
+        let st = self.ctx_of(fh, id)?.st;
+        let backlog = if backlog == 0 || backlog as i32 <= 0 || backlog > MAX_BACKLOG {
+            MAX_BACKLOG
+        } else {
+            backlog
+        };
+        if st == St::Idle {
+            self.bind_addr(
+                id,
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+                caller,
+            )?;
+        }
+        let c = self.ctxs.get(&id).ok_or(errno::ENOENT)?;
+        if c.st != St::AddrBound {
+            return Err(errno::EINVAL);
+        }
+        let Some((ps, port)) = c.port else {
+            return Err(errno::EINVAL);
+        };
+        let listener = env
+            .agent
+            .listen(rdma_cm::service_id(ps, port))
+            .map_err(cm_errno)?;
+        self.by_cm.insert(listener, id);
+        let c = self.ctx_mut(id)?;
+        c.cm = Some(listener);
+        c.backlog = backlog;
+        c.st = St::Listen;
+        Ok(())
+    }
+
+    fn accept(&mut self, fh: Fh, body: &[u8], env: &mut Env<'_>) -> Result<(), i32> {
+        let a = Accept::parse(body).map_err(abi_errno)?;
+        let c = self.ctx_dev(fh, a.id)?;
+        if c.st != St::Connect {
+            return Err(errno::EINVAL);
+        }
+        let cm = c.cm.ok_or(errno::EINVAL)?;
+        if c.ud {
+            let (qpn, pd) = if a.conn.valid {
+                (a.conn.qp_num & 0x00FF_FFFF, a.conn.private_data.clone())
+            } else {
+                (0, Vec::new())
+            };
+            env.agent
+                .sidr_reply(cm, SidrStatus::Success, qpn, c.qkey, &pd)
+                .map_err(cm_errno)?;
+        } else if a.conn.valid {
+            if !matches!(
+                env.agent.state(cm),
+                Some(State::ReqRcvd | State::MraReqSent)
+            ) {
+                return Err(errno::EINVAL);
+            }
+            let opts = AcceptOptions {
+                qpn: Some(a.conn.qp_num & 0x00FF_FFFF),
+                starting_psn: Some(c.seq_num),
+                responder_resources: a.conn.responder_resources,
+                initiator_depth: a.conn.initiator_depth,
+                flow_control: a.conn.flow_control,
+                rnr_retry_count: a.conn.rnr_retry_count.min(7),
+                srq: a.conn.srq,
+            };
+            env.agent
+                .accept_with(cm, &a.conn.private_data, &opts, env.now)
+                .map_err(cm_errno)?;
+        } else {
+            // The active side after CONNECT_RESPONSE: the RTU (cma.c `cma_rep_recv`).
+            if !matches!(
+                env.agent.state(cm),
+                Some(State::RepRcvd | State::MraRepSent)
+            ) {
+                return Err(errno::EINVAL);
+            }
+            env.agent.accept(cm, &[], env.now).map_err(cm_errno)?;
+            return Ok(());
+        }
+        if a.conn.valid {
+            self.ctx_mut(a.id)?.uid = a.uid;
+        }
+        Ok(())
+    }
+
+    fn reject(&mut self, fh: Fh, body: &[u8], env: &mut Env<'_>) -> Result<(), i32> {
+        let r = Reject::parse(body).map_err(abi_errno)?;
+        let reason = if r.reason == 0 {
+            RejReason::ConsumerDefined.code() as u8
+        } else {
+            r.reason
+        };
+        if reason != RejReason::ConsumerDefined.code() as u8
+            && reason != REJ_VENDOR_OPTION_NOT_SUPPORTED
+        {
+            return Err(errno::EINVAL);
+        }
+        let c = self.ctx_dev(fh, r.id)?;
+        let cm = c.cm.ok_or(errno::EINVAL)?;
+        env.agent
+            .reject(cm, &r.private_data, env.now)
+            .map_err(cm_errno)
+    }
+
+    fn disconnect(&mut self, fh: Fh, id: u32, env: &mut Env<'_>) -> Result<(), i32> {
+        let c = self.ctx_dev(fh, id)?;
+        let cm = c.cm.ok_or(errno::EINVAL)?;
+        // cma.c tries a DREQ, else a DREP, and succeeds either way.
+        if !c.ud {
+            let _ = env.agent.disconnect(cm, env.now);
+        }
+        Ok(())
+    }
+
+    fn init_qp_attr(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+        env: &mut Env<'_>,
+    ) -> Result<(), i32> {
+        if usize::from(out) < UverbsQpAttr::LEN {
+            return Err(errno::ENOSPC);
+        }
+        let q = RespIdArg::parse(body).map_err(abi_errno)?;
+        let Some(target) = QpState::from_u32(q.arg) else {
+            return Err(errno::EINVAL);
+        };
+        let c = self.ctx_dev(fh, q.id)?;
+        let conn = c.cm.filter(|_| !c.ud && c.st != St::Listen);
+        let mut r = UverbsQpAttr {
+            qp_state: q.arg,
+            ..UverbsQpAttr::default()
+        };
+        match conn {
+            None => {
+                // cma.c `cma_ib_init_qp_attr`: the port and P_Key, plus the Q_Key (UD)
+                // or no remote access (RC) until the CM exchange gives more.
+                r.qp_attr_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT;
+                r.pkey_index = self.port.pkey_index;
+                r.port_num = self.port.port_num;
+                if c.ud {
+                    r.qp_attr_mask |= mask::QKEY;
+                    r.qkey = c.qkey;
+                } else {
+                    r.qp_attr_mask |= mask::ACCESS_FLAGS;
+                }
+            }
+            Some(cm) => {
+                let a = env.agent.qp_attr(cm, target).map_err(cm_errno)?;
+                r.qp_attr_mask = a.mask;
+                r.qp_access_flags = a.access_flags;
+                r.path_mtu = u32::from(a.path_mtu);
+                r.dest_qp_num = a.dest_qpn;
+                r.rq_psn = a.rq_psn;
+                r.sq_psn = a.sq_psn;
+                r.max_dest_rd_atomic = a.max_dest_rd_atomic;
+                r.min_rnr_timer = a.min_rnr_timer;
+                r.max_rd_atomic = a.max_rd_atomic;
+                r.timeout = a.timeout;
+                r.retry_cnt = a.retry_cnt;
+                r.rnr_retry = a.rnr_retry;
+                if a.mask & mask::PKEY_INDEX != 0 {
+                    r.pkey_index = self.port.pkey_index;
+                }
+                if a.mask & mask::PORT != 0 {
+                    r.port_num = self.port.port_num;
+                }
+                if a.mask & mask::AV != 0 {
+                    r.ah_attr = self.av_ah(&a.av);
+                }
+                // cma.c: the receive PSN is the id's own sequence number, the one its
+                // REQ or REP announced; a set ACK timeout overrides the path's.
+                if target == QpState::Rtr {
+                    r.rq_psn = c.seq_num;
+                }
+                if let (Some(t), true) = (c.ack_timeout, a.mask & mask::TIMEOUT != 0) {
+                    r.timeout = t;
+                }
+            }
+        }
+        mem.write(q.response, &r.to_bytes())
+    }
+
+    fn get_event(&mut self, fh: Fh, body: &[u8], out: u16, mem: &mut dyn CallerMemory) -> Outcome {
+        if usize::from(out) < EventResp::MIN_OUT {
+            return done(Err(errno::ENOSPC));
+        }
+        let response = match abi::parse_get_event(body) {
+            Ok(r) => r,
+            Err(e) => return done(Err(abi_errno(e))),
+        };
+        match self.deliver(fh, response, out, mem) {
+            Some(r) => done(r),
+            None => Outcome::WaitEvent {
+                response,
+                out_len: out,
+            },
+        }
+    }
+
+    fn set_option(&mut self, fh: Fh, body: &[u8], mem: &mut dyn CallerMemory) -> Result<(), i32> {
+        let o = SetOption::parse(body).map_err(abi_errno)?;
+        if o.optlen > MAX_OPTLEN {
+            return Err(errno::EINVAL);
+        }
+        self.ctx_of(fh, o.id)?;
+        let mut val = vec![0u8; o.optlen as usize];
+        mem.read(o.optval, &mut val)?;
+        let c = self.ctx_mut(o.id)?;
+        match (o.level, o.optname) {
+            (opt::LEVEL_ID, opt::ID_TOS) => {
+                if val.len() != 1 {
+                    return Err(errno::EINVAL);
+                }
+                c.tos = val[0];
+                Ok(())
+            }
+            (opt::LEVEL_ID, opt::ID_REUSEADDR) => {
+                if val.len() != 4 {
+                    return Err(errno::EINVAL);
+                }
+                let reuse = abi::u32_at(&val, 0) != 0;
+                if (reuse && c.st != St::Listen) || c.st == St::Idle {
+                    c.reuseaddr = reuse;
+                    Ok(())
+                } else {
+                    Err(errno::EINVAL)
+                }
+            }
+            (opt::LEVEL_ID, opt::ID_AFONLY) => {
+                if val.len() != 4 {
+                    return Err(errno::EINVAL);
+                }
+                if c.st != St::Idle {
+                    return Err(errno::EINVAL);
+                }
+                c.afonly = abi::u32_at(&val, 0) != 0;
+                Ok(())
+            }
+            (opt::LEVEL_ID, opt::ID_ACK_TIMEOUT) => {
+                if val.len() != 1 || c.ud {
+                    return Err(errno::EINVAL);
+                }
+                c.ack_timeout = Some(val[0]);
+                Ok(())
+            }
+            _ => Err(errno::ENOSYS),
+        }
+    }
+
+    fn notify(&mut self, fh: Fh, id: u32, ev: u32, env: &mut Env<'_>) -> Result<(), i32> {
+        let c = self.ctx_dev(fh, id)?;
+        let cm = c.cm.ok_or(errno::EINVAL)?;
+        if ev != IB_EVENT_COMM_EST {
+            return Err(errno::EINVAL);
+        }
+        env.agent.establish(cm).map_err(cm_errno)
+    }
+
+    /// MIGRATE_ID, once the caller's descriptor was found to be file `from`: the id and
+    /// its queued events move to `to`; its `events_reported` goes to the caller.
+    pub fn migrate(
+        &mut self,
+        to: Fh,
+        from: Fh,
+        id: u32,
+        response: u64,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        if !self.files.contains_key(&to) {
+            return Err(errno::EINVAL);
+        }
+        self.ctx_of(from, id)?;
+        let mut moved = Vec::new();
+        if let Some(f) = self.files.get_mut(&from) {
+            f.ctxs.retain(|&x| x != id);
+            let mut keep = VecDeque::with_capacity(f.events.len());
+            while let Some(q) = f.events.pop_front() {
+                if q.ctx == id {
+                    moved.push(q);
+                } else {
+                    keep.push_back(q);
+                }
+            }
+            f.events = keep;
+        }
+        let reported = {
+            let c = self.ctx_mut(id)?;
+            c.file = to;
+            c.events_reported
+        };
+        // Connections a moved listener announced but did not report move with it.
+        let children: Vec<u32> = moved.iter().filter_map(|q| q.child).collect();
+        for ch in children {
+            if let Some(c) = self.ctxs.get_mut(&ch) {
+                c.file = to;
+            }
+            if let Some(f) = self.files.get_mut(&from) {
+                f.ctxs.retain(|&x| x != ch);
+            }
+            if let Some(f) = self.files.get_mut(&to) {
+                f.ctxs.push(ch);
+            }
+        }
+        if let Some(f) = self.files.get_mut(&to) {
+            f.ctxs.push(id);
+            f.events.extend(moved);
+        }
+        mem.write(response, &reported.to_le_bytes())
+    }
+}
+
+/// Whether `a` is `b` written in the other family (IPv4-mapped IPv6).
+fn ip_mapped_eq(a: IpAddr, b: IpAddr) -> bool {
+    match (a, b) {
+        (IpAddr::V6(x), IpAddr::V4(y)) | (IpAddr::V4(y), IpAddr::V6(x)) => {
+            x.to_ipv4_mapped() == Some(y)
+        }
+        _ => false,
+    }
+}
+
+/// Private data as an event reports it: the message's whole field (the kernel hands
+/// the full size), zero-padded.
+fn padded(pd: &[u8], size: usize) -> Vec<u8> {
+    let mut v = pd[..pd.len().min(size)].to_vec();
+    v.resize(size.min(abi::MAX_PRIVATE_DATA), 0);
+    v
+}
+
+fn rej_code(r: RejReason) -> u16 {
+    r.code()
+}
+
+fn sidr_code(s: SidrStatus) -> i32 {
+    i32::from(s.code())
+}
+
+/// The GID of the address of a socket, for tests and the server.
+pub fn sockaddr_gid(a: &SocketAddr) -> Gid {
+    ip_gid(a.ip())
+}
+
+/// The address of a GID.
+pub fn gid_sockaddr(g: Gid, port: u16) -> SocketAddr {
+    SocketAddr::new(gid_ip(g), port)
+}

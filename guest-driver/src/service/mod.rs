@@ -1,0 +1,17 @@
+//! The guest CM service (`pvcm-guestd`): the Linux kernel's rdma_cm character device
+//! served in user space, so the distribution's librdmacm and the programs on it run
+//! unchanged in a pvcm VM, their CM carried by the pvcm device.
+//!
+//! - [`cuse`]: the CUSE protocol (the device node, requests and replies, poll
+//!   notifications) on `/dev/cuse`.
+//! - [`abi`]: the rdma_cm command ABI (`rdma_user_cm.h`).
+//! - [`caller`]: the calling process's memory, where answers go.
+//! - [`verbs`]: the VM's own RDMA device (the one whose GID is the pvcm GID), as
+//!   rdma_cm names it to librdmacm.
+//! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
+//! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
+
+pub mod abi;
+pub mod caller;
+pub mod cma;
+pub mod verbs;
