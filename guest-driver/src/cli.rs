@@ -48,9 +48,12 @@ use serde_json::{Value, json};
 
 /// Which device to drive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DeviceSpec {
+pub enum DeviceSpec {
     /// A virtio-pci function with this virtio device ID.
-    Pci { virtio_id: u32 },
+    Pci {
+        /// The virtio device ID.
+        virtio_id: u32,
+    },
 }
 
 impl std::str::FromStr for DeviceSpec {
@@ -110,6 +113,74 @@ fn parse_text(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
+/// The pvcm device's options, shared by `pvcm-guest` and `pvcm-guestd`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DeviceArgs {
+    /// The device: pci (virtio ID 63, PCI 1af4:107f) or pci:VIRTIO_ID (e.g. pci:41
+    /// behind QEMU's vhost-user-gpio-pci).
+    #[arg(long, global = true, default_value = "pci", value_name = "DEVICE")]
+    pub device: DeviceSpec,
+    /// The PCI address (0000:00:04.0) when several functions match.
+    #[arg(long, global = true, value_name = "BDF")]
+    pub pci_addr: Option<String>,
+    /// hugetlbfs mount for DMA memory.
+    #[arg(
+        long,
+        global = true,
+        default_value = "/dev/hugepages",
+        value_name = "DIR"
+    )]
+    pub hugepages: PathBuf,
+    /// sysfs mount.
+    #[arg(long, global = true, default_value = "/sys", value_name = "DIR")]
+    pub sysfs: PathBuf,
+    /// Queue size (power of two; the device's maximum caps it, so the default takes
+    /// what the VMM allows, up to 1024).
+    #[arg(long, global = true, default_value_t = 1024, value_name = "N")]
+    pub queue_size: u16,
+    /// Poll the device's rings with a timed sleep instead of waiting on its interrupt
+    /// (INTx through uio_pci_generic, used when that module is loaded).
+    #[arg(long, global = true)]
+    pub no_interrupts: bool,
+    /// Seed of comm IDs, TIDs and PSNs (default: random).
+    #[arg(long, global = true, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Messages the driver takes from rx before the application sees them and the
+    /// answers go out (at most the queue size).
+    #[arg(long, global = true, value_name = "N", default_value_t = DEFAULT_RX_BATCH,
+          value_parser = parse_rx_batch)]
+    pub rx_batch: usize,
+}
+
+impl DeviceArgs {
+    /// Opens the pvcm PCI function and starts the device (PORT_INFO, the agent).
+    pub fn open(
+        &self,
+        configure: Option<fn(&mut AgentConfig)>,
+        pacing: Option<Option<Pacing>>,
+    ) -> Result<Device<PciDevice>, DeviceError> {
+        let DeviceSpec::Pci { virtio_id } = self.device;
+        let o = PciOptions {
+            sysfs_root: self.sysfs.clone(),
+            virtio_id,
+            bdf: self.pci_addr.clone(),
+            hugetlbfs: self.hugepages.clone(),
+            queue_size: self.queue_size,
+            interrupts: !self.no_interrupts,
+            ..PciOptions::default()
+        };
+        let (t, q) = PciDevice::open(&o)?;
+        let opts = DeviceOptions {
+            seed: self.seed.unwrap_or_else(random_seed),
+            configure,
+            pacing,
+            rx_batch: self.rx_batch,
+            ..DeviceOptions::default()
+        };
+        Device::start(t, q, SystemClock::new(), opts)
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "pvcm-guest",
@@ -121,35 +192,9 @@ fn parse_text(s: &str) -> Result<String, String> {
                   2 usage error, 3 the CM operation failed (rejected, unreachable, timed out)."
 )]
 pub struct Cli {
-    /// The device: pci (virtio ID 63, PCI 1af4:107f) or pci:VIRTIO_ID (e.g. pci:41
-    /// behind QEMU's vhost-user-gpio-pci).
-    #[arg(long, global = true, default_value = "pci", value_name = "DEVICE")]
-    device: DeviceSpec,
-    /// The PCI address (0000:00:04.0) when several functions match.
-    #[arg(long, global = true, value_name = "BDF")]
-    pci_addr: Option<String>,
-    /// hugetlbfs mount for DMA memory.
-    #[arg(
-        long,
-        global = true,
-        default_value = "/dev/hugepages",
-        value_name = "DIR"
-    )]
-    hugepages: PathBuf,
-    /// sysfs mount.
-    #[arg(long, global = true, default_value = "/sys", value_name = "DIR")]
-    sysfs: PathBuf,
-    /// Queue size (power of two; the device's maximum caps it, so the default takes
-    /// what the VMM allows, up to 1024).
-    #[arg(long, global = true, default_value_t = 1024, value_name = "N")]
-    queue_size: u16,
-    /// Poll the device's rings with a timed sleep instead of waiting on its interrupt
-    /// (INTx through uio_pci_generic, used when that module is loaded).
-    #[arg(long, global = true)]
-    no_interrupts: bool,
-    /// Seed of comm IDs, TIDs and PSNs (default: random).
-    #[arg(long, global = true, value_name = "N")]
-    seed: Option<u64>,
+    /// The device and how it is driven.
+    #[command(flatten)]
+    pub dev: DeviceArgs,
     /// One JSON object per line instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -165,11 +210,6 @@ pub struct Cli {
     /// The window a destination starts with (default 32; at most --max-window).
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     initial_window: Option<u32>,
-    /// Messages the driver takes from rx before the application sees them and the
-    /// answers go out (at most the queue size).
-    #[arg(long, global = true, value_name = "N", default_value_t = DEFAULT_RX_BATCH,
-          value_parser = parse_rx_batch)]
-    rx_batch: usize,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -308,25 +348,10 @@ pub fn report_error(prog: &str, e: &DeviceError, out: Out) -> ExitCode {
 }
 
 fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
-    let DeviceSpec::Pci { virtio_id } = cli.device;
-    let o = PciOptions {
-        sysfs_root: cli.sysfs.clone(),
-        virtio_id,
-        bdf: cli.pci_addr.clone(),
-        hugetlbfs: cli.hugepages.clone(),
-        queue_size: cli.queue_size,
-        interrupts: !cli.no_interrupts,
-        ..PciOptions::default()
-    };
-    let (t, q) = PciDevice::open(&o)?;
-    let opts = DeviceOptions {
-        seed: cli.seed.unwrap_or_else(random_seed),
-        configure: agent_configure(cli.linux_drep),
-        pacing: pacing_from(cli.max_window, cli.initial_window),
-        rx_batch: cli.rx_batch,
-        ..DeviceOptions::default()
-    };
-    Device::start(t, q, SystemClock::new(), opts)
+    cli.dev.open(
+        agent_configure(cli.linux_drep),
+        pacing_from(cli.max_window, cli.initial_window),
+    )
 }
 
 /// The agent options the command line changes (`--linux-drep`).
@@ -1115,11 +1140,11 @@ mod tests {
     #[test]
     fn defaults() {
         let c = parse(&["info"]).unwrap();
-        assert_eq!(c.device, DeviceSpec::Pci { virtio_id: 63 });
-        assert_eq!(c.sysfs, PathBuf::from("/sys"));
-        assert_eq!(c.hugepages, PathBuf::from("/dev/hugepages"));
-        assert_eq!(c.queue_size, 1024);
-        assert!(!c.json && c.seed.is_none() && c.pci_addr.is_none());
+        assert_eq!(c.dev.device, DeviceSpec::Pci { virtio_id: 63 });
+        assert_eq!(c.dev.sysfs, PathBuf::from("/sys"));
+        assert_eq!(c.dev.hugepages, PathBuf::from("/dev/hugepages"));
+        assert_eq!(c.dev.queue_size, 1024);
+        assert!(!c.json && c.dev.seed.is_none() && c.dev.pci_addr.is_none());
         assert!(matches!(c.cmd, Cmd::Info));
         assert!(!c.linux_drep && agent_configure(c.linux_drep).is_none());
     }
@@ -1173,9 +1198,9 @@ mod tests {
     #[test]
     fn device_selector() {
         let c = parse(&["--device", "pci:41", "info"]).unwrap();
-        assert_eq!(c.device, DeviceSpec::Pci { virtio_id: 41 });
+        assert_eq!(c.dev.device, DeviceSpec::Pci { virtio_id: 41 });
         let c = parse(&["info", "--device", "pci:0x3f", "--json"]).unwrap();
-        assert_eq!(c.device, DeviceSpec::Pci { virtio_id: 63 });
+        assert_eq!(c.dev.device, DeviceSpec::Pci { virtio_id: 63 });
         assert!(c.json);
         for bad in ["pci:x", "pci:70000", "usb", "lab", "lab:/tmp/vm.sock"] {
             let e = parse(&["--device", bad, "info"]).unwrap_err();

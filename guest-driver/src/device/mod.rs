@@ -44,6 +44,7 @@ pub mod pci;
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use pvcm_wire::Gid;
@@ -1026,32 +1027,50 @@ impl<T: Transport, C: Clock> Device<T, C> {
     /// Sleeps until the device notifies, the agent's next timer is due, or `until`,
     /// whichever is first; returns at once if there is work.
     fn block(&mut self, until: Time) -> Result<(), DeviceError> {
+        self.block_with(until, &[]).map(|_| ())
+    }
+
+    /// Sleeps until the device notifies, the agent's next timer is due, `timeout` has
+    /// passed, or one of `extra` is readable, whichever is first; returns at once (0) if
+    /// the device has work. Returns which of `extra` are readable (bit `i` for
+    /// `extra[i]`). For a caller that serves other descriptors beside the device: pump,
+    /// handle what is readable, sleep here.
+    pub fn sleep_with(&mut self, timeout: Duration, extra: &[RawFd]) -> Result<u64, DeviceError> {
+        let until = self.clock.now().after(timeout);
+        self.block_with(until, extra)
+    }
+
+    fn block_with(&mut self, until: Time, extra: &[RawFd]) -> Result<u64, DeviceError> {
         let now = self.clock.now();
         let mut wake = until;
         if let Some(d) = self.agent.next_deadline() {
             wake = wake.min(d);
         }
         if wake <= now {
-            return Ok(());
+            return Ok(0);
         }
         // MADs the application queued since the last pump (an accept() in run_until's
         // `done`, answering requests an earlier call took in) go out before any sleep:
         // the peer is waiting for them, so nothing else would wake us until its retry.
         if self.agent.outbox_len() > 0 {
-            return Ok(());
+            return Ok(0);
         }
         // Re-arm and re-check: a used buffer that arrived before re-arming gets no
         // notification, so it must be seen now.
         if self.rx.enable_notifications() {
-            return Ok(());
+            return Ok(0);
         }
         let blocked = self.tx_backlogged() || (self.await_tx && self.tx.virtq().in_flight() > 0);
         if blocked && self.tx.enable_notifications() {
             self.tx.disable_notifications();
-            return Ok(());
+            return Ok(0);
         }
         self.stats.waits += 1;
-        let r = self.transport.wait(wake.since(now));
+        let r = if extra.is_empty() {
+            self.transport.wait(wake.since(now)).map(|()| 0)
+        } else {
+            self.transport.wait_with(wake.since(now), extra)
+        };
         if blocked {
             self.tx.disable_notifications();
         }

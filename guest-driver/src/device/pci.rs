@@ -296,6 +296,35 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
         self.idle_waits = 0;
     }
 
+    /// With the interrupt: waits on it and `extra` together; without: on `extra` for at
+    /// most the poll interval.
+    fn wait_with(
+        &mut self,
+        timeout: Duration,
+        extra: &[std::os::fd::RawFd],
+    ) -> Result<u64, TransportError> {
+        let (own, t) = match &self.irq {
+            Some(irq) => (vec![irq.fd()], timeout.min(INTERRUPT_WAIT_CAP)),
+            None => {
+                let d = timeout.min(idle_poll_interval(self.idle_waits, self.poll_interval));
+                self.idle_waits = self.idle_waits.saturating_add(1);
+                (Vec::new(), d)
+            }
+        };
+        let (mine, theirs) =
+            crate::transport::poll_readable(&own, extra, t).map_err(|source| TransportError {
+                what: "ppoll on the device's interrupt".into(),
+                source,
+            })?;
+        if let (Some(irq), true) = (&self.irq, mine & 1 != 0)
+            && irq.consume()?
+        {
+            let _ = self.dev.isr_status();
+            irq.unmask()?;
+        }
+        Ok(theirs)
+    }
+
     fn describe(&self) -> String {
         self.name.clone()
     }

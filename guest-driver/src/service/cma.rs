@@ -155,6 +155,8 @@ struct Ctx {
     ack_timeout: Option<u8>,
     seq_num: u32,
     qkey: u32,
+    /// The connection was established (ESTABLISHED reported, or the RTU sent).
+    established: bool,
 }
 
 #[derive(Debug)]
@@ -380,6 +382,7 @@ impl Cma {
                 ack_timeout: None,
                 seq_num,
                 qkey: if ud { RDMA_UDP_QKEY } else { 0 },
+                established: false,
             },
         );
         if let Some(f) = self.files.get_mut(&file) {
@@ -656,6 +659,9 @@ impl Cma {
             }
             Event::Established { id, .. } => {
                 let ctx = *self.by_cm.get(&id)?;
+                if let Some(c) = self.ctxs.get_mut(&ctx) {
+                    c.established = true;
+                }
                 let p = self.empty_param(ctx);
                 self.emit(ctx, event::ESTABLISHED, 0, p)
             }
@@ -1361,6 +1367,7 @@ impl Cma {
                 return Err(errno::EINVAL);
             }
             env.agent.accept(cm, &[], env.now).map_err(cm_errno)?;
+            self.ctx_mut(a.id)?.established = true;
             return Ok(());
         }
         if a.conn.valid {
@@ -1543,6 +1550,44 @@ impl Cma {
             return Err(errno::EINVAL);
         }
         env.agent.establish(cm).map_err(cm_errno)
+    }
+
+    /// The pvcm device was reset: the host released every connection of this VM and the
+    /// agent starts afresh, so every agent handle is gone. Listeners listen again;
+    /// established connections report DISCONNECTED, connections being set up
+    /// UNREACHABLE (status -ECONNRESET), as their peer saw them end. Returns the files
+    /// that got events.
+    pub fn device_reset(&mut self, env: &mut Env<'_>) -> Vec<Fh> {
+        self.by_cm.clear();
+        let ids: Vec<u32> = self.ctxs.keys().copied().collect();
+        let mut files = Vec::new();
+        for id in ids {
+            let Some(c) = self.ctxs.get_mut(&id) else {
+                continue;
+            };
+            let Some(_) = c.cm.take() else { continue };
+            match c.st {
+                St::Listen => {
+                    let Some((ps, port)) = c.port else { continue };
+                    if let Ok(l) = env.agent.listen(rdma_cm::service_id(ps, port)) {
+                        c.cm = Some(l);
+                        self.by_cm.insert(l, id);
+                    }
+                }
+                St::Connect => {
+                    c.st = St::Disconnect;
+                    let ev = if c.established {
+                        event::DISCONNECTED
+                    } else {
+                        event::UNREACHABLE
+                    };
+                    let p = self.empty_param(id);
+                    files.extend(self.emit(id, ev, -libc::ECONNRESET, p));
+                }
+                _ => {}
+            }
+        }
+        files
     }
 
     /// MIGRATE_ID, once the caller's descriptor was found to be file `from`: the id and

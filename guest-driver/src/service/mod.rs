@@ -13,5 +13,8 @@
 
 pub mod abi;
 pub mod caller;
+pub mod cli;
 pub mod cma;
+pub mod cuse;
+pub mod server;
 pub mod verbs;

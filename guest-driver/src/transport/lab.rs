@@ -234,6 +234,25 @@ impl<F: AsRawFd> Transport for LabTransport<F> {
     fn describe(&self) -> String {
         "lab".into()
     }
+
+    fn wait_with(
+        &mut self,
+        timeout: Duration,
+        extra: &[std::os::fd::RawFd],
+    ) -> Result<u64, TransportError> {
+        let own = [self.calls[0].as_raw_fd(), self.calls[1].as_raw_fd()];
+        let (mine, theirs) =
+            super::poll_readable(&own, extra, timeout).map_err(|source| TransportError {
+                what: "ppoll on the call eventfds".into(),
+                source,
+            })?;
+        for (i, fd) in self.calls.iter().enumerate() {
+            if mine & (1 << i) != 0 {
+                drain(fd);
+            }
+        }
+        Ok(theirs)
+    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod lab;
 pub mod pci;
 
 use std::io;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use pvcm_wire::abi::{RX_BUFFER_LEN, RX_QUEUE, TX_QUEUE};
@@ -55,6 +56,74 @@ pub trait Transport: Notify {
 
     /// A short description for logs and `info` ("lab", "pci 0000:00:04.0").
     fn describe(&self) -> String;
+
+    /// As [`Transport::wait`], and returns as well when one of `extra` becomes readable
+    /// (a caller that also serves other descriptors, e.g. the guest CM service's CUSE
+    /// device); returns which of `extra` are readable, bit `i` for `extra[i]` (at most
+    /// 64). The default, for transports without a notification descriptor, waits on
+    /// `extra` for at most the 1 ms a polling transport sleeps.
+    fn wait_with(&mut self, timeout: Duration, extra: &[RawFd]) -> Result<u64, TransportError> {
+        let (_, mask) =
+            poll_readable(&[], extra, timeout.min(Duration::from_millis(1))).map_err(|source| {
+                TransportError {
+                    what: "ppoll".into(),
+                    source,
+                }
+            })?;
+        Ok(mask)
+    }
+}
+
+/// `ppoll`s `own` and `extra` for readability for up to `timeout`; returns the readable
+/// ones of each as bit masks (`EINTR` is no descriptor readable). At most 64 of each.
+pub fn poll_readable(own: &[RawFd], extra: &[RawFd], timeout: Duration) -> io::Result<(u64, u64)> {
+    let mut fds: Vec<libc::pollfd> = own
+        .iter()
+        .chain(extra)
+        .take(128)
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // Cap at a day: a timespec holds it, and callers re-wait anyway.
+    let t = timeout.min(Duration::from_secs(86_400));
+    let ts = libc::timespec {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `fds` holds `fds.len()` valid pollfds and `ts` a valid timespec, both
+    // live across the call; a null signal mask leaves the mask as it is.
+    let r = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            core::ptr::null(),
+        )
+    };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok((0, 0))
+        } else {
+            Err(e)
+        };
+    }
+    let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+    let (mut a, mut b) = (0u64, 0u64);
+    for (i, p) in fds.iter().enumerate() {
+        if !ready(p) {
+            continue;
+        }
+        if i < own.len() {
+            a |= 1 << i.min(63);
+        } else {
+            b |= 1 << (i - own.len()).min(63);
+        }
+    }
+    Ok((a, b))
 }
 
 impl<T: Transport + ?Sized> Transport for Box<T> {
@@ -69,6 +138,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn wait_with(&mut self, timeout: Duration, extra: &[RawFd]) -> Result<u64, TransportError> {
+        (**self).wait_with(timeout, extra)
     }
 }
 

@@ -16,9 +16,10 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use pvcm_guest::cli::{self, Cmd, Out};
 use pvcm_guest::device::random_seed;
+use pvcm_guest::service::cli::{ServiceArgs, serve_on, stop_on_signals};
 
 use super::guest::{GuestOpts, GuestVm};
 
@@ -47,9 +48,20 @@ pub struct AttachCli {
     /// Answer a peer's DREQ only when the application disconnects, as Linux's rdma_cm.
     #[arg(long, global = true)]
     pub linux_drep: bool,
-    /// The pvcm-guest command.
+    /// The pvcm-guest command, or `guestd`.
     #[command(subcommand)]
-    pub cmd: Cmd,
+    pub cmd: AttachCmd,
+}
+
+/// What runs on the attached VM.
+#[derive(Debug, Subcommand)]
+pub enum AttachCmd {
+    /// A pvcm-guest command.
+    #[command(flatten)]
+    Guest(Cmd),
+    /// The guest CM service (pvcm-guestd) on this VM's device, serving the rdma_cm
+    /// device of the machine this runs on, until SIGTERM.
+    Guestd(ServiceArgs),
 }
 
 /// Runs `pvcm-lab attach ARGS` (`args` after `attach`).
@@ -89,9 +101,18 @@ pub fn run(a: &AttachCli) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match cli::run_command(&mut vm.dev, &a.cmd, out) {
-        Ok(code) => code,
-        Err(e) => cli::report_error("pvcm-lab attach", &e, out),
+    match &a.cmd {
+        AttachCmd::Guest(cmd) => match cli::run_command(&mut vm.dev, cmd, out) {
+            Ok(code) => code,
+            Err(e) => cli::report_error("pvcm-lab attach", &e, out),
+        },
+        AttachCmd::Guestd(args) => match serve_on(&mut vm.dev, args, stop_on_signals()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("pvcm-lab attach guestd: error: {e}");
+                ExitCode::from(1)
+            }
+        },
     }
 }
 
@@ -114,7 +135,17 @@ mod tests {
         ])
         .unwrap();
         assert!(a.json);
-        assert!(matches!(a.cmd, Cmd::Cmtime { .. }));
+        assert!(matches!(a.cmd, AttachCmd::Guest(Cmd::Cmtime { .. })));
+        let g = AttachCli::try_parse_from([
+            "x",
+            "--socket",
+            "/tmp/a.sock",
+            "guestd",
+            "--control",
+            "/tmp/g.sock",
+        ])
+        .unwrap();
+        assert!(matches!(g.cmd, AttachCmd::Guestd(ServiceArgs { .. })));
         assert!(
             AttachCli::try_parse_from(["x", "info"]).is_err(),
             "socket required"

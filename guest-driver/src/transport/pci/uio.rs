@@ -122,6 +122,26 @@ impl UioIrq {
         Ok(())
     }
 
+    /// The `/dev/uioN` descriptor: readable when the device interrupted.
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.file.as_raw_fd()
+    }
+
+    /// Consumes a pending interrupt's count (after [`UioIrq::fd`] was readable); true if
+    /// there was one. INTx is then masked until [`UioIrq::unmask`].
+    pub fn consume(&self) -> Result<bool, TransportError> {
+        let mut count = [0u8; 4];
+        match (&self.file).read(&mut count) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(TransportError {
+                what: format!("reading {}", self.name),
+                source: e,
+            }),
+        }
+    }
+
     /// Waits up to `timeout` for an interrupt; true if one came (its count consumed).
     /// INTx is then masked until [`UioIrq::unmask`].
     pub fn wait(&self, timeout: Duration) -> Result<bool, TransportError> {

@@ -1,0 +1,238 @@
+//! `pvcm-guestd`'s command line: serve the rdma_cm device, or print a running
+//! service's counters (`pvcm-guestd stat`).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+
+use super::cma::Cma;
+use super::server::{Server, ServerOptions, ServiceError};
+use super::verbs::{PortError, RdmaPort};
+use crate::cli::DeviceArgs;
+use crate::device::{Device, Transport};
+use crate::time::SystemClock;
+
+/// The control socket's default path.
+pub const DEFAULT_CONTROL: &str = "/run/pvcm-guestd.sock";
+
+/// The service's own options (beside the device's), shared by `pvcm-guestd` and
+/// `pvcm-lab attach ... guestd`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceArgs {
+    /// The node's name under /dev.
+    #[arg(long, default_value = "infiniband/rdma_cm", value_name = "NAME")]
+    pub devname: String,
+    /// The CUSE device.
+    #[arg(long, default_value = "/dev/cuse", value_name = "PATH")]
+    pub cuse: PathBuf,
+    /// The node's mode (octal); the kernel's rdma_cm node is 0666.
+    #[arg(long, default_value = "0666", value_parser = parse_mode, value_name = "MODE")]
+    pub mode: u32,
+    /// The control socket (`pvcm-guestd stat`).
+    #[arg(long, default_value = DEFAULT_CONTROL, value_name = "PATH")]
+    pub control: PathBuf,
+    /// How long to wait for the VM's RDMA device to show the pvcm GID (seconds).
+    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    pub gid_wait: u64,
+    /// Where sysfs is (the RDMA devices' GID tables).
+    #[arg(long = "rdma-sysfs", default_value = "/sys", value_name = "DIR")]
+    pub rdma_sysfs: PathBuf,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "pvcm-guestd",
+    version,
+    about = "pvcm guest CM service: serves the Linux rdma_cm device \
+             (/dev/infiniband/rdma_cm) through CUSE, so librdmacm programs run \
+             unchanged, their CM carried by the pvcm device",
+    after_help = "Runs as root in the VM, with the cuse module loaded and the kernel's \
+                  rdma_ucm kept out (modprobe.d: install rdma_ucm /bin/false), beside \
+                  the VM's own RDMA device (the one whose RoCE v2 GID is the pvcm GID). \
+                  Exit status: 0 stopped by a signal, 1 setup or device error, 2 usage."
+)]
+struct GuestdCli {
+    #[command(flatten)]
+    dev: DeviceArgs,
+    #[command(flatten)]
+    service: ServiceArgs,
+    #[command(subcommand)]
+    cmd: Option<Sub>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Sub {
+    /// Print a running service's counters.
+    Stat {
+        /// The control socket.
+        #[arg(long, default_value = DEFAULT_CONTROL, value_name = "PATH")]
+        control: PathBuf,
+        /// The raw JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal mode (e.g. 0666)"))
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// `pvcm-guestd`'s `main`.
+pub fn main() -> ExitCode {
+    let cli = GuestdCli::parse();
+    if let Some(Sub::Stat { control, json }) = &cli.cmd {
+        return stat(control, *json);
+    }
+    match serve(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pvcm-guestd: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Why the service did not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestdError {
+    /// The pvcm device.
+    #[error("{0}")]
+    Device(#[from] crate::device::DeviceError),
+    /// The VM's RDMA device.
+    #[error("{0}")]
+    Port(#[from] PortError),
+    /// CUSE or the loop.
+    #[error("{0}")]
+    Service(#[from] ServiceError),
+}
+
+fn find_port(sysfs: &Path, gid: pvcm_wire::Gid, wait: Duration) -> Result<RdmaPort, PortError> {
+    let until = Instant::now() + wait;
+    loop {
+        match RdmaPort::find(sysfs, gid) {
+            Ok(p) => return Ok(p),
+            Err(e) if Instant::now() >= until => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Catches SIGTERM and SIGINT: the service then stops.
+pub fn stop_on_signals() -> &'static AtomicBool {
+    // SAFETY: installing a handler that only stores to an atomic, which is
+    // async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+    }
+    &STOP
+}
+
+/// Serves the rdma_cm device for a started pvcm device until `stop` is set: finds the
+/// VM's RDMA port for the device's GID, answers CUSE's handshake, runs the loop.
+pub fn serve_on<T: Transport>(
+    dev: &mut Device<T, SystemClock>,
+    args: &ServiceArgs,
+    stop: &'static AtomicBool,
+) -> Result<(), GuestdError> {
+    let gid = dev.port_info().gid;
+    let port = find_port(&args.rdma_sysfs, gid, Duration::from_secs(args.gid_wait))?;
+    eprintln!(
+        "pvcm-guestd: pvcm GID {gid} is {} port {} GID index {} ({}, path MTU code {})",
+        port.device, port.port_num, port.gid_index, port.netdev, port.path_mtu
+    );
+    let seed = dev.options().seed;
+    let cma = Cma::new(port, seed);
+    let opts = ServerOptions {
+        cuse: args.cuse.clone(),
+        devname: args.devname.clone(),
+        mode: args.mode,
+        control: Some(args.control.clone()),
+    };
+    let mut server = Server::start(dev, cma, &opts, stop)?;
+    eprintln!(
+        "pvcm-guestd: serving /dev/{} (control {})",
+        args.devname,
+        args.control.display()
+    );
+    notify_ready();
+    server.run()?;
+    eprintln!("pvcm-guestd: stopping");
+    Ok(())
+}
+
+fn serve(cli: &GuestdCli) -> Result<(), GuestdError> {
+    let stop = stop_on_signals();
+    let mut dev = cli.dev.open(None, None)?;
+    serve_on(&mut dev, &cli.service, stop)
+}
+
+/// Tells systemd the service is ready (`NOTIFY_SOCKET`), when it asked.
+fn notify_ready() {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = UnixDatagram::unbound() else {
+        return;
+    };
+    let p = path.to_string_lossy().into_owned();
+    if let Some(abstract_name) = p.strip_prefix('@') {
+        use std::os::linux::net::SocketAddrExt;
+        if let Ok(a) = std::os::unix::net::SocketAddr::from_abstract_name(abstract_name) {
+            let _ = sock.send_to_addr(b"READY=1", &a);
+        }
+    } else {
+        let _ = sock.send_to(b"READY=1", &p);
+    }
+}
+
+fn stat(control: &Path, json: bool) -> ExitCode {
+    let s = match UnixStream::connect(control) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "pvcm-guestd stat: cannot connect to {}: {e} (is pvcm-guestd running?)",
+                control.display()
+            );
+            return ExitCode::from(1);
+        }
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut line = String::new();
+    if BufReader::new(s).read_line(&mut line).is_err() || line.is_empty() {
+        eprintln!("pvcm-guestd stat: no answer from {}", control.display());
+        return ExitCode::from(1);
+    }
+    if json {
+        print!("{line}");
+        return ExitCode::SUCCESS;
+    }
+    match serde_json::from_str::<serde_json::Value>(&line) {
+        Ok(v) => {
+            if let Some(m) = v.as_object() {
+                for (k, val) in m {
+                    println!("{k:<18} {val}");
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("pvcm-guestd stat: bad answer: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,637 @@
+//! The service's loop: CUSE requests in, the rdma_cm layer, the pvcm device.
+//!
+//! One thread does everything, in this order, over and over: take every CUSE request
+//! waiting (run commands, open and release files, arm poll handles, answer
+//! interrupts), answer `stat` on the control socket, pump the device (MADs in and out,
+//! the agent's timers), route the agent's events into the files' queues, fill the
+//! GET_EVENTs blocked on those files and wake their pollers; then sleep until the
+//! device notifies, a CUSE request or a control connection arrives, or the agent's next
+//! timer is due.
+//!
+//! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
+//! kernel until the answer is written (an event), or an INTERRUPT comes (a signal;
+//! answered EINTR, so a killed process exits at once). O_NONBLOCK files get EAGAIN.
+//!
+//! MIGRATE_ID names the old file by the caller's descriptor, which only the caller's
+//! descriptor table resolves: the server duplicates that descriptor into itself
+//! (`pidfd_getfd`) and asks it a private ioctl from a helper thread; the request comes
+//! back with the file's handle, and the migration completes. A descriptor that is not
+//! one of this device's files is EINVAL, a closed one ENOENT, as in the kernel.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::Write as _;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::abi::{cmd, event};
+use super::caller::ProcessMemory;
+use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
+use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
+use crate::device::{Device, DeviceError, DeviceEvent, Transport};
+use crate::time::SystemClock;
+
+/// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
+pub const PROBE_IOCTL: u32 = (b'p' as u32) << 8 | 0xC1;
+
+/// Errors that stop the service.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The device failed.
+    #[error("{0}")]
+    Device(#[from] DeviceError),
+    /// An OS call failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel's CUSE_INIT did not come or was not understood.
+    #[error("CUSE handshake: {0}")]
+    Handshake(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServiceError {
+    let what = what.into();
+    move |source| ServiceError::Io { what, source }
+}
+
+/// What the loop counted.
+#[derive(Debug, Clone, Default)]
+pub struct ServerStats {
+    /// CUSE requests taken.
+    pub requests: u64,
+    /// Requests that could not be read (counted, answered EINVAL when possible).
+    pub bad_requests: u64,
+    /// GET_EVENTs that blocked.
+    pub blocked: u64,
+    /// Interrupts that ended a blocked GET_EVENT.
+    pub interrupted: u64,
+    /// Poll wakeups sent.
+    pub poll_wakeups: u64,
+    /// Device resets survived.
+    pub device_resets: u64,
+    /// MIGRATE_IDs served.
+    pub migrations: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Waiter {
+    unique: u64,
+    pid: u32,
+    response: u64,
+    out_len: u16,
+    /// The write's size, for its answer.
+    size: u32,
+}
+
+#[derive(Debug)]
+struct Migration {
+    unique: u64,
+    pid: u32,
+    size: u32,
+    to: Fh,
+    id: u32,
+    response: u64,
+    token: u64,
+    from: Option<Fh>,
+    /// The probe failed before asking (the descriptor could not be taken).
+    failed: Option<i32>,
+}
+
+/// Options of the service.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// `/dev/cuse`.
+    pub cuse: PathBuf,
+    /// The node's name under /dev.
+    pub devname: String,
+    /// Mode of the node once it appears (the kernel's rdma_cm node is 0666).
+    pub mode: u32,
+    /// The control socket for `stat`.
+    pub control: Option<PathBuf>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            cuse: PathBuf::from("/dev/cuse"),
+            devname: "infiniband/rdma_cm".into(),
+            mode: 0o666,
+            control: Some(PathBuf::from("/run/pvcm-guestd.sock")),
+        }
+    }
+}
+
+/// The guest CM service over a started pvcm device.
+pub struct Server<'d, T: Transport> {
+    dev: &'d mut Device<T, SystemClock>,
+    cma: Cma,
+    cuse: CuseDev,
+    control: Option<UnixListener>,
+    waiters: HashMap<Fh, VecDeque<Waiter>>,
+    migrations: Vec<Migration>,
+    stats: ServerStats,
+    stop: &'static AtomicBool,
+    seed: u64,
+    /// The node's device number: a MIGRATE_ID descriptor must be one of its files.
+    rdev: Option<u64>,
+}
+
+impl<T: Transport> std::fmt::Debug for Server<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("cma", &self.cma)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'d, T: Transport> Server<'d, T> {
+    /// Opens CUSE, answers its CUSE_INIT (the node appears) and sets the node's mode;
+    /// `stop` ends [`Server::run`] when set.
+    pub fn start(
+        dev: &'d mut Device<T, SystemClock>,
+        cma: Cma,
+        opts: &ServerOptions,
+        stop: &'static AtomicBool,
+    ) -> Result<Server<'d, T>, ServiceError> {
+        let cuse = CuseDev::open(&opts.cuse).map_err(io_err(format!(
+            "opening {} (modprobe cuse)",
+            opts.cuse.display()
+        )))?;
+        handshake(&cuse, &opts.devname)?;
+        let node = Path::new("/dev").join(&opts.devname);
+        let rdev = wait_for_node(&node, opts.mode);
+        let control = match &opts.control {
+            Some(p) => {
+                let _ = std::fs::remove_file(p);
+                let l = UnixListener::bind(p).map_err(io_err(format!(
+                    "binding the control socket {}",
+                    p.display()
+                )))?;
+                l.set_nonblocking(true)
+                    .map_err(io_err("control socket non-blocking"))?;
+                Some(l)
+            }
+            None => None,
+        };
+        let seed = dev.options().seed;
+        Ok(Server {
+            dev,
+            cma,
+            cuse,
+            control,
+            waiters: HashMap::new(),
+            migrations: Vec::new(),
+            stats: ServerStats::default(),
+            stop,
+            seed,
+            rdev,
+        })
+    }
+
+    /// Serves until the stop flag is set or the device fails.
+    pub fn run(&mut self) -> Result<(), ServiceError> {
+        let mut buf = vec![0u8; READ_BUFFER];
+        while !self.stop.load(Ordering::Relaxed) {
+            while let Some(n) = self
+                .cuse
+                .read(&mut buf)
+                .map_err(io_err("reading /dev/cuse"))?
+            {
+                self.request(&buf[..n])?;
+            }
+            self.serve_control();
+            self.pump()?;
+            let mut fds = vec![self.cuse.fd()];
+            if let Some(c) = &self.control {
+                fds.push(c.as_raw_fd());
+            }
+            self.dev.sleep_with(Duration::from_millis(500), &fds)?;
+        }
+        Ok(())
+    }
+
+    /// The rdma_cm layer (for tests and `stat`).
+    pub fn cma(&self) -> &Cma {
+        &self.cma
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device<T, SystemClock> {
+        self.dev
+    }
+
+    fn pump(&mut self) -> Result<(), ServiceError> {
+        loop {
+            let p = self.dev.pump_now()?;
+            let mut touched: HashSet<Fh> = HashSet::new();
+            while let Some(e) = self.dev.pop_device_event() {
+                if matches!(e, DeviceEvent::Reset) {
+                    self.stats.device_resets += 1;
+                    let now = self.dev.now();
+                    let mut env = Env {
+                        agent: self.dev.agent_mut(),
+                        now,
+                    };
+                    touched.extend(self.cma.device_reset(&mut env));
+                }
+            }
+            let now = self.dev.now();
+            while let Some(ev) = self.dev.pop_cm_event() {
+                let mut env = Env {
+                    agent: self.dev.agent_mut(),
+                    now,
+                };
+                if let Some(fh) = self.cma.on_agent_event(ev, &mut env) {
+                    touched.insert(fh);
+                }
+            }
+            for fh in touched {
+                self.serve_waiters(fh)?;
+            }
+            // What the events made the agent send (a refused request's REJ) leaves
+            // now; a full rx batch means more may be waiting.
+            if self.dev.agent().outbox_len() == 0 && p.rx < self.dev.options().rx_batch {
+                return Ok(());
+            }
+        }
+    }
+
+    fn reply(&self, r: &Reply) -> Result<(), ServiceError> {
+        self.cuse
+            .write(r.bytes())
+            .map_err(io_err("answering on /dev/cuse"))
+    }
+
+    fn request(&mut self, b: &[u8]) -> Result<(), ServiceError> {
+        self.stats.requests += 1;
+        let (h, r) = match Request::parse(b) {
+            Ok(x) => x,
+            Err(_) => {
+                self.stats.bad_requests += 1;
+                // Answer what can be answered, so no caller hangs on it.
+                if b.len() >= 16 {
+                    let mut u = [0u8; 8];
+                    u.copy_from_slice(&b[8..16]);
+                    return self.reply(&Reply::error(u64::from_le_bytes(u), errno::EINVAL));
+                }
+                return Ok(());
+            }
+        };
+        match r {
+            Request::Init { .. } => self.reply(&Reply::error(h.unique, errno::EINVAL)),
+            Request::Open { .. } => {
+                let fh = self.cma.open();
+                self.reply(&Reply::open(h.unique, fh))
+            }
+            Request::Release { fh } => {
+                self.waiters.remove(&fh);
+                let now = self.dev.now();
+                let mut env = Env {
+                    agent: self.dev.agent_mut(),
+                    now,
+                };
+                self.cma.release(fh, &mut env);
+                self.reply(&Reply::empty(h.unique))
+            }
+            Request::Write {
+                fh,
+                offset,
+                flags,
+                data,
+            } => {
+                if offset != 0 {
+                    return self.reply(&Reply::error(h.unique, errno::EINVAL));
+                }
+                let size = data.len() as u32;
+                let mut mem = ProcessMemory::new(h.pid);
+                let now = self.dev.now();
+                let mut env = Env {
+                    agent: self.dev.agent_mut(),
+                    now,
+                };
+                let out = self
+                    .cma
+                    .write(fh, Caller { uid: h.uid }, data, &mut mem, &mut env);
+                match out {
+                    Outcome::Done(Ok(())) => self.reply(&Reply::write(h.unique, size)),
+                    Outcome::Done(Err(e)) => self.reply(&Reply::error(h.unique, e)),
+                    Outcome::WaitEvent { response, out_len } => {
+                        if flags & libc::O_NONBLOCK as u32 != 0 {
+                            return self.reply(&Reply::error(h.unique, errno::EAGAIN));
+                        }
+                        self.stats.blocked += 1;
+                        self.waiters.entry(fh).or_default().push_back(Waiter {
+                            unique: h.unique,
+                            pid: h.pid,
+                            response,
+                            out_len,
+                            size,
+                        });
+                        Ok(())
+                    }
+                    Outcome::Migrate {
+                        id,
+                        fd,
+                        response,
+                        out_len: _,
+                    } => {
+                        self.start_migration(h.unique, h.pid, size, fh, id, fd, response);
+                        self.finish_migrations()
+                    }
+                }
+            }
+            Request::Read { .. } => self.reply(&Reply::error(h.unique, errno::EINVAL)),
+            Request::Poll { fh, kh, flags, .. } => {
+                if flags & cuse::FUSE_POLL_SCHEDULE_NOTIFY != 0 {
+                    self.cma.set_poll_handle(fh, kh);
+                }
+                let ready = if self.cma.has_events(fh) {
+                    (libc::POLLIN | libc::POLLRDNORM) as u32
+                } else {
+                    0
+                };
+                self.reply(&Reply::poll(h.unique, ready))
+            }
+            Request::Interrupt { unique } => {
+                for q in self.waiters.values_mut() {
+                    if let Some(i) = q.iter().position(|w| w.unique == unique) {
+                        q.remove(i);
+                        self.stats.interrupted += 1;
+                        return self.reply(&Reply::error(unique, errno::EINTR));
+                    }
+                }
+                // Already answered: nothing to do (no answer to an INTERRUPT itself).
+                Ok(())
+            }
+            Request::Ioctl { fh, cmd, arg } => {
+                let m = self
+                    .migrations
+                    .iter_mut()
+                    .find(|m| cmd == PROBE_IOCTL && m.token == arg && m.from.is_none());
+                match m {
+                    Some(m) => {
+                        m.from = Some(fh);
+                        self.reply(&Reply::ioctl(h.unique, 0))?;
+                        self.finish_migrations()
+                    }
+                    None => self.reply(&Reply::error(h.unique, libc::ENOTTY)),
+                }
+            }
+            Request::Other(_) => self.reply(&Reply::error(h.unique, errno::ENOSYS)),
+        }
+    }
+
+    /// Fills blocked GET_EVENTs of `fh` while it has events; wakes its poller if events
+    /// remain.
+    fn serve_waiters(&mut self, fh: Fh) -> Result<(), ServiceError> {
+        while let Some(w) = self.waiters.get(&fh).and_then(|q| q.front()).copied() {
+            let mut mem = ProcessMemory::new(w.pid);
+            match self.cma.deliver(fh, w.response, w.out_len, &mut mem) {
+                None => break,
+                Some(r) => {
+                    if let Some(q) = self.waiters.get_mut(&fh) {
+                        q.pop_front();
+                    }
+                    match r {
+                        Ok(()) => self.reply(&Reply::write(w.unique, w.size))?,
+                        Err(e) => self.reply(&Reply::error(w.unique, e))?,
+                    }
+                }
+            }
+        }
+        if self.cma.has_events(fh)
+            && let Some(kh) = self.cma.take_poll_handle(fh)
+        {
+            self.stats.poll_wakeups += 1;
+            self.reply(&Reply::notify_poll(kh))?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_migration(
+        &mut self,
+        unique: u64,
+        pid: u32,
+        size: u32,
+        to: Fh,
+        id: u32,
+        fd: u32,
+        response: u64,
+    ) {
+        self.seed = self
+            .seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let token = self.seed ^ unique.rotate_left(17);
+        let mut m = Migration {
+            unique,
+            pid,
+            size,
+            to,
+            id,
+            response,
+            token,
+            from: None,
+            failed: None,
+        };
+        match take_fd(pid, fd, self.rdev) {
+            Ok(dup) => {
+                // The probe blocks in the kernel until this loop answers it, so it runs
+                // on its own thread.
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("pvcm-probe".into())
+                        .spawn(move || {
+                            // SAFETY: an ioctl with an integer argument on a descriptor this
+                            // thread owns; no memory is passed.
+                            unsafe { libc::ioctl(dup.as_raw_fd(), PROBE_IOCTL as _, token) };
+                            drop(dup);
+                        });
+                if spawned.is_err() {
+                    m.failed = Some(errno::ENOMEM);
+                }
+            }
+            Err(e) => m.failed = Some(e),
+        }
+        self.migrations.push(m);
+    }
+
+    fn finish_migrations(&mut self) -> Result<(), ServiceError> {
+        let mut i = 0;
+        while i < self.migrations.len() {
+            let m = &self.migrations[i];
+            let result = match (m.failed, m.from) {
+                (Some(e), _) => Err(e),
+                (None, Some(from)) => {
+                    let mut mem = ProcessMemory::new(m.pid);
+                    self.cma.migrate(m.to, from, m.id, m.response, &mut mem)
+                }
+                (None, None) => {
+                    i += 1;
+                    continue;
+                }
+            };
+            let m = self.migrations.remove(i);
+            self.stats.migrations += 1;
+            match result {
+                Ok(()) => self.reply(&Reply::write(m.unique, m.size))?,
+                Err(e) => self.reply(&Reply::error(m.unique, e))?,
+            }
+            // The moved id's events may be waiting for a GET_EVENT of the new file.
+            self.serve_waiters(m.to)?;
+        }
+        Ok(())
+    }
+
+    fn serve_control(&mut self) {
+        let Some(l) = &self.control else { return };
+        while let Ok((mut s, _)) = l.accept() {
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = writeln!(s, "{}", self.stat_json());
+        }
+    }
+
+    /// What `pvcm-guestd stat` prints.
+    pub fn stat_json(&self) -> Value {
+        let c = self.cma.stats();
+        let named = |v: &[u64], name: fn(u32) -> &'static str| -> Value {
+            let m: serde_json::Map<String, Value> = v
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| **n > 0)
+                .map(|(i, n)| (name(i as u32).to_string(), json!(n)))
+                .collect();
+            Value::Object(m)
+        };
+        let d = self.dev.stats();
+        let p = self.cma.port();
+        json!({
+            "port": {
+                "device": p.device, "port": p.port_num, "gid": p.gid.to_string(),
+                "gid_index": p.gid_index, "netdev": p.netdev, "path_mtu": p.path_mtu,
+            },
+            "files": self.cma.files(),
+            "ids": self.cma.ids(),
+            "commands": named(&c.commands, cmd::name),
+            "command_errors": named(&c.errors, cmd::name),
+            "events": named(&c.events, event::name),
+            "events_reported": c.events_reported,
+            "events_dropped": c.events_dropped,
+            "backlog_full": c.backlog_full,
+            "opens": c.opens,
+            "releases": c.releases,
+            "released_ids": c.released_ids,
+            "requests": self.stats.requests,
+            "bad_requests": self.stats.bad_requests,
+            "blocked_get_event": self.stats.blocked,
+            "interrupted": self.stats.interrupted,
+            "poll_wakeups": self.stats.poll_wakeups,
+            "migrations": self.stats.migrations,
+            "device_resets": self.stats.device_resets,
+            "device": {
+                "rx_mads": d.rx_mads, "tx_mads": d.tx_mads, "send_errors": d.send_errors,
+                "rx_dropped": d.rx_dropped(),
+            },
+            "agent": {
+                "connections": self.dev.agent().connection_count(),
+                "listeners": self.dev.agent().listener_count(),
+            },
+        })
+    }
+}
+
+/// Answers the kernel's CUSE_INIT (its first request), which creates the node.
+fn handshake(cuse: &CuseDev, devname: &str) -> Result<(), ServiceError> {
+    let mut buf = vec![0u8; READ_BUFFER];
+    for _ in 0..500 {
+        if let Some(n) = cuse.read(&mut buf).map_err(io_err("reading /dev/cuse"))? {
+            let (h, r) =
+                Request::parse(&buf[..n]).map_err(|e| ServiceError::Handshake(e.to_string()))?;
+            let Request::Init { major, .. } = r else {
+                return Err(ServiceError::Handshake(format!(
+                    "first request was opcode {}",
+                    h.opcode
+                )));
+            };
+            if major != cuse::FUSE_MAJOR {
+                return Err(ServiceError::Handshake(format!(
+                    "kernel speaks FUSE {major}, this service {}",
+                    cuse::FUSE_MAJOR
+                )));
+            }
+            return cuse
+                .write(&cuse::init_reply(h.unique, devname))
+                .map_err(io_err("answering CUSE_INIT"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err(ServiceError::Handshake("no CUSE_INIT in 5 s".into()))
+}
+
+/// Waits (up to 5 s) for the node to appear and gives it `mode`; its device number.
+fn wait_for_node(node: &Path, mode: u32) -> Option<u64> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    for _ in 0..500 {
+        if let Ok(m) = std::fs::metadata(node)
+            && m.file_type().is_char_device()
+        {
+            let _ = std::fs::set_permissions(node, std::fs::Permissions::from_mode(mode));
+            return Some(m.rdev());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// The thread group of thread `tid` (`Tgid:` in /proc).
+fn tgid_of(tid: u32) -> Option<i32> {
+    let s = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// A duplicate of descriptor `fd` of thread `tid`'s process (`pidfd_getfd`), which
+/// must be a file of the node `rdev`; the kernel's errors for MIGRATE_ID's descriptor:
+/// ENOENT if it is not open, EINVAL if it is another file.
+fn take_fd(tid: u32, fd: u32, rdev: Option<u64>) -> Result<OwnedFd, i32> {
+    let tgid = tgid_of(tid).ok_or(errno::ENOENT)?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, tgid, 0) };
+    if pidfd < 0 {
+        return Err(errno::ENOENT);
+    }
+    // SAFETY: `pidfd` was just returned by the kernel and is owned by nobody else.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags and returns a
+    // new descriptor or -1.
+    let dup = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if dup < 0 {
+        let e = std::io::Error::last_os_error().raw_os_error();
+        return Err(if e == Some(libc::EBADF) {
+            errno::ENOENT
+        } else {
+            errno::EINVAL
+        });
+    }
+    // SAFETY: `dup` was just returned by the kernel and is owned by nobody else.
+    let dup = unsafe { OwnedFd::from_raw_fd(dup as RawFd) };
+    let f = std::fs::File::from(dup);
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    match (f.metadata(), rdev) {
+        (Ok(m), Some(r)) if m.file_type().is_char_device() && m.rdev() == r => Ok(f.into()),
+        _ => Err(errno::EINVAL),
+    }
+}
