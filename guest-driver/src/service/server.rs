@@ -323,8 +323,15 @@ impl<'d, T: Transport> Server<'d, T> {
                     .cma
                     .write(fh, Caller { uid: h.uid }, data, &mut mem, &mut env);
                 match out {
-                    Outcome::Done(Ok(())) => self.reply(&Reply::write(h.unique, size)),
-                    Outcome::Done(Err(e)) => self.reply(&Reply::error(h.unique, e)),
+                    Outcome::Done(r) => {
+                        match r {
+                            Ok(()) => self.reply(&Reply::write(h.unique, size))?,
+                            Err(e) => self.reply(&Reply::error(h.unique, e))?,
+                        }
+                        // A command may have queued an event of its own (ADDR_RESOLVED,
+                        // ROUTE_RESOLVED) for another thread's blocked GET_EVENT.
+                        self.serve_waiters(fh)
+                    }
                     Outcome::WaitEvent { response, out_len } => {
                         if flags & libc::O_NONBLOCK as u32 != 0 {
                             return self.reply(&Reply::error(h.unique, errno::EAGAIN));
