@@ -200,22 +200,31 @@ impl<'d, T: Transport> Server<'d, T> {
 
     /// Serves until the stop flag is set or the device fails.
     pub fn run(&mut self) -> Result<(), ServiceError> {
+        const CUSE: u64 = 1;
+        const CONTROL: u64 = 2;
         let mut buf = vec![0u8; READ_BUFFER];
+        let mut fds = vec![self.cuse.fd()];
+        if let Some(c) = &self.control {
+            fds.push(c.as_raw_fd());
+        }
+        // Readable descriptors after a sleep; a sleep cut short by device work (0)
+        // still looks at CUSE, so a busy device never starves the processes.
+        let mut ready = CUSE | CONTROL;
         while !self.stop.load(Ordering::Relaxed) {
-            while let Some(n) = self
-                .cuse
-                .read(&mut buf)
-                .map_err(io_err("reading /dev/cuse"))?
-            {
-                self.request(&buf[..n])?;
+            if ready & CUSE != 0 || ready == 0 {
+                while let Some(n) = self
+                    .cuse
+                    .read(&mut buf)
+                    .map_err(io_err("reading /dev/cuse"))?
+                {
+                    self.request(&buf[..n])?;
+                }
             }
-            self.serve_control();
+            if ready & CONTROL != 0 {
+                self.serve_control();
+            }
             self.pump()?;
-            let mut fds = vec![self.cuse.fd()];
-            if let Some(c) = &self.control {
-                fds.push(c.as_raw_fd());
-            }
-            self.dev.sleep_with(Duration::from_millis(500), &fds)?;
+            ready = self.dev.sleep_with(Duration::from_millis(500), &fds)?;
         }
         Ok(())
     }
