@@ -310,6 +310,11 @@ impl Cma {
         fh
     }
 
+    /// The file that holds id `id`.
+    pub fn file_of(&self, id: u32) -> Option<Fh> {
+        self.ctxs.get(&id).map(|c| c.file)
+    }
+
     /// Whether `fh` is an open file.
     pub fn is_open(&self, fh: Fh) -> bool {
         self.files.contains_key(&fh)
