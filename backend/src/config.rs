@@ -332,14 +332,16 @@ pub struct ServeArgs {
     /// The per-VM budget as a number of messages (older form of --rx-backlog-bytes).
     #[arg(long, value_name = "N", value_parser = parse_backlog_messages)]
     pub rx_backlog: Option<u64>,
-    /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
+    /// The RoCEv2 UDP port (4791): the soft port binds it on each VM address and sends
+    /// to it; the packet port filters on it and sends to it.
     #[arg(long, value_name = "PORT", value_parser = parse_bind_port)]
     pub bind_port: Option<u16>,
-    /// How the soft RoCE port receives: `raw` checks each frame's ICRC over its IPv4
-    /// header as received and accepts every conformant sender (Linux rxe, hardware);
-    /// it needs CAP_NET_RAW. `udp` needs no privilege but accepts only senders that
-    /// write IP ID 0 (pvcm peers). `auto` (default): raw if permitted, else udp with a
-    /// warning.
+    /// How the soft RoCE port receives from IPv4 peers: `raw` checks each frame's ICRC
+    /// over its IPv4 header as received and accepts every conformant sender (Linux rxe,
+    /// hardware); it needs CAP_NET_RAW. `udp` needs no privilege but accepts only
+    /// senders that write IP ID 0 (pvcm peers). `auto` (default): raw if permitted,
+    /// else udp with a warning. IPv6 VMs are read through their own sockets in every
+    /// mode (exact ICRC, any sender).
     #[arg(long, value_name = "MODE", value_enum)]
     pub wire_rx: Option<RxMode>,
     /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP on the VMs'
