@@ -17,7 +17,7 @@ cd "$(dirname "$0")"
 FUZZ_SECS=${FUZZ_SECS:-60}
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-    TARGETS=(parse mux device agent ucma)
+    TARGETS=(parse packet mux device agent ucma)
 fi
 
 # cargo-fuzz needs nightly's -Z flags. Install nightly if it is missing; where the

@@ -19,7 +19,7 @@
 //! `--config`); nothing here panics.
 
 use std::fmt;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -55,12 +55,24 @@ pub struct VmSpec {
     /// and the VM not attached until its state is loaded (or its rings start without
     /// one, a fresh boot).
     pub incoming: bool,
+    /// The interface of a link-local (fe80::/10) GID, given as `gid=fe80::1%IFACE`: the
+    /// scope its socket binds in and link-local destinations are reached through.
+    /// `None` for every other GID.
+    pub iface: Option<String>,
 }
 
 impl VmSpec {
-    /// The VM's IPv4 address (its GID is IPv4-mapped; checked at parse time).
-    pub fn ipv4(&self) -> Ipv4Addr {
-        self.vm.gid.to_ipv4().unwrap_or(Ipv4Addr::UNSPECIFIED)
+    /// The VM's IP address: IPv4 for an IPv4-mapped GID, else IPv6.
+    pub fn addr(&self) -> IpAddr {
+        gid_addr(self.vm.gid)
+    }
+}
+
+/// A GID's IP address: IPv4 for an IPv4-mapped GID, else IPv6.
+pub fn gid_addr(gid: Gid) -> IpAddr {
+    match gid.to_ipv4() {
+        Some(a) => IpAddr::V4(a),
+        None => IpAddr::V6(gid.into()),
     }
 }
 
@@ -86,28 +98,57 @@ fn parse_u32(key: &str, v: &str) -> Result<u32, ConfigError> {
     u32::try_from(n).map_err(|_| ConfigError(format!("{key}={v}: larger than 32 bits")))
 }
 
-/// Parses a GID: an IPv6-form GID (`::ffff:127.0.0.1`, `fe80::1`) or a plain IPv4
-/// address (taken as IPv4-mapped). The GID must be IPv4-mapped (RoCEv2 over IPv4).
-pub fn parse_gid(v: &str) -> Result<Gid, ConfigError> {
-    let gid = if let Ok(a) = Ipv4Addr::from_str(v) {
-        Gid::from_ipv4(a)
-    } else {
-        Gid::from_str(v).map_err(|_| {
-            ConfigError(format!(
-                "gid={v:?}: not a GID (e.g. ::ffff:127.10.1.1) or IPv4 address"
-            ))
-        })?
+/// Parses a VM's GID: an IPv4 address (taken as its IPv4-mapped GID, RoCEv2 over
+/// IPv4), an IPv4-mapped GID (`::ffff:127.0.0.1`), or a unicast IPv6 address (RoCEv2
+/// over IPv6). A link-local IPv6 GID (fe80::/10) names its interface after `%`
+/// (`fe80::1%br0`); no other GID takes one. Refused: what cannot be a unicast RoCE
+/// GID ([`Gid::roce_unicast_problem`]).
+pub fn parse_gid(v: &str) -> Result<(Gid, Option<String>), ConfigError> {
+    let (addr, iface) = match v.split_once('%') {
+        Some((a, i)) => (a, Some(i)),
+        None => (v, None),
     };
-    match gid.to_ipv4() {
-        Some(a) if !a.is_unspecified() && !a.is_broadcast() && !a.is_multicast() => Ok(gid),
-        Some(a) => err(format!("gid={v}: {a} is not a unicast address")),
-        None => err(format!(
-            "gid={v}: the VM's GID must be IPv4-mapped (::ffff:a.b.c.d). pvcm's RoCEv2 \
-             ports speak IPv4 only: RoCEv2 over IPv6 (no IP ID; the ICRC masks traffic \
-             class, flow label and hop limit) is not implemented. Give the VM an IPv4 \
-             address (docs/daemon.md, 'Address families')"
-        )),
+    let gid = Gid::from_str(addr).map_err(|_| {
+        ConfigError(format!(
+            "gid={v:?}: not a GID: give an IPv4 address (10.0.0.1), an IPv4-mapped GID \
+             (::ffff:10.0.0.1) or an IPv6 address (2001:db8::1, fe80::1%IFACE)"
+        ))
+    })?;
+    if let Some(why) = gid.roce_unicast_problem() {
+        return err(format!(
+            "gid={v}: {why} cannot be a VM's GID (a unicast RoCE address)"
+        ));
     }
+    match (gid.is_link_local(), iface) {
+        (true, None) => err(format!(
+            "gid={v}: a link-local GID is reachable through one interface only: name it, \
+             e.g. gid={addr}%br0"
+        )),
+        (true, Some(i)) => {
+            check_ifname(i).map_err(|e| ConfigError(format!("gid={v}: {e}")))?;
+            Ok((gid, Some(i.to_string())))
+        }
+        (false, Some(_)) => err(format!(
+            "gid={v}: only a link-local GID (fe80::/10) takes an interface (%IFACE)"
+        )),
+        (false, None) => Ok((gid, None)),
+    }
+}
+
+/// Checks an interface name as Linux's `dev_valid_name` does: 1 to 15 bytes, not `.`
+/// or `..`, no `/`, `:` or white space.
+pub fn check_ifname(name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || name.len() > 15
+        || name == "."
+        || name == ".."
+        || name
+            .chars()
+            .any(|c| c == '/' || c == ':' || c.is_whitespace())
+    {
+        return Err(format!("{name:?} is not an interface name"));
+    }
+    Ok(())
 }
 
 impl FromStr for VmSpec {
@@ -120,6 +161,7 @@ impl FromStr for VmSpec {
         let mut incoming = None;
         let mut socket = None;
         let mut gid = None;
+        let mut iface = None;
         let mut name = None;
         let mut qpn_base = None;
         let mut qpn_count = None;
@@ -147,7 +189,9 @@ impl FromStr for VmSpec {
                 }
                 "gid" => {
                     dup(gid.is_some())?;
-                    gid = Some(parse_gid(v)?);
+                    let (g, i) = parse_gid(v)?;
+                    gid = Some(g);
+                    iface = i;
                 }
                 "name" => {
                     dup(name.is_some())?;
@@ -201,7 +245,7 @@ impl FromStr for VmSpec {
         let Some(gid) = gid else {
             return err(format!("--vm {s:?}: gid=GID is required"));
         };
-        let ip = gid.to_ipv4().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let ip = gid_addr(gid);
         let mut vm = VmConfig::new(name.unwrap_or_else(|| format!("vm-{ip}")), gid);
         if let Some(b) = qpn_base {
             vm.qpn_base = b;
@@ -243,6 +287,7 @@ impl FromStr for VmSpec {
             socket,
             vm,
             incoming,
+            iface,
         })
     }
 }
@@ -252,7 +297,10 @@ impl FromStr for VmSpec {
 pub struct ServeArgs {
     /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
     /// id-range=BASE/LEN,incoming=yes]` (repeatable; one vhost-user socket per VM).
-    /// `id-range` makes the VM migratable; `incoming=yes` waits for it to arrive.
+    /// GID: an IPv4 address (10.0.0.1, its IPv4-mapped GID), an IPv6 address
+    /// (2001:db8::1; RoCEv2 over IPv6), or a link-local one with its interface
+    /// (fe80::1%br0). `id-range` makes the VM migratable; `incoming=yes` waits for it
+    /// to arrive.
     #[arg(long = "vm", value_name = "SPEC", value_parser = VmSpec::from_str)]
     pub vms: Vec<VmSpec>,
     /// A file of options, one per line without the leading dashes (`vm socket=...`).
@@ -268,7 +316,8 @@ pub struct ServeArgs {
     /// address:port (give 0.0.0.0:PORT or another address to serve beyond the host).
     #[arg(long, value_name = "ADDR", value_parser = parse_metrics_addr)]
     pub metrics: Option<SocketAddr>,
-    /// Capture every frame sent and received to this pcap file (IPv4, LINKTYPE_RAW).
+    /// Capture every frame sent and received to this pcap file (IPv4 and IPv6
+    /// datagrams, LINKTYPE_RAW).
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<PathBuf>,
     /// Memory for messages kept per VM while its rx queue has no buffers (K, M, G
@@ -283,20 +332,27 @@ pub struct ServeArgs {
     /// The per-VM budget as a number of messages (older form of --rx-backlog-bytes).
     #[arg(long, value_name = "N", value_parser = parse_backlog_messages)]
     pub rx_backlog: Option<u64>,
-    /// UDP port the soft RoCE port binds on each VM address and sends to (RoCEv2: 4791).
+    /// The RoCEv2 UDP port (4791): the soft port binds it on each VM address and sends
+    /// to it; the packet port filters on it and sends to it.
     #[arg(long, value_name = "PORT", value_parser = parse_bind_port)]
     pub bind_port: Option<u16>,
-    /// How the soft RoCE port receives: `raw` checks each frame's ICRC over its IPv4
-    /// header as received and accepts every conformant sender (Linux rxe, hardware);
-    /// it needs CAP_NET_RAW. `udp` needs no privilege but accepts only senders that
-    /// write IP ID 0 (pvcm peers). `auto` (default): raw if permitted, else udp with a
-    /// warning.
+    /// How the soft RoCE port receives from IPv4 peers: `raw` checks each frame's ICRC
+    /// over its IPv4 header as received and accepts every conformant sender (Linux rxe,
+    /// hardware); it needs CAP_NET_RAW. `udp` needs no privilege but accepts only
+    /// senders that write IP ID 0 (pvcm peers). `auto` (default): raw if permitted,
+    /// else udp with a warning. IPv6 VMs are read through their own sockets in every
+    /// mode (exact ICRC, any sender).
     #[arg(long, value_name = "MODE", value_enum)]
     pub wire_rx: Option<RxMode>,
-    /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP) or
-    /// `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through /dev/infiniband/umadN,
-    /// e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not be loaded; see
-    /// docs/umad.md). --wire-rx and --bind-port apply to the soft port only.
+    /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP on the VMs'
+    /// addresses), `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through
+    /// /dev/infiniband/umadN, e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not
+    /// be loaded; see docs/umad.md) or `packet:DEV[:IFACE]` (VMs with their own NICs:
+    /// their QP1 frames are diverted to network device DEV and read there, answers
+    /// leave through the host's IP stack with the VM's address as source; IFACE is the
+    /// interface of link-local IPv6 destinations; needs CAP_NET_RAW; see
+    /// docs/packet-port.md). --wire-rx applies to the soft port only; --bind-port is
+    /// the RoCEv2 UDP port of the soft and packet ports.
     #[arg(long, value_name = "PORT", value_parser = PortSpec::from_str)]
     pub port: Option<PortSpec>,
     /// sysfs mount (the umad port reads the GID and P_Key tables there).
@@ -667,6 +723,14 @@ pub enum PortSpec {
         /// The port number (1-based).
         port: u8,
     },
+    /// The packet port: QP1 frames to the VMs' own addresses read from a network device
+    /// (AF_PACKET), sent through the host's IP stack with the VM's address as source.
+    Packet {
+        /// The device the QP1 frames are diverted to (`pvcm-qp1`).
+        dev: String,
+        /// The interface link-local IPv6 destinations are reached through.
+        iface: Option<String>,
+    },
 }
 
 impl fmt::Display for PortSpec {
@@ -674,6 +738,11 @@ impl fmt::Display for PortSpec {
         match self {
             PortSpec::Soft => f.write_str("soft"),
             PortSpec::Umad { device, port } => write!(f, "umad:{device}:{port}"),
+            PortSpec::Packet { dev, iface: None } => write!(f, "packet:{dev}"),
+            PortSpec::Packet {
+                dev,
+                iface: Some(i),
+            } => write!(f, "packet:{dev}:{i}"),
         }
     }
 }
@@ -685,9 +754,24 @@ impl std::str::FromStr for PortSpec {
         if s == "soft" {
             return Ok(PortSpec::Soft);
         }
+        if let Some(rest) = s.strip_prefix("packet:") {
+            let (dev, iface) = match rest.split_once(':') {
+                Some((d, i)) => (d, Some(i)),
+                None => (rest, None),
+            };
+            check_ifname(dev).map_err(|e| format!("{s:?}: DEV: {e}"))?;
+            if let Some(i) = iface {
+                check_ifname(i).map_err(|e| format!("{s:?}: IFACE: {e}"))?;
+            }
+            return Ok(PortSpec::Packet {
+                dev: dev.to_string(),
+                iface: iface.map(str::to_string),
+            });
+        }
         let Some(rest) = s.strip_prefix("umad:") else {
             return Err(format!(
-                "{s:?} is not a port (soft, or umad:DEVICE[:PORT], e.g. umad:rxe0:1)"
+                "{s:?} is not a port (soft, umad:DEVICE[:PORT], e.g. umad:rxe0:1, or \
+                 packet:DEV[:IFACE], e.g. packet:pvcm-qp1)"
             ));
         };
         let (device, port) = match rest.split_once(':') {
@@ -728,7 +812,7 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(s.socket, PathBuf::from("/tmp/a.sock"));
-        assert_eq!(s.ipv4(), Ipv4Addr::new(127, 10, 1, 1));
+        assert_eq!(s.addr(), IpAddr::V4(Ipv4Addr::new(127, 10, 1, 1)));
         assert_eq!(s.vm.name, "a");
         assert_eq!((s.vm.qpn_base, s.vm.qpn_count), (0x100, 256));
         assert_eq!(s.vm.ca_guid, 0x1122);
@@ -736,6 +820,16 @@ mod tests {
         let d: VmSpec = "socket=/tmp/b,gid=127.0.0.9".parse().unwrap();
         assert_eq!(d.vm.name, "vm-127.0.0.9");
         assert_eq!(d.vm.gid, Gid::from_ipv4(Ipv4Addr::new(127, 0, 0, 9)));
+        assert_eq!(d.iface, None);
+        let v6: VmSpec = "socket=/tmp/c,gid=2001:db8::7".parse().unwrap();
+        assert_eq!(v6.vm.name, "vm-2001:db8::7");
+        assert_eq!(v6.addr(), "2001:db8::7".parse::<IpAddr>().unwrap());
+        assert_eq!(v6.iface, None);
+        let ll: VmSpec = "socket=/tmp/d,gid=fe80::5054:ff:fe00:1%br0"
+            .parse()
+            .unwrap();
+        assert_eq!(ll.iface.as_deref(), Some("br0"));
+        assert!(ll.vm.gid.is_link_local());
     }
 
     #[test]
@@ -743,9 +837,18 @@ mod tests {
         for (s, want) in [
             ("gid=127.0.0.1", "socket=PATH is required"),
             ("socket=/a", "gid=GID is required"),
-            ("socket=/a,gid=fe80::1", "IPv4-mapped"),
+            ("socket=/a,gid=fe80::1", "link-local"),
+            ("socket=/a,gid=fe80::1%", "not an interface"),
+            ("socket=/a,gid=fe80::1%a/b", "not an interface"),
+            ("socket=/a,gid=2001:db8::1%br0", "only a link-local"),
+            ("socket=/a,gid=10.0.0.1%br0", "only a link-local"),
             ("socket=/a,gid=banana", "not a GID"),
-            ("socket=/a,gid=0.0.0.0", "not a unicast"),
+            ("socket=/a,gid=0.0.0.0", "unspecified"),
+            ("socket=/a,gid=::", "unspecified"),
+            ("socket=/a,gid=::1", "loopback"),
+            ("socket=/a,gid=ff02::1", "multicast"),
+            ("socket=/a,gid=224.0.0.1", "multicast"),
+            ("socket=/a,gid=::10.0.0.1", "IPv4-compatible"),
             ("socket=/a,gid=127.0.0.1,color=red", "unknown key"),
             ("socket=/a,gid=127.0.0.1,qpn-base=zz", "not a number"),
             (

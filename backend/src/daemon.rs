@@ -43,6 +43,7 @@ use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 pub use crate::error::Error;
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, WireVerdict};
 use crate::pcap::Capture;
+use crate::port::packet::PacketPort;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
 use crate::port::{InMad, PortSpec, TOKEN_LIMIT, WirePort};
@@ -457,10 +458,10 @@ impl Daemon {
         let host_budget = HostBudget::new(cfg.rx_host_backlog_bytes);
         let port: Box<dyn WirePort> = match &cfg.port {
             PortSpec::Soft => {
-                let addrs: Vec<(String, std::net::Ipv4Addr)> = cfg
+                let addrs: Vec<(String, std::net::IpAddr, Option<String>)> = cfg
                     .vms
                     .iter()
-                    .map(|v| (v.vm.name.clone(), v.ipv4()))
+                    .map(|v| (v.vm.name.clone(), v.addr(), v.iface.clone()))
                     .collect();
                 let incoming: Vec<bool> = cfg.vms.iter().map(|v| v.incoming).collect();
                 Box::new(SoftPort::open(
@@ -468,6 +469,19 @@ impl Daemon {
                     &incoming,
                     cfg.bind_port,
                     cfg.wire_rx,
+                )?)
+            }
+            PortSpec::Packet { dev, iface } => {
+                let vms: Vec<(String, std::net::IpAddr)> = cfg
+                    .vms
+                    .iter()
+                    .map(|v| (v.vm.name.clone(), v.addr()))
+                    .collect();
+                Box::new(PacketPort::open(
+                    dev,
+                    iface.as_deref(),
+                    &vms,
+                    cfg.bind_port,
                 )?)
             }
             PortSpec::Umad { device, port } => {

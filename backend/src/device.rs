@@ -579,7 +579,11 @@ impl PvcmDevice {
                         != u64::from(MGMT_CLASS_CM)
                     {
                         Some(DevDrop::NotCm)
-                    } else if h.remote_gid.to_ipv4().is_none() {
+                    } else if h.remote_gid.roce_unicast_problem().is_some()
+                        || h.remote_gid.to_ipv4().is_some() != port.spec.vm.gid.to_ipv4().is_some()
+                    {
+                        // Not a unicast RoCE address, or the other IP family: no
+                        // datagram from the VM's address can carry it.
                         Some(DevDrop::BadRemoteGid)
                     } else if vm.is_none() {
                         Some(DevDrop::NotAttached)
@@ -1012,6 +1016,7 @@ mod queue_tests {
                 socket: "/nonexistent/a.sock".into(),
                 vm: vm.clone(),
                 incoming: false,
+                iface: None,
             },
             current: Mutex::new(None),
             rx: Mutex::new(RxBacklog::new(backlog::DEFAULT_VM_BYTES, host)),

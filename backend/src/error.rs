@@ -1,7 +1,7 @@
 //! The daemon's error type.
 
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::PathBuf;
 
 use crate::config::ConfigError;
@@ -50,12 +50,12 @@ pub enum Error {
     )]
     RawSocket(#[source] io::Error),
     /// A VM's address could not be bound for the soft port.
-    #[error("VM {vm}: wire port {addr}:{port} (is the address local?): {source}")]
+    #[error("VM {vm}: wire port {addr} port {port} (is the address local?): {source}")]
     WireBind {
         /// The VM's name.
         vm: String,
         /// The VM's address.
-        addr: Ipv4Addr,
+        addr: IpAddr,
         /// The UDP port (`--bind-port`).
         port: u16,
         /// The error.
@@ -68,6 +68,21 @@ pub enum Error {
          port cannot take an address over while running"
     )]
     IncomingNeedsRaw(String),
+    /// An incoming VM (migration) with an IPv6 GID on the soft port.
+    #[error(
+        "VM {0}: incoming=yes needs an IPv4 GID on the soft port: an IPv6 VM is read \
+         through its own socket, which cannot be added while the daemon runs (the packet \
+         and umad ports take IPv6 VMs by migration)"
+    )]
+    IncomingIpv6(String),
+    /// The packet port could not be opened (`reason` says why and what to do).
+    #[error("--port {port}: {reason}")]
+    Packet {
+        /// The port as given (`packet:DEV[:IFACE]`).
+        port: String,
+        /// What went wrong, and what to do.
+        reason: String,
+    },
     /// A VM's UDP socket refused the drop-all filter raw receive puts on it.
     #[error("VM {vm}: wire socket filter: {source}; --wire-rx udp does not need it")]
     WireFilter {

@@ -1,21 +1,25 @@
-//! `--pcap FILE`: every frame the wire port sends and receives, as the IPv4/UDP datagram
-//! it travels in (LINKTYPE_RAW), so Wireshark decodes RoCEv2 / InfiniBand / CM.
+//! `--pcap FILE`: every frame the wire port sends and receives, as the IPv4/UDP or
+//! IPv6/UDP datagram it travels in (LINKTYPE_RAW, the version nibble tells them apart),
+//! so Wireshark decodes RoCEv2 / InfiniBand / CM.
 //!
-//! The port never sees the IP header the kernel writes, so the capture carries the
-//! header pvcm computes the ICRC under (`Ipv4Repr::new`: identification 0, DF, TTL 64,
-//! correct lengths and header checksum; UDP checksum 0). Received datagrams are written
-//! as they arrived (a bad ICRC stays bad in the capture), with the same kind of header.
+//! A UDP socket never sees the IP header the kernel writes, so for the soft port's
+//! sockets the capture carries the header pvcm computes the ICRC under (IPv4:
+//! `Ipv4Repr::new`, identification 0, DF, TTL 64, correct lengths and header checksum,
+//! UDP checksum 0; IPv6: `Ipv6Repr::new`, hop limit 64, the UDP checksum computed).
+//! Datagrams a raw or packet socket reads, and those the packet port sends, are written
+//! with their headers exactly as they are. Received datagrams are written as they
+//! arrived (a bad ICRC stays bad in the capture).
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pcap_file::DataLink;
 use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
-use pvcm_wire::roce::{IPV4_HEADER_LEN, Ipv4Repr, UDP_HEADER_LEN, UdpRepr};
+use pvcm_wire::roce::{self, IpRepr, UDP_HEADER_LEN, UdpRepr};
 
 /// A byte sink the pcap writer fills; the capture moves its bytes to the file after
 /// each batch (the writer itself offers no flush).
@@ -96,8 +100,8 @@ impl Capture {
         Ok(c)
     }
 
-    /// Records one whole IPv4 datagram as received (the raw receive path), header
-    /// bytes as the sender wrote them.
+    /// Records one whole IPv4 or IPv6 datagram as it is (the raw and packet receive
+    /// paths, the packet port's sends), header bytes as the sender wrote them.
     pub fn record_datagram(&self, datagram: &[u8]) {
         self.write(datagram);
     }
@@ -112,27 +116,45 @@ impl Capture {
             .write_packet(&PcapPacket::new(ts, d.len() as u32, d));
     }
 
-    /// Records one datagram from `src` to `dst` with UDP payload `payload`.
-    pub fn record(&self, src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) {
-        let total = IPV4_HEADER_LEN + UDP_HEADER_LEN + payload.len();
-        let Ok(total16) = u16::try_from(total) else {
+    /// Records one datagram from `src` to `dst` with UDP payload `payload` (both
+    /// addresses of one family; nothing is recorded for mixed ones).
+    pub fn record(&self, src: SocketAddr, dst: SocketAddr, payload: &[u8]) {
+        let Some(ip) = IpRepr::from_addrs(src.ip(), dst.ip()) else {
             return;
         };
-        let mut d = Vec::with_capacity(total);
-        d.resize(IPV4_HEADER_LEN + UDP_HEADER_LEN, 0);
-        let ip = Ipv4Repr {
-            total_len: total16,
-            ..Ipv4Repr::new(*src.ip(), *dst.ip())
+        let hl = ip.header_len();
+        let total = hl + UDP_HEADER_LEN + payload.len();
+        let (Ok(total16), Ok(udp_len)) = (
+            u16::try_from(total),
+            u16::try_from(UDP_HEADER_LEN + payload.len()),
+        ) else {
+            return;
         };
+        let ip = match ip {
+            IpRepr::V4(h) => IpRepr::V4(roce::Ipv4Repr {
+                total_len: total16,
+                ..h
+            }),
+            IpRepr::V6(h) => IpRepr::V6(roce::Ipv6Repr {
+                payload_len: udp_len,
+                ..h
+            }),
+        };
+        let mut d = Vec::with_capacity(total);
+        d.resize(hl + UDP_HEADER_LEN, 0);
         let udp = UdpRepr {
             src_port: src.port(),
             dst_port: dst.port(),
-            length: (UDP_HEADER_LEN + payload.len()) as u16,
+            length: udp_len,
         };
-        // Both header slices have exactly the lengths emit checks for.
-        let _ = ip.emit(&mut d[..IPV4_HEADER_LEN]);
-        let _ = udp.emit(&mut d[IPV4_HEADER_LEN..]);
+        // Both header slices have at least the lengths emit checks for.
+        let _ = ip.emit_header(&mut d[..hl]);
+        let _ = udp.emit(&mut d[hl..]);
         d.extend_from_slice(payload);
+        if let IpRepr::V6(h) = ip {
+            let sum = roce::udp6_checksum(&h.src, &h.dst, &d[hl..]);
+            roce::field::udp::CHECKSUM.set(&mut d[hl..], sum.into());
+        }
         self.write(&d);
     }
 
@@ -166,26 +188,45 @@ impl Drop for Capture {
 mod tests {
     use super::*;
     use pcap_file::pcap::PcapReader;
-    use std::net::Ipv4Addr;
+    use pvcm_wire::roce::Ipv4Repr;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     #[test]
     fn records_parse_back() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x.pcap");
         let c = Capture::create(&p).unwrap();
-        let a = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 1), 4791);
-        let b = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), 4791);
+        let a = SocketAddr::from((Ipv4Addr::new(127, 0, 0, 1), 4791));
+        let b = SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), 4791));
+        let a6 = SocketAddr::from(("2001:db8::1".parse::<Ipv6Addr>().unwrap(), 4791));
+        let b6 = SocketAddr::from(("2001:db8::2".parse::<Ipv6Addr>().unwrap(), 49152));
         c.record(a, b, &[7u8; 280]);
         c.record(b, a, &[9u8; 13]);
+        c.record(a6, b6, &[5u8; 280]);
+        c.record(a, b6, &[5u8; 280]); // mixed families: nothing
         c.flush();
         let mut r = PcapReader::new(File::open(&p).unwrap()).unwrap();
         assert_eq!(r.header().datalink, DataLink::RAW);
         let p1 = r.next_packet().unwrap().unwrap();
         assert_eq!(p1.data.len(), 308);
         let ip = Ipv4Repr::parse(&p1.data).unwrap();
-        assert_eq!((ip.src, ip.dst, ip.total_len), (*a.ip(), *b.ip(), 308));
+        assert_eq!(
+            (IpAddr::V4(ip.src), IpAddr::V4(ip.dst), ip.total_len),
+            (a.ip(), b.ip(), 308)
+        );
         let p2 = r.next_packet().unwrap().unwrap();
         assert_eq!(p2.data.len(), 41);
+        let p3 = r.next_packet().unwrap().unwrap();
+        assert_eq!(p3.data.len(), 328);
+        let ip6 = roce::Ipv6Repr::parse(&p3.data).unwrap();
+        let udp6 = UdpRepr::parse(&p3.data[40..]).unwrap();
+        assert_eq!(
+            (IpAddr::V6(ip6.src), IpAddr::V6(ip6.dst)),
+            (a6.ip(), b6.ip())
+        );
+        assert_eq!((udp6.src_port, udp6.dst_port), (4791, 49152));
+        let sum = u16::from_be_bytes([p3.data[46], p3.data[47]]);
+        assert_eq!(sum, roce::udp6_checksum(&ip6.src, &ip6.dst, &p3.data[40..]));
         assert!(r.next_packet().is_none());
     }
 

@@ -50,7 +50,9 @@ dev_drops! {
     BadMadLength => "bad_mad_length",
     /// tx: a MAD of a management class other than CM.
     NotCm => "not_cm",
-    /// tx: a MAD whose remote GID is not IPv4-mapped (the wire cannot reach it).
+    /// tx: a MAD whose remote GID cannot be reached: not a unicast RoCE address
+    /// (multicast, unspecified, ...), of the other IP family than the VM's own GID, or
+    /// link-local with no interface to reach it through.
     BadRemoteGid => "bad_remote_gid",
     /// tx: a message while no VM session is attached.
     NotAttached => "not_attached",
@@ -72,17 +74,35 @@ dev_drops! {
     WireBadDeth => "wire_bad_deth",
     /// wire: a bad invariant CRC.
     WireBadIcrc => "wire_bad_icrc",
-    /// wire (raw receive): an IPv4 header with options, a fragment, or a bad header
-    /// checksum.
+    /// wire (raw and packet receive): an IPv4 header with options, a fragment, or a bad
+    /// header checksum.
     WireBadIp => "wire_bad_ip",
-    /// wire: a datagram from a non-IPv4 source.
+    /// wire: a frame from a source that cannot be a RoCE peer: an unknown address
+    /// family, or (packet port) a multicast, broadcast, unspecified or loopback source,
+    /// or an IPv4-mapped or IPv4-compatible address inside an IPv6 header.
     WireBadSource => "wire_bad_source",
     /// wire: the socket (soft port) or the kernel (umad port) refused a frame.
     WireSendError => "wire_send_error",
     /// wire (umad port): a MAD of a class other than CM version 2.
     WireNotCm => "wire_not_cm",
-    /// wire (umad port): a MAD for a local GID index no VM owns (host counters).
+    /// wire (umad port: a local GID index; packet port: a destination address): a MAD
+    /// for a GID no VM owns (host counters).
     WireUnknownGid => "wire_unknown_gid",
+    /// wire (packet port): a frame shorter than its Ethernet, IP or UDP header, or than
+    /// the length its IP header gives.
+    WireTruncated => "wire_truncated",
+    /// wire (packet port): an IPv6 header followed by an extension header (hop-by-hop,
+    /// routing, fragment, destination options, ...) instead of UDP.
+    WireIpv6ExtHeader => "wire_ipv6_ext_header",
+    /// wire (packet port): a frame on the device that is not RoCEv2 (not IPv4 or IPv6,
+    /// not UDP, not to the RoCEv2 port): the kernel filter lets none through unless the
+    /// device's traffic bypasses it.
+    WireNotRoce => "wire_not_roce",
+    /// wire: datagrams the kernel dropped before pvcm read them, its socket's receive
+    /// queue full (SO_RXQ_OVFL of the soft port's sockets, PACKET_STATISTICS drops of
+    /// the packet port's; host counters). The peers' retries recover them; a growing
+    /// count means the host loop falls behind.
+    WireRxOverflow => "wire_rx_overflow",
 }
 
 /// Message and frame counts of the I/O paths.
@@ -155,6 +175,12 @@ impl DevCounters {
     /// Counts one drop.
     pub fn drop(&self, r: DevDrop) {
         self.drops[r as usize].fetch_add(1, Ordering::Relaxed);
+    }
+    /// Counts `n` drops at once.
+    pub fn drop_n(&self, r: DevDrop, n: u64) {
+        if n != 0 {
+            self.drops[r as usize].fetch_add(n, Ordering::Relaxed);
+        }
     }
     /// Adds to an I/O count.
     pub fn add(&self, k: Io, n: u64) {

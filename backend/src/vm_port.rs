@@ -81,4 +81,28 @@ impl VmPort {
     pub(crate) fn wake_rx(&self) {
         let _ = self.rx_wake.write(1);
     }
+
+    /// A VM port without a session, for the wire ports' tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(index: usize, spec: VmSpec) -> std::sync::Arc<VmPort> {
+        use crate::backlog::{DEFAULT_HOST_BYTES, DEFAULT_VM_BYTES, HostBudget};
+        std::sync::Arc::new(VmPort {
+            index,
+            spec,
+            current: Mutex::new(None),
+            rx: Mutex::new(RxBacklog::new(
+                DEFAULT_VM_BYTES,
+                HostBudget::new(DEFAULT_HOST_BYTES),
+            )),
+            rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+                .expect("eventfd for a test VM port"),
+            counters: DevCounters::default(),
+            session: Mutex::new(None),
+            restored: AtomicBool::new(false),
+            tx_resume: Mutex::new(None),
+            awaiting: AtomicBool::new(false),
+            migrated_out: Mutex::new(None),
+            span: tracing::Span::none(),
+        })
+    }
 }

@@ -14,7 +14,7 @@ fn bad_command_lines_are_clear_errors() {
     for (args, want) in [
         (&[][..], "no VM"),
         (&["--vm", "socket=/tmp/x"][..], "gid=GID is required"),
-        (&["--vm", "socket=/tmp/x,gid=fe80::1"][..], "IPv4-mapped"),
+        (&["--vm", "socket=/tmp/x,gid=fe80::1"][..], "link-local"),
         (
             &["--vm", "socket=/tmp/x,gid=127.0.0.1,qpn-base=banana"][..],
             "not a number",

@@ -1,7 +1,10 @@
 //! Arbitrary bytes into every parser of pvcm-wire: none may panic.
 //!
-//! The input is tried as a RoCEv2 frame (UDP payload), as a whole IPv4 datagram and as
-//! a bare CM MAD; a frame that passes `new_checked` also has its MAD decoded. Every
+//! The input is tried as a RoCEv2 frame (UDP payload), as a whole IPv4 datagram, as a
+//! whole IPv6 datagram (the same bytes with the IPv6 version nibble, so both parsers see
+//! every input) and as a bare CM MAD; a frame that passes `new_checked` also has its MAD
+//! decoded. An IPv6 datagram that parses must emit back to the same headers and frame,
+//! with a good ICRC. Every
 //! accessor of a checked view is called, the proxy's rewrites are applied to a copy,
 //! and a CM message that parses must emit and parse back to the same value.
 
@@ -9,7 +12,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use pvcm_wire::cm::{CmMad, CmRepr};
-use pvcm_wire::roce::{self, Frame, FrameRepr, Ipv4Repr, UdpRepr};
+use pvcm_wire::roce::{self, Frame, FrameRepr, IpRepr, Ipv4Repr, Ipv6Packet, Ipv6Repr, UdpRepr};
 use std::net::Ipv4Addr;
 
 fuzz_target!(|data: &[u8]| {
@@ -27,10 +30,52 @@ fuzz_target!(|data: &[u8]| {
     let _ = roce::check_datagram_icrc(data);
     let _ = Ipv4Repr::parse(data);
     let _ = UdpRepr::parse(data);
+    ipv6(data);
+    if let Some(first) = data.first() {
+        let mut v6 = data.to_vec();
+        v6[0] = 0x60 | (first & 0x0F);
+        ipv6(&v6);
+    }
     mad(data);
 });
 
-fn frame_accessors(frame: &Frame<&[u8]>, ip: &Ipv4Repr, udp: &UdpRepr) {
+fn ipv6(data: &[u8]) {
+    let _ = roce::check_datagram_icrc(data);
+    let _ = IpRepr::parse(data);
+    if let Ok(p) = Ipv6Packet::new_checked(data) {
+        let _ = (p.version(), p.traffic_class(), p.flow_label(), p.payload_len());
+        let _ = (p.next_header(), p.hop_limit(), p.src(), p.dst());
+    }
+    if let Ok((any, _, _)) = roce::parse_ip_datagram(data) {
+        let _ = any.to_string();
+    }
+    let Ok((ip, udp, frame)) = roce::parse_datagram6(data) else {
+        return;
+    };
+    let _ = ip.to_string();
+    frame_accessors(&frame, &ip, &udp);
+    mad(frame.mad());
+    // A parsed datagram emits back to the same headers and frame (the UDP length and
+    // the payload length set for one frame, the ICRC recomputed).
+    if let Ok(r) = FrameRepr::parse(&frame) {
+        let mut out = [0u8; roce::IPV6_DATAGRAM_LEN];
+        let n = r
+            .emit_datagram(&mut out, &ip, &udp)
+            .expect("a parsed frame must emit");
+        let (ip2, udp2, f2) = roce::parse_datagram6(&out[..n]).expect("emitted must parse");
+        assert_eq!((ip2.src, ip2.dst, ip2.next_header), (ip.src, ip.dst, ip.next_header));
+        assert_eq!((udp2.src_port, udp2.dst_port), (udp.src_port, udp.dst_port));
+        assert_eq!(FrameRepr::parse(&f2).ok(), Some(r));
+        assert_eq!(roce::check_datagram_icrc(&out[..n]), Ok(()));
+        assert_eq!(
+            f2.compute_icrc(&Ipv6Repr::new(ip.src, ip.dst), &udp2),
+            f2.icrc(),
+            "the masked fields are not covered"
+        );
+    }
+}
+
+fn frame_accessors<H: roce::IpHeader>(frame: &Frame<&[u8]>, ip: &H, udp: &UdpRepr) {
     let b = frame.bth();
     let _ = (
         b.opcode(),

@@ -240,8 +240,9 @@ pub enum Cmd {
     },
     /// Connect, report, disconnect and destroy.
     Connect {
-        /// The server's GID (IPv6 text, or IPv4 for its mapped GID).
-        #[arg(long, value_name = "GID")]
+        /// The server's GID: an IPv4 address (its IPv4-mapped GID, RoCEv2 over IPv4) or
+        /// an IPv6 address (RoCEv2 over IPv6), of the same family as this VM's GID.
+        #[arg(long, value_name = "GID", value_parser = parse_dest)]
         dest: Gid,
         /// The server's port.
         #[arg(long)]
@@ -262,8 +263,8 @@ pub enum Cmd {
     },
     /// Connect, then destroy at once (seed 002: the REQ, then REJ(TIMEOUT)).
     ConnectDestroy {
-        /// The server's GID.
-        #[arg(long, value_name = "GID")]
+        /// The server's GID (IPv4 or IPv6 address).
+        #[arg(long, value_name = "GID", value_parser = parse_dest)]
         dest: Gid,
         /// The server's port.
         #[arg(long)]
@@ -274,8 +275,8 @@ pub enum Cmd {
     },
     /// Connection-rate benchmark modelled on rdma-core's cmtime.
     Cmtime {
-        /// The server's GID (client side).
-        #[arg(long, value_name = "GID", required_unless_present = "server")]
+        /// The server's GID (client side; IPv4 or IPv6 address).
+        #[arg(long, value_name = "GID", required_unless_present = "server", value_parser = parse_dest)]
         dest: Option<Gid>,
         /// Connections.
         #[arg(long, default_value_t = cmtime::DEFAULT_CONNECTIONS, value_name = "N")]
@@ -1122,6 +1123,18 @@ impl ProcessCpu {
     }
 }
 
+/// `--dest`: an IPv4 address (its IPv4-mapped GID), an IPv4-mapped GID or an IPv6
+/// address, unicast (what a RoCE port can send to).
+fn parse_dest(v: &str) -> Result<Gid, String> {
+    let g: Gid = v.parse().map_err(|_| {
+        format!("{v:?} is not a GID: give an IPv4 address (10.0.0.2) or an IPv6 one (fd00::2)")
+    })?;
+    match g.roce_unicast_problem() {
+        Some(why) => Err(format!("{v}: {why} is not a RoCE peer")),
+        None => Ok(g),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1135,6 +1148,35 @@ mod tests {
     #[test]
     fn command_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn destinations_of_both_families() {
+        let c = parse(&["connect", "--dest", "fd00:6::2", "--port", "7471"]).unwrap();
+        let Cmd::Connect { dest, .. } = c.cmd else {
+            panic!("not connect")
+        };
+        assert_eq!(dest, "fd00:6::2".parse::<Gid>().unwrap());
+        assert!(dest.to_ipv4().is_none());
+        let c = parse(&["cmtime", "--dest", "10.0.0.2"]).unwrap();
+        let Cmd::Cmtime { dest, .. } = c.cmd else {
+            panic!("not cmtime")
+        };
+        assert_eq!(dest.and_then(|g| g.to_ipv4()), Some([10, 0, 0, 2].into()));
+        assert!(
+            parse(&[
+                "connect-destroy",
+                "--dest",
+                "fe80::5054:ff:fe99:2",
+                "--port",
+                "1"
+            ])
+            .is_ok()
+        );
+        for bad in ["ff02::1", "::", "::1", "224.0.0.1", "fe80::1%eth0", "host"] {
+            let e = parse(&["connect", "--dest", bad, "--port", "1"]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{bad}");
+        }
     }
 
     #[test]

@@ -47,6 +47,7 @@ pub fn config(dir: &Path, host: &str, vms: &[&LabVmSpec], seed: u64) -> Config {
             socket: dir.join(format!("{}.sock", v.name)),
             vm: v.vm_config(),
             incoming: false,
+            iface: None,
         })
         .collect();
     let mut c = Config::new(specs);

@@ -3,24 +3,28 @@
 //! ```text
 //! cargo run -p pvcm-wire --example decode              # a sample CM REQ frame
 //! cargo run -p pvcm-wire --example decode -- FILE      # raw UDP payload (280 bytes),
-//!                                                      # or a whole 308-byte IPv4 datagram
+//!                                                      # a whole 308-byte IPv4 datagram
+//!                                                      # or a whole 328-byte IPv6 one
 //! echo 6400ffff... | cargo run -p pvcm-wire --example decode -- -   # hex on stdin
 //! cargo run -p pvcm-wire --example decode -- FILE SRC_IP DST_IP [SRC_PORT]
 //! ```
 //!
 //! A bare UDP payload carries no IP header, so its ICRC is checked only when the
-//! addresses (and the source port, default 4791) are given: the header is then assumed
-//! to be what Linux sends from an unconnected UDP socket (ID 0, DF). Bad input prints an
-//! error and exits with status 1.
+//! addresses (and the source port, default 4791) are given, both IPv4 or both IPv6: an
+//! IPv4 header is then assumed to be what Linux sends from an unconnected UDP socket
+//! (ID 0, DF); an IPv6 header needs nothing more (the ICRC masks what the addresses do
+//! not give). Bad input prints an error and exits with status 1.
 
 use std::error::Error;
 use std::io::{Read, Write};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::process::ExitCode;
 
 use pvcm_wire::cm::{self, CmRepr, PathRepr, TransportService};
 use pvcm_wire::mad::{self, AttributeId, Header};
-use pvcm_wire::roce::{self, DATAGRAM_LEN, Frame, FrameRepr, Ipv4Repr, UdpRepr};
+use pvcm_wire::roce::{
+    self, DATAGRAM_LEN, Frame, FrameRepr, IPV6_DATAGRAM_LEN, IpRepr, Ipv4Repr, UdpRepr,
+};
 use pvcm_wire::{Gid, roce::UDP_PORT};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -52,15 +56,18 @@ fn run() -> Res<()> {
                 Some(p) => p.parse().map_err(|e| format!("source port {p:?}: {e}"))?,
                 None => UDP_PORT,
             };
-            Some((
-                Ipv4Repr::new(src.parse()?, dst.parse()?),
-                UdpRepr::new(sport),
-            ))
+            let (s, d): (IpAddr, IpAddr) = (src.parse()?, dst.parse()?);
+            let ip = IpRepr::from_addrs(s, d)
+                .ok_or("SRC_IP and DST_IP must both be IPv4 or both IPv6")?;
+            Some((ip, UdpRepr::new(sport)))
         }
         (Some(_), None) => return Err("give both SRC_IP and DST_IP".into()),
         _ => None,
     };
-    if bytes.len() == DATAGRAM_LEN && bytes.first().map(|b| b >> 4) == Some(4) {
+    let version = bytes.first().map(|b| b >> 4);
+    if (bytes.len() == DATAGRAM_LEN && version == Some(4))
+        || (bytes.len() == IPV6_DATAGRAM_LEN && version == Some(6))
+    {
         decode_datagram(w, &bytes)
     } else {
         decode_payload(w, &bytes, headers.as_ref().map(|(i, u)| (i, u)))
@@ -161,9 +168,9 @@ fn sample(w: &mut dyn Write) -> Res<()> {
     decode_datagram(w, &datagram)
 }
 
-/// Decodes a whole IPv4 datagram: headers, then its frame.
+/// Decodes a whole IPv4 or IPv6 datagram: headers, then its frame.
 fn decode_datagram(w: &mut dyn Write, bytes: &[u8]) -> Res<()> {
-    let (ip, udp, frame) = roce::parse_datagram(bytes)?;
+    let (ip, udp, frame) = roce::parse_ip_datagram(bytes)?;
     writeln!(w, "{ip}")?;
     writeln!(w, "{udp}")?;
     decode_frame(w, &frame, Some((&ip, &udp)))
@@ -173,7 +180,7 @@ fn decode_datagram(w: &mut dyn Write, bytes: &[u8]) -> Res<()> {
 fn decode_payload(
     w: &mut dyn Write,
     bytes: &[u8],
-    headers: Option<(&Ipv4Repr, &UdpRepr)>,
+    headers: Option<(&IpRepr, &UdpRepr)>,
 ) -> Res<()> {
     let frame = Frame::new_checked(bytes)
         .map_err(|e| format!("not a RoCEv2 CM frame ({} bytes): {e}", bytes.len()))?;
@@ -183,7 +190,7 @@ fn decode_payload(
 fn decode_frame(
     w: &mut dyn Write,
     frame: &Frame<&[u8]>,
-    headers: Option<(&Ipv4Repr, &UdpRepr)>,
+    headers: Option<(&IpRepr, &UdpRepr)>,
 ) -> Res<()> {
     let repr = FrameRepr::parse(frame)?;
     writeln!(w, "{}", repr.bth)?;

@@ -91,9 +91,15 @@ pub enum Error {
         /// Checksum computed over the header.
         computed: u16,
     },
-    /// An IPv6 header where the codec only frames IPv4 (RoCEv2 over IPv6 is not supported yet).
-    #[error("address family not supported: {0}")]
+    /// An IP header the codec does not frame: another IP version where one is expected,
+    /// IPv4 options or fragments, an IPv4 protocol other than UDP.
+    #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// An IPv6 header whose next header is not UDP: an extension header (hop-by-hop,
+    /// routing, fragment, destination options, ...) or another protocol. RoCEv2 frames
+    /// travel in a 40-byte IPv6 header followed directly by UDP.
+    #[error("IPv6 next header {0} is not UDP (17): extension headers are not supported")]
+    Ipv6NextHeader(u8),
 }
 
 /// Result with the codec's error.

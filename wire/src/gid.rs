@@ -44,6 +44,44 @@ impl Gid {
         ])
     }
 
+    /// Why this GID cannot be the address of a RoCEv2 port (a VM's own GID, or the GID
+    /// it sends to), or `None` if it can be: an IPv4-mapped GID of a unicast IPv4
+    /// address, or a unicast IPv6 address. Refused: the unspecified address, multicast
+    /// and broadcast, the IPv6 loopback `::1`, and IPv4-compatible `::a.b.c.d` (not
+    /// IPv4-mapped: no RoCE stack uses it). IPv4 loopback (127/8) is accepted: local
+    /// tests run on it.
+    pub fn roce_unicast_problem(&self) -> Option<&'static str> {
+        if let Some(v4) = self.to_ipv4() {
+            return if v4.is_unspecified() {
+                Some("the unspecified IPv4 address")
+            } else if v4.is_broadcast() {
+                Some("the IPv4 broadcast address")
+            } else if v4.is_multicast() {
+                Some("an IPv4 multicast address")
+            } else {
+                None
+            };
+        }
+        let a = Ipv6Addr::from(self.0);
+        if a.is_unspecified() {
+            Some("the unspecified address")
+        } else if a.is_loopback() {
+            Some("the IPv6 loopback address")
+        } else if a.is_multicast() {
+            Some("an IPv6 multicast address")
+        } else if self.0[..12] == [0; 12] {
+            Some("an IPv4-compatible address (::a.b.c.d; RoCE uses ::ffff:a.b.c.d)")
+        } else {
+            None
+        }
+    }
+
+    /// An IPv6 link-local GID (fe80::/10): reachable only through one interface, so a
+    /// socket needs its scope (interface index).
+    pub fn is_link_local(&self) -> bool {
+        self.to_ipv4().is_none() && self.0[0] == 0xfe && self.0[1] & 0xc0 == 0x80
+    }
+
     /// A GID from a subnet prefix and an interface ID.
     pub fn from_parts(subnet_prefix: u64, interface_id: u64) -> Gid {
         let mut g = [0u8; 16];
@@ -104,6 +142,27 @@ mod tests {
         assert_eq!(g.to_string(), "::ffff:192.0.2.7");
         assert_eq!("192.0.2.7".parse::<Gid>().unwrap(), g);
         assert_eq!("::ffff:192.0.2.7".parse::<Gid>().unwrap(), g);
+    }
+
+    #[test]
+    fn roce_unicast() {
+        let g = |s: &str| s.parse::<Gid>().unwrap();
+        for ok in ["10.0.0.1", "127.0.0.1", "2001:db8::1", "fe80::1", "fd00::5"] {
+            assert_eq!(g(ok).roce_unicast_problem(), None, "{ok}");
+        }
+        for bad in [
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::",
+            "::1",
+            "ff02::1",
+            "::10.0.0.1",
+        ] {
+            assert!(g(bad).roce_unicast_problem().is_some(), "{bad}");
+        }
+        assert!(g("fe80::1").is_link_local() && g("febf::1").is_link_local());
+        assert!(!g("fec0::1").is_link_local() && !g("10.0.0.1").is_link_local());
     }
 
     #[test]

@@ -15,21 +15,30 @@
 //! # The ICRC
 //!
 //! [`icrc`] computes the invariant CRC exactly as Linux's `rdma_rxe` does
-//! (`drivers/infiniband/sw/rxe/rxe_icrc.c`) for RoCEv2 over IPv4: the ordinary IEEE 802.3
+//! (`drivers/infiniband/sw/rxe/rxe_icrc.c`, IBTA Annex A17): the ordinary IEEE 802.3
 //! CRC-32 (zlib's `crc32`) over
 //!
 //! 1. 8 bytes of `0xFF` standing for the masked LRH (rxe starts from the CRC state
 //!    `0xdebb20e3`, which is the state after those 8 bytes);
-//! 2. the 20-byte IPv4 header with TOS, TTL and header checksum set to all ones;
+//! 2. the IP header with its variant fields set to all ones:
+//!    - IPv4 (20 bytes): TOS, TTL and header checksum;
+//!    - IPv6 (40 bytes): traffic class, flow label and hop limit (the version nibble,
+//!      payload length, next header and both addresses stay as they are);
 //! 3. the 8-byte UDP header with its checksum set to `0xFFFF`;
 //! 4. the BTH with byte 4 (FECN, BECN, 6 reserved bits) set to `0xFF`;
 //! 5. the DETH and the MAD (the rest of the UDP payload, the ICRC itself excluded).
 //!
 //! The result is stored in the last 4 bytes in little-endian order (rxe stores the
 //! `u32` in CPU order; on x86 and on every RoCE HCA the wire bytes are LSB first).
-//! Everything else of the IP and UDP headers is covered: version/IHL, total length,
-//! identification, flags and fragment offset, protocol, both addresses, both ports and
-//! the UDP length.
+//! Everything else of the IP and UDP headers is covered: for IPv4 version/IHL, total
+//! length, identification, flags and fragment offset, protocol, both addresses; for
+//! IPv6 the version, payload length, next header and both addresses; and both UDP
+//! ports and the UDP length.
+//!
+//! The IP header is any [`IpHeader`]: [`Ipv4Repr`], [`Ipv6Repr`] or the enum of both,
+//! [`IpRepr`]. A datagram is 308 bytes over IPv4 ([`DATAGRAM_LEN`]) and 328 over IPv6
+//! ([`IPV6_DATAGRAM_LEN`]); an IPv6 header must be followed directly by UDP (an
+//! extension header is [`Error::Ipv6NextHeader`]).
 //!
 //! # Sending through a UDP socket
 //!
@@ -43,12 +52,18 @@
 //! rebuilds the same header from `recvfrom`'s source, its own address and port, and the
 //! datagram length. TTL and TOS/DSCP are masked and may be anything.
 //!
-//! `rdma_rxe` itself picks a hashed IP ID (`__ip_select_ident`), so a frame from a real
-//! rxe or HCA peer can be verified only with the whole IP header at hand (a capture, a
-//! raw or packet socket): [`check_datagram_icrc`] does that from the raw bytes.
+//! Over IPv6 there is nothing to expect: every field the ICRC covers (addresses,
+//! payload length, next header, UDP ports and length) is one a UDP socket knows, and
+//! every field it cannot know (traffic class, flow label, hop limit, UDP checksum) is
+//! masked. [`Ipv6Repr::new`] gives the covered fields; the masked ones may be anything.
+//!
+//! `rdma_rxe` itself picks a hashed IPv4 ID (`__ip_select_ident`), so an IPv4 frame from
+//! a real rxe or HCA peer can be verified only with the whole IP header at hand (a
+//! capture, a raw or packet socket): [`check_datagram_icrc`] does that from the raw
+//! bytes, for either IP version.
 
 use core::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use crate::error::{Error, Result, check_len};
 use crate::field::Bits;
@@ -78,8 +93,14 @@ pub const IPV4_HEADER_LEN: usize = 20;
 pub const UDP_HEADER_LEN: usize = 8;
 /// Length of a whole IPv4 datagram carrying one frame: 20 + 8 + 280 = 308.
 pub const DATAGRAM_LEN: usize = IPV4_HEADER_LEN + UDP_HEADER_LEN + FRAME_LEN;
-/// IP protocol number of UDP.
+/// IP protocol number of UDP (also its IPv6 next header value).
 pub const IP_PROTOCOL_UDP: u8 = 17;
+/// Length of an IPv6 header (no extension headers).
+pub const IPV6_HEADER_LEN: usize = 40;
+/// Length of a whole IPv6 datagram carrying one frame: 40 + 8 + 280 = 328.
+pub const IPV6_DATAGRAM_LEN: usize = IPV6_HEADER_LEN + UDP_HEADER_LEN + FRAME_LEN;
+/// Hop limit (IPv6) and TTL (IPv4) of the headers pvcm builds.
+pub const DEFAULT_HOP_LIMIT: u8 = 64;
 
 /// Byte ranges and bit fields of the RoCEv2 headers.
 pub mod field {
@@ -172,6 +193,27 @@ pub mod field {
         pub const SRC: Bits = Bits::bytes(12, 4);
         /// Destination address, be32.
         pub const DST: Bits = Bits::bytes(16, 4);
+    }
+
+    /// An IPv6 header (RFC 8200), without extension headers.
+    pub mod ipv6 {
+        use crate::field::{Bits, Field};
+        /// Version, 4 bits.
+        pub const VERSION: Bits = Bits::new(0, 1, 4, 4);
+        /// Traffic class (DSCP and ECN), 8 bits.
+        pub const TRAFFIC_CLASS: Bits = Bits::new(0, 2, 4, 8);
+        /// Flow label, 20 bits.
+        pub const FLOW_LABEL: Bits = Bits::new(1, 3, 0, 20);
+        /// Payload length (everything after the 40-byte header), be16.
+        pub const PAYLOAD_LEN: Bits = Bits::bytes(4, 2);
+        /// Next header, u8.
+        pub const NEXT_HEADER: Bits = Bits::bytes(6, 1);
+        /// Hop limit, u8.
+        pub const HOP_LIMIT: Bits = Bits::bytes(7, 1);
+        /// Source address, 16 bytes.
+        pub const SRC: Field = 8..24;
+        /// Destination address, 16 bytes.
+        pub const DST: Field = 24..40;
     }
 
     /// A UDP header (RFC 768).
@@ -584,13 +626,14 @@ impl<T: AsRef<[u8]>> Frame<T> {
     }
 
     /// The ICRC this frame should carry under these IP and UDP headers.
-    pub fn compute_icrc(&self, ip: &Ipv4Repr, udp: &UdpRepr) -> u32 {
+    pub fn compute_icrc<H: IpHeader + ?Sized>(&self, ip: &H, udp: &UdpRepr) -> u32 {
         icrc(ip, udp, self.covered())
     }
 
     /// Checks the frame's ICRC against the one computed under these IP and UDP headers
-    /// (for a pvcm peer: [`Ipv4Repr::new`] and [`UdpRepr::new`], see the module docs).
-    pub fn check_icrc(&self, ip: &Ipv4Repr, udp: &UdpRepr) -> Result<()> {
+    /// (for a pvcm peer: [`Ipv4Repr::new`] or [`Ipv6Repr::new`] and [`UdpRepr::new`],
+    /// see the module docs).
+    pub fn check_icrc<H: IpHeader + ?Sized>(&self, ip: &H, udp: &UdpRepr) -> Result<()> {
         let computed = self.compute_icrc(ip, udp);
         let found = self.icrc();
         if found == computed {
@@ -623,7 +666,7 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Frame<T> {
     }
 
     /// Computes the ICRC under these IP and UDP headers and stores it.
-    pub fn fill_icrc(&mut self, ip: &Ipv4Repr, udp: &UdpRepr) {
+    pub fn fill_icrc<H: IpHeader + ?Sized>(&mut self, ip: &H, udp: &UdpRepr) {
         let v = self.compute_icrc(ip, udp);
         self.set_icrc(v)
     }
@@ -663,7 +706,12 @@ impl<'a> FrameRepr<'a> {
     /// Writes the 280-byte frame into `buf[..FRAME_LEN]`, ICRC computed under `ip` and
     /// `udp`, and returns [`FRAME_LEN`]. Fails if `buf` is short or the MAD is not
     /// 256 bytes.
-    pub fn emit(&self, buf: &mut [u8], ip: &Ipv4Repr, udp: &UdpRepr) -> Result<usize> {
+    pub fn emit<H: IpHeader + ?Sized>(
+        &self,
+        buf: &mut [u8],
+        ip: &H,
+        udp: &UdpRepr,
+    ) -> Result<usize> {
         if self.mad.len() != MAD_LEN {
             return Err(Error::PayloadLength(self.mad.len()));
         }
@@ -676,26 +724,35 @@ impl<'a> FrameRepr<'a> {
         Ok(FRAME_LEN)
     }
 
-    /// Writes a whole IPv4 datagram (IPv4 header, UDP header, frame) into
-    /// `buf[..DATAGRAM_LEN]` and returns [`DATAGRAM_LEN`]: what a capture of the frame
-    /// shows. The length fields of `ip` and `udp` are replaced by the frame's, and the
-    /// ICRC is computed over the headers as written.
-    pub fn emit_datagram(&self, buf: &mut [u8], ip: &Ipv4Repr, udp: &UdpRepr) -> Result<usize> {
-        check_len(buf, DATAGRAM_LEN)?;
-        let ip = Ipv4Repr {
-            total_len: DATAGRAM_LEN as u16,
-            ..*ip
-        };
+    /// Writes a whole datagram (IP header, UDP header, frame) into `buf` and returns
+    /// its length ([`DATAGRAM_LEN`] over IPv4, [`IPV6_DATAGRAM_LEN`] over IPv6): what a
+    /// capture of the frame shows, or what a raw socket sends. The length fields of `ip`
+    /// and `udp` are replaced by the frame's, and the ICRC is computed over the headers
+    /// as written. The UDP checksum is 0 over IPv4 (RFC 768 allows it, rxe sends it) and
+    /// computed over IPv6, where a zero checksum is not allowed (RFC 8200).
+    pub fn emit_datagram<H: IpHeader + ?Sized>(
+        &self,
+        buf: &mut [u8],
+        ip: &H,
+        udp: &UdpRepr,
+    ) -> Result<usize> {
+        let ip = ip.ip_repr().for_frame();
+        let hl = ip.header_len();
+        let total = hl + UDP_HEADER_LEN + FRAME_LEN;
+        check_len(buf, total)?;
         let udp = UdpRepr {
             length: (UDP_HEADER_LEN + FRAME_LEN) as u16,
             ..*udp
         };
-        let (iph, rest) = buf.split_at_mut(IPV4_HEADER_LEN);
-        let (udph, payload) = rest.split_at_mut(UDP_HEADER_LEN);
-        self.emit(payload, &ip, &udp)?;
-        ip.emit(iph)?;
-        udp.emit(udph)?;
-        Ok(DATAGRAM_LEN)
+        let (iph, rest) = buf[..total].split_at_mut(hl);
+        self.emit(&mut rest[UDP_HEADER_LEN..], &ip, &udp)?;
+        ip.emit_header(iph)?;
+        udp.emit(rest)?;
+        if let IpRepr::V6(v6) = ip {
+            let sum = udp6_checksum(&v6.src, &v6.dst, rest);
+            field::udp::CHECKSUM.set(rest, sum.into());
+        }
+        Ok(total)
     }
 }
 
@@ -706,9 +763,9 @@ impl fmt::Display for FrameRepr<'_> {
 }
 
 /// Writes a 280-byte frame carrying `mad` into `buf` (see [`FrameRepr::emit`]).
-pub fn emit_frame(
+pub fn emit_frame<H: IpHeader + ?Sized>(
     buf: &mut [u8],
-    ip: &Ipv4Repr,
+    ip: &H,
     udp: &UdpRepr,
     bth: &BthRepr,
     deth: &DethRepr,
@@ -722,11 +779,11 @@ pub fn emit_frame(
     .emit(buf, ip, udp)
 }
 
-/// Writes a whole IPv4 + UDP + frame datagram into `buf` (see
-/// [`FrameRepr::emit_datagram`]); for pcap captures.
-pub fn emit_datagram(
+/// Writes a whole IP + UDP + frame datagram into `buf` (see
+/// [`FrameRepr::emit_datagram`]); for pcap captures and raw sockets.
+pub fn emit_datagram<H: IpHeader + ?Sized>(
     buf: &mut [u8],
-    ip: &Ipv4Repr,
+    ip: &H,
     udp: &UdpRepr,
     bth: &BthRepr,
     deth: &DethRepr,
@@ -802,7 +859,7 @@ impl Ipv4Repr {
             4 => {}
             6 => {
                 return Err(Error::Unsupported(
-                    "IPv6 (RoCEv2 over IPv6 is not supported)",
+                    "an IPv6 header where an IPv4 header was expected",
                 ));
             }
             _ => return Err(Error::Unsupported("IP version other than 4")),
@@ -879,6 +936,370 @@ impl fmt::Display for Ipv4Repr {
     }
 }
 
+/// A zero-copy view of an IPv6 header (40 bytes, RFC 8200).
+#[derive(Debug, Clone)]
+pub struct Ipv6Packet<T: AsRef<[u8]>> {
+    buffer: T,
+}
+
+impl<T: AsRef<[u8]>> Ipv6Packet<T> {
+    /// Wraps a buffer without checking it; accessors may panic if it is shorter than
+    /// [`IPV6_HEADER_LEN`]. Use [`Ipv6Packet::new_checked`] on untrusted input.
+    pub const fn new_unchecked(buffer: T) -> Ipv6Packet<T> {
+        Ipv6Packet { buffer }
+    }
+
+    /// Wraps a buffer after checking it holds a whole IPv6 header of version 6
+    /// ([`Error::Truncated`], [`Error::Unsupported`]).
+    pub fn new_checked(buffer: T) -> Result<Ipv6Packet<T>> {
+        let b = buffer.as_ref();
+        check_len(b, IPV6_HEADER_LEN)?;
+        if field::ipv6::VERSION.get(b) != 6 {
+            return Err(Error::Unsupported("IP version other than 6"));
+        }
+        Ok(Ipv6Packet { buffer })
+    }
+
+    /// Releases the buffer.
+    pub fn into_inner(self) -> T {
+        self.buffer
+    }
+
+    /// Version (6 for a checked view).
+    pub fn version(&self) -> u8 {
+        field::ipv6::VERSION.get(self.buffer.as_ref()) as u8
+    }
+    /// Traffic class (DSCP << 2 | ECN).
+    pub fn traffic_class(&self) -> u8 {
+        field::ipv6::TRAFFIC_CLASS.get(self.buffer.as_ref()) as u8
+    }
+    /// Flow label (20 bits).
+    pub fn flow_label(&self) -> u32 {
+        field::ipv6::FLOW_LABEL.get(self.buffer.as_ref()) as u32
+    }
+    /// Payload length: the bytes after the 40-byte header.
+    pub fn payload_len(&self) -> u16 {
+        field::ipv6::PAYLOAD_LEN.get(self.buffer.as_ref()) as u16
+    }
+    /// Next header.
+    pub fn next_header(&self) -> u8 {
+        field::ipv6::NEXT_HEADER.get(self.buffer.as_ref()) as u8
+    }
+    /// Hop limit.
+    pub fn hop_limit(&self) -> u8 {
+        field::ipv6::HOP_LIMIT.get(self.buffer.as_ref()) as u8
+    }
+    /// Source address.
+    pub fn src(&self) -> Ipv6Addr {
+        addr16(&self.buffer.as_ref()[field::ipv6::SRC])
+    }
+    /// Destination address.
+    pub fn dst(&self) -> Ipv6Addr {
+        addr16(&self.buffer.as_ref()[field::ipv6::DST])
+    }
+}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]>> Ipv6Packet<T> {
+    /// Sets the version (4 bits).
+    pub fn set_version(&mut self, v: u8) {
+        field::ipv6::VERSION.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the traffic class.
+    pub fn set_traffic_class(&mut self, v: u8) {
+        field::ipv6::TRAFFIC_CLASS.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the flow label (20 bits).
+    pub fn set_flow_label(&mut self, v: u32) {
+        field::ipv6::FLOW_LABEL.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the payload length.
+    pub fn set_payload_len(&mut self, v: u16) {
+        field::ipv6::PAYLOAD_LEN.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the next header.
+    pub fn set_next_header(&mut self, v: u8) {
+        field::ipv6::NEXT_HEADER.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the hop limit.
+    pub fn set_hop_limit(&mut self, v: u8) {
+        field::ipv6::HOP_LIMIT.set(self.buffer.as_mut(), v.into())
+    }
+    /// Sets the source address.
+    pub fn set_src(&mut self, a: Ipv6Addr) {
+        self.buffer.as_mut()[field::ipv6::SRC].copy_from_slice(&a.octets())
+    }
+    /// Sets the destination address.
+    pub fn set_dst(&mut self, a: Ipv6Addr) {
+        self.buffer.as_mut()[field::ipv6::DST].copy_from_slice(&a.octets())
+    }
+}
+
+/// Sixteen bytes as an IPv6 address (the caller passes exactly 16).
+fn addr16(b: &[u8]) -> Ipv6Addr {
+    let mut a = [0u8; 16];
+    let n = b.len().min(16);
+    a[..n].copy_from_slice(&b[..n]);
+    Ipv6Addr::from(a)
+}
+
+/// The IPv6 header of a frame's datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ipv6Repr {
+    /// Source address.
+    pub src: Ipv6Addr,
+    /// Destination address.
+    pub dst: Ipv6Addr,
+    /// Traffic class: DSCP << 2 | ECN (masked out of the ICRC).
+    pub traffic_class: u8,
+    /// Flow label, 20 bits (masked out of the ICRC).
+    pub flow_label: u32,
+    /// Hop limit (masked out of the ICRC).
+    pub hop_limit: u8,
+    /// Next header ([`IP_PROTOCOL_UDP`] for a frame).
+    pub next_header: u8,
+    /// Payload length: UDP header and payload (288 for a frame).
+    pub payload_len: u16,
+}
+
+impl Ipv6Repr {
+    /// The header of a pvcm frame from `src` to `dst`: traffic class 0, flow label 0,
+    /// hop limit 64, next header UDP, payload length 288. Only the addresses, the
+    /// payload length and the next header matter to the ICRC.
+    pub fn new(src: Ipv6Addr, dst: Ipv6Addr) -> Ipv6Repr {
+        Ipv6Repr {
+            src,
+            dst,
+            traffic_class: 0,
+            flow_label: 0,
+            hop_limit: DEFAULT_HOP_LIMIT,
+            next_header: IP_PROTOCOL_UDP,
+            payload_len: (UDP_HEADER_LEN + FRAME_LEN) as u16,
+        }
+    }
+
+    /// Parses the 40-byte IPv6 header at the start of `buf`. Fails on a short buffer or
+    /// another IP version; any next header is accepted (a datagram parse refuses all
+    /// but UDP: [`Error::Ipv6NextHeader`]).
+    pub fn parse(buf: &[u8]) -> Result<Ipv6Repr> {
+        let p = Ipv6Packet::new_checked(buf)?;
+        Ok(Ipv6Repr {
+            src: p.src(),
+            dst: p.dst(),
+            traffic_class: p.traffic_class(),
+            flow_label: p.flow_label(),
+            hop_limit: p.hop_limit(),
+            next_header: p.next_header(),
+            payload_len: p.payload_len(),
+        })
+    }
+
+    /// Writes the 40-byte header into `buf`. Bits of the flow label above 20 are
+    /// dropped.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<()> {
+        check_len(buf, IPV6_HEADER_LEN)?;
+        let mut p = Ipv6Packet::new_unchecked(&mut buf[..IPV6_HEADER_LEN]);
+        p.buffer.fill(0);
+        p.set_version(6);
+        p.set_traffic_class(self.traffic_class);
+        p.set_flow_label(self.flow_label);
+        p.set_payload_len(self.payload_len);
+        p.set_next_header(self.next_header);
+        p.set_hop_limit(self.hop_limit);
+        p.set_src(self.src);
+        p.set_dst(self.dst);
+        Ok(())
+    }
+}
+
+impl fmt::Display for Ipv6Repr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "IPv6 {} -> {} tc={:#04x} flow={:#07x} hop={} nh={} len={}",
+            self.src,
+            self.dst,
+            self.traffic_class,
+            self.flow_label,
+            self.hop_limit,
+            self.next_header,
+            self.payload_len
+        )
+    }
+}
+
+/// The IP header of a frame's datagram, either version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IpRepr {
+    /// RoCEv2 over IPv4 (IPv4-mapped GIDs).
+    V4(Ipv4Repr),
+    /// RoCEv2 over IPv6.
+    V6(Ipv6Repr),
+}
+
+impl IpRepr {
+    /// The header pvcm computes a frame's ICRC under, from the two GIDs: IPv4 when both
+    /// are IPv4-mapped ([`Ipv4Repr::new`]), IPv6 when neither is ([`Ipv6Repr::new`]);
+    /// `None` for one of each, which no datagram can carry.
+    pub fn from_gids(src: crate::Gid, dst: crate::Gid) -> Option<IpRepr> {
+        match (src.to_ipv4(), dst.to_ipv4()) {
+            (Some(s), Some(d)) => Some(IpRepr::V4(Ipv4Repr::new(s, d))),
+            (None, None) => Some(IpRepr::V6(Ipv6Repr::new(src.into(), dst.into()))),
+            _ => None,
+        }
+    }
+
+    /// The header for two addresses of one family (`None` for mixed families).
+    pub fn from_addrs(src: IpAddr, dst: IpAddr) -> Option<IpRepr> {
+        match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => Some(IpRepr::V4(Ipv4Repr::new(s, d))),
+            (IpAddr::V6(s), IpAddr::V6(d)) => Some(IpRepr::V6(Ipv6Repr::new(s, d))),
+            _ => None,
+        }
+    }
+
+    /// Source address.
+    pub fn src(&self) -> IpAddr {
+        match self {
+            IpRepr::V4(h) => IpAddr::V4(h.src),
+            IpRepr::V6(h) => IpAddr::V6(h.src),
+        }
+    }
+
+    /// Destination address.
+    pub fn dst(&self) -> IpAddr {
+        match self {
+            IpRepr::V4(h) => IpAddr::V4(h.dst),
+            IpRepr::V6(h) => IpAddr::V6(h.dst),
+        }
+    }
+
+    /// The GID of an address: IPv4-mapped for IPv4, the address itself for IPv6.
+    pub fn gid(addr: IpAddr) -> crate::Gid {
+        match addr {
+            IpAddr::V4(a) => crate::Gid::from_ipv4(a),
+            IpAddr::V6(a) => crate::Gid::from(a),
+        }
+    }
+
+    /// Length of the header: 20 or 40.
+    pub fn header_len(&self) -> usize {
+        match self {
+            IpRepr::V4(_) => IPV4_HEADER_LEN,
+            IpRepr::V6(_) => IPV6_HEADER_LEN,
+        }
+    }
+
+    /// Length of a whole datagram carrying one frame: 308 or 328.
+    pub fn datagram_len(&self) -> usize {
+        self.header_len() + UDP_HEADER_LEN + FRAME_LEN
+    }
+
+    /// The same header with its length field set for one frame.
+    pub fn for_frame(&self) -> IpRepr {
+        match *self {
+            IpRepr::V4(h) => IpRepr::V4(Ipv4Repr {
+                total_len: DATAGRAM_LEN as u16,
+                ..h
+            }),
+            IpRepr::V6(h) => IpRepr::V6(Ipv6Repr {
+                payload_len: (UDP_HEADER_LEN + FRAME_LEN) as u16,
+                ..h
+            }),
+        }
+    }
+
+    /// Writes the header (20 or 40 bytes) at the start of `buf`.
+    pub fn emit_header(&self, buf: &mut [u8]) -> Result<()> {
+        match self {
+            IpRepr::V4(h) => h.emit(buf),
+            IpRepr::V6(h) => h.emit(buf),
+        }
+    }
+
+    /// Parses the IP header at the start of `buf`, by its version nibble.
+    pub fn parse(buf: &[u8]) -> Result<IpRepr> {
+        check_len(buf, 1)?;
+        match buf[0] >> 4 {
+            4 => Ipv4Repr::parse(buf).map(IpRepr::V4),
+            6 => Ipv6Repr::parse(buf).map(IpRepr::V6),
+            _ => Err(Error::Unsupported("IP version other than 4 or 6")),
+        }
+    }
+}
+
+impl From<Ipv4Repr> for IpRepr {
+    fn from(h: Ipv4Repr) -> IpRepr {
+        IpRepr::V4(h)
+    }
+}
+
+impl From<Ipv6Repr> for IpRepr {
+    fn from(h: Ipv6Repr) -> IpRepr {
+        IpRepr::V6(h)
+    }
+}
+
+impl fmt::Display for IpRepr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IpRepr::V4(h) => h.fmt(f),
+            IpRepr::V6(h) => h.fmt(f),
+        }
+    }
+}
+
+/// An IP header a frame's ICRC can be computed under: [`Ipv4Repr`], [`Ipv6Repr`] or
+/// [`IpRepr`].
+pub trait IpHeader {
+    /// The header as the enum of both versions.
+    fn ip_repr(&self) -> IpRepr;
+}
+
+impl IpHeader for Ipv4Repr {
+    fn ip_repr(&self) -> IpRepr {
+        IpRepr::V4(*self)
+    }
+}
+
+impl IpHeader for Ipv6Repr {
+    fn ip_repr(&self) -> IpRepr {
+        IpRepr::V6(*self)
+    }
+}
+
+impl IpHeader for IpRepr {
+    fn ip_repr(&self) -> IpRepr {
+        *self
+    }
+}
+
+/// The UDP checksum over IPv6 (RFC 8200 section 8.1): the pseudo-header (addresses,
+/// upper-layer length, next header 17) and `udp`, the UDP header (its checksum field
+/// read as zero) and payload. A computed 0 is sent as 0xFFFF.
+pub fn udp6_checksum(src: &Ipv6Addr, dst: &Ipv6Addr, udp: &[u8]) -> u16 {
+    let mut sum: u64 = 0;
+    let mut add = |bytes: &[u8]| {
+        for c in bytes.chunks(2) {
+            let hi = c.first().copied().unwrap_or(0);
+            let lo = c.get(1).copied().unwrap_or(0);
+            sum += u64::from(u16::from_be_bytes([hi, lo]));
+        }
+    };
+    add(&src.octets());
+    add(&dst.octets());
+    add(&(udp.len() as u32).to_be_bytes());
+    add(&[0, 0, 0, IP_PROTOCOL_UDP]);
+    add(udp.get(..6).unwrap_or(udp));
+    add(udp.get(8..).unwrap_or(&[]));
+    while sum > 0xFFFF {
+        sum = (sum & 0xFFFF) + (sum >> 16);
+    }
+    match !(sum as u16) {
+        0 => 0xFFFF,
+        c => c,
+    }
+}
+
 /// The UDP header of a frame's datagram.
 ///
 /// It is always emitted with checksum 0 ("no checksum", which RFC 768 allows over IPv4
@@ -946,13 +1367,23 @@ impl fmt::Display for UdpRepr {
 }
 
 /// The CRC over the masked pseudo-packet, from raw header bytes (see the module docs).
-/// `ip` and `udp` must be 20 and 8 bytes; only the first byte of BTH variant fields is
-/// masked, so `covered` may be of any length.
-fn icrc_masked(ip: &[u8; IPV4_HEADER_LEN], udp: &[u8; UDP_HEADER_LEN], covered: &[u8]) -> u32 {
-    let mut ip = *ip;
-    field::ipv4::TOS.set(&mut ip, 0xFF);
-    field::ipv4::TTL.set(&mut ip, 0xFF);
-    field::ipv4::CHECKSUM.set(&mut ip, 0xFFFF);
+/// `ip` is a 20-byte IPv4 or a 40-byte IPv6 header (told apart by length), `udp` the
+/// 8-byte UDP header; only the first byte of BTH variant fields is masked, so `covered`
+/// may be of any length.
+fn icrc_masked(ip: &[u8], udp: &[u8; UDP_HEADER_LEN], covered: &[u8]) -> u32 {
+    let mut iph = [0u8; IPV6_HEADER_LEN];
+    let hl = ip.len().min(IPV6_HEADER_LEN);
+    iph[..hl].copy_from_slice(&ip[..hl]);
+    if hl == IPV6_HEADER_LEN {
+        // Traffic class and flow label (the 28 bits after the version), hop limit.
+        iph[0] |= 0x0F;
+        iph[1..4].fill(0xFF);
+        field::ipv6::HOP_LIMIT.set(&mut iph, 0xFF);
+    } else if hl == IPV4_HEADER_LEN {
+        field::ipv4::TOS.set(&mut iph, 0xFF);
+        field::ipv4::TTL.set(&mut iph, 0xFF);
+        field::ipv4::CHECKSUM.set(&mut iph, 0xFFFF);
+    }
     let mut udp = *udp;
     field::udp::CHECKSUM.set(&mut udp, 0xFFFF);
     let split = covered.len().min(BTH_LEN);
@@ -964,28 +1395,30 @@ fn icrc_masked(ip: &[u8; IPV4_HEADER_LEN], udp: &[u8; UDP_HEADER_LEN], covered: 
     }
     let mut h = crc32fast::Hasher::new();
     h.update(&[0xFF; 8]);
-    h.update(&ip);
+    h.update(&iph[..hl]);
     h.update(&udp);
     h.update(&bth_masked[..bth.len()]);
     h.update(rest);
     h.finalize()
 }
 
-/// The ICRC of a RoCEv2-over-IPv4 packet whose headers are `ip` and `udp` and whose UDP
-/// payload, less the ICRC, is `payload_without_icrc` (BTH + DETH + MAD for a CM frame).
-/// The value is stored little-endian in the frame's last 4 bytes.
-pub fn icrc(ip: &Ipv4Repr, udp: &UdpRepr, payload_without_icrc: &[u8]) -> u32 {
-    let mut iph = [0u8; IPV4_HEADER_LEN];
+/// The ICRC of a RoCEv2 packet whose headers are `ip` (IPv4 or IPv6) and `udp` and
+/// whose UDP payload, less the ICRC, is `payload_without_icrc` (BTH + DETH + MAD for a
+/// CM frame). The value is stored little-endian in the frame's last 4 bytes.
+pub fn icrc<H: IpHeader + ?Sized>(ip: &H, udp: &UdpRepr, payload_without_icrc: &[u8]) -> u32 {
+    let ip = ip.ip_repr();
+    let mut iph = [0u8; IPV6_HEADER_LEN];
     let mut udph = [0u8; UDP_HEADER_LEN];
-    // Both buffers have exactly the length emit checks for.
-    let _ = ip.emit(&mut iph);
+    // Both buffers have at least the length emit checks for.
+    let _ = ip.emit_header(&mut iph);
     let _ = udp.emit(&mut udph);
-    icrc_masked(&iph, &udph, payload_without_icrc)
+    icrc_masked(&iph[..ip.header_len()], &udph, payload_without_icrc)
 }
 
 /// A whole captured IPv4 datagram carrying a frame, parsed: the headers (IPv4 checksum
 /// verified) and the checked frame view. The ICRC is not checked (use
-/// [`Frame::check_icrc`] with the returned headers, or [`check_datagram_icrc`]).
+/// [`Frame::check_icrc`] with the returned headers, or [`check_datagram_icrc`]). An
+/// IPv6 datagram is an error here: [`parse_ip_datagram`] takes either.
 pub fn parse_datagram(buf: &[u8]) -> Result<(Ipv4Repr, UdpRepr, Frame<&[u8]>)> {
     let ip = Ipv4Repr::parse(buf)?;
     if ip.protocol != IP_PROTOCOL_UDP {
@@ -993,30 +1426,71 @@ pub fn parse_datagram(buf: &[u8]) -> Result<(Ipv4Repr, UdpRepr, Frame<&[u8]>)> {
     }
     let total = usize::from(ip.total_len);
     check_len(buf, total)?;
-    let udp_bytes = &buf[IPV4_HEADER_LEN..total];
+    let (udp, frame) = parse_udp(&buf[IPV4_HEADER_LEN..total])?;
+    Ok((ip, udp, frame))
+}
+
+/// The UDP header and the frame it carries, from the bytes after the IP header.
+fn parse_udp(udp_bytes: &[u8]) -> Result<(UdpRepr, Frame<&[u8]>)> {
     let udp = UdpRepr::parse(udp_bytes)?;
     let udp_len = usize::from(udp.length);
     check_len(udp_bytes, udp_len)?;
     let frame = Frame::new_checked(&udp_bytes[UDP_HEADER_LEN..udp_len])?;
+    Ok((udp, frame))
+}
+
+/// A whole captured IPv6 datagram carrying a frame, parsed: the 40-byte header (its
+/// next header must be UDP: an extension header is [`Error::Ipv6NextHeader`]), the
+/// UDP header and the checked frame view. The ICRC is not checked.
+pub fn parse_datagram6(buf: &[u8]) -> Result<(Ipv6Repr, UdpRepr, Frame<&[u8]>)> {
+    let ip = Ipv6Repr::parse(buf)?;
+    if ip.next_header != IP_PROTOCOL_UDP {
+        return Err(Error::Ipv6NextHeader(ip.next_header));
+    }
+    let total = IPV6_HEADER_LEN + usize::from(ip.payload_len);
+    check_len(buf, total)?;
+    let (udp, frame) = parse_udp(&buf[IPV6_HEADER_LEN..total])?;
     Ok((ip, udp, frame))
 }
 
-/// Checks the ICRC of a whole captured IPv4 datagram (IPv4 header without options, UDP
-/// header, frame) over its header bytes as they are, the way a receiving HCA or rxe
-/// does. The IPv4 and UDP checksums are not verified (the ICRC masks them).
-pub fn check_datagram_icrc(buf: &[u8]) -> Result<()> {
-    check_len(buf, IPV4_HEADER_LEN + UDP_HEADER_LEN)?;
-    if field::ipv4::VERSION.get(buf) != 4 || field::ipv4::IHL.get(buf) != 5 {
-        return Err(Error::Unsupported(
-            "IP header other than IPv4 without options",
-        ));
+/// A whole captured datagram of either IP version (by its version nibble), parsed as
+/// [`parse_datagram`] or [`parse_datagram6`] does.
+pub fn parse_ip_datagram(buf: &[u8]) -> Result<(IpRepr, UdpRepr, Frame<&[u8]>)> {
+    check_len(buf, 1)?;
+    match buf[0] >> 4 {
+        4 => parse_datagram(buf).map(|(i, u, f)| (IpRepr::V4(i), u, f)),
+        6 => parse_datagram6(buf).map(|(i, u, f)| (IpRepr::V6(i), u, f)),
+        _ => Err(Error::Unsupported("IP version other than 4 or 6")),
     }
-    let mut iph = [0u8; IPV4_HEADER_LEN];
-    iph.copy_from_slice(&buf[..IPV4_HEADER_LEN]);
+}
+
+/// Checks the ICRC of a whole captured datagram (an IPv4 header without options or a
+/// 40-byte IPv6 header followed by UDP, the UDP header, the frame) over its header
+/// bytes as they are, the way a receiving HCA or rxe does. The IPv4 and UDP checksums
+/// are not verified (the ICRC masks them).
+pub fn check_datagram_icrc(buf: &[u8]) -> Result<()> {
+    check_len(buf, 1)?;
+    let hl = match buf[0] >> 4 {
+        4 if buf[0] & 0x0F == 5 => IPV4_HEADER_LEN,
+        6 => {
+            check_len(buf, IPV6_HEADER_LEN)?;
+            let nh = field::ipv6::NEXT_HEADER.get(buf) as u8;
+            if nh != IP_PROTOCOL_UDP {
+                return Err(Error::Ipv6NextHeader(nh));
+            }
+            IPV6_HEADER_LEN
+        }
+        _ => {
+            return Err(Error::Unsupported(
+                "IP header other than IPv4 without options or IPv6",
+            ));
+        }
+    };
+    check_len(buf, hl + UDP_HEADER_LEN)?;
     let mut udph = [0u8; UDP_HEADER_LEN];
-    udph.copy_from_slice(&buf[IPV4_HEADER_LEN..IPV4_HEADER_LEN + UDP_HEADER_LEN]);
-    let frame = Frame::new_checked(&buf[IPV4_HEADER_LEN + UDP_HEADER_LEN..])?;
-    let computed = icrc_masked(&iph, &udph, frame.covered());
+    udph.copy_from_slice(&buf[hl..hl + UDP_HEADER_LEN]);
+    let frame = Frame::new_checked(&buf[hl + UDP_HEADER_LEN..])?;
+    let computed = icrc_masked(&buf[..hl], &udph, frame.covered());
     let found = frame.icrc();
     if found == computed {
         Ok(())

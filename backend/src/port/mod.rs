@@ -1,6 +1,6 @@
 //! The host's CM port: where the VMs' MADs meet the wire.
 //!
-//! One trait, [`WirePort`], with two implementations driven by the same host loop
+//! One trait, [`WirePort`], with three implementations driven by the same host loop
 //! (`daemon.rs`):
 //!
 //! - [`soft`]: pvcm's own RoCEv2 port: UDP sockets on the VMs' addresses, frames and
@@ -8,6 +8,13 @@
 //! - [`umad`]: a real RDMA device's QP1 through the kernel's user MAD interface
 //!   (`/dev/infiniband/umadN`), exactly as a real HCA carries CM MADs (`--port
 //!   umad:DEVICE[:PORT]`, see `docs/umad.md`).
+//! - [`packet`]: the host side of QP1 for VMs with their own NIC: their QP1 frames are
+//!   diverted to a network device and read there (AF_PACKET), answers leave through the
+//!   host's IP stack with the VM's address as source (`--port packet:DEV[:IFACE]`, see
+//!   `docs/packet-port.md`).
+//!
+//! Every port takes IPv4-mapped and IPv6 GIDs (RoCEv2 over IPv4 and over IPv6) side by
+//! side.
 //!
 //! A port knows the VMs by their index in the configuration (the daemon's `VmPort`
 //! index). It counts its frames and drops on the VM's counters, or on the host's when no
@@ -24,6 +31,7 @@ use crate::pcap::Capture;
 use crate::stats::DevCounters;
 use crate::vm_port::VmPort;
 
+pub mod packet;
 pub mod soft;
 pub mod umad;
 
@@ -78,6 +86,74 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>));
 }
 
+/// Network namespaces for the ports' tests with real sockets.
+#[cfg(test)]
+pub(crate) mod testnet {
+    use std::process::Command;
+
+    /// Runs `f` on a new thread in a fresh network namespace (loopback up), where it may
+    /// add addresses and devices with [`ip`]; everything it opens lives there. `None`
+    /// (after printing SKIP) when the test cannot have one: not root, no `unshare`, no
+    /// `ip` command.
+    pub(crate) fn in_netns<T: Send>(what: &str, f: impl FnOnce() -> T + Send) -> Option<T> {
+        // SAFETY: geteuid(2) cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP {what}: not root (needs a network namespace)");
+            return None;
+        }
+        if Command::new("ip").arg("-V").output().is_err() {
+            eprintln!("SKIP {what}: no `ip` command (iproute2)");
+            return None;
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: unshare(2) moves only this thread into a new namespace.
+                if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                    let e = std::io::Error::last_os_error();
+                    eprintln!("SKIP {what}: unshare(CLONE_NEWNET): {e}");
+                    return None;
+                }
+                ip(&["link", "set", "lo", "up"]);
+                Some(f())
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
+    /// Adds an IPv6 address (`ADDR/LEN`, no DAD) to `dev` and waits until the kernel's
+    /// local route for it is in place: the kernel adds it from a work queue after `ip`
+    /// returns, and until then datagrams to the address are dropped as unroutable.
+    pub(crate) fn add_addr(dev: &str, cidr: &str) {
+        ip(&["addr", "add", cidr, "dev", dev, "nodad"]);
+        let addr = cidr.split('/').next().unwrap_or(cidr);
+        for _ in 0..500 {
+            let out = Command::new("ip")
+                .args(["-6", "route", "show", "table", "local", addr])
+                .output()
+                .unwrap_or_else(|e| panic!("ip route: {e}"));
+            if !out.stdout.is_empty() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        panic!("no local route for {addr} on {dev}");
+    }
+
+    /// Runs `ip ARGS` in the calling thread's namespace; panics if it fails.
+    pub(crate) fn ip(args: &[&str]) {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +179,31 @@ mod tests {
         assert!("umad:rxe0:0".parse::<PortSpec>().is_err());
         assert!("umad:rxe0:x".parse::<PortSpec>().is_err());
         assert!("umad:../x".parse::<PortSpec>().is_err());
+        assert_eq!(
+            "packet:pvcm-qp1".parse::<PortSpec>(),
+            Ok(PortSpec::Packet {
+                dev: "pvcm-qp1".into(),
+                iface: None
+            })
+        );
+        let p = "packet:pvcm-qp1:br0".parse::<PortSpec>().unwrap();
+        assert_eq!(
+            p,
+            PortSpec::Packet {
+                dev: "pvcm-qp1".into(),
+                iface: Some("br0".into())
+            }
+        );
+        assert_eq!(p.to_string(), "packet:pvcm-qp1:br0");
+        for bad in [
+            "packet:",
+            "packet:a/b",
+            "packet:x:",
+            "packet:x:y:z",
+            "packet:0123456789abcdef",
+        ] {
+            assert!(bad.parse::<PortSpec>().is_err(), "{bad}");
+        }
         assert!("udp".parse::<PortSpec>().is_err());
         assert_eq!(
             PortSpec::Umad {

@@ -1,8 +1,14 @@
 //! The soft RoCE port: RoCEv2 CM frames over UDP, one socket per VM address.
 //!
-//! Each VM's GID is IPv4-mapped; the port binds that IPv4 address and the RoCEv2 port
-//! (4791 unless `--bind-port`), unconnected, with Don't Fragment set, so the kernel
-//! writes identification 0 and DF into the frames pvcm sends (the ICRC covers both).
+//! A VM's GID is an IPv4-mapped GID (RoCEv2 over IPv4) or an IPv6 address (RoCEv2 over
+//! IPv6); VMs of both families share one port, and frames are routed by GID. For an
+//! IPv4 VM the port binds its address and the RoCEv2 port (4791 unless `--bind-port`),
+//! unconnected, with Don't Fragment set, so the kernel writes identification 0 and DF
+//! into the frames pvcm sends (the ICRC covers both). For an IPv6 VM it binds an
+//! `AF_INET6` socket (`IPV6_V6ONLY`; a link-local GID in the scope of its interface,
+//! `gid=fe80::1%IFACE`) that also accepts a zero UDP checksum (`UDP_NO_CHECK6_RX`):
+//! Linux rxe sends its IPv6 RoCEv2 frames with checksum 0, which an IPv6 UDP socket
+//! otherwise drops.
 //! Frames are built with `pvcm_wire::roce` (ICRC computed on send) and checked on
 //! receive (length, BTH, DETH, ICRC): anything else is a counted drop. Sends and
 //! receives are batched with `sendmmsg`/`recvmmsg`.
@@ -20,16 +26,28 @@
 //!   that write another identification (Linux rxe, most hardware) fail that check and
 //!   are counted as `wire_bad_icrc`. Only pvcm peers and senders that write ID 0 get
 //!   through. It needs no privilege.
+//!
+//! Both modes are about IPv4. The ICRC of an IPv6 frame covers nothing a UDP socket
+//! cannot see: of the IPv6 header it covers the addresses, the payload length and the
+//! next header (traffic class, flow label and hop limit are masked), of the UDP header
+//! the ports and the length (the checksum is masked); `recvmsg` gives the source
+//! address and port, the socket its own, and the datagram's length gives both lengths.
+//! So an IPv6 VM is always read through its own UDP socket, and the ICRC is checked
+//! exactly, from any sender: no raw socket, no privilege. (A raw IPv6 socket would not
+//! even show the IPv6 header: Linux hands raw IPv6 sockets the payload only.)
+//!
+//! The kernel's own drops (a socket's receive queue full) are counted as
+//! `wire_rx_overflow` on the host's counters, from `SO_RXQ_OVFL`.
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use pvcm_wire::mad::MAD_LEN;
 use pvcm_wire::roce::{
-    self, BthRepr, DethRepr, FRAME_LEN, Frame, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr,
+    self, BthRepr, DethRepr, FRAME_LEN, Frame, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UdpRepr,
 };
 use pvcm_wire::{Error as WireError, Gid};
 
@@ -45,11 +63,16 @@ pub const BATCH: usize = 64;
 /// enough to be counted.
 pub const RECV_BUF: usize = 512;
 
+/// `SO_RXQ_OVFL` (asm-generic/socket.h): a control message with the socket's drop count.
+const SO_RXQ_OVFL: libc::c_int = 40;
+/// `UDP_NO_CHECK6_RX` (linux/udp.h): accept IPv6 UDP datagrams with checksum 0.
+const UDP_NO_CHECK6_RX: libc::c_int = 102;
+
 /// A frame ready to send: 280 bytes to `dst`.
 #[derive(Debug, Clone)]
 pub struct OutFrame {
-    /// Destination address and port.
-    pub dst: SocketAddrV4,
+    /// Destination address and port (with its scope, for a link-local IPv6 one).
+    pub dst: SocketAddr,
     /// The UDP payload.
     pub frame: [u8; FRAME_LEN],
 }
@@ -58,8 +81,87 @@ pub struct OutFrame {
 #[derive(Debug)]
 pub struct UdpPort {
     sock: UdpSocket,
-    local: SocketAddrV4,
+    local: SocketAddr,
     psn: AtomicU32,
+    /// The socket's kernel drop count last seen (`SO_RXQ_OVFL`).
+    drops_seen: AtomicU32,
+}
+
+/// A socket address as the kernel takes it: the storage and its length.
+pub(crate) fn sockaddr_of(a: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain old data for which all-zero is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match a {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*a.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+/// The IPv4 or IPv6 socket address in `ss` (`None` for another family).
+pub(crate) fn socket_addr_from(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
+    match libc::c_int::from(ss.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in; the storage is
+            // larger than and aligned for it.
+            let a: libc::sockaddr_in =
+                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            )))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for sockaddr_in6.
+            let a: libc::sockaddr_in6 =
+                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(a.sin6_addr.s6_addr),
+                u16::from_be(a.sin6_port),
+                0,
+                a.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+/// The interface index of `name` (for a link-local scope), or an error saying so.
+pub(crate) fn if_index(name: &str) -> io::Result<u32> {
+    let c = std::ffi::CString::new(name)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name with NUL"))?;
+    // SAFETY: `c` is a NUL-terminated string that lives across the call.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("interface {name}: {e}")));
+    }
+    Ok(i)
 }
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
@@ -91,13 +193,20 @@ fn setsockopt_int(
 }
 
 impl UdpPort {
-    /// Binds `addr:port`: non-blocking, close-on-exec, DF set (`IP_PMTUDISC_DO`), large
-    /// buffers. Fails if the address is not local or the port is taken.
-    pub fn bind(addr: Ipv4Addr, port: u16) -> io::Result<UdpPort> {
+    /// Binds `addr:port` (`scope`: the interface index of a link-local IPv6 address,
+    /// else 0): non-blocking, close-on-exec, large buffers, the kernel's drop count on
+    /// every datagram (`SO_RXQ_OVFL`). IPv4: DF set (`IP_PMTUDISC_DO`). IPv6:
+    /// `IPV6_V6ONLY`, and zero UDP checksums accepted (`UDP_NO_CHECK6_RX`, as rxe sends
+    /// them). Fails if the address is not local or the port is taken.
+    pub fn bind(addr: IpAddr, scope: u32, port: u16) -> io::Result<UdpPort> {
+        let family = match addr {
+            IpAddr::V4(_) => libc::AF_INET,
+            IpAddr::V6(_) => libc::AF_INET6,
+        };
         // SAFETY: plain socket(2) call; the result is checked before use.
         let fd = cvt(unsafe {
             libc::socket(
-                libc::AF_INET,
+                family,
                 libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
                 0,
             )
@@ -105,42 +214,41 @@ impl UdpPort {
         // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
-        setsockopt_int(
-            raw,
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
-            libc::IP_PMTUDISC_DO,
-        )?;
+        let local = match addr {
+            IpAddr::V4(a) => {
+                setsockopt_int(
+                    raw,
+                    libc::IPPROTO_IP,
+                    libc::IP_MTU_DISCOVER,
+                    libc::IP_PMTUDISC_DO,
+                )?;
+                SocketAddr::V4(SocketAddrV4::new(a, port))
+            }
+            IpAddr::V6(a) => {
+                setsockopt_int(raw, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 1)?;
+                setsockopt_int(raw, libc::IPPROTO_UDP, UDP_NO_CHECK6_RX, 1)?;
+                SocketAddr::V6(SocketAddrV6::new(a, port, 0, scope))
+            }
+        };
+        setsockopt_int(raw, libc::SOL_SOCKET, SO_RXQ_OVFL, 1)?;
         // Best effort: larger buffers absorb bursts (capped by net.core.[rw]mem_max).
         let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20);
         let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(addr).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: `sa` is a valid sockaddr_in and its size is passed.
-        cvt(unsafe {
-            libc::bind(
-                raw,
-                (&sa as *const libc::sockaddr_in).cast(),
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            )
-        })
-        .map_err(|e| io::Error::new(e.kind(), format!("bind {addr}:{port}: {e}")))?;
+        let (sa, len) = sockaddr_of(&local);
+        // SAFETY: `sa` is a valid socket address of `len` bytes.
+        cvt(unsafe { libc::bind(raw, (&sa as *const libc::sockaddr_storage).cast(), len) })
+            .map_err(|e| io::Error::new(e.kind(), format!("bind {local}: {e}")))?;
         let sock = UdpSocket::from(fd);
         Ok(UdpPort {
             sock,
-            local: SocketAddrV4::new(addr, port),
+            local,
             psn: AtomicU32::new(0),
+            drops_seen: AtomicU32::new(0),
         })
     }
 
     /// The bound address.
-    pub fn local(&self) -> SocketAddrV4 {
+    pub fn local(&self) -> SocketAddr {
         self.local
     }
 
@@ -149,19 +257,20 @@ impl UdpPort {
         &self.sock
     }
 
-    /// Builds the frame carrying `mad` from this port to `dst` (ICRC computed).
-    pub fn frame(&self, dst: SocketAddrV4, mad: &[u8; MAD_LEN]) -> OutFrame {
+    /// Builds the frame carrying `mad` from this port to `dst` (ICRC computed under
+    /// the header the kernel writes: see `pvcm_wire::roce`); `None` when `dst` is of the
+    /// other IP family.
+    pub fn frame(&self, dst: SocketAddr, mad: &[u8; MAD_LEN]) -> Option<OutFrame> {
+        let ip = IpRepr::from_addrs(self.local.ip(), dst.ip())?;
         let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
         let mut frame = [0u8; FRAME_LEN];
-        let ip = Ipv4Repr::new(*self.local.ip(), *dst.ip());
-        let udp = UdpRepr::new(self.local.port());
         let udp = UdpRepr {
             dst_port: dst.port(),
-            ..udp
+            ..UdpRepr::new(self.local.port())
         };
         // The buffer is exactly a frame and the MAD exactly 256 bytes: emit cannot fail.
         let _ = FrameRepr::gsi(psn, mad).emit(&mut frame, &ip, &udp);
-        OutFrame { dst, frame }
+        Some(OutFrame { dst, frame })
     }
 
     /// Sends frames with `sendmmsg`; returns how many the kernel took (a full socket
@@ -172,28 +281,21 @@ impl UdpPort {
         let mut stalls = 0;
         while pos < frames.len() {
             let chunk = &frames[pos..frames.len().min(pos + BATCH)];
-            let mut addrs: [MaybeUninit<libc::sockaddr_in>; BATCH] =
+            let mut addrs: [MaybeUninit<libc::sockaddr_storage>; BATCH] =
                 [const { MaybeUninit::uninit() }; BATCH];
             let mut iovs: [MaybeUninit<libc::iovec>; BATCH] =
                 [const { MaybeUninit::uninit() }; BATCH];
             // SAFETY: mmsghdr is plain old data for which all-zero is a valid value.
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             for (i, f) in chunk.iter().enumerate() {
-                let a = addrs[i].write(libc::sockaddr_in {
-                    sin_family: libc::AF_INET as libc::sa_family_t,
-                    sin_port: f.dst.port().to_be(),
-                    sin_addr: libc::in_addr {
-                        s_addr: u32::from(*f.dst.ip()).to_be(),
-                    },
-                    sin_zero: [0; 8],
-                });
+                let (sa, len) = sockaddr_of(&f.dst);
+                let a = addrs[i].write(sa);
                 let iov = iovs[i].write(libc::iovec {
                     iov_base: f.frame.as_ptr() as *mut libc::c_void,
                     iov_len: FRAME_LEN,
                 });
-                msgs[i].msg_hdr.msg_name = (a as *mut libc::sockaddr_in).cast();
-                msgs[i].msg_hdr.msg_namelen =
-                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                msgs[i].msg_hdr.msg_name = (a as *mut libc::sockaddr_storage).cast();
+                msgs[i].msg_hdr.msg_namelen = len;
                 msgs[i].msg_hdr.msg_iov = iov;
                 msgs[i].msg_hdr.msg_iovlen = 1;
             }
@@ -238,6 +340,12 @@ impl UdpPort {
         recv_batch(self.sock.as_raw_fd(), rb)
     }
 
+    /// The datagrams the kernel dropped on this socket since the last call, from the
+    /// drop count the last batch carried (0 if it carried none).
+    pub fn new_drops(&self, rb: &RecvBatch) -> u32 {
+        new_drops(&self.drops_seen, rb)
+    }
+
     /// Makes the socket discard everything it receives (raw mode reads elsewhere): a
     /// filter that accepts nothing, so the socket stays bound but never queues.
     pub fn discard_rx(&self) -> io::Result<()> {
@@ -249,7 +357,22 @@ impl UdpPort {
     }
 }
 
-fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
+/// The kernel drops since `seen` was last updated, from the largest `SO_RXQ_OVFL` count
+/// of the batch (a cumulative count per socket).
+pub(crate) fn new_drops(seen: &AtomicU32, rb: &RecvBatch) -> u32 {
+    match rb.drop_count {
+        Some(now) => {
+            let before = seen.swap(now, Ordering::Relaxed);
+            now.wrapping_sub(before)
+        }
+        None => 0,
+    }
+}
+
+/// Room for the control messages of one datagram (one `SO_RXQ_OVFL` u32).
+const CTRL_LEN: usize = 64;
+
+pub(crate) fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
     let mut iovs: [MaybeUninit<libc::iovec>; BATCH] = [const { MaybeUninit::uninit() }; BATCH];
     // SAFETY: mmsghdr is plain old data for which all-zero is a valid value.
     let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
@@ -258,14 +381,18 @@ fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
             iov_base: rb.bufs[i].as_mut_ptr().cast(),
             iov_len: RECV_BUF,
         });
-        msgs[i].msg_hdr.msg_name = (&mut rb.addrs[i] as *mut libc::sockaddr_in).cast();
-        msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        msgs[i].msg_hdr.msg_name = (&mut rb.addrs[i] as *mut libc::sockaddr_storage).cast();
+        msgs[i].msg_hdr.msg_namelen =
+            std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
         msgs[i].msg_hdr.msg_iov = iov;
         msgs[i].msg_hdr.msg_iovlen = 1;
+        msgs[i].msg_hdr.msg_control = rb.ctrl[i].0.as_mut_ptr().cast();
+        msgs[i].msg_hdr.msg_controllen = CTRL_LEN as _;
     }
+    rb.drop_count = None;
     loop {
-        // SAFETY: every mmsghdr points at a live buffer of RECV_BUF bytes and a
-        // sockaddr_in in `rb`, which outlives the call.
+        // SAFETY: every mmsghdr points at its own buffer, address and control storage
+        // in `rb`, which outlives the call.
         let r = unsafe {
             libc::recvmmsg(
                 fd,
@@ -280,6 +407,9 @@ fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
             for (i, m) in msgs.iter().enumerate().take(n) {
                 rb.lens[i] = m.msg_len as usize;
                 rb.truncated[i] = m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
+                if let Some(d) = drop_count(&m.msg_hdr) {
+                    rb.drop_count = Some(rb.drop_count.map_or(d, |x: u32| x.max(d)));
+                }
             }
             return Ok(n);
         }
@@ -290,6 +420,25 @@ fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
             _ => return Err(e),
         }
     }
+}
+
+/// The `SO_RXQ_OVFL` drop count among a received message's control messages.
+fn drop_count(h: &libc::msghdr) -> Option<u32> {
+    // SAFETY: `h` is a msghdr the kernel filled in: its control pointer and length
+    // describe the control messages it wrote into our buffer (CMSG_* walk within them).
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(h);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET
+                && (*c).cmsg_type == SO_RXQ_OVFL
+                && (*c).cmsg_len as usize >= libc::CMSG_LEN(4) as usize
+            {
+                return Some(std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<u32>()));
+            }
+            c = libc::CMSG_NXTHDR(h, c);
+        }
+    }
+    None
 }
 
 // Classic BPF opcodes (linux/filter.h, linux/bpf_common.h).
@@ -392,6 +541,7 @@ fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
 #[derive(Debug)]
 pub struct RawRx {
     fd: OwnedFd,
+    drops_seen: AtomicU32,
 }
 
 impl RawRx {
@@ -417,7 +567,11 @@ impl RawRx {
         // Raw sockets never send here: a zero-length send buffer is not possible, but
         // nothing is ever written.
         attach_filter(raw, &raw_filter(port, addrs))?;
-        let rx = RawRx { fd };
+        setsockopt_int(raw, libc::SOL_SOCKET, SO_RXQ_OVFL, 1)?;
+        let rx = RawRx {
+            fd,
+            drops_seen: AtomicU32::new(0),
+        };
         // Datagrams that arrived between socket() and the filter: not filtered, drop.
         let mut rb = RecvBatch::default();
         while rx.recv_batch(&mut rb)? == BATCH {}
@@ -433,14 +587,27 @@ impl RawRx {
     pub fn recv_batch(&self, rb: &mut RecvBatch) -> io::Result<usize> {
         recv_batch(self.fd.as_raw_fd(), rb)
     }
+
+    /// The datagrams the kernel dropped on this socket since the last call.
+    pub fn new_drops(&self, rb: &RecvBatch) -> u32 {
+        new_drops(&self.drops_seen, rb)
+    }
 }
+
+/// Control message storage, aligned for `cmsghdr`.
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+struct Ctrl([u8; CTRL_LEN]);
 
 /// Buffers for one `recvmmsg` batch.
 pub struct RecvBatch {
     bufs: Box<[[u8; RECV_BUF]; BATCH]>,
-    addrs: [libc::sockaddr_in; BATCH],
+    addrs: Box<[libc::sockaddr_storage; BATCH]>,
+    ctrl: Box<[Ctrl; BATCH]>,
     lens: [usize; BATCH],
     truncated: [bool; BATCH],
+    /// The largest kernel drop count (`SO_RXQ_OVFL`) the batch's datagrams carried.
+    drop_count: Option<u32>,
 }
 
 impl std::fmt::Debug for RecvBatch {
@@ -453,24 +620,21 @@ impl Default for RecvBatch {
     fn default() -> Self {
         RecvBatch {
             bufs: Box::new([[0; RECV_BUF]; BATCH]),
-            // SAFETY: sockaddr_in is plain old data for which all-zero is valid.
-            addrs: unsafe { std::mem::zeroed() },
+            // SAFETY: sockaddr_storage is plain old data for which all-zero is valid.
+            addrs: Box::new(unsafe { std::mem::zeroed() }),
+            ctrl: Box::new([Ctrl([0; CTRL_LEN]); BATCH]),
             lens: [0; BATCH],
             truncated: [false; BATCH],
+            drop_count: None,
         }
     }
 }
 
 impl RecvBatch {
-    /// Datagram `i` of the last batch: its source and bytes (`None` source if not IPv4).
-    pub fn get(&self, i: usize) -> (Option<SocketAddrV4>, &[u8], bool) {
-        let a = &self.addrs[i];
-        let src = (a.sin_family == libc::AF_INET as libc::sa_family_t).then(|| {
-            SocketAddrV4::new(
-                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-                u16::from_be(a.sin_port),
-            )
-        });
+    /// Datagram `i` of the last batch: its source (`None` if neither IPv4 nor IPv6),
+    /// its bytes, and whether it was longer than the buffer.
+    pub fn get(&self, i: usize) -> (Option<SocketAddr>, &[u8], bool) {
+        let src = socket_addr_from(&self.addrs[i]);
         let len = self.lens[i].min(RECV_BUF);
         (src, &self.bufs[i][..len], self.truncated[i])
     }
@@ -479,10 +643,10 @@ impl RecvBatch {
 /// A received frame that passed every check: its MAD and addressing.
 #[derive(Debug, Clone)]
 pub struct InFrame {
-    /// Sender's GID (IPv4-mapped source address).
+    /// Sender's GID (its source address; IPv4-mapped for IPv4).
     pub src: Gid,
     /// Sender's address.
-    pub src_addr: SocketAddrV4,
+    pub src_addr: SocketAddr,
     /// The DETH's source QP and Q_Key, for the rx header.
     pub src_qp: u32,
     /// Q_Key.
@@ -495,7 +659,7 @@ pub struct InFrame {
 
 /// The checks every frame gets before its ICRC: exactly one 280-byte frame, a UD SEND
 /// only to QP1 with the default P_Key, and the GSI DETH.
-fn check_headers(dgram: &[u8]) -> Result<(Frame<&[u8]>, BthRepr, DethRepr), DevDrop> {
+pub(crate) fn check_headers(dgram: &[u8]) -> Result<(Frame<&[u8]>, BthRepr, DethRepr), DevDrop> {
     let frame = Frame::new_checked(dgram).map_err(|e| match e {
         WireError::BthOpcode(_) | WireError::BthVersion(_) => DevDrop::WireBadBth,
         _ => DevDrop::WireBadLength,
@@ -511,11 +675,16 @@ fn check_headers(dgram: &[u8]) -> Result<(Frame<&[u8]>, BthRepr, DethRepr), DevD
     Ok((frame, bth, deth))
 }
 
-fn in_frame(src: SocketAddrV4, frame: &Frame<&[u8]>, bth: &BthRepr, deth: &DethRepr) -> InFrame {
+pub(crate) fn in_frame(
+    src: SocketAddr,
+    frame: &Frame<&[u8]>,
+    bth: &BthRepr,
+    deth: &DethRepr,
+) -> InFrame {
     let mut mad = [0u8; MAD_LEN];
     mad.copy_from_slice(frame.mad());
     InFrame {
-        src: Gid::from_ipv4(*src.ip()),
+        src: IpRepr::gid(src.ip()),
         src_addr: src,
         src_qp: deth.src_qp,
         qkey: deth.qkey,
@@ -524,17 +693,14 @@ fn in_frame(src: SocketAddrV4, frame: &Frame<&[u8]>, bth: &BthRepr, deth: &DethR
     }
 }
 
-/// Checks one UDP payload received on `local` from `src` (udp mode): the header checks
-/// of [`check_headers`], then the ICRC under the header a pvcm sender's kernel writes
+/// Checks one UDP payload received on `local` from `src` (a UDP socket): the header
+/// checks of [`check_headers`], then the ICRC under the header rebuilt from the
+/// addresses. Over IPv4 that header is the one a pvcm sender's kernel writes
 /// (identification 0, DF; see `pvcm_wire::roce`), since a UDP socket does not see the
-/// real one.
-pub fn check_frame(
-    local: SocketAddrV4,
-    src: SocketAddrV4,
-    dgram: &[u8],
-) -> Result<InFrame, DevDrop> {
+/// real one; over IPv6 it is exact (the ICRC covers nothing else).
+pub fn check_frame(local: SocketAddr, src: SocketAddr, dgram: &[u8]) -> Result<InFrame, DevDrop> {
     let (frame, bth, deth) = check_headers(dgram)?;
-    let ip = Ipv4Repr::new(*src.ip(), *local.ip());
+    let ip = IpRepr::from_addrs(src.ip(), local.ip()).ok_or(DevDrop::WireBadSource)?;
     let udp = UdpRepr {
         src_port: src.port(),
         dst_port: local.port(),
@@ -550,7 +716,7 @@ pub fn check_frame(
 /// without options or fragments, a UDP header whose length matches, the header checks
 /// of [`check_headers`], and the ICRC over the IPv4 and UDP headers exactly as
 /// received. Returns the destination address with the frame.
-pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddrV4, InFrame), DevDrop> {
+pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddr, InFrame), DevDrop> {
     let (ip, udp, _) = roce::parse_datagram(dgram).map_err(|e| match e {
         WireError::BthOpcode(_) | WireError::BthVersion(_) => DevDrop::WireBadBth,
         WireError::Unsupported(_) | WireError::Ipv4Checksum { .. } => DevDrop::WireBadIp,
@@ -564,8 +730,8 @@ pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddrV4, InFrame), DevDrop> 
     let payload = &dgram[roce::IPV4_HEADER_LEN + roce::UDP_HEADER_LEN..];
     let (frame, bth, deth) = check_headers(payload)?;
     roce::check_datagram_icrc(dgram).map_err(|_| DevDrop::WireBadIcrc)?;
-    let src = SocketAddrV4::new(ip.src, udp.src_port);
-    let dst = SocketAddrV4::new(ip.dst, udp.dst_port);
+    let src = SocketAddr::V4(SocketAddrV4::new(ip.src, udp.src_port));
+    let dst = SocketAddr::V4(SocketAddrV4::new(ip.dst, udp.dst_port));
     Ok((dst, in_frame(src, &frame, &bth, &deth)))
 }
 
@@ -588,21 +754,25 @@ const TOK_RAW: u64 = 1 << 39;
 const RX_ROUNDS: usize = 16;
 
 /// The soft RoCEv2 port: one UDP socket per VM address (index = VM index) and, in raw
-/// mode, the raw receive socket.
+/// mode, the raw receive socket for the IPv4 VMs.
 #[derive(Debug)]
 pub struct SoftPort {
     /// Per VM: its bound socket, `None` while the address is not this host's (an
     /// incoming VM not arrived yet, or one that left by migration).
     socks: Vec<std::sync::RwLock<Option<std::sync::Arc<UdpPort>>>>,
-    /// Per VM: its name and address, to bind it later.
-    addrs: Vec<(String, Ipv4Addr)>,
+    /// Per VM: its name, address and scope (interface index of a link-local address).
+    addrs: Vec<(String, IpAddr, u32)>,
     raw: Option<RawRx>,
     port_num: u16,
-    by_addr: std::collections::HashMap<Ipv4Addr, usize>,
+    by_addr: std::collections::HashMap<IpAddr, usize>,
 }
 
-/// Opens the raw receive socket the mode asks for (None: udp mode).
+/// Opens the raw receive socket the mode asks for (None: udp mode, or no IPv4 VM).
 fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<RawRx>, Error> {
+    if addrs.is_empty() {
+        // IPv6 VMs are read through their UDP sockets in every mode.
+        return Ok(None);
+    }
     match mode {
         RxMode::Udp => Ok(None),
         RxMode::Raw => RawRx::open(port, addrs)
@@ -624,30 +794,58 @@ fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<Raw
 }
 
 impl SoftPort {
-    /// Binds every VM address (`names` for the errors) but those of `incoming` VMs
-    /// (bound by [`WirePort::claim`] when they arrive), and opens the receive path the
-    /// mode asks for. Incoming VMs need raw receive: a udp-mode socket set is fixed.
+    /// Binds every VM address (`names` for the errors; `iface`: the interface of a
+    /// link-local GID) but those of `incoming` VMs (bound by [`WirePort::claim`] when
+    /// they arrive), and opens the receive path the mode asks for. Incoming VMs need raw
+    /// receive (a udp-mode socket set is fixed) and an IPv4 GID (an IPv6 VM is read
+    /// through its own socket, which the host loop cannot add while it runs).
+    ///
+    /// [`WirePort::claim`]: crate::port::WirePort::claim
     pub fn open(
-        addrs: &[(String, Ipv4Addr)],
+        vms: &[(String, IpAddr, Option<String>)],
         incoming: &[bool],
         port_num: u16,
         mode: RxMode,
     ) -> Result<SoftPort, Error> {
-        let ips: Vec<Ipv4Addr> = addrs.iter().map(|(_, a)| *a).collect();
-        let raw = open_raw_rx(mode, port_num, &ips)?;
+        let v4: Vec<Ipv4Addr> = vms
+            .iter()
+            .filter_map(|(_, a, _)| match a {
+                IpAddr::V4(a) => Some(*a),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        for (i, (name, a, _)) in vms.iter().enumerate() {
+            if a.is_ipv6() && incoming.get(i).copied().unwrap_or(false) {
+                return Err(Error::IncomingIpv6(name.clone()));
+            }
+        }
+        let raw = open_raw_rx(mode, port_num, &v4)?;
         if raw.is_none()
             && let Some(i) = incoming.iter().position(|&x| x)
         {
-            return Err(Error::IncomingNeedsRaw(addrs[i].0.clone()));
+            return Err(Error::IncomingNeedsRaw(vms[i].0.clone()));
+        }
+        let mut addrs = Vec::with_capacity(vms.len());
+        for (name, a, iface) in vms {
+            let scope = match iface {
+                Some(i) if a.is_ipv6() => if_index(i).map_err(|source| Error::WireBind {
+                    vm: name.clone(),
+                    addr: *a,
+                    port: port_num,
+                    source,
+                })?,
+                _ => 0,
+            };
+            addrs.push((name.clone(), *a, scope));
         }
         let mut port = SoftPort {
             socks: Vec::new(),
-            addrs: addrs.to_vec(),
+            addrs,
             raw,
             port_num,
             by_addr: std::collections::HashMap::new(),
         };
-        for (i, (_, a)) in addrs.iter().enumerate() {
+        for (i, (_, a, _)) in vms.iter().enumerate() {
             port.by_addr.insert(*a, i);
             port.socks.push(std::sync::RwLock::new(None));
             if !incoming.get(i).copied().unwrap_or(false) {
@@ -657,18 +855,19 @@ impl SoftPort {
         Ok(port)
     }
 
-    /// Binds VM `vm`'s address (and, in raw mode, makes its socket drop what it gets).
+    /// Binds VM `vm`'s address (and, in raw mode, makes an IPv4 VM's socket drop what it
+    /// gets: the raw socket reads for it).
     fn bind_vm(&self, vm: usize) -> Result<(), Error> {
-        let (Some((name, a)), Some(slot)) = (self.addrs.get(vm), self.socks.get(vm)) else {
+        let (Some((name, a, scope)), Some(slot)) = (self.addrs.get(vm), self.socks.get(vm)) else {
             return Ok(());
         };
-        let s = UdpPort::bind(*a, self.port_num).map_err(|source| Error::WireBind {
+        let s = UdpPort::bind(*a, *scope, self.port_num).map_err(|source| Error::WireBind {
             vm: name.clone(),
             addr: *a,
             port: self.port_num,
             source,
         })?;
-        if self.raw.is_some() {
+        if self.raw.is_some() && a.is_ipv4() {
             s.discard_rx().map_err(|source| Error::WireFilter {
                 vm: name.clone(),
                 source,
@@ -687,6 +886,35 @@ impl SoftPort {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+    }
+
+    /// Whether VM `vm` is read through its own UDP socket (udp mode, or an IPv6 VM).
+    fn reads_udp(&self, vm: usize) -> bool {
+        self.raw.is_none() || self.addrs.get(vm).is_some_and(|(_, a, _)| a.is_ipv6())
+    }
+
+    /// Where VM `vm` sends a MAD for `dst`: the GID's address at the RoCEv2 port, in the
+    /// VM's own family; a link-local IPv6 destination only from a VM whose own GID is
+    /// link-local (its interface is the scope). `None`: not reachable from this VM.
+    fn destination(&self, vm: usize, dst: Gid) -> Option<SocketAddr> {
+        let (_, own, scope) = self.addrs.get(vm)?;
+        match (own, dst.to_ipv4()) {
+            (IpAddr::V4(_), Some(a)) => Some(SocketAddr::V4(SocketAddrV4::new(a, self.port_num))),
+            (IpAddr::V6(_), None) => {
+                let scope = if dst.is_link_local() {
+                    (*scope != 0).then_some(*scope)?
+                } else {
+                    0
+                };
+                Some(SocketAddr::V6(SocketAddrV6::new(
+                    dst.into(),
+                    self.port_num,
+                    0,
+                    scope,
+                )))
+            }
+            _ => None,
+        }
     }
 
     fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
@@ -710,7 +938,7 @@ impl SoftPort {
         }
     }
 
-    /// Takes datagrams from one VM address's socket (udp mode).
+    /// Takes datagrams from one VM address's socket (udp mode, and IPv6 VMs).
     fn on_udp(
         &self,
         ctx: &PortCtx<'_>,
@@ -731,6 +959,8 @@ impl SoftPort {
                     return;
                 }
             };
+            ctx.host
+                .drop_n(DevDrop::WireRxOverflow, sock.new_drops(rb).into());
             port.counters.add(Io::WireRxFrames, n as u64);
             let mut frames = Vec::with_capacity(n);
             for i in 0..n {
@@ -784,6 +1014,8 @@ impl SoftPort {
                     return;
                 }
             };
+            ctx.host
+                .drop_n(DevDrop::WireRxOverflow, raw.new_drops(rb).into());
             let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
             for i in 0..n {
                 let (_, dgram, truncated) = rb.get(i);
@@ -793,7 +1025,7 @@ impl SoftPort {
                 let Some(dst) = dgram.get(ip_dst.range()).map(|_| ip_dst.get(dgram) as u32) else {
                     continue;
                 };
-                let Some(&p) = self.by_addr.get(&Ipv4Addr::from(dst)) else {
+                let Some(&p) = self.by_addr.get(&IpAddr::V4(Ipv4Addr::from(dst))) else {
                     continue;
                 };
                 // An address this host does not hold now (a VM not arrived yet, or
@@ -849,12 +1081,14 @@ impl crate::port::WirePort for SoftPort {
     }
 
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {
-        match &self.raw {
-            Some(r) => vec![(r.as_raw_fd(), TOK_RAW)],
-            None => (0..self.socks.len())
-                .filter_map(|i| Some((self.sock(i)?.socket().as_raw_fd(), i as u64)))
-                .collect(),
-        }
+        let mut fds: Vec<(RawFd, u64)> =
+            self.raw.iter().map(|r| (r.as_raw_fd(), TOK_RAW)).collect();
+        fds.extend(
+            (0..self.socks.len())
+                .filter(|&i| self.reads_udp(i))
+                .filter_map(|i| Some((self.sock(i)?.socket().as_raw_fd(), i as u64))),
+        );
+        fds
     }
 
     fn attach(&self, _vm: usize) -> Result<(), String> {
@@ -865,8 +1099,11 @@ impl crate::port::WirePort for SoftPort {
         if self.sock(vm).is_some() {
             return Ok(false);
         }
-        if self.raw.is_none() {
-            return Err("migration needs raw receive (--wire-rx raw)".into());
+        if self.reads_udp(vm) {
+            return Err(
+                "migration needs raw receive (--wire-rx raw) and an IPv4 GID on the soft port"
+                    .into(),
+            );
         }
         self.bind_vm(vm).map_err(|e| e.to_string())?;
         Ok(true)
@@ -886,11 +1123,17 @@ impl crate::port::WirePort for SoftPort {
         };
         let frames: Vec<OutFrame> = mads
             .iter()
-            .filter_map(|(dst, mad)| match dst.to_ipv4() {
-                Some(a) => Some(sock.frame(SocketAddrV4::new(a, self.port_num), mad)),
-                None => {
-                    port.counters.drop(DevDrop::BadRemoteGid);
-                    None
+            .filter_map(|(dst, mad)| {
+                match self
+                    .destination(vm, *dst)
+                    .and_then(|to| sock.frame(to, mad))
+                {
+                    Some(f) => Some(f),
+                    None => {
+                        tracing::debug!(parent: &port.span, %dst, "no route from this VM's address to the GID: dropped");
+                        port.counters.drop(DevDrop::BadRemoteGid);
+                        None
+                    }
                 }
             })
             .collect();
@@ -917,17 +1160,26 @@ impl crate::port::WirePort for SoftPort {
 mod tests {
     use super::*;
     use pvcm_wire::mad::{self, MGMT_CLASS_CM};
+    use pvcm_wire::roce::Ipv4Repr;
+
+    fn v4(a: [u8; 4]) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::from(a))
+    }
+
+    fn sa4(a: Ipv4Addr, port: u16) -> SocketAddr {
+        SocketAddr::V4(SocketAddrV4::new(a, port))
+    }
 
     #[test]
     fn loopback_batch_and_checks() {
-        let a = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 1), 4791).unwrap();
-        let b = UdpPort::bind(Ipv4Addr::new(127, 77, 0, 2), 4791).unwrap();
+        let a = UdpPort::bind(v4([127, 77, 0, 1]), 0, 4791).unwrap();
+        let b = UdpPort::bind(v4([127, 77, 0, 2]), 0, 4791).unwrap();
         let mut mad = [0u8; MAD_LEN];
         mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
         let frames: Vec<_> = (0..100u8)
             .map(|i| {
                 mad[255] = i;
-                a.frame(b.local(), &mad)
+                a.frame(b.local(), &mad).unwrap()
             })
             .collect();
         assert_eq!(a.send_batch(&frames), 100);
@@ -981,7 +1233,7 @@ mod tests {
             DevDrop::WireBadLength
         );
         // From another source port the ICRC no longer matches.
-        let other = SocketAddrV4::new(*src.ip(), 5000);
+        let other = SocketAddr::new(src.ip(), 5000);
         assert_eq!(
             check_frame(b.local(), other, &good).unwrap_err(),
             DevDrop::WireBadIcrc
@@ -1084,7 +1336,7 @@ mod tests {
             Err(e) => panic!("raw socket: {e}"),
         };
         // Bound like the daemon binds it, so the kernel never answers ICMP.
-        let udp = UdpPort::bind(ours, port).unwrap();
+        let udp = UdpPort::bind(IpAddr::V4(ours), 0, port).unwrap();
         udp.discard_rx().unwrap();
         let good = rxe_datagram(sender, ours, port, 0x5a17, 1);
         let mut bad_icrc = rxe_datagram(sender, ours, port, 0x5a18, 2);
@@ -1098,28 +1350,31 @@ mod tests {
         let got = recv_raw(&rx, 2);
         assert_eq!(got.len(), 2, "exactly our two datagrams pass the filter");
         let (dst, f) = check_datagram(&got[0]).unwrap();
-        assert_eq!(dst, SocketAddrV4::new(ours, port));
+        assert_eq!(dst, sa4(ours, port));
         assert_eq!(f.src, Gid::from_ipv4(sender));
-        assert_eq!(f.src_addr, SocketAddrV4::new(sender, 0xC123));
+        assert_eq!(f.src_addr, sa4(sender, 0xC123));
         assert_eq!(f.mad[255], 1);
         assert_eq!(check_datagram(&got[1]).unwrap_err(), DevDrop::WireBadIcrc);
         // The same good frame seen through a UDP socket (no IP header) fails the ID-0
         // check: what udp mode cannot accept.
         assert_eq!(
             check_frame(
-                SocketAddrV4::new(ours, port),
-                SocketAddrV4::new(sender, 0xC123),
+                sa4(ours, port),
+                sa4(sender, 0xC123),
                 &got[0][roce::IPV4_HEADER_LEN + roce::UDP_HEADER_LEN..]
             )
             .unwrap_err(),
             DevDrop::WireBadIcrc
         );
         // A pvcm peer's frame (ID 0, DF, from the UDP socket) passes raw mode too.
-        let peer = UdpPort::bind(sender, port).unwrap();
+        let peer = UdpPort::bind(IpAddr::V4(sender), 0, port).unwrap();
         let mut mad = [0u8; MAD_LEN];
         mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
         mad[255] = 5;
-        assert_eq!(peer.send_batch(&[peer.frame(udp.local(), &mad)]), 1);
+        assert_eq!(
+            peer.send_batch(&[peer.frame(udp.local(), &mad).unwrap()]),
+            1
+        );
         let got = recv_raw(&rx, 1);
         assert_eq!(got.len(), 1);
         let (_, f) = check_datagram(&got[0]).unwrap();
@@ -1157,6 +1412,302 @@ mod tests {
         ip.identification ^= 0x0100;
         ip.emit(&mut f[..roce::IPV4_HEADER_LEN]).unwrap();
         assert_eq!(check_datagram(&f).unwrap_err(), DevDrop::WireBadIcrc);
+    }
+
+    fn cm_mad(tag: u8) -> [u8; MAD_LEN] {
+        let mut mad = [0u8; MAD_LEN];
+        mad::field::MGMT_CLASS.set(&mut mad, MGMT_CLASS_CM.into());
+        mad[255] = tag;
+        mad
+    }
+
+    fn v6(s: &str) -> IpAddr {
+        IpAddr::V6(s.parse().unwrap())
+    }
+
+    /// Receives from a UDP port until `want` datagrams came (or ~1 s passed).
+    fn recv_udp(p: &UdpPort, want: usize) -> Vec<(SocketAddr, Vec<u8>)> {
+        let mut rb = RecvBatch::default();
+        let mut got = Vec::new();
+        for _ in 0..500 {
+            let n = p.recv_batch(&mut rb).unwrap();
+            for i in 0..n {
+                let (src, d, _) = rb.get(i);
+                got.push((src.unwrap(), d.to_vec()));
+            }
+            if got.len() >= want {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        got
+    }
+
+    /// IPv6 through UDP sockets on addresses added to lo in a network namespace: frames
+    /// round-trip with their ICRC checked exactly; corruptions are caught; a link-local
+    /// pair works in the scope of its interface.
+    #[test]
+    fn ipv6_udp_sockets_in_a_netns() {
+        super::super::testnet::in_netns("soft port IPv6", || {
+            use super::super::testnet::add_addr;
+            add_addr("lo", "fd00:77::1/128");
+            add_addr("lo", "fd00:77::2/128");
+            add_addr("lo", "fe80::77:1/64");
+            add_addr("lo", "fe80::77:2/64");
+            let a = UdpPort::bind(v6("fd00:77::1"), 0, 4791).unwrap();
+            let b = UdpPort::bind(v6("fd00:77::2"), 0, 4791).unwrap();
+            let frames: Vec<OutFrame> = (0..10)
+                .map(|i| a.frame(b.local(), &cm_mad(i)).unwrap())
+                .collect();
+            assert_eq!(a.send_batch(&frames), 10);
+            let got = recv_udp(&b, 10);
+            assert_eq!(got.len(), 10);
+            for (i, (src, d)) in got.iter().enumerate() {
+                assert_eq!(*src, a.local());
+                let f = check_frame(b.local(), *src, d).unwrap();
+                assert_eq!(f.src, Gid::from("fd00:77::1".parse::<Ipv6Addr>().unwrap()));
+                assert_eq!(f.mad[255] as usize, i);
+            }
+            // An IPv4 destination from an IPv6 port: no frame.
+            assert!(
+                a.frame(sa4(Ipv4Addr::LOCALHOST, 4791), &cm_mad(0))
+                    .is_none()
+            );
+            // Corruptions: the ICRC covers the addresses and ports.
+            let good = &got[0].1;
+            let mut f = good.clone();
+            f[100] ^= 1;
+            assert_eq!(
+                check_frame(b.local(), a.local(), &f).unwrap_err(),
+                DevDrop::WireBadIcrc
+            );
+            let other = SocketAddr::new(v6("fd00:77::3"), 4791);
+            assert_eq!(
+                check_frame(b.local(), other, good).unwrap_err(),
+                DevDrop::WireBadIcrc
+            );
+            let port = SocketAddr::new(a.local().ip(), 4792);
+            assert_eq!(
+                check_frame(b.local(), port, good).unwrap_err(),
+                DevDrop::WireBadIcrc
+            );
+            // A mixed pair cannot be checked at all.
+            assert_eq!(
+                check_frame(b.local(), sa4(Ipv4Addr::LOCALHOST, 4791), good).unwrap_err(),
+                DevDrop::WireBadSource
+            );
+            // Link-local, in lo's scope.
+            let lo = if_index("lo").unwrap();
+            let c = UdpPort::bind(v6("fe80::77:1"), lo, 4791).unwrap();
+            let d = UdpPort::bind(v6("fe80::77:2"), lo, 4791).unwrap();
+            assert_eq!(c.send_batch(&[c.frame(d.local(), &cm_mad(9)).unwrap()]), 1);
+            let got = recv_udp(&d, 1);
+            assert_eq!(got.len(), 1);
+            let f = check_frame(d.local(), got[0].0, &got[0].1).unwrap();
+            assert_eq!(f.mad[255], 9);
+            // Without a scope a link-local address cannot be bound.
+            assert!(UdpPort::bind(v6("fe80::77:1"), 0, 4793).is_err());
+        });
+    }
+
+    /// Sends one whole IPv6 datagram with its header as given (IPPROTO_RAW), as rxe puts
+    /// it on the wire: UDP checksum 0, which an IPv6 UDP socket accepts only with
+    /// UDP_NO_CHECK6_RX.
+    fn send_hdrincl6(datagram: &[u8], dst: Ipv6Addr) -> io::Result<()> {
+        // SAFETY: plain socket(2) call; checked before use.
+        let fd = cvt(unsafe { libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW) })?;
+        // SAFETY: just returned by socket(2).
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (sa, len) = sockaddr_of(&SocketAddr::new(IpAddr::V6(dst), 0));
+        // SAFETY: the buffer and address are live for the call.
+        let r = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                datagram.as_ptr().cast(),
+                datagram.len(),
+                0,
+                (&sa as *const libc::sockaddr_storage).cast(),
+                len,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn ipv6_zero_udp_checksum_is_accepted() {
+        super::super::testnet::in_netns("soft port IPv6 checksum 0", || {
+            use super::super::testnet::add_addr;
+            add_addr("lo", "fd00:78::1/128");
+            add_addr("lo", "fd00:78::2/128");
+            let b = UdpPort::bind(v6("fd00:78::2"), 0, 4791).unwrap();
+            let (src, dst): (Ipv6Addr, Ipv6Addr) =
+                ("fd00:78::1".parse().unwrap(), "fd00:78::2".parse().unwrap());
+            let ip6 = roce::Ipv6Repr {
+                flow_label: 0x12345,
+                traffic_class: 0x20,
+                ..roce::Ipv6Repr::new(src, dst)
+            };
+            let udp = UdpRepr {
+                src_port: 0xd872,
+                ..UdpRepr::new(0xd872)
+            };
+            let mut d = vec![0u8; roce::IPV6_DATAGRAM_LEN];
+            FrameRepr::gsi(3, &cm_mad(42))
+                .emit_datagram(&mut d, &ip6, &udp)
+                .unwrap();
+            d[46] = 0; // UDP checksum 0, as rxe sends it
+            d[47] = 0;
+            roce::check_datagram_icrc(&d).unwrap();
+            send_hdrincl6(&d, dst).unwrap();
+            let got = recv_udp(&b, 1);
+            assert_eq!(got.len(), 1, "the zero-checksum datagram must arrive");
+            let f = check_frame(b.local(), got[0].0, &got[0].1).unwrap();
+            assert_eq!(f.mad[255], 42);
+            assert_eq!(f.src_addr, SocketAddr::new(IpAddr::V6(src), 0xd872));
+        });
+    }
+
+    /// One port, IPv4 and IPv6 VMs, raw receive: the IPv4 VMs are read through the raw
+    /// socket, the IPv6 ones through their own; MADs are routed by GID, the capture has
+    /// both families, and nothing is dropped.
+    #[test]
+    fn mixed_families_on_one_port() {
+        super::super::testnet::in_netns("soft port mixed families", || {
+            use super::super::testnet::add_addr;
+            use crate::config::VmSpec;
+            use crate::port::WirePort;
+            add_addr("lo", "fd00:79::1/128");
+            add_addr("lo", "fd00:79::2/128");
+            let spec = |name: &str, g: &str| -> (String, IpAddr, Option<String>) {
+                let s: VmSpec = format!("socket=/x/{name},gid={g},name={name}")
+                    .parse()
+                    .unwrap();
+                (name.to_string(), s.addr(), s.iface)
+            };
+            let vms = vec![
+                spec("a4", "127.79.0.1"),
+                spec("b4", "127.79.0.2"),
+                spec("a6", "fd00:79::1"),
+                spec("b6", "fd00:79::2"),
+            ];
+            let port = SoftPort::open(&vms, &[false; 4], 4791, RxMode::Raw).unwrap();
+            assert_eq!(port.rx_mode(), "raw");
+            let toks: Vec<u64> = port.poll_fds().iter().map(|(_, t)| *t).collect();
+            assert_eq!(toks, vec![TOK_RAW, 2, 3]);
+            let ports: Vec<_> = vms
+                .iter()
+                .enumerate()
+                .map(|(i, (n, _, _))| {
+                    let s: VmSpec = format!("socket=/x/{n},gid={},name={n}", vms[i].1)
+                        .parse()
+                        .unwrap();
+                    crate::vm_port::VmPort::for_test(i, s)
+                })
+                .collect();
+            let host = crate::stats::DevCounters::default();
+            let dir = tempfile::tempdir().unwrap();
+            let cap = crate::pcap::Capture::create(&dir.path().join("c.pcap")).unwrap();
+            let ctx = PortCtx {
+                vms: &ports,
+                host: &host,
+                capture: Some(&cap),
+            };
+            let g = |i: usize| ports[i].spec.vm.gid;
+            let (m1, m2, m3) = (cm_mad(1), cm_mad(2), cm_mad(3));
+            port.send(&ctx, 0, &[(g(1), &m1), (g(3), &m3)]); // a4 -> b4, a4 -> b6 (no)
+            port.send(&ctx, 2, &[(g(3), &m2), (g(1), &m3)]); // a6 -> b6, a6 -> b4 (no)
+            assert_eq!(ports[0].counters.dropped(DevDrop::BadRemoteGid), 1);
+            assert_eq!(ports[2].counters.dropped(DevDrop::BadRemoteGid), 1);
+            assert_eq!(ports[0].counters.io(Io::WireTxFrames), 1);
+            assert_eq!(ports[2].counters.io(Io::WireTxFrames), 1);
+            let mut got: Vec<(usize, Gid, u8)> = Vec::new();
+            for _ in 0..200 {
+                for tok in &toks {
+                    port.receive(&ctx, *tok, &mut |vm, mads| {
+                        for m in mads {
+                            got.push((vm, m.src, m.mad[255]));
+                        }
+                    });
+                }
+                if got.len() >= 2 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            got.sort();
+            assert_eq!(got, vec![(1, g(0), 1), (3, g(2), 2)]);
+            for p in &ports {
+                for r in DevDrop::ALL {
+                    if *r != DevDrop::BadRemoteGid {
+                        assert_eq!(p.counters.dropped(*r), 0, "{}", r.name());
+                    }
+                }
+            }
+            cap.flush();
+            let mut r = pcap_file::pcap::PcapReader::new(
+                std::fs::File::open(dir.path().join("c.pcap")).unwrap(),
+            )
+            .unwrap();
+            let mut versions = Vec::new();
+            while let Some(p) = r.next_packet() {
+                let p = p.unwrap();
+                versions.push(p.data[0] >> 4);
+                roce::check_datagram_icrc(&p.data).unwrap();
+            }
+            versions.sort();
+            assert_eq!(versions, vec![4, 4, 6, 6]);
+            // An incoming IPv6 VM is refused on the soft port.
+            let e = SoftPort::open(&vms[2..3], &[true], 4795, RxMode::Raw).unwrap_err();
+            assert!(e.to_string().contains("IPv4 GID"), "{e}");
+        });
+    }
+
+    /// SO_RXQ_OVFL: datagrams the kernel drops on a full receive queue are counted.
+    #[test]
+    fn kernel_drops_are_counted() {
+        super::super::testnet::in_netns("soft port rx overflow", || {
+            let a = UdpPort::bind(v4([127, 80, 0, 1]), 0, 4791).unwrap();
+            let b = UdpPort::bind(v4([127, 80, 0, 2]), 0, 4791).unwrap();
+            // The smallest receive buffer: a few datagrams fill it.
+            setsockopt_int(b.socket().as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, 1).unwrap();
+            let frames: Vec<OutFrame> = (0..200u8)
+                .map(|i| a.frame(b.local(), &cm_mad(i)).unwrap())
+                .collect();
+            assert_eq!(a.send_batch(&frames), 200);
+            let mut rb = RecvBatch::default();
+            let mut got = 0;
+            let mut drops = 0u32;
+            loop {
+                let n = b.recv_batch(&mut rb).unwrap();
+                if n == 0 {
+                    break;
+                }
+                got += n;
+                drops += b.new_drops(&rb);
+            }
+            assert!(got < 200, "the queue must have overflowed ({got} received)");
+            // The kernel reports its drop count with the next datagram it queues.
+            assert_eq!(a.send_batch(&[a.frame(b.local(), &cm_mad(0)).unwrap()]), 1);
+            for _ in 0..100 {
+                let n = b.recv_batch(&mut rb).unwrap();
+                got += n;
+                drops += b.new_drops(&rb);
+                if n > 0 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            assert_eq!(
+                got + drops as usize,
+                201,
+                "{got} received, {drops} counted as dropped"
+            );
+            // Counted once: the same count again adds nothing.
+            assert_eq!(b.new_drops(&rb), 0);
+        });
     }
 
     fn is_root() -> bool {

@@ -28,14 +28,16 @@
 
 use std::fs;
 use std::io;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::{self, MAD_LEN, MGMT_CLASS_CM};
-use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, Ipv4Repr, UdpRepr};
+use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UDP_PORT, UdpRepr};
+
+use crate::config::gid_addr;
 
 use crate::error::Error;
 use crate::port::{InMad, OutMad, PortCtx, WirePort};
@@ -493,13 +495,14 @@ impl UmadPort {
             return Err(format!("no VM {vm}"));
         };
         let Some(e) = table.iter().find(|e| e.gid == *gid && e.roce_v2) else {
-            let addr = gid
-                .to_ipv4()
-                .map_or_else(|| gid.to_string(), |a| a.to_string());
+            let (addr, plen) = match gid.to_ipv4() {
+                Some(a) => (a.to_string(), 32),
+                None => (gid.to_string(), 128),
+            };
             return Err(format!(
                 "VM {name}: GID {gid} is not a RoCE v2 entry of {}'s GID table ({}): add \
-                 the VM's address to the device's netdev (e.g. `ip addr add {addr}/32 dev \
-                 eth0`), see docs/umad.md",
+                 the VM's address to the device's netdev (e.g. `ip addr add {addr}/{plen} \
+                 dev eth0`), see docs/umad.md",
                 self.name,
                 self.port_dir.join("gids").display()
             ));
@@ -548,15 +551,17 @@ impl UmadPort {
         }
     }
 
+    /// Records the RoCEv2 frame a MAD between two GIDs would be (IPv4 or IPv6, as the
+    /// GIDs are), with pvcm's own header and PSN: the device builds the real one.
     fn record(ctx: &PortCtx<'_>, src: Gid, dst: Gid, mad: &[u8; MAD_LEN]) {
-        let (Some(c), Some(s), Some(d)) = (ctx.capture, src.to_ipv4(), dst.to_ipv4()) else {
+        let (Some(c), Some(ip)) = (ctx.capture, IpRepr::from_gids(src, dst)) else {
             return;
         };
         let mut frame = [0u8; FRAME_LEN];
-        let _ = FrameRepr::gsi(0, mad).emit(&mut frame, &Ipv4Repr::new(s, d), &UdpRepr::new(4791));
+        let _ = FrameRepr::gsi(0, mad).emit(&mut frame, &ip, &UdpRepr::new(UDP_PORT));
         c.record(
-            SocketAddrV4::new(s, 4791),
-            SocketAddrV4::new(d, 4791),
+            SocketAddr::new(gid_addr(src), UDP_PORT),
+            SocketAddr::new(gid_addr(dst), UDP_PORT),
             &frame,
         );
     }
@@ -814,6 +819,16 @@ mod tests {
                 "0000:0000:0000:0000:0000:ffff:0a63:0011",
                 Some("RoCE v2"),
             ),
+            (
+                5,
+                "fd99:0000:0000:0000:0000:0000:0000:0002",
+                Some("IB/RoCE v1"),
+            ),
+            (
+                6,
+                "fd99:0000:0000:0000:0000:0000:0000:0002",
+                Some("RoCE v2"),
+            ),
         ];
         for (i, g, t) in entries {
             fs::write(p.join("gids").join(i.to_string()), format!("{g}\n")).unwrap();
@@ -839,7 +854,20 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = fake_port(d.path());
         let t = read_gid_table(&p).unwrap();
-        assert_eq!(t.len(), 4);
+        assert_eq!(t.len(), 6);
+        // IPv6 entries: the link-local one the kernel derives from the MAC, and an
+        // address of the netdev, each as RoCE v2 (and v1).
+        let ll: Gid = "fe80::5054:ff:fe99:2".parse().unwrap();
+        let v6: Gid = "fd99::2".parse().unwrap();
+        assert_eq!(
+            t.iter().find(|e| e.gid == ll && e.roce_v2).map(|e| e.index),
+            Some(0)
+        );
+        assert_eq!(
+            t.iter().find(|e| e.gid == v6 && e.roce_v2).map(|e| e.index),
+            Some(6)
+        );
+        assert!(t.iter().any(|e| e.gid == v6 && !e.roce_v2 && e.index == 5));
         let a = Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 2));
         let e = t.iter().find(|e| e.gid == a && e.roce_v2).unwrap();
         assert_eq!(e.index, 2);
@@ -852,6 +880,54 @@ mod tests {
         assert_eq!(find_umad(d.path(), "rxe0", 1).unwrap(), "umad0");
         assert!(find_umad(d.path(), "rxe0", 2).is_err());
         assert!(find_umad(d.path(), "mlx4_0", 1).is_err());
+    }
+
+    /// An IPv6 GID goes into the GRH as it is (the kernel builds an IPv6 header for a
+    /// GID that is not IPv4-mapped); a MAD from an IPv6 sender is routed by the index
+    /// it came in on, with the sender's GID; the capture records the frame as IPv6.
+    #[test]
+    fn ipv6_grh_receive_and_capture() {
+        let dst: Gid = "fd99::3".parse().unwrap();
+        let h = UmadHdr {
+            grh_present: true,
+            gid_index: 6,
+            gid: dst.0,
+            ..UmadHdr::default()
+        };
+        let mut b = [0u8; HDR_LEN];
+        h.emit(&mut b);
+        assert_eq!(&b[36..52], &dst.0);
+        assert_eq!(UmadHdr::parse(&b).unwrap().gid, dst.0);
+        let mut m = msg(7, 2, true, 6);
+        m[36..52].copy_from_slice(&dst.0);
+        let r = parse_read(&m, &[0xFFFF, 0xFFFF]).unwrap();
+        assert_eq!((r.gid_index, r.mad.src), (6, dst));
+
+        let dir = tempfile::tempdir().unwrap();
+        let cap = crate::pcap::Capture::create(&dir.path().join("u.pcap")).unwrap();
+        let host = crate::stats::DevCounters::default();
+        let ctx = PortCtx {
+            vms: &[],
+            host: &host,
+            capture: Some(&cap),
+        };
+        let own: Gid = "fd99::2".parse().unwrap();
+        let mad = [0u8; MAD_LEN];
+        UmadPort::record(&ctx, own, dst, &mad);
+        // Mixed families: no datagram can carry it, nothing recorded.
+        UmadPort::record(&ctx, Gid::from_ipv4(Ipv4Addr::new(10, 99, 0, 2)), dst, &mad);
+        cap.flush();
+        let mut rd = pcap_file::pcap::PcapReader::new(
+            std::fs::File::open(dir.path().join("u.pcap")).unwrap(),
+        )
+        .unwrap();
+        let p = rd.next_packet().unwrap().unwrap();
+        let (ip, udp, f) = pvcm_wire::roce::parse_datagram6(&p.data).unwrap();
+        assert_eq!((Gid::from(ip.src), Gid::from(ip.dst)), (own, dst));
+        assert_eq!(udp.dst_port, UDP_PORT);
+        pvcm_wire::roce::check_datagram_icrc(&p.data).unwrap();
+        assert_eq!(f.mad(), &mad[..]);
+        assert!(rd.next_packet().is_none());
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //! zero and puts the address in the last 4 (`ip4.pad[3]`, `ip4.addr`); that is what
 //! [`CmaHdr::to_bytes`] emits. [`CmaHdr::parse`] reads the last 4 bytes whatever the
 //! padding, so an IPv4-mapped (`::ffff:a.b.c.d`) field parses too.
+//! A connection between two GIDs that are not IPv4-mapped (RoCEv2 over IPv6) carries
+//! `ip_version` 6 and the two 16-byte addresses, as the kernel writes them.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -365,6 +367,31 @@ mod tests {
         m[14] = 0xff;
         m[15] = 0xff;
         assert_eq!(CmaHdr::parse(&m), Ok(h));
+    }
+
+    /// The header of a real IPv6 rdma_cm REQ: Linux 6.1's rdma_cm over rxe (ucmatose
+    /// from fd99::3 to fd99::2, source port 0xa358), the first 36 bytes of the REQ's
+    /// private data in wire/tests/roce.rs's captured IPv6 REQ.
+    #[test]
+    fn ipv6_header_is_the_kernels() {
+        let kernel: [u8; 36] = [
+            0x00, 0x60, 0xa3, 0x58, // version 0, IP version 6, source port
+            0xfd, 0x99, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x03, // fd99::3
+            0xfd, 0x99, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, // fd99::2
+        ];
+        let h = CmaHdr::parse(&kernel).unwrap();
+        let (a, b): (Ipv6Addr, Ipv6Addr) = ("fd99::3".parse().unwrap(), "fd99::2".parse().unwrap());
+        assert_eq!(h.src, IpAddr::V6(a));
+        assert_eq!(h.dst, IpAddr::V6(b));
+        assert_eq!(h.src_port, 0xa358);
+        // The header pvcm builds for the same connection is the kernel's, byte for byte.
+        let mine = CmaHdr::from_gids(Gid::from(a), Gid::from(b), 0xa358);
+        assert_eq!(mine.to_bytes().unwrap(), kernel);
+        // And the flow label rdma_cm derives from it.
+        assert_eq!(
+            req_flow_label(tcp_service_id(7471), &kernel),
+            Some(roce_flow_label(0xa358, 7471))
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@
 
 use std::collections::{BinaryHeap, HashMap};
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -130,7 +130,7 @@ struct Held {
     due: Instant,
     seq: u64,
     out: usize,
-    dst: SocketAddrV4,
+    dst: SocketAddr,
     mad: [u8; MAD_LEN],
 }
 
@@ -157,16 +157,16 @@ impl Relay {
     pub fn start(hosts: &[RelayHost], faults: Faults, seed: u64) -> io::Result<Relay> {
         let mut socks: Vec<UdpPort> = Vec::new();
         // (address, port) -> socket index; address -> host index.
-        let mut by_addr: HashMap<SocketAddrV4, usize> = HashMap::new();
-        let mut host_of: HashMap<Ipv4Addr, usize> = HashMap::new();
+        let mut by_addr: HashMap<SocketAddr, usize> = HashMap::new();
+        let mut host_of: HashMap<IpAddr, usize> = HashMap::new();
         for (h, host) in hosts.iter().enumerate() {
             for a in &host.addrs {
-                host_of.insert(*a, h);
+                host_of.insert(IpAddr::V4(*a), h);
                 for (g, other) in hosts.iter().enumerate() {
                     if g == h {
                         continue;
                     }
-                    let p = UdpPort::bind(*a, other.port).map_err(|e| {
+                    let p = UdpPort::bind(IpAddr::V4(*a), 0, other.port).map_err(|e| {
                         io::Error::new(e.kind(), format!("relay bind {a}:{}: {e}", other.port))
                     })?;
                     by_addr.insert(p.local(), socks.len());
@@ -228,8 +228,8 @@ impl Drop for Relay {
 
 struct Runner {
     socks: Vec<UdpPort>,
-    by_addr: HashMap<SocketAddrV4, usize>,
-    host_of: HashMap<Ipv4Addr, usize>,
+    by_addr: HashMap<SocketAddr, usize>,
+    host_of: HashMap<IpAddr, usize>,
     ports: Vec<u16>,
     faults: Faults,
     rng: SplitMix64,
@@ -298,8 +298,9 @@ impl Runner {
             let now = Instant::now();
             while self.held.peek().is_some_and(|h| h.due <= now) {
                 if let Some(h) = self.held.pop() {
-                    let f = self.socks[h.out].frame(h.dst, &h.mad);
-                    now_out[h.out].push(f);
+                    if let Some(f) = self.socks[h.out].frame(h.dst, &h.mad) {
+                        now_out[h.out].push(f);
+                    }
                 }
             }
             for (i, frames) in now_out.iter_mut().enumerate() {
@@ -317,7 +318,7 @@ impl Runner {
     }
 
     /// A datagram that arrived on socket `i` from `src`.
-    fn take(&mut self, i: usize, src: SocketAddrV4, d: &[u8], now_out: &mut [Vec<OutFrame>]) {
+    fn take(&mut self, i: usize, src: SocketAddr, d: &[u8], now_out: &mut [Vec<OutFrame>]) {
         let local = self.socks[i].local();
         let f = match check_frame(local, src, d) {
             Ok(f) => f,
@@ -327,16 +328,17 @@ impl Runner {
             }
         };
         // Destination host: the one owning the local address; its port.
-        let (Some(&h), Some(_)) = (self.host_of.get(local.ip()), self.host_of.get(src.ip())) else {
+        let (Some(&h), Some(_)) = (self.host_of.get(&local.ip()), self.host_of.get(&src.ip()))
+        else {
             self.c.bad.fetch_add(1, Ordering::Relaxed);
             return;
         };
         let port_h = self.ports[h];
-        let Some(&out) = self.by_addr.get(&SocketAddrV4::new(*src.ip(), port_h)) else {
+        let Some(&out) = self.by_addr.get(&SocketAddr::new(src.ip(), port_h)) else {
             self.c.bad.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        let dst = SocketAddrV4::new(*local.ip(), port_h);
+        let dst = SocketAddr::new(local.ip(), port_h);
         if self.chance(self.faults.loss) {
             self.c.lost.fetch_add(1, Ordering::Relaxed);
             return;
@@ -358,7 +360,7 @@ impl Runner {
                 hold += REORDER_HOLD;
             }
             if hold.is_zero() && self.held.is_empty() {
-                now_out[out].push(self.socks[out].frame(dst, &f.mad));
+                now_out[out].extend(self.socks[out].frame(dst, &f.mad));
             } else {
                 self.seq += 1;
                 self.held.push(Held {
@@ -390,7 +392,7 @@ impl Sink {
             if socks.iter().any(|s: &UdpPort| s.local().port() == *p) {
                 continue;
             }
-            socks.push(UdpPort::bind(addr, *p)?);
+            socks.push(UdpPort::bind(IpAddr::V4(addr), 0, *p)?);
         }
         let stop = Arc::new(AtomicBool::new(false));
         let frames = Arc::new(AtomicU64::new(0));

@@ -48,10 +48,12 @@ fn baseline(net: u8, n: u64) -> LabResult<f64> {
 /// bound to `to` (port 4791), `sendmmsg`/`recvmmsg` batches of 64 through the wire
 /// port's own calls, at most 1024 in flight. Returns the wall time it took.
 pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Duration> {
-    let a = UdpPort::bind(from, 4791).map_err(|e| format!("baseline socket: {e}"))?;
-    let b = UdpPort::bind(to, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let a = UdpPort::bind(from.into(), 0, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let b = UdpPort::bind(to.into(), 0, 4791).map_err(|e| format!("baseline socket: {e}"))?;
     let mad = mads::ids(AttributeId::Lap, 1, 2, 3);
-    let frames: Vec<_> = (0..BATCH).map(|_| a.frame(b.local(), &mad)).collect();
+    let frames: Vec<_> = (0..BATCH)
+        .filter_map(|_| a.frame(b.local(), &mad))
+        .collect();
     let got = Arc::new(AtomicU64::new(0));
     let g = got.clone();
     let t0 = Instant::now();

@@ -1,0 +1,907 @@
+//! The packet port: the host side of QP1 for VMs that have their own NIC.
+//!
+//! On the hardware pvcm models (ConnectX-3 with SR-IOV) a VM has its own function for
+//! data: its QPs and their traffic use the VM's own GID, while QP1 (CM) traffic for that
+//! GID is taken by the PF, which proxies it. This port is that split for VMs whose GID
+//! is the address of their own (virtual) NIC: a filter outside pvcm (in tests, tc on the
+//! VM's tap: `qemu-scripts/qp1-divert.sh add TAP DEV`) redirects every RoCEv2 frame to
+//! QP1 addressed to a VM onto a network device DEV (a dummy, `pvcm-qp1` in tests); the
+//! frames to other QPs still reach the VM. `--port packet:DEV[:IFACE]`.
+//!
+//! - **Receive**: one `AF_PACKET` socket on DEV (every protocol, the Ethernet header
+//!   included) with a classic BPF filter: IPv4 or IPv6, UDP to the RoCEv2 port
+//!   (`--bind-port`, 4791), BTH destination QP 1, and, when there are few VMs, one of
+//!   their addresses. Reads are batched (`recvmmsg`). Each frame is checked as the soft
+//!   port's raw mode checks a datagram (headers, lengths, the ICRC over the IP header as
+//!   received: [`check_ether_frame`]) and routed to the VM owning its destination
+//!   address.
+//! - **Send**: the frames are built here (pvcm_wire, the ICRC over exactly the header
+//!   sent) with the VM's address as source, and go through the host's IP stack, which
+//!   picks the route and resolves the next hop: a raw IPv4 socket (`IPPROTO_RAW`, the
+//!   header included) and a raw IPv6 socket (`IPPROTO_RAW`, header included). Linux
+//!   keeps the header of such a send but for the IPv4 total length (which pvcm sets to
+//!   the same value), the IPv4 header checksum (masked by the ICRC) and an IPv4
+//!   identification of 0, which it replaces with its own: so pvcm writes a non-zero ID
+//!   of its own choosing (a counter). IFACE is the interface link-local IPv6
+//!   destinations are reached through (their scope); without it a link-local
+//!   destination is `bad_remote_gid`.
+//! - **Migration**: there is nothing to bind (the addresses belong to the VMs' NICs):
+//!   claim and release are accepted as they are.
+//! - **Privileges**: `CAP_NET_RAW` for the packet and raw sockets; without it the port
+//!   does not open and says so.
+//!
+//! Bad input is a counted drop, never a panic. On the VM's counters when the frame's
+//! destination is a VM's address, else on the host's: a frame for an address no VM
+//! owns (`wire_unknown_gid`), a bad ICRC, truncated Ethernet, IPv4, IPv6 or UDP headers
+//! (`wire_truncated`), IPv4 options, fragments or a bad header checksum (`wire_bad_ip`),
+//! an IPv6 extension header (`wire_ipv6_ext_header`), a frame that is not RoCEv2 at all
+//! (`wire_not_roce`), a source that cannot be a RoCE peer (`wire_bad_source`:
+//! multicast, broadcast, unspecified, loopback, an IPv4-mapped or IPv4-compatible
+//! address in an IPv6 header), the BTH and DETH checks of the soft port (`wire_bad_bth`,
+//! `wire_bad_deth`: a DETH source QP other than 1). What the kernel drops before pvcm
+//! reads it (the socket's queue full, `PACKET_STATISTICS`) is `wire_rx_overflow` on the
+//! host's counters.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+
+use pvcm_wire::Gid;
+use pvcm_wire::mad::MAD_LEN;
+use pvcm_wire::roce::{
+    self, FrameRepr, IP_PROTOCOL_UDP, IPV4_HEADER_LEN, IPV6_DATAGRAM_LEN, IPV6_HEADER_LEN, IpRepr,
+    Ipv4Repr, Ipv6Repr, UDP_HEADER_LEN, UdpRepr,
+};
+
+use crate::error::Error;
+use crate::port::soft::{self, InFrame, RecvBatch};
+use crate::port::{InMad, OutMad, PortCtx, WirePort};
+use crate::stats::{DevDrop, Io};
+
+/// Length of an Ethernet header (no VLAN tag: the kernel hands tags to packet sockets
+/// out of band).
+pub const ETH_HLEN: usize = 14;
+/// EtherType of IPv4.
+pub const ETH_P_IP: u16 = 0x0800;
+/// EtherType of IPv6.
+pub const ETH_P_IPV6: u16 = 0x86DD;
+/// Every protocol (linux/if_ether.h).
+const ETH_P_ALL: u16 = 0x0003;
+/// `SOL_PACKET` (linux/socket.h).
+const SOL_PACKET: libc::c_int = 263;
+/// `PACKET_STATISTICS` (linux/if_packet.h): `struct tpacket_stats`, reset on read.
+const PACKET_STATISTICS: libc::c_int = 6;
+/// `ARPHRD_ETHER` (linux/if_arp.h).
+const ARPHRD_ETHER: u32 = 1;
+/// Addresses the kernel filter checks one by one; past this it checks the protocol, the
+/// port and the QP only, and the port checks the address.
+pub const FILTER_MAX_ADDRS: usize = 24;
+/// Batches taken per readiness event before the host loop looks at its other
+/// descriptors.
+const RX_ROUNDS: usize = 16;
+
+/// `struct tpacket_stats`.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct TpacketStats {
+    tp_packets: u32,
+    tp_drops: u32,
+}
+
+/// IPv6 next-header values that are extension headers (RFC 8200 and the IANA list):
+/// hop-by-hop, routing, fragment, ESP, AH, destination options, mobility, HIP, shim6,
+/// and the two experimental ones.
+const IPV6_EXT_HEADERS: [u8; 11] = [0, 43, 44, 50, 51, 60, 135, 139, 140, 253, 254];
+
+/// Why an IPv4 source cannot be a RoCE peer on a wire.
+fn bad_source_v4(a: Ipv4Addr) -> bool {
+    a.is_unspecified()
+        || a.is_broadcast()
+        || a.is_multicast()
+        || a.is_loopback()
+        || a.octets()[0] == 0
+}
+
+/// Why an IPv6 source cannot be a RoCE peer on a wire: unspecified, loopback,
+/// multicast, or an IPv4 address dressed as IPv6 (IPv4-mapped `::ffff:a.b.c.d` or
+/// IPv4-compatible `::a.b.c.d`): RoCEv2 carries those GIDs in IPv4 headers.
+fn bad_source_v6(a: Ipv6Addr) -> bool {
+    a.is_unspecified()
+        || a.is_loopback()
+        || a.is_multicast()
+        || a.to_ipv4_mapped().is_some()
+        || a.octets()[..12] == [0; 12]
+}
+
+/// A frame's destination address, as far as its headers can be read (for whose
+/// counters a drop lands on).
+pub fn frame_destination(frame: &[u8]) -> Option<IpAddr> {
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    let ip = frame.get(ETH_HLEN..)?;
+    match ethertype {
+        ETH_P_IP => {
+            let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
+            Some(IpAddr::V4(Ipv4Addr::from(d)))
+        }
+        ETH_P_IPV6 => {
+            let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
+            Some(IpAddr::V6(Ipv6Addr::from(d)))
+        }
+        _ => None,
+    }
+}
+
+/// Checks one Ethernet frame read from DEV and returns its destination address and the
+/// checked frame: an IPv4 (no options, no fragment, a good header checksum) or IPv6
+/// (next header UDP) datagram, within the frame (Ethernet padding after it is
+/// ignored), a UDP header to `port` whose length is the datagram's, one CM frame (the
+/// soft port's BTH and DETH checks), a source that can be a RoCE peer, and the ICRC
+/// over the IP and UDP headers exactly as received. A drop gives its reason and the
+/// destination address when the headers showed it.
+pub fn check_ether_frame(
+    frame: &[u8],
+    port: u16,
+) -> Result<(IpAddr, InFrame), (Option<IpAddr>, DevDrop)> {
+    if frame.len() < ETH_HLEN {
+        return Err((None, DevDrop::WireTruncated));
+    }
+    let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+    let ip = &frame[ETH_HLEN..];
+    let (dgram, hl, src, dst) = match ethertype {
+        ETH_P_IP => {
+            if ip.len() < IPV4_HEADER_LEN {
+                return Err((None, DevDrop::WireTruncated));
+            }
+            if ip[0] >> 4 != 4 {
+                return Err((None, DevDrop::WireBadIp));
+            }
+            let f = roce::field::ipv4::DST;
+            let dst = IpAddr::V4(Ipv4Addr::from(f.get(ip) as u32));
+            let fail = |r: DevDrop| (Some(dst), r);
+            if roce::field::ipv4::PROTOCOL.get(ip) != u64::from(IP_PROTOCOL_UDP) {
+                return Err(fail(DevDrop::WireNotRoce));
+            }
+            let h = Ipv4Repr::parse(ip).map_err(|_| fail(DevDrop::WireBadIp))?;
+            let total = usize::from(h.total_len);
+            if total < IPV4_HEADER_LEN {
+                return Err(fail(DevDrop::WireBadIp));
+            }
+            if total > ip.len() {
+                return Err(fail(DevDrop::WireTruncated));
+            }
+            if bad_source_v4(h.src) {
+                return Err(fail(DevDrop::WireBadSource));
+            }
+            (&ip[..total], IPV4_HEADER_LEN, IpAddr::V4(h.src), dst)
+        }
+        ETH_P_IPV6 => {
+            if ip.len() < IPV6_HEADER_LEN {
+                return Err((None, DevDrop::WireTruncated));
+            }
+            if ip[0] >> 4 != 6 {
+                return Err((None, DevDrop::WireBadIp));
+            }
+            let h = Ipv6Repr::parse(ip).map_err(|_| (None, DevDrop::WireBadIp))?;
+            let dst = IpAddr::V6(h.dst);
+            let fail = |r: DevDrop| (Some(dst), r);
+            if h.next_header != IP_PROTOCOL_UDP {
+                return Err(fail(if IPV6_EXT_HEADERS.contains(&h.next_header) {
+                    DevDrop::WireIpv6ExtHeader
+                } else {
+                    DevDrop::WireNotRoce
+                }));
+            }
+            let total = IPV6_HEADER_LEN + usize::from(h.payload_len);
+            if total > ip.len() {
+                return Err(fail(DevDrop::WireTruncated));
+            }
+            if bad_source_v6(h.src) {
+                return Err(fail(DevDrop::WireBadSource));
+            }
+            (&ip[..total], IPV6_HEADER_LEN, IpAddr::V6(h.src), dst)
+        }
+        _ => return Err((None, DevDrop::WireNotRoce)),
+    };
+    let fail = |r: DevDrop| (Some(dst), r);
+    let udp_bytes = &dgram[hl..];
+    let udp = UdpRepr::parse(udp_bytes).map_err(|e| {
+        fail(match e {
+            pvcm_wire::Error::Truncated { .. } => DevDrop::WireTruncated,
+            _ => DevDrop::WireBadLength,
+        })
+    })?;
+    if udp.dst_port != port {
+        return Err(fail(DevDrop::WireNotRoce));
+    }
+    if usize::from(udp.length) != udp_bytes.len() {
+        return Err(fail(if usize::from(udp.length) > udp_bytes.len() {
+            DevDrop::WireTruncated
+        } else {
+            DevDrop::WireBadLength
+        }));
+    }
+    let payload = &udp_bytes[UDP_HEADER_LEN..];
+    let (f, bth, deth) = soft::check_headers(payload).map_err(fail)?;
+    roce::check_datagram_icrc(dgram).map_err(|_| fail(DevDrop::WireBadIcrc))?;
+    let from = SocketAddr::new(src, udp.src_port);
+    Ok((dst, soft::in_frame(from, &f, &bth, &deth)))
+}
+
+/// A small classic-BPF assembler: instructions with symbolic jump targets.
+#[derive(Debug, Default)]
+struct Asm {
+    ins: Vec<(u16, u32, Target, Target)>,
+    labels: HashMap<Label, usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Label {
+    Accept,
+    Drop,
+    V4,
+    V6,
+    Next(usize),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    Fall,
+    To(Label),
+}
+
+// Classic BPF opcodes (linux/filter.h, linux/bpf_common.h).
+const BPF_LD: u16 = 0x00;
+const BPF_LDX: u16 = 0x01;
+const BPF_ALU: u16 = 0x04;
+const BPF_JMP: u16 = 0x05;
+const BPF_RET: u16 = 0x06;
+const BPF_W: u16 = 0x00;
+const BPF_H: u16 = 0x08;
+const BPF_B: u16 = 0x10;
+const BPF_ABS: u16 = 0x20;
+const BPF_IND: u16 = 0x40;
+const BPF_MSH: u16 = 0xa0;
+const BPF_AND: u16 = 0x50;
+const BPF_JA: u16 = 0x00;
+const BPF_JEQ: u16 = 0x10;
+const BPF_JSET: u16 = 0x40;
+const BPF_K: u16 = 0x00;
+
+impl Asm {
+    fn stmt(&mut self, code: u16, k: u32) {
+        self.ins.push((code, k, Target::Fall, Target::Fall));
+    }
+    fn jump(&mut self, code: u16, k: u32, t: Target, f: Target) {
+        self.ins.push((BPF_JMP | code | BPF_K, k, t, f));
+    }
+    fn goto(&mut self, l: Label) {
+        self.ins
+            .push((BPF_JMP | BPF_JA, 0, Target::To(l), Target::Fall));
+    }
+    fn label(&mut self, l: Label) {
+        self.labels.insert(l, self.ins.len());
+    }
+
+    /// The program, or `None` if a jump does not fit its 8 bits (or `ja`'s 32).
+    fn finish(&self) -> Option<Vec<libc::sock_filter>> {
+        let off = |at: usize, t: Target| -> Option<u32> {
+            match t {
+                Target::Fall => Some(0),
+                Target::To(l) => {
+                    let to = *self.labels.get(&l)?;
+                    u32::try_from(to.checked_sub(at + 1)?).ok()
+                }
+            }
+        };
+        let mut p = Vec::with_capacity(self.ins.len());
+        for (at, &(code, k, t, f)) in self.ins.iter().enumerate() {
+            if code == BPF_JMP | BPF_JA {
+                p.push(libc::sock_filter {
+                    code,
+                    jt: 0,
+                    jf: 0,
+                    k: off(at, t)?,
+                });
+                continue;
+            }
+            p.push(libc::sock_filter {
+                code,
+                jt: u8::try_from(off(at, t)?).ok()?,
+                jf: u8::try_from(off(at, f)?).ok()?,
+                k,
+            });
+        }
+        Some(p)
+    }
+}
+
+/// The packet socket's filter (see the module docs): Ethernet frames of IPv4 (no
+/// fragment) or IPv6 (next header UDP), UDP to `port`, BTH destination QP 1, and, if
+/// `addrs` is given and not empty, a destination among them.
+pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filter> {
+    let build = |addrs: Option<&[IpAddr]>| -> Option<Vec<libc::sock_filter>> {
+        let addrs = addrs.filter(|a| !a.is_empty());
+        let v4: Vec<u32> = addrs
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(|a| match a {
+                IpAddr::V4(a) => Some(u32::from(*a)),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        let v6: Vec<[u32; 4]> = addrs
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(|a| match a {
+                IpAddr::V6(a) => {
+                    let o = a.octets();
+                    Some(std::array::from_fn(|i| {
+                        u32::from_be_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+                    }))
+                }
+                IpAddr::V4(_) => None,
+            })
+            .collect();
+        let e = ETH_HLEN as u32;
+        let mut a = Asm::default();
+        a.stmt(BPF_LD | BPF_H | BPF_ABS, 12);
+        a.jump(
+            BPF_JEQ,
+            ETH_P_IP.into(),
+            Target::To(Label::V4),
+            Target::Fall,
+        );
+        a.jump(
+            BPF_JEQ,
+            ETH_P_IPV6.into(),
+            Target::To(Label::V6),
+            Target::To(Label::Drop),
+        );
+        // IPv4: UDP, not a fragment, the port, QP 1 (X = the IPv4 header's length).
+        a.label(Label::V4);
+        a.stmt(BPF_LD | BPF_B | BPF_ABS, e + 9);
+        a.jump(
+            BPF_JEQ,
+            IP_PROTOCOL_UDP.into(),
+            Target::Fall,
+            Target::To(Label::Drop),
+        );
+        a.stmt(BPF_LD | BPF_H | BPF_ABS, e + 6);
+        a.jump(BPF_JSET, 0x1FFF, Target::To(Label::Drop), Target::Fall);
+        a.stmt(BPF_LDX | BPF_B | BPF_MSH, e);
+        a.stmt(BPF_LD | BPF_H | BPF_IND, e + 2);
+        a.jump(BPF_JEQ, port.into(), Target::Fall, Target::To(Label::Drop));
+        a.stmt(BPF_LD | BPF_W | BPF_IND, e + UDP_HEADER_LEN as u32 + 4);
+        a.stmt(BPF_ALU | BPF_AND | BPF_K, 0x00FF_FFFF);
+        a.jump(BPF_JEQ, 1, Target::Fall, Target::To(Label::Drop));
+        if addrs.is_some() {
+            a.stmt(BPF_LD | BPF_W | BPF_ABS, e + 16);
+            for w in &v4 {
+                a.jump(BPF_JEQ, *w, Target::To(Label::Accept), Target::Fall);
+            }
+            a.goto(Label::Drop);
+        } else {
+            a.goto(Label::Accept);
+        }
+        // IPv6: next header UDP, the port, QP 1 (fixed offsets: no extension header).
+        a.label(Label::V6);
+        a.stmt(BPF_LD | BPF_B | BPF_ABS, e + 6);
+        a.jump(
+            BPF_JEQ,
+            IP_PROTOCOL_UDP.into(),
+            Target::Fall,
+            Target::To(Label::Drop),
+        );
+        let udp = e + IPV6_HEADER_LEN as u32;
+        a.stmt(BPF_LD | BPF_H | BPF_ABS, udp + 2);
+        a.jump(BPF_JEQ, port.into(), Target::Fall, Target::To(Label::Drop));
+        a.stmt(BPF_LD | BPF_W | BPF_ABS, udp + UDP_HEADER_LEN as u32 + 4);
+        a.stmt(BPF_ALU | BPF_AND | BPF_K, 0x00FF_FFFF);
+        a.jump(BPF_JEQ, 1, Target::Fall, Target::To(Label::Drop));
+        if addrs.is_some() {
+            for (i, w) in v6.iter().enumerate() {
+                let next = Target::To(Label::Next(i));
+                for (j, word) in w.iter().enumerate() {
+                    a.stmt(BPF_LD | BPF_W | BPF_ABS, e + 24 + 4 * j as u32);
+                    let hit = if j == 3 {
+                        Target::To(Label::Accept)
+                    } else {
+                        Target::Fall
+                    };
+                    a.jump(BPF_JEQ, *word, hit, next);
+                }
+                a.label(Label::Next(i));
+            }
+            a.goto(Label::Drop);
+        } else {
+            a.goto(Label::Accept);
+        }
+        a.label(Label::Accept);
+        a.stmt(BPF_RET | BPF_K, 0xFFFF);
+        a.label(Label::Drop);
+        a.stmt(BPF_RET | BPF_K, 0);
+        a.finish()
+    };
+    let addrs = addrs.filter(|a| a.len() <= FILTER_MAX_ADDRS);
+    build(addrs).or_else(|| build(None)).unwrap_or_else(|| {
+        vec![libc::sock_filter {
+            code: BPF_RET | BPF_K,
+            jt: 0,
+            jf: 0,
+            k: 0xFFFF,
+        }]
+    })
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn socket(family: libc::c_int, ty: libc::c_int, proto: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let fd =
+        cvt(unsafe { libc::socket(family, ty | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto) })?;
+    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
+    let fprog = libc::sock_fprog {
+        len: prog.len() as libc::c_ushort,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: `fprog` points at `prog`, which is live for the call; the kernel copies
+    // the program.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&fprog as *const libc::sock_fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    })
+    .map(|_| ())
+}
+
+/// How the packet socket filters (the daemon always filters by address when it can;
+/// tests open the port without the address check, or without a filter, to see the
+/// port's own checks at work).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RxFilter {
+    /// Protocol, port, QP 1 and (up to [`FILTER_MAX_ADDRS`]) the VMs' addresses.
+    Addresses,
+    /// Protocol, port and QP 1 only.
+    NoAddresses,
+    /// Everything the device carries.
+    Off,
+}
+
+/// The packet port (see the module docs).
+#[derive(Debug)]
+pub struct PacketPort {
+    name: String,
+    rx: OwnedFd,
+    tx4: OwnedFd,
+    tx6: OwnedFd,
+    /// The scope of link-local destinations (IFACE's index), 0 without IFACE.
+    scope: u32,
+    port_num: u16,
+    vms: Vec<(String, IpAddr)>,
+    by_addr: HashMap<IpAddr, usize>,
+    psn: Vec<AtomicU32>,
+    ident: AtomicU16,
+}
+
+impl PacketPort {
+    /// Opens the port on `dev` (`iface`: the interface of link-local destinations) for
+    /// these VMs (name, address), with the RoCEv2 UDP port `port_num`.
+    pub fn open(
+        dev: &str,
+        iface: Option<&str>,
+        vms: &[(String, IpAddr)],
+        port_num: u16,
+    ) -> Result<PacketPort, Error> {
+        Self::open_with(dev, iface, vms, port_num, RxFilter::Addresses)
+    }
+
+    /// [`PacketPort::open`] with the receive filter of choice.
+    pub fn open_with(
+        dev: &str,
+        iface: Option<&str>,
+        vms: &[(String, IpAddr)],
+        port_num: u16,
+        filter: RxFilter,
+    ) -> Result<PacketPort, Error> {
+        let name = match iface {
+            Some(i) => format!("packet:{dev}:{i}"),
+            None => format!("packet:{dev}"),
+        };
+        let fail = |reason: String| Error::Packet {
+            port: name.clone(),
+            reason,
+        };
+        let privilege = |what: &str, e: io::Error| {
+            let hint = if e.kind() == io::ErrorKind::PermissionDenied {
+                ": the packet port needs CAP_NET_RAW: run as root, or grant it with \
+                 `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW \
+                 in a systemd unit)"
+            } else {
+                ""
+            };
+            fail(format!("{what}: {e}{hint}"))
+        };
+        let ifindex = soft::if_index(dev).map_err(|e| {
+            fail(format!(
+                "{e}: DEV is the device the VMs' QP1 frames are diverted to (e.g. `ip link \
+                 add pvcm-qp1 type dummy && ip link set pvcm-qp1 up`, then \
+                 qemu-scripts/qp1-divert.sh add TAP pvcm-qp1; see docs/packet-port.md)"
+            ))
+        })?;
+        let sys = std::path::Path::new("/sys/class/net").join(dev);
+        if let Ok(t) = std::fs::read_to_string(sys.join("type"))
+            && t.trim().parse::<u32>().ok() != Some(ARPHRD_ETHER)
+        {
+            return Err(fail(format!(
+                "{dev} is not an Ethernet device (link type {}): the port reads Ethernet \
+                 frames",
+                t.trim()
+            )));
+        }
+        if let Ok(f) = std::fs::read_to_string(sys.join("flags"))
+            && let Ok(flags) = u32::from_str_radix(f.trim().trim_start_matches("0x"), 16)
+            && flags & 1 == 0
+        {
+            tracing::warn!(port = %name, "{dev} is down: nothing diverted to it arrives (`ip link set {dev} up`)");
+        }
+        let scope = match iface {
+            Some(i) => soft::if_index(i).map_err(|e| fail(format!("IFACE: {e}")))?,
+            None => 0,
+        };
+        // Bound to no protocol until the filter is on, so nothing unfiltered queues.
+        let rx = socket(libc::AF_PACKET, libc::SOCK_RAW, 0)
+            .map_err(|e| privilege("packet socket", e))?;
+        let addrs: Vec<IpAddr> = vms.iter().map(|(_, a)| *a).collect();
+        let prog = match filter {
+            RxFilter::Addresses => Some(packet_filter(port_num, Some(&addrs))),
+            RxFilter::NoAddresses => Some(packet_filter(port_num, None)),
+            RxFilter::Off => None,
+        };
+        if let Some(prog) = prog {
+            attach_filter(rx.as_raw_fd(), &prog)
+                .map_err(|e| fail(format!("packet socket filter: {e}")))?;
+        }
+        // Best effort: a large buffer absorbs bursts (FORCE passes rmem_max as root).
+        let big = 16 << 20;
+        if setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, big).is_err() {
+            let _ = setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, big);
+        }
+        // SAFETY: sockaddr_ll is plain old data for which all-zero is valid.
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = ETH_P_ALL.to_be();
+        sll.sll_ifindex = ifindex as libc::c_int;
+        // SAFETY: `sll` is a valid sockaddr_ll and its size is passed.
+        cvt(unsafe {
+            libc::bind(
+                rx.as_raw_fd(),
+                (&sll as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        })
+        .map_err(|e| fail(format!("binding the packet socket to {dev}: {e}")))?;
+        let tx4 = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW)
+            .map_err(|e| privilege("raw IPv4 socket", e))?;
+        let tx6 = socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW)
+            .map_err(|e| privilege("raw IPv6 socket", e))?;
+        let _ = setsockopt_int(tx4.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
+        let _ = setsockopt_int(tx6.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
+        let by_addr = vms.iter().enumerate().map(|(i, (_, a))| (*a, i)).collect();
+        let seed = pvcm_wire::seed::os_seed();
+        let p = PacketPort {
+            name,
+            rx,
+            tx4,
+            tx6,
+            scope,
+            port_num,
+            vms: vms.to_vec(),
+            by_addr,
+            psn: vms.iter().map(|_| AtomicU32::new(0)).collect(),
+            ident: AtomicU16::new(seed as u16),
+        };
+        // Whatever queued before the bind is not ours to count.
+        p.stats();
+        tracing::info!(port = %p.name, filter = ?filter, vms = vms.len(), "packet port open");
+        Ok(p)
+    }
+
+    /// The next IPv4 identification: a counter, never 0 (which Linux would replace).
+    fn next_ident(&self) -> u16 {
+        loop {
+            let id = self.ident.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+
+    /// The datagram VM `vm` sends `mad` to `dst` in, and where to send it; `None` when
+    /// the GID is not reachable from the VM's address (the other family, or link-local
+    /// without IFACE).
+    pub fn datagram(
+        &self,
+        vm: usize,
+        dst: Gid,
+        mad: &[u8; MAD_LEN],
+        buf: &mut [u8; IPV6_DATAGRAM_LEN],
+    ) -> Option<(usize, SocketAddr)> {
+        let (_, own) = self.vms.get(vm)?;
+        let psn = self.psn.get(vm)?.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+        let udp = UdpRepr {
+            dst_port: self.port_num,
+            ..UdpRepr::new(self.port_num)
+        };
+        let (ip, to) = match (own, dst.to_ipv4()) {
+            (IpAddr::V4(s), Some(d)) => (
+                IpRepr::V4(Ipv4Repr {
+                    identification: self.next_ident(),
+                    ..Ipv4Repr::new(*s, d)
+                }),
+                SocketAddr::new(IpAddr::V4(d), 0),
+            ),
+            (IpAddr::V6(s), None) => {
+                let d: Ipv6Addr = dst.into();
+                let scope = if dst.is_link_local() {
+                    (self.scope != 0).then_some(self.scope)?
+                } else {
+                    0
+                };
+                (
+                    IpRepr::V6(Ipv6Repr::new(*s, d)),
+                    SocketAddr::V6(SocketAddrV6::new(d, 0, 0, scope)),
+                )
+            }
+            _ => return None,
+        };
+        let n = FrameRepr::gsi(psn, mad)
+            .emit_datagram(&mut buf[..], &ip, &udp)
+            .ok()?;
+        Some((n, to))
+    }
+
+    fn send_one(&self, datagram: &[u8], to: &SocketAddr) -> io::Result<()> {
+        let fd = match to {
+            SocketAddr::V4(_) => self.tx4.as_raw_fd(),
+            SocketAddr::V6(_) => self.tx6.as_raw_fd(),
+        };
+        let (sa, len) = soft::sockaddr_of(to);
+        let mut stalls = 0;
+        loop {
+            // SAFETY: the datagram and the address are live for the call.
+            let r = unsafe {
+                libc::sendto(
+                    fd,
+                    datagram.as_ptr().cast(),
+                    datagram.len(),
+                    0,
+                    (&sa as *const libc::sockaddr_storage).cast(),
+                    len,
+                )
+            };
+            if r >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock if stalls < 100 => {
+                    stalls += 1;
+                    std::thread::yield_now();
+                }
+                _ => return Err(e),
+            }
+        }
+    }
+
+    /// The kernel's drops on the packet socket since the last call (the counters reset
+    /// on read).
+    fn stats(&self) -> u32 {
+        let mut st = TpacketStats::default();
+        let mut len = std::mem::size_of::<TpacketStats>() as libc::socklen_t;
+        // SAFETY: `st` is a live tpacket_stats and `len` its size.
+        let r = unsafe {
+            libc::getsockopt(
+                self.rx.as_raw_fd(),
+                SOL_PACKET,
+                PACKET_STATISTICS,
+                (&mut st as *mut TpacketStats).cast(),
+                &mut len,
+            )
+        };
+        if r < 0 { 0 } else { st.tp_drops }
+    }
+
+    /// Sets the packet socket's receive buffer (tests: a small one overflows).
+    #[cfg(test)]
+    fn set_rcvbuf(&self, bytes: libc::c_int) {
+        setsockopt_int(
+            self.rx.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            bytes,
+        )
+        .expect("SO_RCVBUF");
+    }
+
+    /// The VM owning `dst`, if any.
+    fn vm_of(&self, dst: &IpAddr) -> Option<usize> {
+        self.by_addr.get(dst).copied()
+    }
+}
+
+fn setsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    opt: libc::c_int,
+    v: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `fd` is an open socket owned by the caller; the option value is a live
+    // c_int whose size is passed alongside.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })
+    .map(|_| ())
+}
+
+impl WirePort for PacketPort {
+    fn rx_mode(&self) -> String {
+        format!("packet {}", self.name.trim_start_matches("packet:"))
+    }
+
+    fn poll_fds(&self) -> Vec<(RawFd, u64)> {
+        vec![(self.rx.as_raw_fd(), 0)]
+    }
+
+    fn attach(&self, _vm: usize) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn claim(&self, _vm: usize) -> Result<bool, String> {
+        // The address is the VM's NIC's: nothing to bind here.
+        Ok(false)
+    }
+
+    fn release(&self, _vm: usize) {}
+
+    fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
+        let Some(p) = ctx.vms.get(vm) else { return };
+        let mut buf = [0u8; IPV6_DATAGRAM_LEN];
+        for (dst, mad) in mads {
+            let Some((n, to)) = self.datagram(vm, *dst, mad, &mut buf) else {
+                tracing::debug!(parent: &p.span, %dst, "no route from this VM's address to the GID: dropped");
+                p.counters.drop(DevDrop::BadRemoteGid);
+                continue;
+            };
+            let d = &buf[..n];
+            if let Some(c) = ctx.capture {
+                c.record_datagram(d);
+            }
+            match self.send_one(d, &to) {
+                Ok(()) => p.counters.add(Io::WireTxFrames, 1),
+                Err(e) => {
+                    tracing::debug!(parent: &p.span, error = %e, %dst, "packet port send failed");
+                    p.counters.drop(DevDrop::WireSendError);
+                }
+            }
+        }
+        if let Some(c) = ctx.capture {
+            c.flush();
+        }
+    }
+
+    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+        thread_local! {
+            static RB: std::cell::RefCell<Option<RecvBatch>> = const { std::cell::RefCell::new(None) };
+        }
+        RB.with(|rb| {
+            let mut rb = rb.borrow_mut();
+            let rb = rb.get_or_insert_with(RecvBatch::default);
+            for _ in 0..RX_ROUNDS {
+                let n = match soft::recv_batch(self.rx.as_raw_fd(), rb) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::warn!(port = %self.name, error = %e, "packet receive failed");
+                        break;
+                    }
+                };
+                let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
+                for i in 0..n {
+                    let (_, frame, truncated) = rb.get(i);
+                    self.on_frame(ctx, frame, truncated, &mut per_vm);
+                }
+                if let Some(c) = ctx.capture {
+                    c.flush();
+                }
+                for (vm, mads) in per_vm {
+                    route(vm, mads);
+                }
+                if n < soft::BATCH {
+                    break;
+                }
+            }
+            ctx.host
+                .drop_n(DevDrop::WireRxOverflow, self.stats().into());
+        });
+    }
+}
+
+impl PacketPort {
+    /// One frame from DEV: checked, counted, and queued for its VM.
+    fn on_frame(
+        &self,
+        ctx: &PortCtx<'_>,
+        frame: &[u8],
+        truncated: bool,
+        per_vm: &mut Vec<(usize, Vec<InMad>)>,
+    ) {
+        let owner = |dst: Option<IpAddr>| {
+            dst.and_then(|d| self.vm_of(&d))
+                .and_then(|vm| Some((vm, ctx.vms.get(vm)?)))
+        };
+        let result = if truncated {
+            Err((frame_destination(frame), DevDrop::WireBadLength))
+        } else {
+            check_ether_frame(frame, self.port_num)
+        };
+        match result {
+            Ok((dst, f)) => {
+                let Some((vm, p)) = owner(Some(dst)) else {
+                    ctx.host.add(Io::WireRxFrames, 1);
+                    ctx.host.drop(DevDrop::WireUnknownGid);
+                    tracing::debug!(port = %self.name, %dst, src = %f.src, "QP1 frame for an address no VM owns: dropped");
+                    return;
+                };
+                p.counters.add(Io::WireRxFrames, 1);
+                if let Some(c) = ctx.capture {
+                    c.record_datagram(frame.get(ETH_HLEN..).unwrap_or(&[]));
+                }
+                let m = InMad::from(f);
+                match per_vm.iter_mut().find(|(q, _)| *q == vm) {
+                    Some((_, v)) => v.push(m),
+                    None => per_vm.push((vm, vec![m])),
+                }
+            }
+            Err((dst, reason)) => {
+                let counters = match owner(dst) {
+                    Some((_, p)) => &p.counters,
+                    None => ctx.host,
+                };
+                counters.add(Io::WireRxFrames, 1);
+                counters.drop(reason);
+                if let (Some(c), Some(ip)) = (ctx.capture, frame.get(ETH_HLEN..))
+                    && dst.is_some()
+                {
+                    c.record_datagram(ip);
+                }
+                tracing::debug!(port = %self.name, dst = ?dst, reason = reason.name(), "packet port frame dropped");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

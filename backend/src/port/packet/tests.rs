@@ -1,0 +1,689 @@
+//! The packet port: its frame check byte by byte, and real sockets in a network
+//! namespace (veth pairs): frames written at the far end of one veth are read, checked
+//! and routed; frames sent leave through the IP stack with the VM's address as source
+//! and a valid ICRC, read at the far end of another.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pvcm_wire::mad::{self, MGMT_CLASS_CM};
+use pvcm_wire::roce::{BthRepr, DethRepr, IPV4_HEADER_LEN};
+
+use super::*;
+use crate::config::VmSpec;
+use crate::pcap::Capture;
+use crate::port::testnet::{add_addr, in_netns, ip};
+use crate::stats::DevCounters;
+use crate::vm_port::VmPort;
+
+const PORT: u16 = 4791;
+
+fn cm_mad(tag: u8) -> [u8; MAD_LEN] {
+    let mut m = [0u8; MAD_LEN];
+    mad::field::MGMT_CLASS.set(&mut m, MGMT_CLASS_CM.into());
+    m[255] = tag;
+    m
+}
+
+fn a(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// A RoCEv2 datagram the way rxe writes it: IPv4 with a hashed ID, IPv6 with UDP
+/// checksum 0; `deth` as given (the GSI's unless a test breaks it).
+fn datagram(src: IpAddr, dst: IpAddr, tag: u8, deth: DethRepr) -> Vec<u8> {
+    let ip = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => IpRepr::V4(Ipv4Repr {
+            identification: 0x5a17,
+            ..Ipv4Repr::new(s, d)
+        }),
+        (IpAddr::V6(s), IpAddr::V6(d)) => IpRepr::V6(Ipv6Repr::new(s, d)),
+        _ => panic!("mixed families"),
+    };
+    let udp = UdpRepr {
+        src_port: 0xd872,
+        ..UdpRepr::new(PORT)
+    };
+    let mut d = vec![0u8; ip.datagram_len()];
+    let m = cm_mad(tag);
+    FrameRepr {
+        bth: BthRepr::gsi(7),
+        deth,
+        mad: &m,
+    }
+    .emit_datagram(&mut d, &ip, &udp)
+    .unwrap();
+    if ip.header_len() == IPV6_HEADER_LEN {
+        d[46] = 0;
+        d[47] = 0;
+    }
+    d
+}
+
+fn good(src: &str, dst: &str, tag: u8) -> Vec<u8> {
+    datagram(a(src), a(dst), tag, DethRepr::gsi())
+}
+
+/// An Ethernet frame around a datagram (the EtherType from its version nibble).
+fn eth(d: &[u8]) -> Vec<u8> {
+    let ty = if d.first().map(|b| b >> 4) == Some(6) {
+        ETH_P_IPV6
+    } else {
+        ETH_P_IP
+    };
+    let mut f = vec![0x02, 0, 0, 0, 0, 0xaa, 0x02, 0, 0, 0, 0, 0xbb];
+    f.extend_from_slice(&ty.to_be_bytes());
+    f.extend_from_slice(d);
+    f
+}
+
+fn reason(f: &[u8]) -> DevDrop {
+    check_ether_frame(f, PORT).unwrap_err().1
+}
+
+#[test]
+fn the_frame_check() {
+    let v4 = eth(&good("10.50.0.2", "10.50.0.11", 1));
+    let v6 = eth(&good("fd50::2", "fd50::11", 2));
+    let (dst, f) = check_ether_frame(&v4, PORT).unwrap();
+    assert_eq!(dst, a("10.50.0.11"));
+    assert_eq!(f.src, Gid::from_ipv4("10.50.0.2".parse().unwrap()));
+    assert_eq!(f.src_addr, SocketAddr::new(a("10.50.0.2"), 0xd872));
+    assert_eq!(f.mad[255], 1);
+    let (dst, f) = check_ether_frame(&v6, PORT).unwrap();
+    assert_eq!(dst, a("fd50::11"));
+    assert_eq!(f.src, Gid::from("fd50::2".parse::<Ipv6Addr>().unwrap()));
+    assert_eq!(f.mad[255], 2);
+    // Ethernet padding after the datagram is not part of it.
+    let mut padded = v4.clone();
+    padded.extend_from_slice(&[0; 20]);
+    assert!(check_ether_frame(&padded, PORT).is_ok());
+
+    // Truncated: Ethernet, IP headers, the IP length, the UDP header.
+    assert_eq!(reason(&v4[..13]), DevDrop::WireTruncated);
+    assert_eq!(reason(&v4[..14 + 19]), DevDrop::WireTruncated);
+    assert_eq!(reason(&v6[..14 + 39]), DevDrop::WireTruncated);
+    assert_eq!(reason(&v4[..v4.len() - 1]), DevDrop::WireTruncated);
+    assert_eq!(reason(&v6[..v6.len() - 1]), DevDrop::WireTruncated);
+    assert_eq!(
+        check_ether_frame(&v4[..v4.len() - 1], PORT).unwrap_err().0,
+        Some(a("10.50.0.11"))
+    );
+    let mut w = v6.clone();
+    w[14 + 4..14 + 6].copy_from_slice(&4u16.to_be_bytes()); // payload length 4
+    assert_eq!(reason(&w[..14 + 44]), DevDrop::WireTruncated);
+    // Not RoCEv2: another EtherType, protocol, next header or port.
+    let mut w = v4.clone();
+    w[12..14].copy_from_slice(&0x0806u16.to_be_bytes()); // ARP
+    assert_eq!(reason(&w), DevDrop::WireNotRoce);
+    let mut w = good("10.50.0.2", "10.50.0.11", 1);
+    w[9] = 6; // TCP, header checksum fixed
+    let h = Ipv4Repr::parse(&{
+        let mut x = w.clone();
+        x[10] = 0;
+        x[11] = 0;
+        let mut r = Ipv4Repr::parse(&good("10.50.0.2", "10.50.0.11", 1)).unwrap();
+        r.protocol = 6;
+        r.emit(&mut x).unwrap();
+        x
+    })
+    .unwrap();
+    h.emit(&mut w).unwrap();
+    assert_eq!(reason(&eth(&w)), DevDrop::WireNotRoce);
+    let mut w = v6.clone();
+    w[14 + 6] = 58; // ICMPv6
+    assert_eq!(reason(&w), DevDrop::WireNotRoce);
+    for nh in [0u8, 43, 44, 60] {
+        let mut w = v6.clone();
+        w[14 + 6] = nh;
+        assert_eq!(reason(&w), DevDrop::WireIpv6ExtHeader, "next header {nh}");
+    }
+    let mut w = v6.clone();
+    w[14 + 42..14 + 44].copy_from_slice(&4792u16.to_be_bytes());
+    assert_eq!(reason(&w), DevDrop::WireNotRoce);
+    // IPv4 options, fragments, checksum; an IPv4 EtherType with another version.
+    let mut w = v4.clone();
+    w[14] = 0x46;
+    assert_eq!(reason(&w), DevDrop::WireBadIp);
+    let mut w = v4.clone();
+    w[14 + 8] ^= 1; // TTL, checksum not fixed
+    assert_eq!(reason(&w), DevDrop::WireBadIp);
+    let mut w = v4.clone();
+    w[14] = 0x65;
+    assert_eq!(reason(&w), DevDrop::WireBadIp);
+    let mut w = v6.clone();
+    w[14] = 0x45;
+    assert_eq!(reason(&w), DevDrop::WireBadIp);
+    // Sources that cannot be a RoCE peer.
+    for (s, d) in [
+        ("0.0.0.0", "10.50.0.11"),
+        ("255.255.255.255", "10.50.0.11"),
+        ("224.0.0.5", "10.50.0.11"),
+        ("127.0.0.1", "10.50.0.11"),
+        ("::", "fd50::11"),
+        ("::1", "fd50::11"),
+        ("ff02::1", "fd50::11"),
+        ("::ffff:10.50.0.2", "fd50::11"),
+        ("::10.50.0.2", "fd50::11"),
+    ] {
+        assert_eq!(
+            reason(&eth(&good(s, d, 0))),
+            DevDrop::WireBadSource,
+            "source {s}"
+        );
+    }
+    // BTH and DETH: a source QP other than 1, another Q_Key, QP 2.
+    let bad_qp = DethRepr {
+        src_qp: 2,
+        ..DethRepr::gsi()
+    };
+    for (s, d) in [("10.50.0.2", "10.50.0.11"), ("fd50::2", "fd50::11")] {
+        assert_eq!(
+            reason(&eth(&datagram(a(s), a(d), 0, bad_qp))),
+            DevDrop::WireBadDeth
+        );
+    }
+    let mut w = v6.clone();
+    w[14 + 48 + 7] = 2; // destination QP 2
+    assert_eq!(reason(&w), DevDrop::WireBadBth);
+    // The ICRC, over the IP header as received: an address, the IPv4 ID, the MAD.
+    for at in [14 + 12, 14 + 4, v4.len() - 10] {
+        let mut w = v4.clone();
+        w[at] ^= 0x01;
+        if at < 14 + IPV4_HEADER_LEN {
+            // Keep the header checksum right, so only the ICRC can tell.
+            let mut h = Ipv4Repr::parse(&v4[14..]).unwrap();
+            if at == 14 + 12 {
+                h.src = "11.50.0.2".parse().unwrap();
+            } else {
+                h.identification ^= 0x0100;
+            }
+            h.emit(&mut w[14..]).unwrap();
+        }
+        assert_eq!(reason(&w), DevDrop::WireBadIcrc, "byte {at}");
+    }
+    for at in [14 + 8, 14 + 39, 14 + 40, v6.len() - 1] {
+        let mut w = v6.clone();
+        w[at] ^= 0x01;
+        assert_eq!(reason(&w), DevDrop::WireBadIcrc, "byte {at}");
+    }
+    // Masked fields do not matter: TTL (checksum fixed), traffic class, flow label,
+    // hop limit, the UDP checksum.
+    let mut w = v6.clone();
+    w[14 + 1] = 0xff;
+    w[14 + 7] = 1;
+    w[14 + 46] = 0x12;
+    assert!(check_ether_frame(&w, PORT).is_ok());
+    // UDP length other than the datagram's.
+    let mut w = v6.clone();
+    w[14 + 44..14 + 46].copy_from_slice(&200u16.to_be_bytes());
+    assert_eq!(reason(&w), DevDrop::WireBadLength);
+    assert_eq!(frame_destination(&v6), Some(a("fd50::11")));
+    assert_eq!(frame_destination(&v4[..20]), None);
+}
+
+#[test]
+fn filters_fit_or_fall_back() {
+    let many: Vec<IpAddr> = (0..FILTER_MAX_ADDRS as u16)
+        .map(|i| IpAddr::V6(Ipv6Addr::new(0xfd50, 0, 0, 0, 0, 0, 0, i + 1)))
+        .collect();
+    let with = packet_filter(PORT, Some(&many));
+    let without = packet_filter(PORT, None);
+    assert!(with.len() > without.len() + 4 * many.len());
+    // Too many addresses for the kernel check: the filter without them.
+    let more: Vec<IpAddr> = (0..300u16)
+        .map(|i| IpAddr::V6(Ipv6Addr::new(0xfd50, 0, 0, 0, 0, 0, 1, i)))
+        .collect();
+    let p = packet_filter(PORT, Some(&more));
+    assert_eq!(p.len(), without.len());
+    // Every program ends with accept and drop, and every jump stays inside it.
+    for prog in [&with, &without] {
+        for (i, ins) in prog.iter().enumerate() {
+            if ins.code & 0x07 == BPF_JMP {
+                let far = if ins.code == BPF_JMP | BPF_JA {
+                    ins.k as usize
+                } else {
+                    usize::from(ins.jt.max(ins.jf))
+                };
+                assert!(i + 1 + far < prog.len(), "jump at {i} leaves the program");
+            }
+        }
+        assert_eq!(prog[prog.len() - 1].code, BPF_RET | BPF_K);
+    }
+}
+
+/// The veth pairs of a test: `pa` (DEV) with `pb` at its far end to write frames into;
+/// `sa` (the route to the peers 10.50.0.2, fd50::2, fe80::2, static neighbours) with
+/// `sb` at its far end to read what the port sends.
+fn topology() {
+    ip(&["link", "add", "pa", "type", "veth", "peer", "name", "pb"]);
+    ip(&["link", "add", "sa", "type", "veth", "peer", "name", "sb"]);
+    for d in ["pa", "pb", "sb"] {
+        // No IPv6 (router solicitations, MLD) on the devices the test reads or writes.
+        std::fs::write(format!("/proc/sys/net/ipv6/conf/{d}/disable_ipv6"), "1").unwrap();
+    }
+    for d in ["pa", "pb", "sa", "sb"] {
+        ip(&["link", "set", d, "up"]);
+    }
+    ip(&["addr", "add", "10.50.0.1/24", "dev", "sa"]);
+    add_addr("sa", "fd50::1/64");
+    let mac = "02:00:00:00:50:02";
+    ip(&[
+        "neigh",
+        "add",
+        "10.50.0.2",
+        "lladdr",
+        mac,
+        "dev",
+        "sa",
+        "nud",
+        "permanent",
+    ]);
+    ip(&[
+        "-6",
+        "neigh",
+        "add",
+        "fd50::2",
+        "lladdr",
+        mac,
+        "dev",
+        "sa",
+        "nud",
+        "permanent",
+    ]);
+    ip(&[
+        "-6",
+        "neigh",
+        "add",
+        "fe80::2",
+        "lladdr",
+        mac,
+        "dev",
+        "sa",
+        "nud",
+        "permanent",
+    ]);
+}
+
+/// A packet socket on `dev` (every protocol).
+fn packet_socket(dev: &str) -> OwnedFd {
+    let fd = socket(libc::AF_PACKET, libc::SOCK_RAW, 0).unwrap();
+    // SAFETY: sockaddr_ll is plain old data for which all-zero is valid.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = ETH_P_ALL.to_be();
+    sll.sll_ifindex = soft::if_index(dev).unwrap() as libc::c_int;
+    // SAFETY: `sll` is a valid sockaddr_ll.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sll as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0, "bind: {}", io::Error::last_os_error());
+    fd
+}
+
+fn write_frame(fd: &OwnedFd, f: &[u8]) {
+    // SAFETY: the buffer is live for the call.
+    let r = unsafe { libc::send(fd.as_raw_fd(), f.as_ptr().cast(), f.len(), 0) };
+    assert_eq!(r, f.len() as isize, "send: {}", io::Error::last_os_error());
+}
+
+/// The RoCEv2 frames `fd` reads within `wait` (other traffic skipped).
+fn read_roce(fd: &OwnedFd, want: usize, wait: Duration) -> Vec<Vec<u8>> {
+    let end = Instant::now() + wait;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 2048];
+    while got.len() < want && Instant::now() < end {
+        // SAFETY: the buffer is live and writable for its length.
+        let r = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if r <= 0 {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        let f = &buf[..r as usize];
+        if check_udp_port(f) {
+            got.push(f.to_vec());
+        }
+    }
+    got
+}
+
+fn check_udp_port(f: &[u8]) -> bool {
+    let ty = u16::from_be_bytes([f[12], f[13]]);
+    let at = match ty {
+        ETH_P_IP => ETH_HLEN + usize::from(f[ETH_HLEN] & 0x0f) * 4 + 2,
+        ETH_P_IPV6 if f.get(ETH_HLEN + 6) == Some(&IP_PROTOCOL_UDP) => {
+            ETH_HLEN + IPV6_HEADER_LEN + 2
+        }
+        _ => return false,
+    };
+    f.get(at..at + 2) == Some(&PORT.to_be_bytes()[..])
+}
+
+struct Rig {
+    vms: Vec<Arc<VmPort>>,
+    host: DevCounters,
+}
+
+fn rig(specs: &[(&str, &str)]) -> Rig {
+    let vms = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (n, g))| {
+            let s: VmSpec = format!("socket=/x/{n},gid={g},name={n}").parse().unwrap();
+            VmPort::for_test(i, s)
+        })
+        .collect();
+    Rig {
+        vms,
+        host: DevCounters::default(),
+    }
+}
+
+impl Rig {
+    fn addrs(&self) -> Vec<(String, IpAddr)> {
+        self.vms
+            .iter()
+            .map(|v| (v.spec.vm.name.clone(), v.spec.addr()))
+            .collect()
+    }
+    fn ctx<'a>(&'a self, cap: Option<&'a Capture>) -> PortCtx<'a> {
+        PortCtx {
+            vms: &self.vms,
+            host: &self.host,
+            capture: cap,
+        }
+    }
+    /// What the port routes within `wait`: (VM, source GID, tag).
+    fn receive(&self, p: &PacketPort, want: usize, wait: Duration) -> Vec<(usize, Gid, u8)> {
+        let end = Instant::now() + wait;
+        let mut got = Vec::new();
+        while Instant::now() < end {
+            p.receive(&self.ctx(None), 0, &mut |vm, mads| {
+                got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+            });
+            if got.len() >= want {
+                // Anything more would be a leak: give it a moment to show.
+                std::thread::sleep(Duration::from_millis(20));
+                p.receive(&self.ctx(None), 0, &mut |vm, mads| {
+                    got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+                });
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        got
+    }
+    fn drops(&self, who: Option<usize>, r: DevDrop) -> u64 {
+        match who {
+            Some(v) => self.vms[v].counters.dropped(r),
+            None => self.host.dropped(r),
+        }
+    }
+}
+
+const VMS: [(&str, &str); 3] = [("a4", "10.50.0.11"), ("a6", "fd50::11"), ("b6", "fd50::12")];
+
+fn gid(s: &str) -> Gid {
+    s.parse().unwrap()
+}
+
+/// Frames written at the far end of DEV's veth, IPv4 and IPv6, reach the VM of their
+/// destination; with the address filter, frames for other addresses never reach the
+/// port.
+#[test]
+fn receives_and_routes_by_gid() {
+    in_netns("packet port receive", || {
+        topology();
+        let r = rig(&VMS);
+        let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
+        let pb = packet_socket("pb");
+        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.11", 1)));
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::11", 2)));
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::12", 3)));
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::99", 4))); // filtered out
+        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.99", 5))); // filtered out
+        let mut got = r.receive(&port, 3, Duration::from_secs(2));
+        got.sort_by_key(|g| g.2);
+        assert_eq!(
+            got,
+            vec![
+                (0, gid("10.50.0.2"), 1),
+                (1, gid("fd50::2"), 2),
+                (2, gid("fd50::2"), 3)
+            ]
+        );
+        for v in 0..3 {
+            assert_eq!(r.vms[v].counters.io(Io::WireRxFrames), 1);
+        }
+        assert_eq!(r.host.io(Io::WireRxFrames), 0);
+        for d in DevDrop::ALL {
+            assert_eq!(r.host.dropped(*d), 0, "{}", d.name());
+        }
+        assert_eq!(port.rx_mode(), "packet pa");
+    });
+}
+
+/// Bad frames that reach the port are dropped with their reasons, on the VM's counters
+/// when the destination is a VM's, else on the host's; nothing is routed.
+#[test]
+fn drops_bad_frames_with_reasons() {
+    in_netns("packet port drops", || {
+        topology();
+        let r = rig(&VMS);
+        let port = PacketPort::open_with("pa", None, &r.addrs(), PORT, RxFilter::Off).unwrap();
+        let pb = packet_socket("pb");
+        let mut bad_icrc4 = eth(&good("10.50.0.2", "10.50.0.11", 1));
+        let n = bad_icrc4.len();
+        bad_icrc4[n - 1] ^= 0x40;
+        let mut bad_icrc6 = eth(&good("fd50::2", "fd50::11", 2));
+        bad_icrc6[n] ^= 0x40; // the IPv6 frame is 20 bytes longer: a MAD byte
+        let mut ext = eth(&good("fd50::2", "fd50::12", 3));
+        ext[14 + 6] = 0; // hop-by-hop
+        let mut trunc = eth(&good("10.50.0.2", "10.50.0.11", 4));
+        trunc.truncate(n - 10);
+        let bad_qp = DethRepr {
+            src_qp: 5,
+            ..DethRepr::gsi()
+        };
+        let mut tcp = eth(&good("fd50::2", "fd50::12", 5));
+        tcp[14 + 6] = 6;
+        let frames: Vec<(Vec<u8>, Option<usize>, DevDrop)> = vec![
+            (bad_icrc4, Some(0), DevDrop::WireBadIcrc),
+            (bad_icrc6, Some(1), DevDrop::WireBadIcrc),
+            (ext, Some(2), DevDrop::WireIpv6ExtHeader),
+            (trunc, Some(0), DevDrop::WireTruncated),
+            (
+                eth(&datagram(a("fd50::2"), a("fd50::11"), 6, bad_qp)),
+                Some(1),
+                DevDrop::WireBadDeth,
+            ),
+            (
+                eth(&good("::ffff:10.50.0.2", "fd50::12", 7)),
+                Some(2),
+                DevDrop::WireBadSource,
+            ),
+            (
+                eth(&good("ff02::1", "fd50::11", 8)),
+                Some(1),
+                DevDrop::WireBadSource,
+            ),
+            (
+                eth(&good("fd50::2", "fd50::99", 9)),
+                None,
+                DevDrop::WireUnknownGid,
+            ),
+            (
+                eth(&good("10.50.0.2", "10.50.0.98", 10)),
+                None,
+                DevDrop::WireUnknownGid,
+            ),
+            (tcp, Some(2), DevDrop::WireNotRoce),
+        ];
+        for (f, _, _) in &frames {
+            write_frame(&pb, f);
+        }
+        // One good frame last: when it is routed, everything before it was read.
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::12", 11)));
+        let got = r.receive(&port, 1, Duration::from_secs(2));
+        assert_eq!(got, vec![(2, gid("fd50::2"), 11)]);
+        let mut want: HashMap<(Option<usize>, &str), u64> = HashMap::new();
+        for (_, who, why) in &frames {
+            *want.entry((*who, why.name())).or_default() += 1;
+        }
+        for who in [None, Some(0), Some(1), Some(2)] {
+            for d in DevDrop::ALL {
+                let n = want.get(&(who, d.name())).copied().unwrap_or(0);
+                assert_eq!(r.drops(who, *d), n, "{who:?} {}", d.name());
+            }
+        }
+    });
+}
+
+/// What the port sends leaves through the IP stack with the VM's address as source,
+/// IPv4 and IPv6 (a link-local destination through IFACE), and arrives at the far end
+/// with a valid ICRC over exactly the header the kernel sent, byte for byte what pvcm
+/// built and captured; a GID of the other family is bad_remote_gid.
+#[test]
+fn sends_with_the_vms_source_address() {
+    in_netns("packet port send", || {
+        topology();
+        let r = rig(&VMS);
+        let port = PacketPort::open("pa", Some("sa"), &r.addrs(), PORT).unwrap();
+        let sb = packet_socket("sb");
+        let dir = tempfile::tempdir().unwrap();
+        let cap = Capture::create(&dir.path().join("tx.pcap")).unwrap();
+        let ctx = r.ctx(Some(&cap));
+        let (m1, m2, m3, m4) = (cm_mad(1), cm_mad(2), cm_mad(3), cm_mad(4));
+        port.send(&ctx, 0, &[(gid("10.50.0.2"), &m1), (gid("fd50::2"), &m4)]);
+        port.send(&ctx, 1, &[(gid("fd50::2"), &m2), (gid("fe80::2"), &m3)]);
+        cap.flush();
+        assert_eq!(r.vms[0].counters.io(Io::WireTxFrames), 1);
+        assert_eq!(r.vms[0].counters.dropped(DevDrop::BadRemoteGid), 1);
+        assert_eq!(r.vms[1].counters.io(Io::WireTxFrames), 2);
+        let got = read_roce(&sb, 3, Duration::from_secs(2));
+        assert_eq!(got.len(), 3, "three frames at the far end");
+        let mut rd = pcap_file::pcap::PcapReader::new(
+            std::fs::File::open(dir.path().join("tx.pcap")).unwrap(),
+        )
+        .unwrap();
+        let mut captured = Vec::new();
+        while let Some(p) = rd.next_packet() {
+            captured.push(p.unwrap().data.to_vec());
+        }
+        assert_eq!(captured.len(), 3);
+        let mut seen = Vec::new();
+        for f in &got {
+            let d = &f[ETH_HLEN..];
+            roce::check_datagram_icrc(d).unwrap();
+            let (ip, udp, fr) = roce::parse_ip_datagram(d).unwrap();
+            assert_eq!((udp.src_port, udp.dst_port), (PORT, PORT));
+            if let IpRepr::V4(h) = ip {
+                assert_ne!(h.identification, 0);
+                assert!(h.dont_fragment);
+            }
+            // Byte for byte what pvcm built: the kernel rewrote nothing.
+            assert!(captured.iter().any(|c| c[..] == d[..c.len()]), "{ip}");
+            seen.push((ip.src(), ip.dst(), fr.mad()[255]));
+        }
+        seen.sort_by_key(|s| s.2);
+        assert_eq!(
+            seen,
+            vec![
+                (a("10.50.0.11"), a("10.50.0.2"), 1),
+                (a("fd50::11"), a("fd50::2"), 2),
+                (a("fd50::11"), a("fe80::2"), 3),
+            ]
+        );
+        // Without IFACE a link-local destination has no route.
+        let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
+        port.send(&r.ctx(None), 1, &[(gid("fe80::2"), &m3)]);
+        assert_eq!(r.vms[1].counters.dropped(DevDrop::BadRemoteGid), 1);
+    });
+}
+
+/// What the kernel drops on the packet socket (its queue full) is counted on the host.
+#[test]
+fn kernel_drops_are_counted() {
+    in_netns("packet port rx overflow", || {
+        topology();
+        let r = rig(&VMS);
+        let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
+        port.set_rcvbuf(1);
+        let pb = packet_socket("pb");
+        for i in 0..200u8 {
+            write_frame(&pb, &eth(&good("fd50::2", "fd50::11", i)));
+        }
+        let got = r.receive(&port, 200, Duration::from_millis(300));
+        let dropped = r.host.dropped(DevDrop::WireRxOverflow);
+        assert!(got.len() < 200, "the queue must have overflowed");
+        assert_eq!(
+            got.len() as u64 + dropped,
+            200,
+            "{} routed, {dropped} dropped",
+            got.len()
+        );
+        assert_eq!(r.vms[1].counters.io(Io::WireRxFrames), got.len() as u64);
+    });
+}
+
+/// Opening needs an Ethernet DEV that exists, and CAP_NET_RAW.
+#[test]
+fn open_errors_are_clear() {
+    in_netns("packet port errors", || {
+        let r = rig(&VMS);
+        let e = PacketPort::open("nope0", None, &r.addrs(), PORT).unwrap_err();
+        assert!(e.to_string().contains("nope0"), "{e}");
+        assert!(e.to_string().contains("packet-port.md"), "{e}");
+        ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"]);
+        let e = PacketPort::open("d0", Some("nope1"), &r.addrs(), PORT).unwrap_err();
+        assert!(e.to_string().contains("IFACE"), "{e}");
+        let e = PacketPort::open("lo", None, &r.addrs(), PORT).unwrap_err();
+        assert!(e.to_string().contains("not an Ethernet device"), "{e}");
+        // Without CAP_NET_RAW (dropped for this thread only).
+        drop_net_raw();
+        let e = PacketPort::open("d0", None, &r.addrs(), PORT).unwrap_err();
+        assert!(e.to_string().contains("CAP_NET_RAW"), "{e}");
+    });
+}
+
+/// Drops CAP_NET_RAW from the calling thread's effective set (capabilities are per
+/// thread).
+fn drop_net_raw() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_NET_RAW: u32 = 13;
+    let mut h = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget(2) with a v3 header and room for its two data words.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) };
+    assert_eq!(r, 0, "capget: {}", io::Error::last_os_error());
+    d[0].effective &= !(1 << CAP_NET_RAW);
+    // SAFETY: capset(2) with the same header and data, less one effective bit.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()) };
+    assert_eq!(r, 0, "capset: {}", io::Error::last_os_error());
+}
