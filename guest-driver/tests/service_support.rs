@@ -37,6 +37,7 @@ pub fn port(n: u8) -> RdmaPort {
 }
 
 /// One VM: its agent, its service, one process's memory.
+#[derive(Debug)]
 pub struct Vm {
     pub agent: Agent,
     pub cma: Cma,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Checks the Debian packages for real: builds them, installs them on this machine
+# (dpkg -i), has systemd verify both units, runs the installed programs, removes them.
+# Needs root. Run by .ci/run.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../qemu-scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../qemu-scripts/lib.sh"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+need_root "packaging/test-debs.sh (dpkg -i)"
+out="$(mktemp -d)"
+trap 'dpkg -P pvcm-guest pvcm-backend >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
+command -v systemd-analyze >/dev/null || apt_install systemd
+command -v udevadm >/dev/null || apt_install udev
+command -v modprobe >/dev/null || apt_install kmod
+bash "$here/build-debs.sh" --out "$out" "$@"
+fail=0
+check() { # check DESCRIPTION COMMAND...
+    if "${@:2}" >"$out/check.log" 2>&1; then
+        echo "PASS  $1"
+    else
+        echo "FAIL  $1"
+        sed 's/^/      /' "$out/check.log"
+        fail=1
+    fi
+}
+for d in "$out"/*.deb; do
+    echo "== $(basename "$d")"
+    dpkg-deb --info "$d" | sed -n 's/^ *\(Package\|Version\|Depends\|Installed-Size\):/  \1:/p'
+done
+check "pvcm-guest ships the service, its unit, the modprobe rule, the udev rule" \
+    bash -c "dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./usr/sbin/pvcm-guestd &&
+             dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./lib/systemd/system/pvcm-guestd.service &&
+             dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./etc/modprobe.d/pvcm-guest.conf &&
+             dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./usr/lib/udev/rules.d/60-pvcm-guest.rules"
+check "pvcm-backend ships the daemon, its unit, its config, a man page" \
+    bash -c "dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/sbin/pvcm-backend &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./etc/pvcm/backend.conf &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/man/man8/pvcm-backend.8.gz"
+check "both packages install (dpkg -i)" dpkg -i "$out"/pvcm-guest_*.deb "$out"/pvcm-backend_*.deb
+check "systemd-analyze verify pvcm-guestd.service" \
+    systemd-analyze verify /lib/systemd/system/pvcm-guestd.service
+check "systemd-analyze verify pvcm-backend.service" \
+    systemd-analyze verify /lib/systemd/system/pvcm-backend.service
+check "the installed pvcm-guestd and pvcm-backend run (--version)" \
+    bash -c "/usr/sbin/pvcm-guestd --version && /usr/sbin/pvcm-backend --version && /usr/bin/pvcm-guest --version"
+check "the modprobe rule keeps rdma_ucm out (modprobe -n shows /bin/false)" \
+    bash -c "modprobe -n -v --ignore-install rdma_ucm >/dev/null 2>&1; modprobe -c | grep -q '^install rdma_ucm /bin/false'"
+check "pvcm-backend starts on the shipped config plus one VM and answers stat" \
+    bash -c "/usr/sbin/pvcm-backend --config /etc/pvcm/backend.conf --wire-rx udp \
+               --vm socket=$out/vm.sock,gid=127.0.0.99,name=x --control $out/ctl \
+               --state-dir $out/state >$out/backend.log 2>&1 & pid=\$!
+             for i in \$(seq 100); do [ -S $out/ctl ] && break; sleep 0.1; done
+             /usr/sbin/pvcm-backend stat --control $out/ctl; rc=\$?; kill \$pid; exit \$rc"
+check "dpkg -r removes both" dpkg -r pvcm-guest pvcm-backend
+echo "packages: $([ $fail = 0 ] && echo ok || echo FAILED)"
+exit $fail
