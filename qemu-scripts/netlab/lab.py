@@ -192,6 +192,21 @@ class Guest:
         """QEMU's PID."""
         return self.proc.pid if self.proc else None
 
+    def wait_ready(self, timeout=180):
+        """Wait for the agent's ready flag; LabError (with the console tail) if QEMU
+        exits, the init reports a failed setup, or timeout seconds pass."""
+        ready = self.lab.share / f"flag.ready.{self.name}"
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            self.check_alive()
+            if self.console.exists() and "PVCM-END" in self.console.read_text(errors="replace"):
+                raise LabError(f"{self.name}: setup failed; console {self.console}:\n"
+                               f"{self.console_tail()}")
+            if time.monotonic() > deadline:
+                raise LabError(f"{self.name}: not ready after {timeout} s; console "
+                               f"{self.console}:\n{self.console_tail()}")
+            time.sleep(0.1)
+
     def console_tail(self, lines=40):
         """The last lines of the serial console."""
         return _tail(self.console, lines)
@@ -467,11 +482,12 @@ class Lab:
         return tap
 
     def guest(self, name, ip, ip6=None, cm="kernel", socket=None, divert=False,
-              boot_timeout=180, mem="512M", append=""):
+              boot_timeout=180, mem="512M", append="", wait=True):
         """Boot a guest of the RDMA image on br0 (rxe on eth0, agent mode) and wait for
-        its agent. cm: "kernel" (the kernel CM loaded), "pvcm" (kept out), None;
-        socket: a pvcm-backend vhost-user socket to attach the pvcm device to;
-        divert: install the QP1 divert of its tap to pvcm-qp1 before it boots."""
+        its agent (unless wait=False: then call its wait_ready). cm: "kernel" (the
+        kernel CM loaded), "pvcm" (kept out), None; socket: a pvcm-backend vhost-user
+        socket to attach the pvcm device to; divert: install the QP1 divert of its tap
+        to pvcm-qp1 before it boots; append: more kernel command line."""
         if name in self.guests:
             raise LabError(f"guest {name} exists")
         ip = ip.split("/")[0]
@@ -515,16 +531,8 @@ class Lab:
                                 "vq_size=1024,config_size=8"]
         g.proc = self._popen_ns(argv, f"{console}.qemu-stderr")
         self.guests[name] = g
-        ready = self.share / f"flag.ready.{name}"
-        deadline = time.monotonic() + boot_timeout
-        while not ready.exists():
-            g.check_alive()
-            if console.exists() and "PVCM-END" in console.read_text(errors="replace"):
-                raise LabError(f"{name}: setup failed; console {console}:\n{g.console_tail()}")
-            if time.monotonic() > deadline:
-                raise LabError(f"{name}: not ready after {boot_timeout} s; console "
-                               f"{console}:\n{g.console_tail()}")
-            time.sleep(0.1)
+        if wait:
+            g.wait_ready(boot_timeout)
         return g
 
     def kernel_guest(self, name, ip, ip6=None, **kw):
