@@ -467,7 +467,7 @@ resolve_userland() {
 }
 rdma_bins=()
 if [ "$flavour" = rdma ]; then
-    apt_install binutils
+    apt_install binutils kmod libc-bin
     versions="$(apt-cache policy "${rdma_pkgs[@]}" 2>/dev/null | awk '
         /^[^ ].*:$/ { p = substr($0, 1, length($0) - 1) }
         /^  Candidate:/ { print p "=" $2 }')"
