@@ -4,6 +4,8 @@
 # network lab's namespace (python3 -m netlab run) with $work, $share and the IOP_*
 # variables set.
 
+# shellcheck disable=SC2154 # $work and $share come from the script that sources this
+
 # kexec PEER NAME TIMEOUT 'CMD': runs CMD in guest PEER through its agent (the RDMA
 # image's pvcm.agent loop: /host/q/PEER.*.sh, one at a time); its output goes to
 # $work/PEER.NAME.out; returns its status (124 on timeout).
@@ -64,6 +66,7 @@ start_backend() {
     rm -f "$work/h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" "${args[@]}" --control "$work/h.ctl" \
         >"$work/backend.log" 2>&1 &
+    # shellcheck disable=SC2034 # used by the scripts that source this
     backend_pid=$!
     for _ in $(seq 100); do [ -S "$work/h.ctl" ] && break; sleep 0.1; done
 }

@@ -10,7 +10,7 @@
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
-vm_ip=10.99.0.1 k_ip=10.99.0.2 j_ip=10.99.0.3
+vm_ip=10.99.0.1 k_ip=10.99.0.2
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"

@@ -11,7 +11,7 @@ set -uo pipefail
 trap 'touch "$IOP_SHARE/flag.stop"' EXIT
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS"
-a_guest=10.99.0.2 b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
+b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"
