@@ -8,7 +8,8 @@ set -euo pipefail
 RECIPE_VERSION=1
 
 # Configure flags: x86_64 system emulation, TCG (+ KVM, free to build, used only with
-# run-vm.sh --kvm) and vhost-user; everything else off.
+# run-vm.sh --kvm), vhost-user and 9p host directory sharing (virtfs; its xattr calls
+# come from glibc with --enable-attr); everything else off.
 CONFIGURE_FLAGS=(
     --target-list=x86_64-softmmu
     --without-default-features
@@ -16,6 +17,8 @@ CONFIGURE_FLAGS=(
     --enable-tcg
     --enable-kvm
     --enable-vhost-user
+    --enable-virtfs
+    --enable-attr
     --enable-pixman
     --disable-docs
     --disable-tools
@@ -37,7 +40,8 @@ Builds QEMU 10.0.2 from Debian's source package (PVCM_DEB_SUITE, default
 bookworm-backports) with pvcm's patch (qemu-scripts/patches/): the generic
 vhost-user-device and vhost-user-device-pci become user-creatable, and virtio IDs
 QEMU has no name for (pvcm uses 63) no longer abort QEMU. Target x86_64-softmmu only,
-TCG (+KVM) and vhost-user, no FDT, no tools, no docs. Firmware (SeaBIOS, option ROMs)
+TCG (+KVM), vhost-user and virtfs (-virtfs / -fsdev: 9p host directory sharing), no
+FDT, no tools, no docs. Firmware (SeaBIOS, option ROMs)
 comes from Debian's seabios and qemu-system-data packages, installed if missing.
 
 Installs into $PVCM_CACHE/qemu/<key>/ (PVCM_CACHE defaults to ~/.cache/pvcm), where
@@ -190,6 +194,8 @@ rm -rf "$prefix"
     die "$qemu_bin does not list vhost-user-device-pci (patch not effective?)"
 "$qemu_bin" -device vhost-user-device-pci,help >/dev/null 2>&1 ||
     die "$qemu_bin: vhost-user-device-pci,help failed"
+"$qemu_bin" -device help 2>&1 | grep '"virtio-9p-pci"' >/dev/null ||
+    die "$qemu_bin does not list virtio-9p-pci (configure without virtfs?)"
 
 total_s="$(elapsed "$t0")"
 cp "$PVCM_SCRIPTS_DIR"/patches/qemu-"$PVCM_QEMU_VERSION"-*.patch "$prefix/"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pvcm against the real Linux kernel CM: interop tests over RoCEv2 with rxe-peer.
+# pvcm against the real Linux kernel CM: interop tests over RoCEv2 with the network lab.
 set -euo pipefail
 
 usage() {
@@ -7,10 +7,11 @@ usage() {
 Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--workdir DIR] [--pcap FILE]
        qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--rounds 3] [--workdir DIR]
 
-Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe (../shared/tools/rxe-peer): two
-TCG guests with the kernel CM (k 10.99.0.2 with a cmtime listener, j 10.99.0.3) and,
-on the same bridge in a private network namespace, a pvcm-backend whose VM address is
-10.99.0.1 with a pvcm QEMU VM (TCG, patched QEMU) on it. Tests:
+Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe in the network lab
+(qemu-scripts/netlab, python3 -m netlab run): two TCG guests of the RDMA image
+(build-guest.sh --rdma) with the kernel CM (k 10.99.0.2 with a cmtime listener, j
+10.99.0.3) and, on the same bridge in a private network namespace, a pvcm-backend whose
+VM address is 10.99.0.1 with a pvcm QEMU VM (TCG, patched QEMU) on it. Tests:
 
   1 kernel -> kernel: cmtime -s k -c N (the baseline figures)
   2 pvcm VM -> kernel listener: pvcm-guest cmtime, N connections up and down
@@ -52,8 +53,9 @@ Options:
   --rounds N     benchmark bursts per size and side (default 3)
   -h, --help     this help
 
-Needs root (network namespace, taps, raw socket), and installs what it needs:
-Debian's QEMU 10, librdmacm-dev (for kcm-withdraw), tshark with --pcap.
+Needs root (network namespace, taps, raw socket), and builds and installs what it
+needs: the patched QEMU, the default and RDMA guest images, pvcm-backend, gcc and
+librdmacm-dev (for kcm), tshark with --pcap.
 USAGE
 }
 
@@ -87,8 +89,6 @@ while [ $# -gt 0 ]; do
 done
 case "$rounds" in '' | *[!0-9]* | 0) die "--rounds needs a positive number, not '$rounds'" ;; esac
 need_root "interop.sh (network namespace, raw socket)"
-rxe_peer="$PVCM_REPO_DIR/../shared/tools/rxe-peer"
-[ -x "$rxe_peer/run.sh" ] || [ -f "$rxe_peer/run.sh" ] || die "no rxe-peer at $rxe_peer"
 
 keep=1
 if [ -z "$workdir" ]; then
@@ -103,12 +103,11 @@ mkdir -p "$share/q" "$share/bin"
 
 echo "== build (cached)"
 t="$(now_s)"
-apt_install iproute2 util-linux busybox gcc librdmacm-dev
+apt_install iproute2 util-linux python3 gcc librdmacm-dev
 [ -z "$pcap" ] || apt_install tshark
-qemu="$(debian_qemu10 "for rxe-peer's kernel-CM guests")"
-bash "$rxe_peer/build.sh" >"$workdir/rxe-build.log" 2>&1 || {
-    cat "$workdir/rxe-build.log"
-    die "rxe-peer build.sh failed"
+"$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null 2>"$workdir/build-rdma-guest.log" || {
+    cat "$workdir/build-rdma-guest.log"
+    die "build-guest.sh --rdma failed"
 }
 (cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend) ||
     die "cargo build -p pvcm-backend failed"
@@ -120,8 +119,16 @@ guest_dir="$("$PVCM_SCRIPTS_DIR/build-guest.sh" --print-dir 2>"$workdir/build-gu
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
     "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
-cp "$PVCM_SCRIPTS_DIR/interop/kpeer.sh" "$share/kpeer.sh"
 echo "   ready in $(elapsed "$t") s"
+
+# netlab_run TIMEOUT [--pcap FILE] -- CMD...: the kernel-CM guests k and j (agents) on the
+# lab's bridge, CMD in the lab's namespace; output in $workdir/host.out.
+netlab_run() {
+    local t="$1"
+    shift
+    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+        --workdir "$workdir" --timeout "$t" --guest k=10.99.0.2 --guest j=10.99.0.3 "$@"
+}
 
 if [ "$bench" = 1 ]; then
     echo "== benchmark: kernel CM guests k, j + pvcm-backend and two pvcm VMs on one bridge"
@@ -129,14 +136,10 @@ if [ "$bench" = 1 ]; then
     IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
         IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_SIZES="$sizes" \
         IOP_ROUNDS="$rounds" PVCM_CACHE="$PVCM_CACHE" \
-        bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
-        --logdir "$workdir/rxe" --timeout 1800 -q \
-        --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \
-        --peer j 10.99.0.3/24 'sh /host/kpeer.sh j' \
-        --host-after j --host-cmd "bash $PVCM_SCRIPTS_DIR/interop/bench.sh" || rc=$?
-    cat "$workdir/bench.txt" 2>/dev/null || tail -n 40 "$workdir/rxe/host.out"
+        netlab_run 1800 -- bash "$PVCM_SCRIPTS_DIR/interop/bench.sh" || rc=$?
+    cat "$workdir/bench.txt" 2>/dev/null || tail -n 40 "$workdir/host.out"
     [ "$rc" = 0 ] && [ "$keep" = 0 ] && rm -rf "$workdir"
-    [ "$rc" = 0 ] || echo "bench: failed (run.sh exit $rc), logs in $workdir"
+    [ "$rc" = 0 ] || echo "bench: failed (netlab run exit $rc), logs in $workdir"
     exit "$rc"
 fi
 
@@ -147,12 +150,8 @@ rc=0
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
     IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_CONNS="$conns" \
     IOP_ONLY="$only" IOP_TRIALS="$trials" PVCM_CACHE="$PVCM_CACHE" \
-    bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
-    --logdir "$workdir/rxe" --timeout 900 -q "${pcap_args[@]}" \
-    --peer k 10.99.0.2/24 'sh /host/kpeer.sh k listen' \
-    --peer j 10.99.0.3/24 'sh /host/kpeer.sh j' \
-    --host-after j --host-cmd "bash $PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
-cat "$workdir/rxe/host.out" 2>/dev/null | grep -E '^(==|PASS|FAIL)' || true
+    netlab_run 900 "${pcap_args[@]}" -- bash "$PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
+grep -E '^(==|PASS|FAIL)' "$workdir/host.out" 2>/dev/null || true
 echo "== figures (one run, $conns connections, totals in ms)"
 cat "$workdir/figures.txt" 2>/dev/null || true
 
@@ -167,8 +166,8 @@ failed="$(grep -c '^FAIL' "$workdir/results.txt" 2>/dev/null || true)"
 [ -n "$failed" ] || failed=0
 [ "$passed" -gt 0 ] || failed=$((failed + 1))
 if [ "$failed" != 0 ] || [ "$rc" != 0 ]; then
-    echo "== logs: $workdir (run.sh exit $rc)"
-    for f in "$workdir"/backend.log "$workdir"/rxe/host.out "$workdir"/*.err; do
+    echo "== logs: $workdir (netlab run exit $rc)"
+    for f in "$workdir"/backend.log "$workdir"/host.out "$workdir"/*.err; do
         [ -s "$f" ] && { echo "----- $f"; tail -n 60 "$f"; }
     done
     [ "$failed" != 0 ] || failed=1

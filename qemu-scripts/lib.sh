@@ -34,6 +34,8 @@ need_root() {
 # sha256 of stdin, first 16 hex digits.
 short_hash() { sha256sum | cut -c1-16; }
 
+# apt-get install waits up to 10 minutes for the dpkg lock (other builds on the machine).
+
 # Does any apt source list TYPE (deb|deb-src) for SUITE?
 _apt_has_source() {
     local type="$1" suite="$2" f
@@ -110,9 +112,9 @@ apt_install() {
     log "apt-get install ${missing[*]}"
     mkdir -p "$PVCM_CACHE"
     local alog="$PVCM_CACHE/apt-install.log"
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1; then
+    if ! DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1; then
         apt_update_once
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1 || {
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >"$alog" 2>&1 || {
             tail -n 30 "$alog" >&2
             die "apt-get install ${missing[*]} failed (log: $alog)"
         }
@@ -138,7 +140,7 @@ debian_qemu10() {
         ensure_deb_suite
         need_root "installing qemu-system-x86"
         mkdir -p "$PVCM_CACHE"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
             -t "$PVCM_DEB_SUITE" qemu-system-x86 >/dev/null 2>"$PVCM_CACHE/apt-qemu.err" || {
             cat "$PVCM_CACHE/apt-qemu.err" >&2
             die "apt-get install -t $PVCM_DEB_SUITE qemu-system-x86 failed"

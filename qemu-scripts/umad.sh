@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pvcm's umad port against the real Linux kernel CM, both in rxe-peer guests.
+# pvcm's umad port against the real Linux kernel CM, both in guests of the RDMA image.
 set -euo pipefail
 
 usage() {
@@ -7,7 +7,8 @@ usage() {
 Usage: qemu-scripts/umad.sh [--conns N] [--workdir DIR]
 
 Runs pvcm-backend with --port umad:rxe0:1 (CM MADs through rxe0's QP1 via
-/dev/infiniband/umad0) inside an rxe-peer guest without the kernel CM (a, 10.99.0.2),
+/dev/infiniband/umad0) inside a guest of the RDMA image (build-guest.sh --rdma) in
+the network lab (python3 -m netlab run) without the kernel CM (a, 10.99.0.2),
 with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
 10.99.0.12, both added to the guest's eth0 so rxe0 has their RoCE v2 GIDs; VM c
 10.99.0.13 is not), against the kernel CM of a second guest (b, 10.99.0.3). Tests:
@@ -32,8 +33,8 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   -h, --help     this help
 
-Needs root (network namespace, taps). Installs Debian's QEMU 10, gcc and
-librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c).
+Needs root (network namespace, taps). Builds the patched QEMU and the RDMA image, and
+installs gcc and librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c).
 USAGE
 }
 
@@ -60,8 +61,6 @@ while [ $# -gt 0 ]; do
     shift
 done
 need_root "umad.sh (network namespace, taps)"
-rxe_peer="$PVCM_REPO_DIR/../shared/tools/rxe-peer"
-[ -f "$rxe_peer/run.sh" ] || die "no rxe-peer at $rxe_peer"
 
 keep=1
 if [ -z "$workdir" ]; then
@@ -76,26 +75,25 @@ mkdir -p "$share/q" "$share/bin"
 
 echo "== build (cached)"
 t="$(now_s)"
-apt_install iproute2 util-linux gcc librdmacm-dev
-qemu="$(debian_qemu10 "for rxe-peer's guests")"
-bash "$rxe_peer/build.sh" >"$workdir/rxe-build.log" 2>&1 || {
-    cat "$workdir/rxe-build.log"
-    die "rxe-peer build.sh failed"
+apt_install iproute2 util-linux python3 gcc librdmacm-dev
+"$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
+"$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null 2>"$workdir/build-rdma-guest.log" || {
+    cat "$workdir/build-rdma-guest.log"
+    die "build-guest.sh --rdma failed"
 }
 # Dynamic binaries: the guests run Debian 12's glibc, as the host.
 (cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend &&
     cargo build --release -q -p pvcm-lab --bin pvcm-lab) || die "cargo build failed"
 target="${CARGO_TARGET_DIR:-$PVCM_REPO_DIR/target}/release"
 cp "$target/pvcm-backend" "$target/pvcm-lab" "$share/bin/"
-# The guest image has Debian 12's libc6 minus what rdma-core does not need: bring the
-# libraries the binaries need that it may lack (same glibc 2.36 as the host).
+# The RDMA image has Debian 12's libc6 and what rdma-core needs: bring the libraries the
+# binaries need that it may lack (same glibc 2.36 as the host).
 mkdir -p "$share/lib"
 for lib in $(ldd "$target/pvcm-lab" "$target/pvcm-backend" | awk '$3 ~ /^\// { print $3 }' | sort -u); do
     case "$(basename "$lib")" in libc.so.* | ld-linux*) ;; *) cp -L "$lib" "$share/lib/" ;; esac
 done
 gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
     "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
-cp "$PVCM_SCRIPTS_DIR/interop/kpeer.sh" "$share/kpeer.sh"
 cp "$PVCM_SCRIPTS_DIR/umad/aprep.sh" "$share/aprep.sh"
 echo "   ready in $(elapsed "$t") s"
 
@@ -103,19 +101,17 @@ echo "== run: guest a (no kernel CM: pvcm-backend on umad:rxe0:1 + pvcm VMs), gu
 rc=0
 t="$(now_s)"
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" \
-    bash "$rxe_peer/run.sh" --qemu "$qemu" --host-ip 10.99.0.1/24 --share "$share" \
-    --logdir "$workdir/rxe" --timeout 1500 -q \
-    --peer a 10.99.0.2/24 'sh /host/kpeer.sh a' --no-cm \
-    --peer b 10.99.0.3/24 'sh /host/kpeer.sh b listen' \
-    --host-after b --host-cmd "bash $PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
-echo "   run took $(elapsed "$t") s (run.sh exit $rc)"
+    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+    --workdir "$workdir" --timeout 1500 --guest a=10.99.0.2:pvcm --guest b=10.99.0.3 \
+    -- bash "$PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
+echo "   run took $(elapsed "$t") s (netlab run exit $rc)"
 
 echo "== figures"
 cat "$workdir/figures.txt" 2>/dev/null || true
 echo "== results"
 [ -s "$workdir/results.txt" ] || {
     echo "no results; host side:"
-    tail -n 40 "$workdir/rxe/host.out" 2>/dev/null || true
+    tail -n 40 "$workdir/host.out" 2>/dev/null || true
 }
 cat "$workdir/results.txt" 2>/dev/null || true
 passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The host side of `qemu-scripts/interop.sh --bench`: connection-rate figures, all from
 # one run, of pvcm VM <-> pvcm VM (two TCG VMs on one pvcm-backend, default options)
-# next to kernel CM <-> kernel CM (two rxe-peer TCG guests, rdma-core's cmtime), at
-# each size in $IOP_SIZES. Runs inside rxe-peer's network namespace like host.sh.
+# next to kernel CM <-> kernel CM (two TCG guests of the RDMA image, rdma-core's
+# cmtime), at each size in $IOP_SIZES. Runs inside the network lab's namespace like
+# host.sh.
 #
 # CPU per connection: the busy time (user + nice + system + irq + softirq) that each
 # guest's own /proc/stat counts over the benchmark command, both guests summed, plus the
@@ -19,6 +20,7 @@ out="$work/bench.txt"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start_backend "srv:$srv_ip" "cli:$cli_ip"
 wait_kernel_peers
+start_listener k || echo "k: $(cat "$work/k.listener.out")"
 
 # Busy jiffies (USER_HZ 100) of the first /proc/stat line read by the awk below.
 busy='awk "/^cpu /{print \$2+\$3+\$4+\$7+\$8; exit}" /proc/stat'

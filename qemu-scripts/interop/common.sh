@@ -1,10 +1,14 @@
 # shellcheck shell=bash
 # Shared by the host-side scripts of qemu-scripts/interop.sh (host.sh: the interop
-# tests; bench.sh: the benchmark). Source it inside rxe-peer's network namespace with
-# $work, $share and the IOP_* variables set.
+# tests; bench.sh: the benchmark) and umad.sh (umad/host.sh). Source it inside the
+# network lab's namespace (python3 -m netlab run) with $work, $share and the IOP_*
+# variables set.
 
-# kexec PEER NAME TIMEOUT 'CMD': runs CMD in kernel guest PEER (kpeer.sh); its output
-# goes to $work/PEER.NAME.out; returns its status (124 on timeout).
+# shellcheck disable=SC2154 # $work and $share come from the script that sources this
+
+# kexec PEER NAME TIMEOUT 'CMD': runs CMD in guest PEER through its agent (the RDMA
+# image's pvcm.agent loop: /host/q/PEER.*.sh, one at a time); its output goes to
+# $work/PEER.NAME.out; returns its status (124 on timeout).
 seq_no=0
 kexec() {
     local peer="$1" name="$2" t="$3" cmd="$4" q i
@@ -29,12 +33,24 @@ kcounters() { # kcounters PEER TAG
     kexec "$1" "counters-$2" 20 'for d in /sys/class/infiniband/rxe0/ports/1 /sys/class/infiniband_cm/rxe0/1; do [ -d $d/cm_rx_msgs ] && break; done; cd $d && for g in cm_tx_msgs cm_tx_retries cm_rx_msgs cm_rx_duplicates; do for f in $g/*; do echo "$f $(cat $f)"; done; done'
 }
 
-# wait_kernel_peers: until kpeer.sh runs in k and j.
+# wait_kernel_peers: until the agents of k and j run.
 wait_kernel_peers() {
     local p
     for p in k j; do
         for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
     done
+}
+
+# start_listener PEER: rdma-core's cmtime listening on 7471 in PEER, in the background
+# (it never exits); returns once the kernel lists its listening cm_id.
+start_listener() {
+    kexec "$1" listener 60 "cmtime -p 7471 >/host/cmtime-listener.$1.log 2>&1 &
+i=0
+until rdma res show cm_id | grep -q 'src-addr 0.0.0.0:7471'; do
+    i=\$((i + 1))
+    [ \$i -lt 200 ] || { echo 'cmtime listener not listening'; exit 1; }
+    sleep 0.1
+done"
 }
 
 # start_backend NAME:IPV4...: one pvcm-backend with a VM per argument (socket
@@ -50,6 +66,7 @@ start_backend() {
     rm -f "$work/h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" "${args[@]}" --control "$work/h.ctl" \
         >"$work/backend.log" 2>&1 &
+    # shellcheck disable=SC2034 # used by the scripts that source this
     backend_pid=$!
     for _ in $(seq 100); do [ -S "$work/h.ctl" ] && break; sleep 0.1; done
 }

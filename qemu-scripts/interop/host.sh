@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The host side of qemu-scripts/interop.sh. It runs inside rxe-peer's network namespace
-# (run.sh --host-cmd), where br0 holds the pvcm VM's address 10.99.0.1. Two kernel-CM
-# guests are on the bridge: k (10.99.0.2, cmtime listener on 7471) and j (10.99.0.3).
-# Both run kpeer.sh, so this script can run commands in them through the 9p share.
+# The host side of qemu-scripts/interop.sh. It runs inside the network lab's namespace
+# (python3 -m netlab run), where br0 holds the pvcm VM's address 10.99.0.1. Two
+# kernel-CM guests are on the bridge: k (10.99.0.2, cmtime listener on 7471, started
+# here) and j (10.99.0.3). Both run the RDMA image's agent, so this script runs
+# commands in them through the 9p share (kexec).
 #
 # Environment (set by interop.sh): IOP_WORK, IOP_SHARE, IOP_BACKEND, IOP_RUNVM,
 # IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY, IOP_TRIALS.
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
-vm_ip=10.99.0.1 k_ip=10.99.0.2 j_ip=10.99.0.3
+vm_ip=10.99.0.1 k_ip=10.99.0.2
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"
@@ -27,6 +28,7 @@ selected() { [[ ",$only," == *",$1,"* ]]; }
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start_backend "vm:$vm_ip"
 wait_kernel_peers
+start_listener k || echo "k: $(cat "$work/k.listener.out")"
 kcounters k before
 kcounters j before
 

@@ -1,7 +1,7 @@
 /*
  * kcm: two small Linux kernel-CM (librdmacm) programs for pvcm's interop tests
- * (qemu-scripts/interop.sh), run inside an rxe-peer guest. rdma-core's tools cannot do
- * either.
+ * (qemu-scripts/interop.sh, umad.sh), run inside a kernel-CM guest of the RDMA image
+ * (build-guest.sh --rdma). rdma-core's tools cannot do either.
  *
  *   kcm withdraw -s SERVER_IPV4 [-p PORT] [-c COUNT] [-d DELAY_US]
  *     Connects and destroys the cm_id at once, COUNT times. The kernel CM withdraws

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs inside rxe-peer guest a (no kernel CM), from the 9p share: gives eth0 the pvcm
+# Runs inside lab guest a (no kernel CM), from the 9p share: gives eth0 the pvcm
 # VMs' addresses so rxe0 gets their RoCE v2 GIDs, waits for the GIDs, then starts
 # pvcm-backend on umad:rxe0:1 with VMs a and b (and c, whose address is NOT added: it
 # must be refused at attach). Sockets live in the guest's /tmp (not on 9p).

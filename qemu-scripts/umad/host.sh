@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The host side of qemu-scripts/umad.sh, run inside rxe-peer's network namespace
-# (run.sh --host-cmd). Guest a (10.99.0.2, no kernel CM) runs pvcm-backend on
+# The host side of qemu-scripts/umad.sh, run inside the network lab's namespace (python3
+# -m netlab run). Guest a (10.99.0.2, pvcm.cm=pvcm: no kernel CM) runs pvcm-backend on
 # umad:rxe0:1 with pvcm VMs a (10.99.0.11) and b (10.99.0.12) attached in-process by
-# pvcm-lab attach; guest b (10.99.0.3) runs the kernel CM with a cmtime listener. Both
-# guests run interop/kpeer.sh, so requests go to them through the 9p share (kexec).
+# pvcm-lab attach; guest b (10.99.0.3) runs the kernel CM with a cmtime listener
+# (started here). Both guests run the RDMA image's agent, so requests go to them
+# through the 9p share (kexec).
 #
 # Environment (set by umad.sh): IOP_WORK, IOP_SHARE, IOP_CONNS.
 set -uo pipefail
 trap 'touch "$IOP_SHARE/flag.stop"' EXIT
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS"
-a_guest=10.99.0.2 b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
+b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"
@@ -26,6 +27,7 @@ pyresult() { tee -a "$results"; }
 for p in a b; do
     for _ in $(seq 300); do [ -e "$share/flag.ready.$p" ] && break; sleep 0.2; done
 done
+start_listener b || echo "b: $(cat "$work/b.listener.out")"
 # guest_wait FILE SECS: until FILE (in the share) exists.
 guest_wait() {
     local i
