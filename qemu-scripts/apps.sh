@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Unmodified rdma-core programs in pvcm VMs, against the Linux kernel CM and each other.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
+
+Runs qemu-scripts/netlab/apps.py (python3 -m netlab.apps) as root: a kernel-CM guest
+(10.99.0.2) and two pvcm VMs (10.99.0.11, .12: the pvcm device on one pvcm-backend
+with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
+/dev/infiniband/rdma_cm) on one bridge. Sections:
+  0 the CM goes through pvcm (kernel CM modules absent, the service's and the
+    backend's counters)
+  1 rping -v, ucmatose, udaddy, rdma_client/rdma_server, ib_send_bw -R, cmtime -c N,
+    for pvcm VM -> kernel, kernel -> pvcm VM and pvcm VM -> pvcm VM
+  2 seed 002's connect-and-destroy (interop/kcm.c) from a pvcm VM: the kernel keeps
+    only its listener
+  3 16 processes in a pvcm VM, 8 killed with kill -9: survivors finish, the kernel peer
+    keeps only its listeners, the backend reaches 0 live entries
+  4 counters: 0 drops; the VMs' MADs went through the backend
+Builds what it needs first (cached): the patched QEMU, the RDMA image (with
+pvcm-guestd), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
+
+Options:
+  --workdir DIR  keep logs here (default: a new dir under /tmp)
+  --pcap FILE    capture br0 into FILE
+  --conns N      cmtime connections (default 1000)
+  --only LIST    sections (default 0,1,2,3,4)
+  -h, --help     this help
+USAGE
+}
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --workdir | --pcap | --conns | --only)
+        [ $# -ge 2 ] || die "$1 needs a value"
+        [ "$1" = --pcap ] && apt_install tshark
+        args+=("$1" "$2")
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown option '$1' (see --help)" ;;
+    esac
+    shift
+done
+need_root "apps.sh (network namespace, taps)"
+apt_install iproute2 util-linux python3 gcc librdmacm-dev
+echo "== build (cached)"
+"$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
+"$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null || die "build-guest.sh --rdma failed"
+(cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend) ||
+    die "cargo build -p pvcm-backend failed"
+kcm="$(mktemp -d)/kcm"
+gcc -O2 -Wall -Wextra -Werror -o "$kcm" "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm ||
+    die "building kcm failed"
+cd "$PVCM_SCRIPTS_DIR"
+PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m netlab.apps --kcm "$kcm" "${args[@]}"

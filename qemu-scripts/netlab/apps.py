@@ -1,0 +1,309 @@
+"""Unmodified rdma-core programs in pvcm VMs (qemu-scripts/apps.sh runs it).
+
+Three TCG guests of the RDMA image on the lab's bridge:
+  k  10.99.0.2   the Linux kernel CM (rdma_ucm loaded), the reference peer;
+  a  10.99.0.11  a pvcm VM: the pvcm device on pvcm-backend, rxe on its NIC (the
+                 stand-in for a VF), the kernel CM kept out, pvcm-guestd serving
+                 /dev/infiniband/rdma_cm;
+  b  10.99.0.12  a second pvcm VM, the same.
+pvcm-backend runs on the host side of the bridge with --port packet:pvcm-qp1: the VMs'
+QP1 frames are diverted to it (qp1-divert.sh), it sends with the VMs' addresses.
+
+Checks (each PASS/FAIL):
+  0 the CM goes through pvcm: rdma_ucm, rdma_cm, ib_cm absent in the VMs; the node is
+    pvcm-guestd's; its counters show the commands; the backend's mux counts the MADs
+  1 each program, from Debian's rdmacm-utils and perftest, unchanged, for the pairs
+    a -> k, k -> a and a -> b (client -> server): rping -v (64, 1024 and 4000 bytes,
+    200 iterations), ucmatose (100 connections with data), udaddy (UD, SIDR, data),
+    rdma_client / rdma_server (the synchronous API), ib_send_bw -R, cmtime -c 1000
+  2 seed 002's program (kcm connect-destroy) from a to a kernel listener: the kernel
+    keeps only its listener (rdma res show cm_id)
+  3 16 processes in a (12 cmtime -c 50, 4 ucmatose) against k at once, 8 killed with
+    kill -9 mid-run: the survivors finish, k is left with its listeners only, the
+    backend reaches 0 live entries after the quarantine, no drops
+  4 counters: the backend's drops are 0; the kernel peer accepted every MAD
+
+The last line reads "apps: N passed, N failed"; exit 0 when all passed.
+"""
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .lab import Lab, LabError
+
+K, A, B = "10.99.0.2", "10.99.0.11", "10.99.0.12"
+QPN_WINDOW = "qpn-base=16,qpn-count=0x20000"  # rdma_rxe's QPNs
+
+results = []
+
+
+def result(name, ok, detail=""):
+    """Record and print one check."""
+    results.append(bool(ok))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def short(text, n=400):
+    """The last n characters of text, on one line."""
+    return " ".join(text.split())[-n:]
+
+
+def start_guestd(vm):
+    """pvcm-guestd in a pvcm VM, started as its systemd unit starts it; waits for the
+    node."""
+    job = vm.spawn(f"exec pvcm-guestd --gid-wait 30 >/host/guestd.{vm.name}.log 2>&1")
+    deadline = time.monotonic() + 90
+    while True:
+        rc, _ = vm.run("[ -c /dev/infiniband/rdma_cm ] && [ -S /run/pvcm-guestd.sock ]", 30)
+        if rc == 0:
+            return job
+        if job.done() or time.monotonic() > deadline:
+            log = (vm.lab.share / f"guestd.{vm.name}.log").read_text(errors="replace")
+            raise LabError(f"{vm.name}: pvcm-guestd did not come up: {log[-1500:]}")
+        time.sleep(0.5)
+
+
+def guestd_stat(vm):
+    """pvcm-guestd stat --json of a VM, parsed ({} if it does not answer)."""
+    rc, out = vm.run("pvcm-guestd stat --json", 30)
+    try:
+        return json.loads(out) if rc == 0 else {}
+    except ValueError:
+        return {}
+
+
+def client_until(guest, cmd, timeout):
+    """Runs a client until it stops failing fast (its server may not listen yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rc, out = guest.run(f"timeout {timeout} {cmd}", timeout + 30)
+        if rc == 0 or time.monotonic() > deadline or "timed out" in out:
+            return rc, out
+        time.sleep(1)
+
+
+def pair(name, server, client, scmd, ccmd, ok_server, ok_client, timeout=120, keep_server=False):
+    """Runs scmd on server and ccmd on client; checks both outputs."""
+    srv = server.spawn(scmd)
+    time.sleep(1)
+    t0 = time.monotonic()
+    rc, out = client_until(client, ccmd, timeout)
+    secs = time.monotonic() - t0
+    if keep_server:
+        srv.kill("KILL")
+        src = 0
+    else:
+        try:
+            src = srv.wait(timeout)
+        except LabError:
+            srv.kill("KILL")
+            src = -1
+    sout = srv.text()
+    good = rc == 0 and src == 0 and ok_client(out) and ok_server(sout)
+    detail = f"{secs:.1f} s" if good else (f"client rc {rc}: {short(out)} | server rc {src}: "
+                                           f"{short(sout)}")
+    result(f"{name}: {client.name} -> {server.name}", good, detail)
+    return out
+
+
+def programs(k, a, b, pairs, conns):
+    """Section 1: the programs for each (client, server) pair."""
+    for client, server in pairs:
+        for size in (64, 1024, 4000):
+            pair(f"rping -v -S {size} -C 200", server, client,
+                 f"rping -s -a {server.ip} -v -C 200 -S {size}",
+                 f"rping -c -a {server.ip} -v -C 200 -S {size}",
+                 lambda s: s.count("server ping data:") == 200,
+                 lambda c: c.count("ping data:") == 200)
+        pair("ucmatose -c 100 -C 10", server, client,
+             "ucmatose -c 100 -C 10", f"ucmatose -s {server.ip} -c 100 -C 10",
+             lambda s: "test complete" in s and "return status 0" in s,
+             lambda c: "test complete" in c and "return status 0" in c)
+        pair("udaddy -c 4 -C 10 (UD, SIDR)", server, client,
+             "udaddy -c 4 -C 10", f"udaddy -s {server.ip} -c 4 -C 10",
+             lambda s: "test complete" in s and "return status 0" in s,
+             lambda c: "test complete" in c and "return status 0" in c)
+        pair("rdma_client / rdma_server", server, client,
+             "rdma_server -p 7473", f"rdma_client -s {server.ip} -p 7473",
+             lambda s: "rdma_server: end 0" in s, lambda c: "rdma_client: end 0" in c)
+        pair("ib_send_bw -R -n 1000", server, client,
+             "ib_send_bw -R -n 1000", f"ib_send_bw -R -n 1000 {server.ip}",
+             lambda s: re.search(r"^\s*65536\s+1000\s", s, re.M),
+             lambda c: re.search(r"^\s*65536\s+1000\s", c, re.M))
+        out = pair(f"cmtime -c {conns}", server, client,
+                   "cmtime", f"cmtime -s {server.ip} -c {conns}",
+                   lambda s: True, lambda c: re.search(r"^disconnect\s*:", c, re.M) is not None,
+                   timeout=300, keep_server=True)
+        steps = re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)
+        if steps:
+            print("      cmtime " + ", ".join(f"{s} {v} ms" for s, v in steps), flush=True)
+
+
+def connect_destroy(k, a, share):
+    """Section 2: seed 002's program in a pvcm VM against a kernel listener."""
+    lst = k.spawn("/host/bin/kcm listen -p 7475")
+    time.sleep(1)
+    rc, out = a.run("/host/bin/kcm withdraw -s 10.99.0.2 -p 7475 -c 10", 120)
+    time.sleep(3)
+    _, res = k.run("rdma res show cm_id", 30)
+    ids = [l for l in res.splitlines() if "cm-idn" in l and ":7475" in l]
+    lst.kill("KILL")
+    ok = rc == 0 and len(ids) == 1 and "LISTEN" in ids[0]
+    result("kcm withdraw (connect, destroy at once) x 10 from pvcm VM a: the kernel keeps only "
+           "its listener", ok, f"rc {rc}; kernel cm_ids on 7475: {len(ids)}" +
+           ("" if ok else f" {short(out)} | {short(res)}"))
+
+
+def kill_nine(lab, k, a, backend):
+    """Section 3: 16 processes, 8 killed."""
+    srv = k.spawn("cmtime -p 7480")
+    userv = [k.spawn(f"ucmatose -p {7490 + i} -c 10 -C 50") for i in range(4)]
+    time.sleep(2)
+    script = (
+        "pids=''\n"
+        "for i in $(seq 12); do cmtime -s 10.99.0.2 -p 7480 -c 50 >/tmp/k9.$i 2>&1 & "
+        "pids=\"$pids $!\"; done\n"
+        "for i in 0 1 2 3; do ucmatose -s 10.99.0.2 -p $((7490 + i)) -c 10 -C 50 "
+        ">/tmp/k9.u$i 2>&1 & pids=\"$pids $!\"; done\n"
+        "sleep 4\n"
+        "n=0; for p in $pids; do n=$((n+1)); [ $((n % 2)) = 0 ] && kill -9 $p; done\n"
+        "ok=0; bad=0; n=0\n"
+        "for p in $pids; do n=$((n+1)); wait $p; rc=$?; "
+        "if [ $((n % 2)) = 1 ]; then if [ $rc = 0 ]; then ok=$((ok+1)); "
+        "else bad=$((bad+1)); echo survivor $n rc=$rc; fi; fi; done\n"
+        "echo survivors ok=$ok bad=$bad\n")
+    rc, out = a.run(script, 400)
+    m = re.search(r"survivors ok=(\d+) bad=(\d+)", out)
+    result("16 processes in VM a (12 cmtime, 4 ucmatose), 8 killed -9: the 8 survivors finish",
+           m and m.group(1) == "8" and m.group(2) == "0", short(out, 300))
+    # The killed processes' connections end on their behalf: the kernel peer's ids go.
+    deadline = time.monotonic() + 120
+    left = []
+    while time.monotonic() < deadline:
+        _, res = k.run("rdma res show cm_id", 30)
+        left = [l for l in res.splitlines() if "cm-idn" in l and "LISTEN" not in l]
+        if not left:
+            break
+        time.sleep(3)
+    result("the kernel peer is left with its listeners only", not left,
+           f"{len(left)} non-listening cm_ids" + ("" if not left else f": {short(' '.join(left[:3]))}"))
+    for j in userv + [srv]:
+        j.kill("KILL")
+    st = guestd_stat(a)
+    result("pvcm-guestd destroyed the killed processes' ids on release",
+           st.get("released_ids", 0) > 0 and st.get("ids", 1) == 0,
+           f"released_ids {st.get('released_ids')}, ids now {st.get('ids')}, "
+           f"interrupted {st.get('interrupted')}")
+    deadline = time.monotonic() + 180
+    live = None
+    while time.monotonic() < deadline:
+        st = backend.stat_json()
+        live = live_entries(st)
+        if live == 0:
+            break
+        time.sleep(3)
+    result("the backend reaches 0 live entries after the quarantine", live == 0, f"live {live}")
+
+
+def live_entries(st):
+    """Live mux entries in a backend's stat JSON (the host's: every VM's)."""
+    return st.get("host", {}).get("live")
+
+
+def drops(st):
+    """The backend's drops: the mux's and the devices', host-wide."""
+    h = st.get("host", {})
+    return sum(h.get("drops", {}).values()) + sum(h.get("device_drops", {}).values())
+
+
+def wire_mads(st, name):
+    """Frames VM name sent and received on the wire."""
+    for v in st.get("vms", []):
+        if v.get("name") == name:
+            io = v.get("figures", {}).get("io", {})
+            return io.get("wire_tx_frames", 0), io.get("wire_rx_frames", 0)
+    return 0, 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
+    ap.add_argument("--pcap", help="capture br0 into this file")
+    ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
+    ap.add_argument("--only", default="0,1,2,3,4", help="sections to run (default all)")
+    ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-apps."))
+    t0 = time.monotonic()
+    try:
+        with Lab(workdir, pcap=a.pcap) as lab:
+            if a.kcm:
+                (lab.share / "bin").mkdir(exist_ok=True)
+                Path(lab.share / "bin" / "kcm").write_bytes(Path(a.kcm).read_bytes())
+                (lab.share / "bin" / "kcm").chmod(0o755)
+            sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
+            backend = lab.backend(
+                "--port", "packet:pvcm-qp1",
+                "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
+                "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+            k = lab.kernel_guest("k", K, wait=False)
+            va = lab.pvcm_vm("a", A, socket=str(sa), wait=False)
+            vb = lab.pvcm_vm("b", B, socket=str(sb), wait=False)
+            for g in (k, va, vb):
+                g.wait_ready()
+            for vm in (va, vb):
+                start_guestd(vm)
+            print(f"== lab up in {time.monotonic() - t0:.0f} s", flush=True)
+
+            if "0" in only:
+                print("== 0. the CM goes through pvcm", flush=True)
+                for vm in (va, vb):
+                    _, out = vm.run("for m in rdma_ucm rdma_cm ib_cm; do [ -d /sys/module/$m ] "
+                                    "&& echo loaded $m; done; ls -l /dev/infiniband/rdma_cm")
+                    result(f"VM {vm.name}: the kernel's rdma_ucm, rdma_cm, ib_cm are not loaded",
+                           "loaded" not in out, short(out, 200))
+
+            if "1" in only:
+                print("== 1. the programs", flush=True)
+                programs(k, va, vb, [(va, k), (k, va), (va, vb)], a.conns)
+
+            if "2" in only and a.kcm:
+                print("== 2. connect and destroy at once (seed 002)", flush=True)
+                connect_destroy(k, va, lab.share)
+
+            if "3" in only:
+                print("== 3. 16 processes, 8 killed", flush=True)
+                kill_nine(lab, k, va, backend)
+
+            if "0" in only or "4" in only:
+                print("== 4. counters", flush=True)
+                for vm in (va, vb):
+                    st = guestd_stat(vm)
+                    cmds = st.get("commands", {})
+                    result(f"VM {vm.name}: pvcm-guestd served the commands",
+                           cmds.get("create_id", 0) > 0 and cmds.get("connect", 0) + cmds.get("listen", 0) > 0,
+                           ", ".join(f"{c} {n}" for c, n in sorted(cmds.items())))
+                st = backend.stat_json()
+                (lab.workdir / "backend.stat.json").write_text(json.dumps(st, indent=1))
+                mads = {n: wire_mads(st, n) for n in ("a", "b")}
+                result("pvcm-backend carried the VMs' MADs (wire frames sent, received)",
+                       all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
+                d = drops(st)
+                result("pvcm-backend: 0 drops", d == 0, f"drops {d}")
+    except LabError as e:
+        result("lab", False, str(e))
+    passed, failed = results.count(True), results.count(False)
+    print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
+    print(f"apps: {passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
