@@ -478,3 +478,44 @@ fn paced_connects_do_not_overrun_a_linux_peers_qp1_queue() {
         "paced {t_paced} ms, flood {t_flood} ms"
     );
 }
+
+/// A process dies with one REQ on the wire and others waiting for the window: destroying
+/// them together sends the first's REJ(TIMEOUT) and nothing for the rest, where one by
+/// one each destroy would let the next queued REQ out just before its own destroy.
+#[test]
+fn destroy_all_never_releases_a_queued_request_of_the_same_set() {
+    let mut c = config();
+    c.pacing = Some(Pacing {
+        initial_window: 1,
+        min_window: 1,
+        ..pacing()
+    });
+    let mut a = Agent::new(c.clone());
+    let ids = n_connects(&mut a, peer_gid(), 3, ms(0));
+    let first = take(&mut a);
+    assert_eq!(
+        first.iter().filter_map(as_req).count(),
+        1,
+        "one REQ in the window"
+    );
+    a.destroy_all(&ids, ms(1));
+    let after = take(&mut a);
+    assert_eq!(
+        after.iter().filter_map(as_req).count(),
+        0,
+        "no queued REQ went out"
+    );
+    assert_eq!(
+        after.len(),
+        1,
+        "only the sent one's REJ(TIMEOUT): {after:?}"
+    );
+    // The same handles destroyed one at a time: the next queued REQ leaves each time.
+    let mut b = Agent::new(c);
+    let ids = n_connects(&mut b, peer_gid(), 3, ms(0));
+    take(&mut b);
+    for id in &ids {
+        b.destroy(*id, ms(1)).unwrap();
+    }
+    assert!(take(&mut b).iter().filter_map(as_req).count() > 0);
+}

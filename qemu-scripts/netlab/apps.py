@@ -21,7 +21,11 @@ Checks (each PASS/FAIL):
   3 16 processes in a (12 cmtime -c 50, 4 ucmatose) against k at once, 8 killed with
     kill -9 mid-run: the survivors finish, k is left with its listeners only, the
     backend reaches 0 live entries after the quarantine, no drops
-  4 counters: the backend's drops are 0; the kernel peer accepted every MAD
+  4 counters: the backend's drops are 0; the VMs' MADs went through the backend
+  6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
+    IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
+    pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
+    (IPv4 and IPv6 VMs on one backend); the capture's QP1 frames are IPv6 and IPv4
 
 The last line reads "apps: N passed, N failed"; exit 0 when all passed.
 """
@@ -231,12 +235,52 @@ def wire_mads(st, name):
     return 0, 0
 
 
+def ipv6_lab(workdir, pcap):
+    """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend."""
+    K6, A6, B6, C4 = "fd99::2", "fd99::11", "fd99::12", "10.99.0.13"
+    with Lab(workdir, ipv6=True, pcap=pcap) as lab:
+        sa, sb, sc = (lab.workdir / f"{n}6.sock" for n in "abc")
+        backend = lab.backend(
+            "--port", "packet:pvcm-qp1",
+            "--vm", f"socket={sa},gid={A6},name=a6,{QPN_WINDOW}",
+            "--vm", f"socket={sb},gid={B6},name=b6,{QPN_WINDOW}",
+            "--vm", f"socket={sc},gid=::ffff:{C4},name=c4,{QPN_WINDOW}", name="backend6")
+        k = lab.kernel_guest("k6", K, K6, wait=False)
+        a = lab.pvcm_vm("a6", A, A6, socket=str(sa), wait=False)
+        b = lab.pvcm_vm("b6", B, B6, socket=str(sb), wait=False)
+        c = lab.pvcm_vm("c4", C4, socket=str(sc), wait=False)
+        for g in (k, a, b, c):
+            g.wait_ready()
+        for vm in (a, b, c):
+            start_guestd(vm)
+        for client, server, sip in ((a, k, K6), (k, a, A6), (a, b, B6)):
+            pair(f"IPv6 rping -v -S 1024 -C 100 [{sip}]", server, client,
+                 f"rping -s -a {sip} -v -C 100 -S 1024", f"rping -c -a {sip} -v -C 100 -S 1024",
+                 lambda s_: s_.count("server ping data:") == 100,
+                 lambda c_: c_.count("ping data:") == 100)
+            pair(f"IPv6 ucmatose -c 20 -C 10 [{sip}]", server, client,
+                 f"ucmatose -b {sip} -c 20 -C 10", f"ucmatose -s {sip} -c 20 -C 10",
+                 lambda s_: "test complete" in s_ and "return status 0" in s_,
+                 lambda c_: "test complete" in c_ and "return status 0" in c_)
+        pair("IPv4 VM on the same backend: rping -v -C 100 [10.99.0.2]", k, c,
+             f"rping -s -a {K} -v -C 100", f"rping -c -a {K} -v -C 100",
+             lambda s_: s_.count("server ping data:") == 100,
+             lambda c_: c_.count("ping data:") == 100)
+        st = backend.stat_json()
+        (lab.workdir / "backend6.stat.json").write_text(json.dumps(st, indent=1))
+        mads = {n: wire_mads(st, n) for n in ("a6", "b6", "c4")}
+        result("IPv6 and IPv4 VMs of one backend carried MADs",
+               all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
+        d = drops(st)
+        result("IPv6 lab: pvcm-backend 0 drops", d == 0, f"drops {d}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,4", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,4,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -299,6 +343,12 @@ def main():
                 result("pvcm-backend: 0 drops", d == 0, f"drops {d}")
     except LabError as e:
         result("lab", False, str(e))
+    if "6" in only:
+        print("== 6. IPv6 GIDs; IPv4 and IPv6 VMs on one backend", flush=True)
+        try:
+            ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6")
+        except LabError as e:
+            result("IPv6 lab", False, str(e))
     passed, failed = results.count(True), results.count(False)
     print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
     print(f"apps: {passed} passed, {failed} failed")

@@ -1,5 +1,5 @@
 //! Golden vectors: every CM message written byte by byte from the IBTA layout
-//! (`shared/reference/cm-fields.txt`, absolute offsets = data offset + 24), with
+//! (IBTA Vol 1 chapter 12's tables, absolute offsets = data offset + 24), with
 //! distinctive values in every field, independently of the codec's own constants.
 //! `emit` must produce exactly these bytes and `parse` must give back the repr.
 

@@ -504,6 +504,17 @@ impl Agent {
         r
     }
 
+    /// Destroys several handles at once (a process's whole set, when it exits): as
+    /// [`Agent::destroy`] for each, but a request of one of them still waiting for its
+    /// destination's window never goes out because another freed a slot first; the
+    /// windows move on once all are gone. Unknown handles are skipped.
+    pub fn destroy_all(&mut self, ids: &[CmId], now: Time) {
+        for &id in ids {
+            let _ = self.destroy_inner(id, now);
+        }
+        self.pace_flush(now);
+    }
+
     fn destroy_inner(&mut self, id: CmId, now: Time) -> Result<(), CmError> {
         let slot = self.slot(id)?;
         self.conns[slot as usize].app = false;

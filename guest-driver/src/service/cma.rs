@@ -341,12 +341,17 @@ impl Cma {
     pub fn release(&mut self, fh: Fh, env: &mut Env<'_>) {
         let Some(f) = self.files.get(&fh) else { return };
         let ids = f.ctxs.clone();
+        // The agent destroys the file's handles together: a connect of this process
+        // still queued for its destination's window must not go out because another
+        // of its connections freed a slot a moment before its own destroy.
+        let mut handles = Vec::new();
         for id in ids {
             if self.ctxs.contains_key(&id) {
-                self.destroy_ctx(id, env);
+                self.destroy_ctx_into(id, &mut handles);
                 self.stats.released_ids += 1;
             }
         }
+        env.agent.destroy_all(&handles, env.now);
         self.files.remove(&fh);
         self.stats.releases += 1;
     }
@@ -418,6 +423,14 @@ impl Cma {
     /// Destroys an id: its agent handle, its binding, its unreported events (and the
     /// unreported connections of a listener); returns its `events_reported`.
     fn destroy_ctx(&mut self, id: u32, env: &mut Env<'_>) -> u32 {
+        let mut handles = Vec::new();
+        let n = self.destroy_ctx_into(id, &mut handles);
+        env.agent.destroy_all(&handles, env.now);
+        n
+    }
+
+    /// [`Cma::destroy_ctx`], leaving the agent handles to destroy in `handles`.
+    fn destroy_ctx_into(&mut self, id: u32, handles: &mut Vec<CmId>) -> u32 {
         let Some(c) = self.ctxs.remove(&id) else {
             return 0;
         };
@@ -438,12 +451,12 @@ impl Cma {
         }
         if let Some(cm) = c.cm {
             self.by_cm.remove(&cm);
-            let _ = env.agent.destroy(cm, env.now);
+            handles.push(cm);
         }
         self.unbind(id, c.port);
         self.free_ids.insert(id);
         for ch in children {
-            self.destroy_ctx(ch, env);
+            self.destroy_ctx_into(ch, handles);
         }
         c.events_reported
     }

@@ -2,7 +2,7 @@
 //! needs without decoding a whole message ([`CmMad`]).
 //!
 //! Every message view (`req::Packet`, `rep::Packet`, ...) spans the whole 256-byte MAD,
-//! so its field offsets are the absolute ones of `shared/reference/cm-fields.txt`.
+//! so its field offsets are absolute: the IBTA table's data offset plus 24 (the MAD header).
 //! `new_checked` verifies the length, the MAD header (base version 1, class 0x07,
 //! class version 2, method SEND, or GET/GETRESP for ClassPortInfo) and the attribute
 //! ID, so accessors never go out of bounds.
