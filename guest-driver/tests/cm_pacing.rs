@@ -510,6 +510,7 @@ fn destroy_all_never_releases_a_queued_request_of_the_same_set() {
         1,
         "only the sent one's REJ(TIMEOUT): {after:?}"
     );
+    assert_eq!(a.pacing().cancelled, 2);
     // The same handles destroyed one at a time: the next queued REQ leaves each time.
     let mut b = Agent::new(c);
     let ids = n_connects(&mut b, peer_gid(), 3, ms(0));
