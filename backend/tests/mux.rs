@@ -372,6 +372,28 @@ fn connect_then_destroy_end_to_end() {
 }
 
 #[test]
+fn withdraw_crossing_the_peers_rep_reaches_the_peer() {
+    // rdma_connect() then rdma_destroy_id() on A while B's REP is on its way: A's mux
+    // passes the REP, but A's CM withdraws first (REJ(TIMEOUT), Remote Comm ID 0). The
+    // REJ must reach B under A's host comm ID, or B's id waits out its REP retries.
+    let mut n = net2(Policy::Default);
+    let got = n.send_req(0, 0, 3, 0, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let mut m = rep(n.b.cfg(0), view(&got).tid(), 8, a_pv, n.b.qpn(0, 1));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+    let ari = n.a.cfg(0).ca_guid.to_be_bytes();
+    let mut m = rej(0xAAAA_0000_0000_0003, 3, 0, RejReason::Timeout, &ari);
+    assert_eq!(
+        n.a_to_b(0, 0, &mut m),
+        (GuestVerdict::ToWire, Some(WireVerdict::ToVm(n.b.id(0))))
+    );
+    assert_eq!(view(&m).local_comm_id(), Some(a_pv));
+    assert_eq!(n.a.mux.vm_stats(n.a.id(0)).drops.total(), 0);
+    // The REJ ended the connection on both sides.
+    assert_eq!(n.live(), (0, 0));
+}
+
+#[test]
 fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
     for policy in Policy::ALL {
         let mut n = net2(policy);

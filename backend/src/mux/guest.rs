@@ -561,7 +561,12 @@ impl<C: Clock> Mux<C> {
         let sl = m.local_comm_id().unwrap_or(0);
         let remote = m.remote_comm_id().unwrap_or(0);
         if let Ok(s) = self.guest_known(vm, m) {
-            if self.slab[s as usize].remote_comm_id == remote || self.legacy() {
+            let e = &self.slab[s as usize];
+            // The VM's CM withdrew its REQ (REJ(TIMEOUT), no Remote Comm ID) before it
+            // processed the peer's REP, which the mux has already passed: the REJ ends
+            // that same connection, and the peer (in REP_SENT) must get it.
+            let withdrawn = remote == 0 && e.has(flag::ACTIVE) && e.state == State::RepRcvd;
+            if e.remote_comm_id == remote || withdrawn || self.legacy() {
                 return Ok(s);
             }
             // The VM reuses its comm ID towards another peer connection: as far as its
