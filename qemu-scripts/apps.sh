@@ -19,14 +19,17 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   3 16 processes in a pvcm VM, 8 killed with kill -9: survivors finish, the kernel peer
     keeps only its listeners, the backend reaches 0 live entries
   4 counters: 0 drops; the VMs' MADs went through the backend
-Builds what it needs first (cached): the patched QEMU, the RDMA image (with
-pvcm-guestd), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
+  6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
+    and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
+Builds what it needs first (cached): the patched QEMU, the Debian packages
+(packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
+VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
 
 Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections (default 0,1,2,3,4)
+  --only LIST    sections, comma-separated (default 0,1,2,3,4,6)
   -h, --help     this help
 USAGE
 }
@@ -55,10 +58,18 @@ need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
 echo "== build (cached)"
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
+# The pvcm VMs run what the pvcm-guest package installs: the package goes into the
+# RDMA image, and the VMs start pvcm-guestd as its systemd unit does.
+work="$PVCM_CACHE/apps"
+debs="$work/debs"
+rm -rf "$debs" && mkdir -p "$debs"
+bash "$PVCM_REPO_DIR/packaging/build-debs.sh" --out "$debs" >&2 || die "packaging/build-debs.sh failed"
+PVCM_GUEST_DEBS="$(echo "$debs"/pvcm-guest_*.deb)"
+export PVCM_GUEST_DEBS
 "$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null || die "build-guest.sh --rdma failed"
 (cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend) ||
     die "cargo build -p pvcm-backend failed"
-kcm="$(mktemp -d)/kcm"
+kcm="$work/kcm"
 gcc -O2 -Wall -Wextra -Werror -o "$kcm" "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm ||
     die "building kcm failed"
 cd "$PVCM_SCRIPTS_DIR"

@@ -78,6 +78,10 @@ Options:
   --extra SRC[:DEST]   copy SRC into the initramfs at DEST (default /root/<name>);
                        repeatable; a directory is copied recursively
   --extra-list FILE    lines of SRC[:DEST], as --extra (# comments, blank lines ok)
+  --deb FILE           install the Debian package FILE into the image (dpkg -x;
+                       repeatable; the RDMA flavour): the pvcm-guest package, so the
+                       image runs what the package installs (PVCM_GUEST_DEBS, a
+                       space-separated list, adds the same)
   --module NAME        include kernel module NAME (+ its dependencies) and load it
                        at boot (repeatable; uio_pci_generic always is: pvcm-guest
                        waits on the device's INTx through it instead of polling)
@@ -93,7 +97,9 @@ EOF
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 print_dir=0 guest_bin_mode=build force=0 flavour=default
-guest_bins=() extras=()
+guest_bins=() extras=() debs=()
+# shellcheck disable=SC2206 # a list of paths, split on spaces on purpose
+[ -n "${PVCM_GUEST_DEBS:-}" ] && debs=($PVCM_GUEST_DEBS)
 # uio_pci_generic: pvcm-guest binds the pvcm device to it and sleeps on /dev/uioN until
 # the device interrupts (INTx), instead of a timed poll (docs/scale.md, "Idle cost").
 modules=(uio_pci_generic)
@@ -111,6 +117,12 @@ while [ $# -gt 0 ]; do
     --extra)
         [ $# -ge 2 ] || die "--extra needs SRC[:DEST]"
         extras+=("$2")
+        shift
+        ;;
+    --deb)
+        [ $# -ge 2 ] || die "--deb needs a .deb file"
+        [ -f "$2" ] || die "--deb: no such file: $2"
+        debs+=("$2")
         shift
         ;;
     --extra-list)
@@ -138,6 +150,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 
+# Packages go into the RDMA flavour only (they need its glibc and userland).
+[ "$flavour" = rdma ] || debs=()
 exec 3>&1 1>&2
 t0="$(now_s)"
 dl="$PVCM_CACHE/downloads"
@@ -572,7 +586,13 @@ if [ -n "$ips$share$cm" ] || [ "$rxe" = 1 ]; then
         setup_fail "pvcm.ip/rxe/cm/share need the RDMA image (build-guest.sh --rdma)"
 fi
 # The kernel CM stays out before anything could load it (modprobe and the kernel's
-# request_module both read /etc/modprobe.d).
+# request_module both read /etc/modprobe.d). A kernel-CM VM booted from an image with
+# the pvcm-guest package in it sets the package's rule aside, as removing the package
+# would.
+if [ -z "$fail" ] && [ "$cm" = kernel ] && [ -f /etc/modprobe.d/pvcm-guest.conf ]; then
+    mv /etc/modprobe.d/pvcm-guest.conf /etc/modprobe.d/pvcm-guest.conf.off
+    say "pvcm.cm=kernel: the pvcm-guest package's modprobe rule set aside"
+fi
 if [ -z "$fail" ] && [ "$cm" = pvcm ]; then
     mkdir -p /etc/modprobe.d
     for m in $CM_MODS; do
@@ -780,6 +800,7 @@ key="$({
     for b in "${guest_bins[@]}"; do echo "bin $(basename "$b") $(sha256sum <"$b")"; done
     for e in "${extras[@]}"; do echo "extra $e"; done
     [ "${#extra_srcs[@]}" -gt 0 ] && hash_paths "${extra_srcs[@]}"
+    for d in "${debs[@]}"; do echo "deb-installed $(basename "$d") $(sha256sum <"$d")"; done
     true
 } | short_hash)"
 out="$PVCM_CACHE/guest/$key"
@@ -867,6 +888,11 @@ if [ "$flavour" = rdma ]; then
     echo "127.0.0.1 localhost" >"$root/etc/hosts"
     echo "hosts: files" >"$root/etc/nsswitch.conf"
     mkdir -p "$root/etc/modprobe.d" "$root/dev/infiniband"
+    # Packages to install as they are (the pvcm-guest package: its service, unit,
+    # modprobe rule, udev rule), over the userland.
+    for d in "${debs[@]}"; do
+        dpkg -x "$d" "$root" || die "dpkg -x $d failed"
+    done
     ln -sfn dash "$root/bin/sh"
     rm -f "$root/sbin/modprobe"
     printf '%s\n' "$MODPROBE_WRAPPER" >"$root/sbin/modprobe"
@@ -889,6 +915,7 @@ fi
         for p in "${pkg_order[@]}"; do echo "deb=$(basename "${pkg_dir[$p]}")"; done
     fi
     for b in "${guest_bins[@]}"; do echo "bin=/usr/bin/$(basename "$b")"; done
+    for d in "${debs[@]}"; do echo "installed=$(basename "$d")"; done
     [ -n "$guest_note" ] && echo "note=$guest_note"
     echo "key=$key"
 } >"$root/etc/pvcm-image-info"

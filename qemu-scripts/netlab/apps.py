@@ -10,8 +10,10 @@ pvcm-backend runs on the host side of the bridge with --port packet:pvcm-qp1: th
 QP1 frames are diverted to it (qp1-divert.sh), it sends with the VMs' addresses.
 
 Checks (each PASS/FAIL):
-  0 the CM goes through pvcm: rdma_ucm, rdma_cm, ib_cm absent in the VMs; the node is
-    pvcm-guestd's; its counters show the commands; the backend's mux counts the MADs
+  0 the CM goes through pvcm: the VMs run what the pvcm-guest package installs
+    (pvcm-guestd started as its unit starts it, its modprobe rule); rdma_ucm, rdma_cm,
+    ib_cm absent; the node is pvcm-guestd's; its counters show the commands; the
+    backend counts the MADs
   1 each program, from Debian's rdmacm-utils and perftest, unchanged, for the pairs
     a -> k, k -> a and a -> b (client -> server): rping -v (64, 1024 and 4000 bytes,
     200 iterations), ucmatose (100 connections with data), udaddy (UD, SIDR, data),
@@ -58,10 +60,23 @@ def short(text, n=400):
     return " ".join(text.split())[-n:]
 
 
+UNIT = "/lib/systemd/system/pvcm-guestd.service"
+
+
 def start_guestd(vm):
-    """pvcm-guestd in a pvcm VM, started as its systemd unit starts it; waits for the
-    node."""
-    job = vm.spawn(f"exec pvcm-guestd --gid-wait 30 >/host/guestd.{vm.name}.log 2>&1")
+    """pvcm-guestd in a pvcm VM, as the pvcm-guest package's systemd unit starts it (its
+    EnvironmentFile and ExecStart; the image has no systemd); waits for the node."""
+    out = vm.check(f"grep -E '^(ExecStart|EnvironmentFile)=' {UNIT}")
+    start = re.search(r"^ExecStart=(.*)$", out, re.M)
+    env = re.search(r"^EnvironmentFile=-?(.*)$", out, re.M)
+    if not start:
+        raise LabError(f"{vm.name}: no ExecStart in {UNIT}: {out}")
+    cmd = start.group(1)
+    if env:
+        cmd = f"[ -f {env.group(1)} ] && . {env.group(1)}; exec {cmd}"
+    else:
+        cmd = f"exec {cmd}"
+    job = vm.spawn(f"{cmd} >/host/guestd.{vm.name}.log 2>&1")
     deadline = time.monotonic() + 90
     while True:
         rc, _ = vm.run("[ -c /dev/infiniband/rdma_cm ] && [ -S /run/pvcm-guestd.sock ]", 30)
@@ -82,37 +97,51 @@ def guestd_stat(vm):
         return {}
 
 
-def client_until(guest, cmd, timeout):
-    """Runs a client until it stops failing fast (its server may not listen yet)."""
+def listeners(guest):
+    """How many listening rdma_cm ids the guest's CM holds: pvcm-guestd's count in a pvcm
+    VM, the kernel's (rdma res show cm_id) in a kernel-CM guest."""
+    if guest.cm == "pvcm":
+        return guestd_stat(guest).get("agent", {}).get("listeners", 0)
+    _, out = guest.run("rdma res show cm_id", 30)
+    return sum(1 for line in out.splitlines() if "state LISTEN" in line)
+
+
+def wait_listening(guest, before, job, timeout=30):
+    """Waits until the guest holds more listeners than before (the server listens)."""
     deadline = time.monotonic() + timeout
-    while True:
-        rc, out = guest.run(f"timeout {timeout} {cmd}", timeout + 30)
-        if rc == 0 or time.monotonic() > deadline or "timed out" in out:
-            return rc, out
-        time.sleep(1)
+    while listeners(guest) <= before and not job.done() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
-def pair(name, server, client, scmd, ccmd, ok_server, ok_client, timeout=120, keep_server=False):
-    """Runs scmd on server and ccmd on client; checks both outputs."""
-    srv = server.spawn(scmd)
-    time.sleep(1)
-    t0 = time.monotonic()
-    rc, out = client_until(client, ccmd, timeout)
-    secs = time.monotonic() - t0
-    if keep_server:
-        srv.kill("KILL")
-        src = 0
-    else:
-        try:
-            src = srv.wait(timeout)
-        except LabError:
+def pair(name, server, client, scmd, ccmd, ok_server, ok_client, timeout=120, keep_server=False,
+         attempts=1):
+    """Runs scmd on server and, once the server listens, ccmd on client; checks both
+    outputs. With attempts > 1 a failed pair runs again from a fresh server, and the
+    result says so (a program's own connection race, see ib_send_bw in docs/apps.md)."""
+    failures = []
+    for attempt in range(attempts):
+        before = listeners(server)
+        srv = server.spawn(scmd)
+        wait_listening(server, before, srv)
+        t0 = time.monotonic()
+        rc, out = client.run(f"timeout {timeout} {ccmd}", timeout + 30)
+        secs = time.monotonic() - t0
+        if keep_server:
             srv.kill("KILL")
-            src = -1
-    sout = srv.text()
-    good = rc == 0 and src == 0 and ok_client(out) and ok_server(sout)
-    detail = f"{secs:.1f} s" if good else (f"client rc {rc}: {short(out)} | server rc {src}: "
-                                           f"{short(sout)}")
-    result(f"{name}: {client.name} -> {server.name}", good, detail)
+            src = 0
+        else:
+            try:
+                src = srv.wait(30 if rc != 0 else timeout)
+            except LabError:
+                srv.kill("KILL")
+                src = -1
+        sout = srv.text()
+        if rc == 0 and src == 0 and ok_client(out) and ok_server(sout):
+            retried = f" (attempt {attempt + 1}; before: {'; '.join(failures)})" if failures else ""
+            result(f"{name}: {client.name} -> {server.name}", True, f"{secs:.1f} s{retried}")
+            return out
+        failures.append(f"client rc {rc}: {short(out, 200)} | server rc {src}: {short(sout, 200)}")
+    result(f"{name}: {client.name} -> {server.name}", False, " || ".join(failures))
     return out
 
 
@@ -136,10 +165,13 @@ def programs(k, a, b, pairs, conns):
         pair("rdma_client / rdma_server", server, client,
              "rdma_server -p 7473", f"rdma_client -s {server.ip} -p 7473",
              lambda s: "rdma_server: end 0" in s, lambda c: "rdma_client: end 0" in c)
+        # perftest 4.5-0.17 connects its test connection as soon as its parameter
+        # exchange ends, racing the server's second listen; its retry reuses destroyed
+        # ids, so a lost race ends the run (docs/apps.md): the pair may run again.
         pair("ib_send_bw -R -n 1000", server, client,
              "ib_send_bw -R -n 1000", f"ib_send_bw -R -n 1000 {server.ip}",
              lambda s: re.search(r"^\s*65536\s+1000\s", s, re.M),
-             lambda c: re.search(r"^\s*65536\s+1000\s", c, re.M))
+             lambda c: re.search(r"^\s*65536\s+1000\s", c, re.M), attempts=3)
         out = pair(f"cmtime -c {conns}", server, client,
                    "cmtime", f"cmtime -s {server.ip} -c {conns}",
                    lambda s: True, lambda c: re.search(r"^disconnect\s*:", c, re.M) is not None,
@@ -319,9 +351,12 @@ def main():
                 print("== 0. the CM goes through pvcm", flush=True)
                 for vm in (va, vb):
                     _, out = vm.run("for m in rdma_ucm rdma_cm ib_cm; do [ -d /sys/module/$m ] "
-                                    "&& echo loaded $m; done; ls -l /dev/infiniband/rdma_cm")
-                    result(f"VM {vm.name}: the kernel's rdma_ucm, rdma_cm, ib_cm are not loaded",
-                           "loaded" not in out, short(out, 200))
+                                    "&& echo loaded $m; done; modprobe rdma_ucm; echo modprobe=$?; "
+                                    "ls -l /dev/infiniband/rdma_cm; "
+                                    "grep -c 'install rdma_ucm /bin/false' /etc/modprobe.d/pvcm-guest.conf")
+                    result(f"VM {vm.name}: rdma_ucm, rdma_cm, ib_cm not loaded and kept out by the "
+                           "package's modprobe rule", "loaded" not in out and "modprobe=0" not in out
+                           and out.strip().endswith("1"), short(out, 200))
 
             if "1" in only:
                 print("== 1. the programs", flush=True)
@@ -337,7 +372,10 @@ def main():
 
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)
-                for vm in (va, vb):
+                traffic = bool(only & {"1", "2", "3"})
+                if not traffic:
+                    print("(sections 1-3 did not run: only the drop counters are checked)")
+                for vm in (va, vb) if traffic else ():
                     st = guestd_stat(vm)
                     cmds = st.get("commands", {})
                     result(f"VM {vm.name}: pvcm-guestd served the commands",
@@ -346,8 +384,9 @@ def main():
                 st = backend.stat_json()
                 (lab.workdir / "backend.stat.json").write_text(json.dumps(st, indent=1))
                 mads = {n: wire_mads(st, n) for n in ("a", "b")}
-                result("pvcm-backend carried the VMs' MADs (wire frames sent, received)",
-                       all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
+                if traffic:
+                    result("pvcm-backend carried the VMs' MADs (wire frames sent, received)",
+                           all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
                 d = drops(st)
                 result("pvcm-backend: 0 drops", d == 0,
                        f"drops {d}; late answers to ended connections {quarantined(st)}")
