@@ -75,10 +75,26 @@ impl Default for PciOptions {
     }
 }
 
-/// The longest a wait on the interrupt lasts before the rings are looked at anyway: a
-/// guard against an interrupt that never comes (a VMM that does not deliver INTx), at
-/// a cost of 10 wake-ups a second when idle. Far below any CM timeout.
+/// The longest a wait on the interrupt lasts before the rings are looked at anyway,
+/// while messages move: a guard against an interrupt that never comes (a VMM that does
+/// not deliver INTx). Far below any CM timeout.
 pub const INTERRUPT_WAIT_CAP: Duration = Duration::from_millis(100);
+/// The cap once [`IDLE_INTERRUPT_WAITS`] waits passed without a message moving: an idle
+/// driver wakes once a second instead of 10 times (each wake-up costs the VM a little
+/// CPU, under TCG a lot), and a lost interrupt after a quiet spell still costs at most
+/// this long, below the shortest CM retry window.
+pub const IDLE_INTERRUPT_WAIT_CAP: Duration = Duration::from_secs(1);
+/// Waits at [`INTERRUPT_WAIT_CAP`] after the last activity: one second of quiet.
+pub const IDLE_INTERRUPT_WAITS: u32 = 10;
+
+/// The cap of an interrupt wait after `idle_waits` waits without activity.
+pub fn interrupt_wait_cap(idle_waits: u32) -> Duration {
+    if idle_waits < IDLE_INTERRUPT_WAITS {
+        INTERRUPT_WAIT_CAP
+    } else {
+        IDLE_INTERRUPT_WAIT_CAP
+    }
+}
 
 /// The pvcm device behind a virtio-pci function, as a [`Transport`].
 #[derive(Debug)]
@@ -274,11 +290,13 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
     }
 
     /// With the interrupt: sleeps until the device interrupts (or `timeout`, at most
-    /// [`INTERRUPT_WAIT_CAP`]), then clears the interrupt (reading the ISR lowers the
+    /// [`interrupt_wait_cap`]), then clears the interrupt (reading the ISR lowers the
     /// line) and unmasks it. Without: sleeps the poll interval (or `timeout`, if shorter).
     fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         if let Some(irq) = &self.irq {
-            if irq.wait(timeout.min(INTERRUPT_WAIT_CAP))? {
+            let cap = interrupt_wait_cap(self.idle_waits);
+            self.idle_waits = self.idle_waits.saturating_add(1);
+            if irq.wait(timeout.min(cap))? {
                 let _ = self.dev.isr_status();
                 irq.unmask()?;
             }
@@ -304,13 +322,16 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
         extra: &[std::os::fd::RawFd],
     ) -> Result<u64, TransportError> {
         let (own, t) = match &self.irq {
-            Some(irq) => (vec![irq.fd()], timeout.min(INTERRUPT_WAIT_CAP)),
-            None => {
-                let d = timeout.min(idle_poll_interval(self.idle_waits, self.poll_interval));
-                self.idle_waits = self.idle_waits.saturating_add(1);
-                (Vec::new(), d)
-            }
+            Some(irq) => (
+                vec![irq.fd()],
+                timeout.min(interrupt_wait_cap(self.idle_waits)),
+            ),
+            None => (
+                Vec::new(),
+                timeout.min(idle_poll_interval(self.idle_waits, self.poll_interval)),
+            ),
         };
+        self.idle_waits = self.idle_waits.saturating_add(1);
         let (mine, theirs) =
             crate::transport::poll_readable(&own, extra, t).map_err(|source| TransportError {
                 what: "ppoll on the device's interrupt".into(),
@@ -583,5 +604,19 @@ mod tests {
         // A configured interval above the idle one is kept.
         let slow = Duration::from_millis(20);
         assert_eq!(idle_poll_interval(u32::MAX, slow), slow);
+    }
+
+    #[test]
+    fn an_idle_interrupt_wait_lasts_longer() {
+        assert_eq!(interrupt_wait_cap(0), INTERRUPT_WAIT_CAP);
+        assert_eq!(
+            interrupt_wait_cap(IDLE_INTERRUPT_WAITS - 1),
+            INTERRUPT_WAIT_CAP
+        );
+        assert_eq!(
+            interrupt_wait_cap(IDLE_INTERRUPT_WAITS),
+            IDLE_INTERRUPT_WAIT_CAP
+        );
+        assert_eq!(interrupt_wait_cap(u32::MAX), IDLE_INTERRUPT_WAIT_CAP);
     }
 }

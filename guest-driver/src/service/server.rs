@@ -224,7 +224,9 @@ impl<'d, T: Transport> Server<'d, T> {
                 self.serve_control();
             }
             self.pump()?;
-            ready = self.dev.sleep_with(Duration::from_millis(500), &fds)?;
+            // A stop signal cuts the sleep short (EINTR); the bound only covers one
+            // that lands between the check above and the sleep.
+            ready = self.dev.sleep_with(Duration::from_secs(2), &fds)?;
         }
         Ok(())
     }
