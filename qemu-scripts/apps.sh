@@ -5,6 +5,8 @@ set -euo pipefail
 usage() {
     cat <<'USAGE'
 Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
+       qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
+                             [--idle-windows N]
 
 Runs qemu-scripts/netlab/apps.py (python3 -m netlab.apps) as root: a kernel-CM guest
 (10.99.0.2) and two pvcm VMs (10.99.0.11, .12: the pvcm device on one pvcm-backend
@@ -25,7 +27,15 @@ Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
 
+--bench runs qemu-scripts/netlab/bench.py instead (python3 -m netlab.bench): cmtime -c N
+between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
+drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
+
 Options:
+  --bench        the benchmark (above)
+  --rounds N     benchmark rounds of both pairs (default 2)
+  --idle SECS    benchmark idle-cost window (default 20; 0 skips it)
+  --idle-windows N  benchmark idle-cost windows of each state (default 4)
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
@@ -37,10 +47,11 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-args=()
+args=() module=netlab.apps
 while [ $# -gt 0 ]; do
     case "$1" in
-    --workdir | --pcap | --conns | --only)
+    --bench) module=netlab.bench ;;
+    --workdir | --pcap | --conns | --only | --rounds | --idle | --idle-windows)
         [ $# -ge 2 ] || die "$1 needs a value"
         [ "$1" = --pcap ] && apt_install tshark
         args+=("$1" "$2")
@@ -73,4 +84,5 @@ kcm="$work/kcm"
 gcc -O2 -Wall -Wextra -Werror -o "$kcm" "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm ||
     die "building kcm failed"
 cd "$PVCM_SCRIPTS_DIR"
-PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m netlab.apps --kcm "$kcm" "${args[@]}"
+[ "$module" = netlab.apps ] && args+=(--kcm "$kcm")
+PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m "$module" "${args[@]}"

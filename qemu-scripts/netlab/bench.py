@@ -1,0 +1,169 @@
+"""The distribution's cmtime between two pvcm VMs next to two kernel-CM guests, in one
+lab run, every step cmtime prints; and pvcm-guestd's idle cost. Prints figures,
+asserts none (qemu-scripts/apps.sh --bench; docs/apps.md, "Benchmark").
+
+The lab: kernel-CM guests k (10.99.0.2) and k2 (10.99.0.3); pvcm VMs a (10.99.0.11) and
+b (10.99.0.12) on one pvcm-backend (--port packet:pvcm-qp1), each running pvcm-guestd
+as the pvcm-guest package's unit starts it. All four are TCG guests with one vCPU on
+this machine's cores.
+
+Each round runs `cmtime -c N` k2 -> k (kernel <-> kernel), then a -> b (pvcm <-> pvcm),
+alternating which goes first, so drift on a shared machine hits both alike. The table
+gives each step's mean over the rounds and the ratio kernel / pvcm (above 1: pvcm is
+faster). Retries are counted where each CM counts them: the kernel's
+/sys/class/infiniband_cm/rxe0/1/cm_tx_retries, the backend's cm_tx_retries for the
+pvcm VMs (the retries their CM agents sent). Drops are the backend's.
+
+Idle cost: with the lab idle, QEMU's host CPU time for VM a over alternating windows
+with pvcm-guestd running and stopped (SIGSTOP); the difference is the service's cost
+in host-core terms under TCG (which inflates guest work). Also pvcm-guestd's own CPU
+time inside the guest (/proc/PID/stat) over the running windows.
+"""
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .apps import A, B, K, QPN_WINDOW, drops, quarantined, start_guestd
+from .lab import Lab, LabError
+
+K2 = "10.99.0.3"
+STEPS = ("create id", "resolve addr", "resolve route", "create qp", "connect", "disconnect",
+         "destroy")
+
+
+def cmtime(server, client, conns):
+    """One cmtime -c conns, client -> server; {step: ms} (LabError when it fails)."""
+    srv = server.spawn("cmtime")
+    time.sleep(1.5)
+    rc, out = client.run(f"timeout 600 cmtime -s {server.ip} -c {conns}", 660)
+    srv.kill("KILL")
+    steps = {s: float(v) for s, v in re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)}
+    if rc != 0 or "disconnect" not in steps:
+        raise LabError(f"cmtime {client.name} -> {server.name} failed (rc {rc}): {out[-800:]}")
+    return steps
+
+
+def kernel_retries(guest):
+    """The kernel CM's cm_tx_retries on rxe0 port 1, summed over the message types."""
+    _, out = guest.run("cat /sys/class/infiniband_cm/rxe0/1/cm_tx_retries/* 2>/dev/null", 30)
+    return sum(int(x) for x in out.split() if x.isdigit())
+
+
+def pvcm_retries(st):
+    """The pvcm VMs' retries (the backend's cm_tx_retries), summed."""
+    return sum(sum(v.get("figures", {}).get("cm", {}).get("cm_tx_retries", {}).values())
+               for v in st.get("vms", []))
+
+
+def cpu_ticks(pid):
+    """utime + stime of a host process, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def guest_ticks(vm, pid):
+    """utime + stime of a process in the guest, in its clock ticks (USER_HZ 100)."""
+    _, out = vm.run(f"cut -d')' -f2 /proc/{pid}/stat", 30)
+    f = out.split()
+    return int(f[11]) + int(f[12])
+
+
+def idle_cost(vm, window, windows):
+    """pvcm-guestd's idle cost in VM vm over `windows` windows of each state: (host-core
+    % running - stopped, QEMU's % while running, the service's guest CPU % while running,
+    the spread of QEMU's % over all windows: the noise the difference sits in)."""
+    _, pid = vm.run("pidof pvcm-guestd", 30)
+    pid = pid.split()[0]
+    hz = 100  # the host's and the guest's USER_HZ
+    running, stopped, guest = [], [], []
+    for i in range(2 * windows):
+        on = i % 2 == 0
+        vm.run(f"kill -{'CONT' if on else 'STOP'} {pid}", 30)
+        time.sleep(1)
+        h0, g0 = cpu_ticks(vm.pid), guest_ticks(vm, pid)
+        time.sleep(window)
+        h1, g1 = cpu_ticks(vm.pid), guest_ticks(vm, pid)
+        (running if on else stopped).append(100.0 * (h1 - h0) / hz / window)
+        if on:
+            guest.append(100.0 * (g1 - g0) / hz / window)
+    vm.run(f"kill -CONT {pid}", 30)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    spread = max(running + stopped) - min(running + stopped)
+    return mean(running) - mean(stopped), mean(running), mean(guest), spread
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
+    ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both pairs (default 2)")
+    ap.add_argument("--idle", type=int, default=20,
+                    help="seconds per idle-cost window (default 20; 0 skips it)")
+    ap.add_argument("--idle-windows", type=int, default=4,
+                    help="idle-cost windows of each state (default 4)")
+    a = ap.parse_args()
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-bench."))
+    t0 = time.monotonic()
+    try:
+        with Lab(workdir) as lab:
+            sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
+            backend = lab.backend(
+                "--port", "packet:pvcm-qp1",
+                "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
+                "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+            k = lab.kernel_guest("k", K, wait=False)
+            k2 = lab.kernel_guest("k2", K2, wait=False)
+            va = lab.pvcm_vm("a", A, socket=str(sa), wait=False)
+            vb = lab.pvcm_vm("b", B, socket=str(sb), wait=False)
+            for g in (k, k2, va, vb):
+                g.wait_ready()
+            for vm in (va, vb):
+                start_guestd(vm)
+            print(f"== lab up in {time.monotonic() - t0:.0f} s; cmtime -c {a.conns}, "
+                  f"{a.rounds} rounds", flush=True)
+            kern, pv = [], []
+            kr0 = kernel_retries(k) + kernel_retries(k2)
+            st0 = backend.stat_json()
+            pr0, d0, q0 = pvcm_retries(st0), drops(st0), quarantined(st0)
+            for r in range(a.rounds):
+                order = [("kernel", k, k2), ("pvcm", vb, va)]
+                if r % 2:
+                    order.reverse()
+                for kind, server, client in order:
+                    steps = cmtime(server, client, a.conns)
+                    (kern if kind == "kernel" else pv).append(steps)
+                    print(f"round {r + 1} {kind:6} " +
+                          ", ".join(f"{s} {steps.get(s, 0):.0f}" for s in STEPS) + " (ms)",
+                          flush=True)
+            kr = kernel_retries(k) + kernel_retries(k2) - kr0
+            st = backend.stat_json()
+            pr, d, q = pvcm_retries(st) - pr0, drops(st) - d0, quarantined(st) - q0
+            print(f"\n{'step':14} {'kernel ms':>10} {'pvcm ms':>10} {'kernel/pvcm':>12}")
+            for s in STEPS:
+                km = sum(x.get(s, 0) for x in kern) / len(kern)
+                pm = sum(x.get(s, 0) for x in pv) / len(pv)
+                ratio = f"{km / pm:.2f}x" if pm else "-"
+                print(f"{s:14} {km:10.0f} {pm:10.0f} {ratio:>12}")
+            print(f"retries: kernel {kr}, pvcm {pr}; backend drops {d} "
+                  f"(late answers to ended connections {q})")
+            if a.idle > 0:
+                n = a.idle_windows
+                diff, run, guest, spread = idle_cost(va, a.idle, n)
+                print(f"pvcm-guestd idle (VM a, {n} x {a.idle} s running, {n} x {a.idle} s "
+                      f"stopped): QEMU {diff:+.2f}% of a host core with it running "
+                      f"({run:.2f}% in all; windows spread {spread:.2f}%); the service's own "
+                      f"guest CPU {guest:.3f}% of the vCPU")
+    except LabError as e:
+        print(f"bench: {e}")
+        return 1
+    print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
