@@ -24,17 +24,26 @@ with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
   4 the teardowns of tests 1 and 2 (all N connections at once): no CM retries or
     duplicates in the kernel's counters or pvcm-backend's, and no drops
   5 VM c, whose address is not in the GID table: refused at attach
+  6 IPv6: the guests also have fd99::2 (a) and fd99::3 (b); pvcm VM a6 (fd99::11,
+    added to a's eth0 as a /128, nodad) on the same umad port
+    6a pvcm VM a6 -> kernel: pvcm-guest cmtime --dest fd99::3, N connections
+    6b kernel -> pvcm VM a6: cmtime -s fd99::11 -b fd99::3 -c N
+    6c over 6a and 6b: no CM retries or duplicates in the kernel's counters or
+       pvcm-backend's, no drops, every pvcm MAD taken by the kernel CM, and br0's
+       capture (dumpcap) holds only IPv6 RoCEv2 CM MADs between fd99::11 and fd99::3,
+       as many each way as each side sent
 
 Prints figures (cmtime connect/disconnect totals, counters). The last line reads
 "umad: N passed, N failed". Exit 0 when all passed.
 
 Options:
-  --conns N      connections for tests 1 and 2 (default 500)
+  --conns N      connections for tests 1, 2, 6a and 6b (default 500)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   -h, --help     this help
 
 Needs root (network namespace, taps). Builds the patched QEMU and the RDMA image, and
-installs gcc and librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c).
+installs gcc and librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c) and
+wireshark-common (dumpcap).
 USAGE
 }
 
@@ -75,7 +84,7 @@ mkdir -p "$share/q" "$share/bin"
 
 echo "== build (cached)"
 t="$(now_s)"
-apt_install iproute2 util-linux python3 gcc librdmacm-dev
+apt_install iproute2 util-linux python3 gcc librdmacm-dev wireshark-common
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 "$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null 2>"$workdir/build-rdma-guest.log" || {
     cat "$workdir/build-rdma-guest.log"
@@ -102,7 +111,7 @@ rc=0
 t="$(now_s)"
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" \
     PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
-    --workdir "$workdir" --timeout 1500 --guest a=10.99.0.2:pvcm --guest b=10.99.0.3 \
+    --workdir "$workdir" --timeout 1800 --guest a=10.99.0.2,fd99::2:pvcm --guest b=10.99.0.3,fd99::3 \
     -- bash "$PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
 echo "   run took $(elapsed "$t") s (netlab run exit $rc)"
 
