@@ -9,9 +9,10 @@ Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--workdir
 
 Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe in the network lab
 (qemu-scripts/netlab, python3 -m netlab run): two TCG guests of the RDMA image
-(build-guest.sh --rdma) with the kernel CM (k 10.99.0.2 with a cmtime listener, j
-10.99.0.3) and, on the same bridge in a private network namespace, a pvcm-backend whose
-VM address is 10.99.0.1 with a pvcm QEMU VM (TCG, patched QEMU) on it. Tests:
+(build-guest.sh --rdma) with the kernel CM (k 10.99.0.2 and fd99::2 with a cmtime
+listener, j 10.99.0.3 and fd99::3) and, on the same bridge in a private network
+namespace, a pvcm-backend whose VM addresses are 10.99.0.1 (VM vm) and fd99::21 (VM
+vm6) with a pvcm QEMU VM (TCG, patched QEMU) on one of them at a time. Tests:
 
   1 kernel -> kernel: cmtime -s k -c N (the baseline figures)
   2 pvcm VM -> kernel listener: pvcm-guest cmtime, N connections up and down
@@ -25,7 +26,13 @@ VM address is 10.99.0.1 with a pvcm QEMU VM (TCG, patched QEMU) on it. Tests:
     -> pvcm listener: every request reported withdrawn, none established
   8 counters: the kernels' infiniband_cm counters show no retries or duplicates,
     pvcm-backend shows 0 drops and 0 retries, and every MAD pvcm sent was taken by a
-    kernel CM
+    kernel CM (tests 1-7)
+  9 IPv6 on the soft port, a pvcm VM on vm6 (fd99::21 on br0):
+    9a pvcm VM -> kernel listener bound to fd99::2: pvcm-guest cmtime, N connections
+    9b kernel j -> pvcm VM: cmtime -s fd99::21 -b fd99::3 -c N
+    9c over 9a and 9b: no retries or duplicates in the kernels' counters, 0 drops and
+       0 retries in pvcm-backend, every pvcm MAD taken by a kernel CM, every frame
+       through the IPv6 VM
 
 Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run, then runs
 tests 1 and 2's cmtime --trials more times each, alternating, and prints the medians of
@@ -43,7 +50,7 @@ and the speed-up of the medians and of the first (cold) round. It fails only whe
 loses a connection, a MAD or needs a retry; the figures are for reading, not asserted.
 
 Options:
-  --conns N      connections for tests 1, 2 and 5 (default 1000)
+  --conns N      connections for tests 1, 2, 5, 9a and 9b (default 1000)
   --trials N     more alternating runs of tests 1 and 2 for the medians (default 2)
   --only LIST    comma-separated test numbers (default: all; 8 always runs)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
@@ -62,7 +69,7 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3
+conns=1000 only="1,2,3,4,5,6,7,8,9" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) bench=1 ;;
@@ -121,13 +128,14 @@ gcc -O2 -Wall -Wextra -Werror -o "$share/bin/kcm" \
     "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm || die "building kcm failed"
 echo "   ready in $(elapsed "$t") s"
 
-# netlab_run TIMEOUT [--pcap FILE] -- CMD...: the kernel-CM guests k and j (agents) on the
-# lab's bridge, CMD in the lab's namespace; output in $workdir/host.out.
+# netlab_run TIMEOUT K J [--pcap FILE] -- CMD...: the kernel-CM guests k and j (agents)
+# on the lab's bridge with the addresses K and J (IPV4[,IPV6]), CMD in the lab's
+# namespace; output in $workdir/host.out.
 netlab_run() {
-    local t="$1"
-    shift
+    local t="$1" k="$2" j="$3"
+    shift 3
     PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
-        --workdir "$workdir" --timeout "$t" --guest k=10.99.0.2 --guest j=10.99.0.3 "$@"
+        --workdir "$workdir" --timeout "$t" --guest "k=$k" --guest "j=$j" "$@"
 }
 
 if [ "$bench" = 1 ]; then
@@ -136,7 +144,7 @@ if [ "$bench" = 1 ]; then
     IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
         IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_SIZES="$sizes" \
         IOP_ROUNDS="$rounds" PVCM_CACHE="$PVCM_CACHE" \
-        netlab_run 1800 -- bash "$PVCM_SCRIPTS_DIR/interop/bench.sh" || rc=$?
+        netlab_run 1800 10.99.0.2 10.99.0.3 -- bash "$PVCM_SCRIPTS_DIR/interop/bench.sh" || rc=$?
     cat "$workdir/bench.txt" 2>/dev/null || tail -n 40 "$workdir/host.out"
     [ "$rc" = 0 ] && [ "$keep" = 0 ] && rm -rf "$workdir"
     [ "$rc" = 0 ] || echo "bench: failed (netlab run exit $rc), logs in $workdir"
@@ -150,7 +158,8 @@ rc=0
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
     IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_CONNS="$conns" \
     IOP_ONLY="$only" IOP_TRIALS="$trials" PVCM_CACHE="$PVCM_CACHE" \
-    netlab_run 900 "${pcap_args[@]}" -- bash "$PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
+    netlab_run 1200 10.99.0.2,fd99::2 10.99.0.3,fd99::3 "${pcap_args[@]}" \
+    -- bash "$PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
 grep -E '^(==|PASS|FAIL)' "$workdir/host.out" 2>/dev/null || true
 echo "== figures (one run, $conns connections, totals in ms)"
 cat "$workdir/figures.txt" 2>/dev/null || true

@@ -4,7 +4,7 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: qemu-scripts/umad.sh [--conns N] [--workdir DIR]
+Usage: qemu-scripts/umad.sh [--conns N] [--conns6 N] [--workdir DIR]
 
 Runs pvcm-backend with --port umad:rxe0:1 (CM MADs through rxe0's QP1 via
 /dev/infiniband/umad0) inside a guest of the RDMA image (build-guest.sh --rdma) in
@@ -24,30 +24,42 @@ with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
   4 the teardowns of tests 1 and 2 (all N connections at once): no CM retries or
     duplicates in the kernel's counters or pvcm-backend's, and no drops
   5 VM c, whose address is not in the GID table: refused at attach
+  6 IPv6: the guests also have fd99::2 (a) and fd99::3 (b); pvcm VM a6 (fd99::11,
+    added to a's eth0 as a /128, nodad) on the same umad port
+    6a pvcm VM a6 -> kernel: pvcm-guest cmtime --dest fd99::3 (a listener bound to
+       fd99::3), N6 connections
+    6b kernel -> pvcm VM a6: cmtime -s fd99::11 -c N6
+    6c over 6a and 6b: no CM retries or duplicates in the kernel's counters or
+       pvcm-backend's, no drops, every pvcm MAD taken by the kernel CM, and br0's
+       capture (dumpcap) holds only IPv6 RoCEv2 CM MADs between fd99::11 and fd99::3,
+       as many each way as the umad port sent and received for VM a6
 
 Prints figures (cmtime connect/disconnect totals, counters). The last line reads
 "umad: N passed, N failed". Exit 0 when all passed.
 
 Options:
   --conns N      connections for tests 1 and 2 (default 500)
+  --conns6 N     connections for tests 6a and 6b (default 200)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   -h, --help     this help
 
 Needs root (network namespace, taps). Builds the patched QEMU and the RDMA image, and
-installs gcc and librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c).
+installs gcc and librdmacm-dev (for kcm, qemu-scripts/interop/kcm.c) and
+wireshark-common (dumpcap).
 USAGE
 }
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=500 workdir=""
+conns=500 conns6=200 workdir=""
 while [ $# -gt 0 ]; do
     case "$1" in
-    --conns | --workdir)
+    --conns | --conns6 | --workdir)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --conns) conns="$2" ;;
+        --conns6) conns6="$2" ;;
         --workdir) workdir="$2" ;;
         esac
         shift
@@ -59,6 +71,9 @@ while [ $# -gt 0 ]; do
     *) die "unknown option '$1' (see --help)" ;;
     esac
     shift
+done
+for n in "$conns" "$conns6"; do
+    case "$n" in '' | *[!0-9]* | 0) die "--conns and --conns6 need a positive number, not '$n'" ;; esac
 done
 need_root "umad.sh (network namespace, taps)"
 
@@ -75,7 +90,7 @@ mkdir -p "$share/q" "$share/bin"
 
 echo "== build (cached)"
 t="$(now_s)"
-apt_install iproute2 util-linux python3 gcc librdmacm-dev
+apt_install iproute2 util-linux python3 gcc librdmacm-dev wireshark-common
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 "$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null 2>"$workdir/build-rdma-guest.log" || {
     cat "$workdir/build-rdma-guest.log"
@@ -100,9 +115,9 @@ echo "   ready in $(elapsed "$t") s"
 echo "== run: guest a (no kernel CM: pvcm-backend on umad:rxe0:1 + pvcm VMs), guest b (kernel CM)"
 rc=0
 t="$(now_s)"
-IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" \
+IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" IOP_CONNS6="$conns6" \
     PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
-    --workdir "$workdir" --timeout 1500 --guest a=10.99.0.2:pvcm --guest b=10.99.0.3 \
+    --workdir "$workdir" --timeout 1800 --guest a=10.99.0.2,fd99::2:pvcm --guest b=10.99.0.3,fd99::3 \
     -- bash "$PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
 echo "   run took $(elapsed "$t") s (netlab run exit $rc)"
 

@@ -41,27 +41,44 @@ wait_kernel_peers() {
     done
 }
 
-# start_listener PEER: rdma-core's cmtime listening on 7471 in PEER, in the background
-# (it never exits); returns once the kernel lists its listening cm_id.
+# start_listener PEER [ADDR PORT]: rdma-core's cmtime listening in PEER, in the
+# background (it never exits): on 0.0.0.0 port 7471, or bound to ADDR (cmtime -b, an
+# IPv6 address too) on PORT; returns once the kernel lists its listening cm_id. The
+# output of the request goes to $work/PEER.listener.out (with ADDR:
+# PEER.listenerPORT.out), cmtime's to the share's cmtime-listener.PEER[.PORT].log.
 start_listener() {
-    kexec "$1" listener 60 "cmtime -p 7471 >/host/cmtime-listener.$1.log 2>&1 &
+    local addr="${2:-0.0.0.0}" port="${3:-7471}" bind="" tag=listener log="$1"
+    if [ $# -ge 2 ]; then
+        bind="-b $addr" tag="listener$port" log="$1.$port"
+    fi
+    kexec "$1" "$tag" 60 "cmtime $bind -p $port >/host/cmtime-listener.$log.log 2>&1 &
 i=0
-until rdma res show cm_id | grep -q 'src-addr 0.0.0.0:7471'; do
+until rdma res show cm_id | grep -Eq 'src-addr $addr:$port( |\$)'; do
     i=\$((i + 1))
-    [ \$i -lt 200 ] || { echo 'cmtime listener not listening'; exit 1; }
+    [ \$i -lt 200 ] || { echo 'cmtime listener not listening'; cat /host/cmtime-listener.$log.log; exit 1; }
     sleep 0.1
 done"
 }
 
-# start_backend NAME:IPV4...: one pvcm-backend with a VM per argument (socket
-# $work/NAME.sock, control $work/h.ctl); addresses not yet on br0 are added to it.
+# start_backend NAME:ADDR...: one pvcm-backend with a VM per argument (socket
+# $work/NAME.sock, control $work/h.ctl); ADDR is IPv4 (GID ::ffff:ADDR) or IPv6 (the
+# GID itself). Addresses not yet on br0 are added to it (IPv6: a /64, nodad, so the
+# backend can bind it at once).
 start_backend() {
     local spec args=() ip
     for spec in "$@"; do
         ip="${spec#*:}"
-        ip -4 addr show dev br0 | grep -q "inet $ip/" || ip addr add "$ip/24" dev br0
         rm -f "$work/${spec%%:*}.sock"
-        args+=(--vm "socket=$work/${spec%%:*}.sock,gid=::ffff:$ip,name=${spec%%:*}")
+        case "$ip" in
+        *:*)
+            ip -6 addr show dev br0 | grep -q "inet6 $ip/" || ip addr add "$ip/64" dev br0 nodad
+            args+=(--vm "socket=$work/${spec%%:*}.sock,gid=$ip,name=${spec%%:*}")
+            ;;
+        *)
+            ip -4 addr show dev br0 | grep -q "inet $ip/" || ip addr add "$ip/24" dev br0
+            args+=(--vm "socket=$work/${spec%%:*}.sock,gid=::ffff:$ip,name=${spec%%:*}")
+            ;;
+        esac
     done
     rm -f "$work/h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" "${args[@]}" --control "$work/h.ctl" \

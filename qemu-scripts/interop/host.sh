@@ -5,12 +5,17 @@
 # here) and j (10.99.0.3). Both run the RDMA image's agent, so this script runs
 # commands in them through the 9p share (kexec).
 #
+# IPv6 (test 9): the guests also have fd99::2 (k) and fd99::3 (j) on eth0, and the same
+# pvcm-backend has a second VM, vm6, whose address fd99::21 is on br0 too; k gets a
+# cmtime listener bound to fd99::2 port 7476.
+#
 # Environment (set by interop.sh): IOP_WORK, IOP_SHARE, IOP_BACKEND, IOP_RUNVM,
 # IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY, IOP_TRIALS.
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
 vm_ip=10.99.0.1 k_ip=10.99.0.2
+vm_ip6=fd99::21 k_ip6=fd99::2 j_ip6=fd99::3
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"
@@ -26,7 +31,7 @@ selected() { [[ ",$only," == *",$1,"* ]]; }
 
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-start_backend "vm:$vm_ip"
+start_backend "vm:$vm_ip" "vm6:$vm_ip6"
 wait_kernel_peers
 start_listener k || echo "k: $(cat "$work/k.listener.out")"
 kcounters k before
@@ -251,6 +256,122 @@ with open(figures, "w") as fo:
                  f"disconnect {pk['disconnect'] / kk['disconnect']:.2f}x (time ratio; < 1 is faster)\n")
     fo.write(f"pvcm-backend: cm_tx_msgs {s['cm']['cm_tx_msgs']}\n")
 PY
+
+# ---- 9. IPv6 on the soft port: pvcm VM vm6 (fd99::21 on br0) <-> the kernel CMs, in one
+# VM session (after test 8, so each has its own accounting)
+if selected 9; then
+    say "9. IPv6, soft port: pvcm VM $vm_ip6 -> kernel k $k_ip6, kernel j $j_ip6 -> pvcm VM, $conns connections each"
+    start_listener k "$k_ip6" 7476 || echo "k: $(cat "$work/k.listener7476.out")"
+    kcounters k v6before
+    kcounters j v6before
+    stat_json v6before
+    vm_start v6 "
+echo '@@ cmtime'; pvcm-guest cmtime --dest $k_ip6 --port 7476 --connections $conns --timeout 120; echo \"@@ rc \$?\"
+echo '@@ server'; pvcm-guest cmtime --server --connections $conns --timeout 200; echo \"@@ rc \$?\"
+true" vm6
+    if vm_console v6 'cmtime server on' 240; then
+        sleep 1
+        kexec j kp6 300 "cmtime -s $vm_ip6 -b $j_ip6 -c $conns"
+        echo $? >"$work/j.kp6.rc"
+    fi
+    vm_wait v6
+    kcounters k v6after
+    kcounters j v6after
+    sleep 0.5
+    stat_json v6after
+    python3 - "$work" "$conns" "$figures" <<'PY' | tee -a "$results"
+import json, re, sys
+wd, conns, figures = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def read(n):
+    try:
+        return open(f"{wd}/{n}", errors="replace").read()
+    except OSError:
+        return ""
+def counters(peer, tag):
+    c = {}
+    for l in read(f"{peer}.counters-{tag}.out").splitlines():
+        p = l.split()
+        if len(p) == 2 and p[1].isdigit():
+            c[p[0]] = int(p[1])
+    return c
+def stat(tag):
+    try:
+        return json.load(open(f"{wd}/{tag}.stat.json"))
+    except (OSError, ValueError):
+        return None
+out = read("v6.out")
+parts = dict(re.findall(r"@@ (\w+)\n(.*?)@@ rc", out, re.S))
+rcs = dict(re.findall(r"@@ (\w+)\n.*?@@ rc (\d+)", out, re.S))
+bad = {"9a": [], "9b": [], "9c": []}
+m = re.search(r"connections (\d+) established (\d+) failed (\d+) disconnected (\d+)", parts.get("cmtime", ""))
+if not m or tuple(map(int, m.groups())) != (conns, conns, 0, conns):
+    bad["9a"].append(f"pvcm cmtime: {m.group(0) if m else 'no summary: ' + parts.get('cmtime', out)[-300:]}")
+if rcs.get("cmtime") != "0":
+    bad["9a"].append(f"pvcm cmtime exit {rcs.get('cmtime')}")
+kp = read("j.kp6.out")
+if read("j.kp6.rc").strip() != "0":
+    bad["9b"].append(f"kernel cmtime exit {read('j.kp6.rc').strip() or 'none'}: {kp[-300:]}")
+for step in ("connect", "disconnect"):
+    if not re.search(rf"^{step}\s*:", kp, re.M):
+        bad["9b"].append(f"kernel cmtime printed no {step} line")
+m = re.search(r"accepted (\d+) established (\d+) disconnected (\d+) failed (\d+)", parts.get("server", ""))
+if not m or tuple(map(int, m.groups())) != (conns, conns, conns, 0) or rcs.get("server") != "0":
+    bad["9b"].append(f"pvcm server: {m.group(0) if m else 'none'}, exit {rcs.get('server')}")
+# 9c: over test 9 only
+peers = ("k", "j")
+kb = {p: counters(p, "v6before") for p in peers}
+ka = {p: counters(p, "v6after") for p in peers}
+for p in peers:
+    if not ka[p]:
+        bad["9c"].append(f"{p}: no infiniband_cm counters")
+    for k, v in ka[p].items():
+        d = v - kb[p].get(k, 0)
+        if d and (k.startswith("cm_tx_retries/") or k.startswith("cm_rx_duplicates/")):
+            bad["9c"].append(f"kernel {p}: {k} +{d}")
+s0, s1 = stat("v6before"), stat("v6after")
+fig = open(figures, "a")
+if not s0 or not s1:
+    bad["9c"].append("no pvcm-backend stat around test 9")
+else:
+    h0, h1 = s0["host"], s1["host"]
+    d = lambda a, b: {k: v - a.get(k, 0) for k, v in b.items() if v - a.get(k, 0)}
+    drops = {**d(h0.get("drops", {}), h1.get("drops", {})),
+             **d(h0.get("device_drops", {}), h1.get("device_drops", {}))}
+    if drops:
+        bad["9c"].append(f"pvcm-backend drops: {drops}")
+    r = sum(d(h0["cm"]["cm_tx_retries"], h1["cm"]["cm_tx_retries"]).values())
+    if r:
+        bad["9c"].append(f"pvcm-backend: {r} retries")
+    ptx = d(h0["cm"]["cm_tx_msgs"], h1["cm"]["cm_tx_msgs"])
+    for m, sent in ptx.items():
+        got = sum(ka[p].get(f"cm_rx_msgs/{m}", 0) - kb[p].get(f"cm_rx_msgs/{m}", 0) for p in peers)
+        if got != sent:
+            bad["9c"].append(f"{m}: pvcm sent {sent}, the kernel CMs took {got}")
+    # Every frame of test 9 went through the IPv6 VM; the IPv4 VM carried none.
+    io = lambda s, n: next((v["figures"]["io"] for v in s["vms"] if v.get("name") == n), {})
+    moved = {n: {k: io(s1, n).get(k, 0) - io(s0, n).get(k, 0) for k in ("wire_tx_frames", "wire_rx_frames")}
+             for n in ("vm", "vm6")}
+    if any(moved["vm"].values()):
+        bad["9c"].append(f"the IPv4 VM carried frames: {moved['vm']}")
+    if moved["vm6"]["wire_tx_frames"] != sum(ptx.values()) or not moved["vm6"]["wire_rx_frames"]:
+        bad["9c"].append(f"the IPv6 VM's frames {moved['vm6']}, pvcm sent {sum(ptx.values())} MADs")
+    fig.write(f"IPv6 (test 9): pvcm-backend cm_tx_msgs {ptx}; VM vm6 wire frames {moved['vm6']}\n")
+def totals(text, names):
+    f = []
+    for step in names:
+        m = re.search(rf"^{step}\s*:?\s+([\d.]+)", text, re.M)
+        f.append(m.group(1) if m else "-")
+    return f
+pc, pd = totals(parts.get("cmtime", ""), ("establish", "disconnect"))
+kc, kd = totals(kp, ("connect", "disconnect"))
+fig.write(f"{'pvcm VM -> kernel v6':<20} {pc:>11} {pd:>15}\n{'kernel -> pvcm VM v6':<20} {kc:>11} {kd:>15}\n")
+names = {"9a": f"IPv6, soft port: pvcm VM fd99::21 -> kernel fd99::2, {conns} connections established and torn down",
+         "9b": f"IPv6, soft port: kernel fd99::3 -> pvcm VM fd99::21, {conns} connections established and torn down",
+         "9c": "IPv6 (9a, 9b): kernel counters show no duplicates or retries; pvcm-backend 0 drops, 0 retries; every pvcm MAD taken by a kernel; all through the IPv6 VM"}
+for t in ("9a", "9b", "9c"):
+    print(("FAIL  " if bad[t] else "PASS  ") + t + ": " + (names[t] if not bad[t] else "; ".join(bad[t])))
+PY
+fi
 
 # ---- speed: more alternating trials of tests 1 and 2, for medians from this one run
 # (after test 8, whose MAD accounting covers tests 1-7 only).

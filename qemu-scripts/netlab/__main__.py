@@ -2,10 +2,12 @@
 while they run, tear everything down.
 
     python3 -m netlab run --workdir DIR [--pcap FILE] [--timeout SECS] [--ipv6] [--mtu N]
-        --guest NAME=IP[:CM] ... -- COMMAND [ARG...]
+        --guest NAME=IP[,IP6][:CM] ... -- COMMAND [ARG...]
 
 Each --guest boots a guest of the RDMA image (rxe on its NIC, agent NAME, the share
-workdir/share at /host; CM is kernel, the default, or pvcm); all boot at once and
+workdir/share at /host; IP6, when given, is its IPv6 address on eth0 (a /64 unless it
+names a prefix length) and turns --ipv6 on; CM is kernel, the default, or pvcm); all
+boot at once and
 COMMAND starts when every agent is ready. COMMAND runs in the namespace (br0 has
 10.99.0.1/24) in a session of its own, with NETLAB_NS, NETLAB_WORKDIR and NETLAB_SHARE
 set; its output goes to workdir/host.out (--host-log moves it). Exit status: COMMAND's;
@@ -14,6 +16,7 @@ boot.
 """
 
 import argparse
+import ipaddress
 import os
 import signal
 import subprocess
@@ -21,6 +24,32 @@ import sys
 import time
 
 from .lab import Lab, LabError
+
+
+def guest_spec(spec):
+    """NAME=IP[,IP6][:kernel|pvcm] -> (name, ip, ip6 or None, cm). The CM is the part
+    after the last colon when that part is a CM's name (IPv6 addresses have colons of
+    their own). ValueError saying what is wrong."""
+    name, eq, rest = spec.partition("=")
+    head, _, tail = rest.rpartition(":")
+    cm = "kernel"
+    if tail in ("kernel", "pvcm"):
+        rest, cm = head, tail
+    ip, _, ip6 = rest.partition(",")
+    if not eq or not name or not ip:
+        raise ValueError("want NAME=IP[,IP6][:kernel|pvcm]")
+    try:
+        ipaddress.IPv4Address(ip)
+    except ValueError:
+        raise ValueError(f"{ip!r} is not an IPv4 address") from None
+    if ip6:
+        try:
+            a6 = ipaddress.ip_interface(ip6)
+        except ValueError:
+            raise ValueError(f"{ip6!r} is not an IPv6 address") from None
+        if a6.version != 6:
+            raise ValueError(f"{ip6!r} is not an IPv6 address")
+    return name, ip, ip6 or None, cm
 
 
 def run(argv):
@@ -31,7 +60,7 @@ def run(argv):
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--ipv6", action="store_true")
     ap.add_argument("--mtu", type=int, default=1500)
-    ap.add_argument("--guest", action="append", default=[], metavar="NAME=IP[:CM]")
+    ap.add_argument("--guest", action="append", default=[], metavar="NAME=IP[,IP6][:CM]")
     ap.add_argument("--host-log")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -40,15 +69,15 @@ def run(argv):
         ap.error("no COMMAND (after --)")
     specs = []
     for g in a.guest:
-        name, _, rest = g.partition("=")
-        ip, _, cm = rest.partition(":")
-        if not name or not ip or cm not in ("", "kernel", "pvcm"):
-            ap.error(f"--guest {g}: want NAME=IP[:kernel|pvcm]")
-        specs.append((name, ip, cm or "kernel"))
-    with Lab(a.workdir, ipv6=a.ipv6, mtu=a.mtu, pcap=a.pcap) as lab:
+        try:
+            specs.append(guest_spec(g))
+        except ValueError as e:
+            ap.error(f"--guest {g}: {e}")
+    ipv6 = a.ipv6 or any(ip6 for _, _, ip6, _ in specs)
+    with Lab(a.workdir, ipv6=ipv6, mtu=a.mtu, pcap=a.pcap) as lab:
         t0 = time.monotonic()
         try:
-            guests = [lab.guest(n, ip, cm=cm, wait=False) for n, ip, cm in specs]
+            guests = [lab.guest(n, ip, ip6, cm=cm, wait=False) for n, ip, ip6, cm in specs]
             for g in guests:
                 g.wait_ready()
         except LabError as e:

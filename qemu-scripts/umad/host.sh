@@ -6,12 +6,19 @@
 # (started here). Both guests run the RDMA image's agent, so requests go to them
 # through the 9p share (kexec).
 #
-# Environment (set by umad.sh): IOP_WORK, IOP_SHARE, IOP_CONNS.
+# IPv6 (test 6): the guests also have fd99::2 (a) and fd99::3 (b) on eth0; pvcm VM a6
+# (fd99::11, added to a's eth0 as a /128) is on the same pvcm-backend, and the kernel
+# in b listens on fd99::3 port 7476 (cmtime -b). br0 is captured (dumpcap) while test
+# 6 runs.
+#
+# Environment (set by umad.sh): IOP_WORK, IOP_SHARE, IOP_CONNS, IOP_CONNS6.
 set -uo pipefail
-trap 'touch "$IOP_SHARE/flag.stop"' EXIT
+cap_pid=""
+trap '[ -z "$cap_pid" ] || kill "$cap_pid" 2>/dev/null; touch "$IOP_SHARE/flag.stop"' EXIT
 
-work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS"
+work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" conns6="$IOP_CONNS6"
 b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
+b_ip6=fd99::3 vm_a6=fd99::11
 results="$work/results.txt"
 figures="$work/figures.txt"
 : >"$results"
@@ -43,7 +50,7 @@ guest_grep() { # guest_grep FILE PATTERN SECS
 say "0. pvcm-backend --port umad:rxe0 where ib_cm is loaded (guest b): refused at startup"
 kexec b t0 30 "/host/bin/pvcm-backend --port umad:rxe0 --vm socket=/tmp/x.sock,gid=$b_ip,name=x; echo rc=\$?"
 say "setup: guest a: VM addresses on eth0, pvcm-backend --port umad:rxe0:1"
-kexec a setup 60 "sh /host/aprep.sh $vm_a $vm_b $vm_c"
+kexec a setup 60 "sh /host/aprep.sh $vm_a $vm_b $vm_c $vm_a6"
 echo $? >"$work/a.setup.rc"
 cat "$work/a.setup.out"
 kcounters b before
@@ -80,13 +87,37 @@ sleep 1
 kcounters b after
 kexec a stat 20 "/host/bin/pvcm-backend stat --control /tmp/h.ctl --json >/host/final.stat.json; /host/bin/pvcm-backend stat --control /tmp/h.ctl"
 cp "$share/backend.log" "$work/backend.log" 2>/dev/null
-for f in t2srv.log t2srv.rc t3a.log t3a.rc t3b.log t3b.rc t3la.log t3lb.log final.stat.json; do
+
+say "6. IPv6: pvcm VM a6 ($vm_a6 on guest a's eth0) <-> kernel b ($b_ip6), $conns6 connections each way"
+start_listener b "$b_ip6" 7476 || echo "b: $(cat "$work/b.listener7476.out")"
+kcounters b v6before
+kexec a stat6before 20 "/host/bin/pvcm-backend stat --control /tmp/h.ctl --json >/host/v6before.stat.json"
+rm -f "$work/v6.pcap"
+dumpcap -q -i br0 -P -f "udp port 4791" -w "$work/v6.pcap" >"$work/dumpcap.log" 2>&1 &
+cap_pid=$!
+for _ in $(seq 100); do [ -s "$work/v6.pcap" ] && break; sleep 0.1; done
+say "6a. pvcm VM a6 -> kernel b over IPv6: cmtime --dest $b_ip6 --port 7476"
+kexec a t6a 900 "$lab attach --socket /tmp/a6.sock cmtime --dest $b_ip6 --port 7476 --connections $conns6 --timeout 300; echo rc=\$?"
+say "6b. kernel b -> pvcm VM a6 over IPv6: cmtime -s $vm_a6 -c $conns6"
+kexec a t6srv 10 "($lab attach --socket /tmp/a6.sock cmtime --server --connections $conns6 --timeout 600 >/host/t6srv.log 2>&1; echo \$? >/host/t6srv.rc) &"
+guest_grep t6srv.log 'cmtime server on' 60
+kexec b t6b 900 "cmtime -s $vm_a6 -c $conns6; echo rc=\$?"
+guest_wait t6srv.rc 120
+sleep 1
+kill -INT "$cap_pid" 2>/dev/null
+wait "$cap_pid" 2>/dev/null
+cap_pid=""
+kcounters b v6after
+kexec a stat6 20 "/host/bin/pvcm-backend stat --control /tmp/h.ctl --json >/host/v6after.stat.json"
+
+for f in t2srv.log t2srv.rc t3a.log t3a.rc t3b.log t3b.rc t3la.log t3lb.log final.stat.json \
+    t6srv.log t6srv.rc v6before.stat.json v6after.stat.json; do
     cp "$share/$f" "$work/$f" 2>/dev/null
 done
 
-python3 - "$work" "$conns" "$figures" <<'PY' | pyresult
+python3 - "$work" "$conns" "$figures" "$conns6" <<'PY' | pyresult
 import json, re, sys
-wd, conns, figures = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+wd, conns, figures, conns6 = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 def read(n):
     try:
         return open(f"{wd}/{n}", errors="replace").read()
@@ -229,6 +260,135 @@ if s:
         if sent != ktx.get(m, 0):
             bad.append(f"{m}: pvcm sent {sent}, the kernel CM took {ktx.get(m, 0)}")
 result("4", bad, f"teardown of {conns} connections at once (tests 1, 2), both directions: 0 retries and 0 duplicates on both sides, no drops, every pvcm MAD taken by the kernel CM")
+
+# 6a, 6b: IPv6 both ways
+A6, B6 = "fd99::11", "fd99::3"
+o = read("a.t6a.out")
+bad = [] if setup_ok else ["setup failed: " + read("a.setup.out")[-300:]]
+m = re.search(r"connections (\d+) established (\d+) failed (\d+) disconnected (\d+)", o)
+if not m:
+    bad.append("no cmtime summary: " + o[-300:])
+elif tuple(map(int, m.groups())) != (conns6, conns6, 0, conns6):
+    bad.append(m.group(0))
+if "rc=0" not in o:
+    bad.append("pvcm cmtime exit " + str(re.findall(r"rc=(\d+)", o)))
+result("6a", bad, f"IPv6: pvcm VM {A6} behind umad -> kernel CM {B6}: {conns6} connections established and torn down")
+for l in o.splitlines():
+    if re.match(r"\s*(establish|disconnect)", l):
+        fig.write(f"IPv6 pvcm VM -> kernel   {l.strip()}\n")
+o = read("b.t6b.out")
+srv = read("t6srv.log")
+bad = []
+if "rc=0" not in o:
+    bad.append("kernel cmtime: " + o[-300:])
+m = re.search(r"accepted (\d+) established (\d+) disconnected (\d+) failed (\d+)", srv)
+if read("t6srv.rc").strip() != "0":
+    bad.append(f"pvcm cmtime server exit {read('t6srv.rc').strip()!r}: {srv[-300:]}")
+elif not m or tuple(map(int, m.groups())) != (conns6, conns6, conns6, 0):
+    bad.append(f"pvcm server summary: {m.group(0) if m else srv[-300:]}")
+result("6b", bad, f"IPv6: kernel CM {B6} -> pvcm VM {A6} behind umad: {conns6} connections established and torn down")
+for l in o.splitlines():
+    if re.match(r"\s*(connect|disconnect)\s*:", l):
+        fig.write(f"IPv6 kernel -> pvcm VM   {l.strip()}\n")
+
+# 6c: over test 6 only: counters, drops, and what went over br0
+def stat(n):
+    try:
+        return json.load(open(f"{wd}/{n}"))
+    except (OSError, ValueError):
+        return None
+def frames(path):
+    """RoCEv2 frames of a pcap capture: (family, src, dst, MAD class or None) each."""
+    import ipaddress, struct
+    try:
+        data = open(path, "rb").read()
+    except OSError:
+        return None
+    if len(data) < 24:
+        return None
+    magic = data[:4]
+    if magic in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1"):
+        end = "<"
+    elif magic in (b"\xa1\xb2\xc3\xd4", b"\xa1\xb2\x3c\x4d"):
+        end = ">"
+    else:
+        return None
+    out, off = [], 24
+    while off + 16 <= len(data):
+        incl = struct.unpack(end + "I", data[off + 8:off + 12])[0]
+        f = data[off + 16:off + 16 + incl]
+        off += 16 + incl
+        if len(f) < 14:
+            continue
+        et = struct.unpack(">H", f[12:14])[0]
+        if et == 0x86DD and len(f) >= 54 and f[20] == 17:
+            fam, src, dst, udp = 6, ipaddress.IPv6Address(f[22:38]), ipaddress.IPv6Address(f[38:54]), 54
+        elif et == 0x0800 and len(f) >= 34 and f[23] == 17:
+            ihl = (f[14] & 15) * 4
+            fam, src, dst, udp = 4, ipaddress.IPv4Address(f[26:30]), ipaddress.IPv4Address(f[30:34]), 14 + ihl
+        else:
+            continue
+        if len(f) < udp + 8 or struct.unpack(">H", f[udp + 2:udp + 4])[0] != 4791:
+            continue
+        bth = udp + 8
+        # BTH (12 bytes): UD SEND only (0x64) to QP1; then DETH (8), then the MAD.
+        mad = bth + 20
+        qp1 = len(f) > mad + 1 and f[bth] == 0x64 and f[bth + 5:bth + 8] == b"\x00\x00\x01"
+        out.append((fam, str(src), str(dst), f[mad + 1] if qp1 else None))
+    return out
+bad = []
+kb, ka = counters("v6before"), counters("v6after")
+if not ka:
+    bad.append("no kernel counters")
+for k, v in ka.items():
+    d = v - kb.get(k, 0)
+    if d and (k.startswith("cm_tx_retries/") or k.startswith("cm_rx_duplicates/")):
+        bad.append(f"kernel b: {k} +{d}")
+s0, s1 = stat("v6before.stat.json"), stat("v6after.stat.json")
+if not s0 or not s1 or "host" not in s0 or "host" not in s1:
+    bad.append("no backend stat around test 6")
+else:
+    s0, s1 = {**s0["host"], "vms": s0.get("vms", [])}, {**s1["host"], "vms": s1.get("vms", [])}
+    r = sum(v - s0["cm"]["cm_tx_retries"].get(k, 0) for k, v in s1["cm"]["cm_tx_retries"].items())
+    if r:
+        bad.append(f"pvcm-backend: {r} retries")
+    drops = {k: v - s0.get(g, {}).get(k, 0) for g in ("drops", "device_drops")
+             for k, v in s1.get(g, {}).items() if v - s0.get(g, {}).get(k, 0)}
+    if drops:
+        bad.append(f"pvcm-backend drops: {drops}")
+    ptx = {m: v - s0["cm"]["cm_tx_msgs"].get(m, 0) for m, v in s1["cm"]["cm_tx_msgs"].items()}
+    krx = {m: ka.get(f"cm_rx_msgs/{m}", 0) - kb.get(f"cm_rx_msgs/{m}", 0) for m in ptx}
+    ktx = {m: ka.get(f"cm_tx_msgs/{m}", 0) - kb.get(f"cm_tx_msgs/{m}", 0) for m in ptx}
+    for m, sent in ptx.items():
+        if sent != krx[m]:
+            bad.append(f"{m}: pvcm sent {sent}, the kernel CM took {krx[m]}")
+    fig.write("IPv6: pvcm-backend cm_tx_msgs: " + json.dumps({m: v for m, v in ptx.items() if v}) + "\n")
+    fig.write("IPv6: kernel b cm_tx_msgs:     " + json.dumps({m: v for m, v in ktx.items() if v}) + "\n")
+    # The capture of br0: every RoCEv2 frame of test 6 is IPv6, between the VM and b,
+    # a CM MAD to QP1, one for every frame the umad port counted for VM a6 each way.
+    io = lambda s, n: next((v["figures"]["io"] for v in s.get("vms", []) if v.get("name") == n), {})
+    a6tx = io(s1, "a6").get("wire_tx_frames", 0) - io(s0, "a6").get("wire_tx_frames", 0)
+    a6rx = io(s1, "a6").get("wire_rx_frames", 0) - io(s0, "a6").get("wire_rx_frames", 0)
+    if a6tx != sum(ptx.values()):
+        bad.append(f"VM a6 sent {a6tx} frames, pvcm-backend counted {sum(ptx.values())} MADs")
+    fr = frames(f"{wd}/v6.pcap")
+    if fr is None:
+        bad.append("no capture of br0 (dumpcap: " + read("dumpcap.log")[-200:] + ")")
+    else:
+        per = {}
+        for fam, src, dst, cls in fr:
+            per[(fam, src, dst, cls)] = per.get((fam, src, dst, cls), 0) + 1
+        out6 = per.pop((6, A6, B6, 7), 0)
+        in6 = per.pop((6, B6, A6, 7), 0)
+        if per:
+            bad.append(f"other RoCEv2 frames on br0: {per}")
+        if not out6 or out6 != a6tx:
+            bad.append(f"{out6} IPv6 CM frames {A6} -> {B6} on br0, the umad port sent {a6tx} for VM a6")
+        if not in6 or in6 != a6rx:
+            bad.append(f"{in6} IPv6 CM frames {B6} -> {A6} on br0, the umad port received {a6rx} for VM a6")
+        fig.write(f"IPv6: br0 capture: {out6} CM MADs {A6} -> {B6}, {in6} {B6} -> {A6}, "
+                  f"{len(fr) - out6 - in6} other RoCEv2 frames\n")
+result("6c", bad, "IPv6 (tests 6a, 6b): 0 retries and 0 duplicates on both sides, no drops, every pvcm MAD taken by the kernel CM, every frame on br0 an IPv6 RoCEv2 CM MAD between the VM and the kernel")
 
 for t, b, text in sorted(res, key=lambda x: x[0]):
     print(("FAIL  " if b else "PASS  ") + t + ": " + ("; ".join(b) if b else text))
