@@ -574,6 +574,34 @@ fn rep_retries_then_unreachable_and_mra_rep_extends() {
 }
 
 #[test]
+fn a_send_completion_restarts_only_the_timer_of_the_message_waited_on() {
+    let mut a = agent();
+    a.listen(SID).unwrap();
+    a.handle_mad(&req_mad(0xABC, peer_req(0x10, 0x800)), peer_gid(), ms(0));
+    let id = events(&mut a)[0].id();
+    a.accept(id, &[], ms(0)).unwrap();
+    let rep = one(&mut a);
+    let (_, CmRepr::Rep(r)) = parse(&rep) else {
+        panic!()
+    };
+    let local = r.local_comm_id;
+    let due = a.next_deadline().unwrap();
+    // Another message's completion (one byte differs) moves nothing.
+    let mut other = rep.mad;
+    other[100] ^= 1;
+    a.mad_sent(&other, ms(1000));
+    assert_eq!(a.next_deadline(), Some(due));
+    // The REP's: its whole timeout from there.
+    a.mad_sent(&rep.mad, ms(1000));
+    assert_eq!(a.next_deadline(), Some(ms(1000 + due.as_millis())));
+    // Once the RTU came, a late completion of the REP arms nothing.
+    a.handle_mad(&rtu_mad(0xABC, 0x10, local), peer_gid(), ms(1100));
+    assert_eq!(a.state(id), Some(State::Established));
+    a.mad_sent(&rep.mad, ms(1200));
+    assert_eq!(a.next_deadline(), None);
+}
+
+#[test]
 fn reject_sends_consumer_defined_with_private_data() {
     let mut a = agent();
     a.listen(SID).unwrap();

@@ -831,6 +831,49 @@ fn tx_backpressure_keeps_mads_in_the_outbox() {
     assert!(!n.a.tx_backlogged());
 }
 
+#[test]
+fn a_request_waits_its_timeout_from_when_the_device_takes_it() {
+    // Linux's MAD layer starts a request's response timer when its send completes: a
+    // REQ that waited behind others on a busy vCPU is not retried before the peer
+    // could have answered it. B never pumps, so nothing answers the REQ.
+    let mut n = Net::new();
+    n.dev(0).devs[0].hold_tx = true;
+    let id =
+        n.a.connect(
+            gid(2),
+            tcp_service_id(PORT),
+            &[],
+            &ConnectOptions::default(),
+        )
+        .unwrap();
+    let t0 = n.clock.now();
+    assert_eq!(n.a.pump(t0).unwrap().tx, 1);
+    let queued = n.a.agent_mut().next_deadline().unwrap();
+    // The device takes it 3 s later.
+    n.clock.advance_ms(3000);
+    n.dev(0).devs[0].hold_tx = false;
+    n.host.lock().unwrap().step();
+    assert_eq!(n.dev(0).devs[0].sent_mads(AttributeId::Req), 1);
+    let t1 = n.clock.now();
+    n.a.pump(t1).unwrap();
+    let sent = n.a.agent_mut().next_deadline().unwrap();
+    assert_eq!(
+        sent.since(t1),
+        queued.since(t0),
+        "the whole timeout, from the send"
+    );
+    // No retry at the deadline counted from the queueing...
+    n.clock.advance_ms(queued.since(t1).as_millis() as u64);
+    n.a.pump(n.clock.now()).unwrap();
+    assert_eq!(n.a.agent().counters().total(Group::TxRetries), 0);
+    assert_eq!(n.a.agent().state(id), Some(State::ReqSent));
+    // ...but at the one counted from the send.
+    n.clock
+        .advance_ms(sent.since(n.clock.now()).as_millis() as u64);
+    n.a.pump(n.clock.now()).unwrap();
+    assert_eq!(n.a.agent().counters().total(Group::TxRetries), 1);
+}
+
 // ----------------------------------------------------------------- blocking helpers
 
 #[test]

@@ -544,6 +544,37 @@ impl Agent {
         self.timers = BinaryHeap::from(live);
     }
 
+    /// A MAD the device has taken from its queue (its send completion). A request's
+    /// response timer starts here, as Linux's MAD layer starts it when the send
+    /// completes: a REQ, REP, DREQ or SIDR_REQ that waited behind others (a burst on a
+    /// busy vCPU) is not retried before the peer could have answered it. Only the
+    /// message the connection waits on counts (its current `msg`, byte for byte).
+    pub fn mad_sent(&mut self, mad: &[u8], now: Time) {
+        let Ok(m) = CmMad::new_checked(mad) else {
+            return;
+        };
+        let local = match m.attr() {
+            AttributeId::Req | AttributeId::Rep | AttributeId::Dreq => m.local_comm_id(),
+            AttributeId::SidrReq => m.sidr_request_id(),
+            _ => None,
+        };
+        let Some(slot) = local.and_then(|id| self.by_local(id)) else {
+            return;
+        };
+        let c = &self.conns[slot as usize];
+        let waits = matches!(
+            c.state,
+            State::ReqSent | State::RepSent | State::DreqSent | State::SidrReqSent
+        );
+        if !c.live || c.timer.is_none() || !waits || c.msg.as_ref().map(|b| &b[..]) != Some(mad) {
+            return;
+        }
+        let at = now.after_ms(c.timeout_ms);
+        if at > c.deadline {
+            self.arm(slot, at);
+        }
+    }
+
     /// When `poll()` next has work: the earliest armed timer.
     pub fn next_deadline(&mut self) -> Option<Time> {
         while let Some(Reverse((t, seq, slot))) = self.timers.peek().copied() {

@@ -474,7 +474,7 @@ fn read_msg(b: &[u8]) -> Result<(MsgHeader, &[u8]), RxDrop> {
 /// Puts one message (header + payload) on tx; `false` if no tx buffer is free.
 fn send_msg(tx: &mut MsgQueue, h: &MsgHeader, payload: &[u8]) -> Result<bool, DeviceError> {
     if tx.virtq().num_free() == 0 || tx.pool().num_free() == 0 {
-        reclaim(tx)?;
+        reclaim(tx, |_| {})?;
     }
     if tx.virtq().num_free() == 0 {
         return Ok(false);
@@ -504,9 +504,19 @@ fn send_msg(tx: &mut MsgQueue, h: &MsgHeader, payload: &[u8]) -> Result<bool, De
 }
 
 /// Returns every finished tx buffer to the pool.
-fn reclaim(tx: &mut MsgQueue) -> Result<usize, DeviceError> {
+/// Frees the tx buffers the device has used, handing `sent` each MAD it took (their
+/// send completions: the agent's response timers start there, see
+/// [`Agent::mad_sent`]).
+fn reclaim(tx: &mut MsgQueue, mut sent: impl FnMut(&[u8])) -> Result<usize, DeviceError> {
     let mut n = 0;
     while let Some(u) = tx.pop_used()? {
+        let buf = tx.buf(u.token)?;
+        if let Ok(h) = MsgHeader::parse(buf)
+            && h.msg_type == MsgType::Mad
+            && let Some(mad) = buf.get(HEADER_LEN..HEADER_LEN + MAD_LEN)
+        {
+            sent(mad);
+        }
         tx.free(u.token)?;
         n += 1;
     }
@@ -585,7 +595,7 @@ impl<T: Transport, C: Clock> Device<T, C> {
         let until = clock.now().after(opts.port_info_timeout);
         let mut copy = [0u8; RX_BUFFER_LEN];
         let port = loop {
-            reclaim(&mut tx)?;
+            reclaim(&mut tx, |_| {})?;
             let mut found = None;
             let mut reposted = false;
             while let Some(u) = rx.pop_used()? {
@@ -822,7 +832,7 @@ impl<T: Transport, C: Clock> Device<T, C> {
             });
         }
         let mut report = Pump::default();
-        reclaim(&mut self.tx)?;
+        reclaim(&mut self.tx, |m| self.agent.mad_sent(m, now))?;
 
         // Rx: at most one batch per pump (never more than the queue holds), so a flood
         // cannot starve tx and a burst's first answers leave while the rest wait.
@@ -984,7 +994,8 @@ impl<T: Transport, C: Clock> Device<T, C> {
         }
         while self.agent.outbox_len() > 0 {
             if self.tx.virtq().num_free() == 0 || self.tx.pool().num_free() == 0 {
-                reclaim(&mut self.tx)?;
+                let now = self.clock.now();
+                reclaim(&mut self.tx, |m| self.agent.mad_sent(m, now))?;
             }
             if self.tx.virtq().num_free() == 0 {
                 break;
