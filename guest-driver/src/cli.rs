@@ -30,8 +30,8 @@ use crate::cm::rdma_cm::{
     tcp_service_id,
 };
 use crate::cm::{
-    AgentConfig, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing, PacingCounters,
-    RejReason,
+    AgentConfig, CmCounters, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing,
+    PacingCounters, RejReason,
 };
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
 use crate::device::pci::{PciDevice, PciOptions};
@@ -494,7 +494,11 @@ fn pd_text(pd: &[u8], has_cma_hdr: bool) -> String {
 }
 
 fn counters_json<T: Transport, C: Clock>(dev: &Device<T, C>) -> Value {
-    let c = dev.agent().counters();
+    cm_counters_json(dev.agent().counters())
+}
+
+/// The CM counter table as JSON: `{group: {message: count}}`, zeros included.
+pub(crate) fn cm_counters_json(c: &CmCounters) -> Value {
     let mut groups = serde_json::Map::new();
     for g in Group::ALL {
         let mut m = serde_json::Map::new();
@@ -564,7 +568,8 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-fn pacing_json(p: &PacingCounters) -> Value {
+/// The pacing counters as JSON.
+pub(crate) fn pacing_json(p: &PacingCounters) -> Value {
     json!({
         "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
         "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
@@ -995,6 +1000,14 @@ fn cmtime_client_round<T: Transport, C: Clock>(
     let (cpu0, work0) = (ProcessCpu::now(), *dev.stats());
     let r = cmtime::client(dev, o)?;
     let cpu = ProcessCpu::now().since(cpu0);
+    out.emit(&r, cmtime_report_json(&r));
+    cpu.emit(out);
+    emit_device_work(dev, out, &work0);
+    Ok(r.success())
+}
+
+/// A client run's report as JSON (text: its `Display`).
+fn cmtime_report_json(r: &cmtime::CmtimeReport) -> Value {
     let mut steps = serde_json::Map::new();
     for s in Step::ALL {
         let t = r.step(s);
@@ -1014,17 +1027,11 @@ fn cmtime_client_round<T: Transport, C: Clock>(
         .iter()
         .map(|(f, n)| with(json!({"count": n}), failure_json(*f)))
         .collect();
-    out.emit(
-        &r,
-        json!({
-            "connections": r.connections, "established": r.established,
-            "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
-            "steps": steps, "pacing": pacing_json(&r.pacing),
-        }),
-    );
-    cpu.emit(out);
-    emit_device_work(dev, out, &work0);
-    Ok(r.success())
+    json!({
+        "connections": r.connections, "established": r.established,
+        "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
+        "steps": steps, "pacing": pacing_json(&r.pacing),
+    })
 }
 
 fn cmtime_server<T: Transport, C: Clock>(
@@ -1040,19 +1047,21 @@ fn cmtime_server<T: Transport, C: Clock>(
     let cpu0 = ProcessCpu::now();
     let r = cmtime::server(dev, o)?;
     let cpu = ProcessCpu::now().since(cpu0);
-    out.emit(
-        r,
-        json!({
-            "accepted": r.accepted, "established": r.established,
-            "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
-        }),
-    );
+    out.emit(r, server_report_json(&r));
     cpu.emit(out);
     emit_device_work(dev, out, &DeviceStats::default());
     Ok(if r.disconnected >= o.connections {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(EXIT_CM_FAILED)
+    })
+}
+
+/// A server run's report as JSON (text: its `Display`).
+fn server_report_json(r: &cmtime::ServerReport) -> Value {
+    json!({
+        "accepted": r.accepted, "established": r.established,
+        "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
     })
 }
 
@@ -1112,14 +1121,20 @@ impl ProcessCpu {
     }
 
     fn emit(self, out: Out) {
-        out.emit(
+        let (text, v) = self.report();
+        out.emit(text, v);
+    }
+
+    /// The report line: text and JSON.
+    fn report(self) -> (String, Value) {
+        (
             format!(
                 "cpu user {:.1} ms system {:.1} ms",
                 ms(self.user),
                 ms(self.system)
             ),
             json!({"event": "cpu", "user_ms": ms(self.user), "system_ms": ms(self.system)}),
-        );
+        )
     }
 }
 
