@@ -9,6 +9,10 @@
 //! not claimed by another process. The lab's devices (memfd memory and eventfds in the
 //! lab's own process) cannot be named here; `pvcm-lab` drives the library directly.
 //!
+//! When `pvcm-guestd` owns the device (its control socket answers), the commands run
+//! through the service's rdma_cm device instead, with the same output and exit
+//! statuses ([`via_service`]; `--via auto|service|device`).
+//!
 //! Commands: `info`, `listen`, `connect`, `connect-destroy` (seed 002: connect, then
 //! destroy at once) and `cmtime` (rdma-core's connection-rate benchmark). `--json`
 //! prints one JSON object per line instead of text. `--linux-drep` makes the agent
@@ -34,6 +38,10 @@ use crate::cm::{
     PacingCounters, RejReason,
 };
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
+use crate::service::cli::DEFAULT_CONTROL;
+use via_service::{DEFAULT_RDMA_CM, Via};
+
+pub mod via_service;
 use crate::device::pci::{PciDevice, PciOptions};
 use crate::device::{
     DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, DeviceStats, Notice,
@@ -188,7 +196,8 @@ impl DeviceArgs {
     about = "pvcm guest CM: connect, listen and benchmark through the pvcm device",
     after_help = "Runs inside a VM as root (user-space virtio-pci driver: unbinds the \
                   kernel driver, maps BARs, DMA from hugetlbfs with physical addresses from \
-                  /proc/self/pagemap).\n\nExit status: 0 success, 1 device or setup error, \
+                  /proc/self/pagemap). When pvcm-guestd runs (its control socket answers), \
+                  the commands go through its rdma_cm device instead (--via).\n\nExit status: 0 success, 1 device or setup error, \
                   2 usage error, 3 the CM operation failed (rejected, unreachable, timed out)."
 )]
 pub struct Cli {
@@ -210,6 +219,23 @@ pub struct Cli {
     /// The window a destination starts with (default 32; at most --max-window).
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     initial_window: Option<u32>,
+    /// Which way the commands go: through pvcm-guestd's rdma_cm device (service), the
+    /// pvcm device itself (device), or the service when its control socket answers,
+    /// else the device (auto).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "auto",
+        value_name = "WAY"
+    )]
+    via: Via,
+    /// pvcm-guestd's control socket (how `auto` finds the service).
+    #[arg(long, global = true, default_value = DEFAULT_CONTROL, value_name = "PATH")]
+    control: PathBuf,
+    /// The rdma_cm device pvcm-guestd serves.
+    #[arg(long, global = true, default_value = DEFAULT_RDMA_CM, value_name = "PATH")]
+    rdma_cm: PathBuf,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -329,6 +355,9 @@ const EXIT_CM_FAILED: u8 = 3;
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = Out { json: cli.json };
+    if let Some(code) = via_service::divert(&cli, out) {
+        return code;
+    }
     match run(&cli, out) {
         Ok(code) => code,
         Err(e) => report_error("pvcm-guest", &e, out),
