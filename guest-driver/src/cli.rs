@@ -220,8 +220,8 @@ pub struct Cli {
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     initial_window: Option<u32>,
     /// Which way the commands go: through pvcm-guestd's rdma_cm device (service), the
-    /// pvcm device itself (device), or the service when its control socket answers,
-    /// else the device (auto).
+    /// pvcm device itself (device; refused while the service answers), or the service
+    /// when its control socket answers, else the device (auto).
     #[arg(
         long,
         global = true,

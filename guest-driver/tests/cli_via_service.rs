@@ -600,6 +600,13 @@ fn the_binary_takes_the_service_when_it_answers() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--linux-drep"));
+    // The device cannot be driven under the service.
+    let out = cli()
+        .args(["--via", "device", "--control", s, "info"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("owns the pvcm device"));
     // The node is missing: a clear error with a hint, exit status 1.
     let out = cli()
         .args([

@@ -6,7 +6,9 @@
 //!
 //! Which way (`--via`): `device` drives the pvcm device itself; `service` goes through
 //! pvcm-guestd; `auto` (the default) takes the service when its control socket
-//! (`--control`, default `/run/pvcm-guestd.sock`) answers, else the device.
+//! (`--control`, default `/run/pvcm-guestd.sock`) answers, else the device. `device`
+//! is refused while the service answers: opening the device resets it, which would
+//! end the service's connections.
 //!
 //! What differs from the device path, and why:
 //! - ids print as `rdma_cm#N`, the rdma_cm id numbers, instead of the agent's `cm#S.G`;
@@ -77,7 +79,8 @@ pub enum Via {
     Auto,
     /// Through pvcm-guestd's rdma_cm device.
     Service,
-    /// The pvcm device itself.
+    /// The pvcm device itself (refused while pvcm-guestd answers: opening the device
+    /// resets it).
     Device,
 }
 
@@ -413,7 +416,19 @@ impl SimQpns {
 pub(super) fn divert(cli: &Cli, out: Out) -> Option<ExitCode> {
     let mut control = ControlSocket::new(&cli.control);
     let stat = match cli.via {
-        Via::Device => return None,
+        // Opening the device resets it: never under a running service.
+        Via::Device => match control.stat() {
+            Ok(_) => {
+                let e = ViaError::Service(format!(
+                    "pvcm-guestd owns the pvcm device (its control socket {} answers): \
+                     driving the device too would reset it under the service; stop \
+                     pvcm-guestd first, or leave --via to auto",
+                    cli.control.display()
+                ));
+                return Some(report_error("pvcm-guest", &e, out));
+            }
+            Err(_) => return None,
+        },
         Via::Auto => match control.stat() {
             Ok(v) => v,
             Err(ViaError::Control { source, .. })
