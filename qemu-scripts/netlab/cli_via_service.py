@@ -231,10 +231,11 @@ def cmtime_server(k, a, conns):
     rep = next((o for o in objs if "accepted" in o), {})
     good = (rc == 0 and src == 0 and re.search(r"^disconnect\s*:", out, re.M)
             and rep.get("disconnected") == conns and rep.get("failed") == 0)
-    steps = re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)
+    steps = ", ".join(f"{s} {v} ms" for s, v in re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)",
+                                                             out, re.M))
     result(f"pvcm-guest cmtime --server --connections {conns}: k (kernel cmtime) -> a", good,
-           f"{secs:.1f} s; server {rep}; kernel cmtime " + ", ".join(f"{s} {v} ms" for s, v in steps)
-           if good else f"server rc {src}: {short(srv.text())} | client rc {rc}: {short(out)}")
+           f"{secs:.1f} s; server {rep}; kernel cmtime {steps}" if good
+           else f"server rc {src}: {short(srv.text())} | client rc {rc}: {short(out)}")
 
 
 def counters(a, backend):

@@ -695,6 +695,15 @@ fn counters_text(stat: &Value) -> String {
 
 // ------------------------------------------------------------------ the commands
 
+/// The instant `d` from now; a century when `d` is longer (any number of seconds is a
+/// valid `--timeout`).
+fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86400)))
+        .unwrap_or(now)
+}
+
 /// An id as the lines name it.
 fn id_name(id: u32) -> String {
     format!("rdma_cm#{id}")
@@ -800,7 +809,7 @@ impl<C: Channel> Session<'_, C> {
         timeout: Duration,
         pick: impl Fn(&EventResp) -> bool,
     ) -> Result<Option<EventResp>, ViaError> {
-        let until = Instant::now() + timeout;
+        let until = after(timeout);
         while let Some(e) = self.cm.next_event(until)? {
             if e.id == id && pick(&e) {
                 return Ok(Some(e));
@@ -964,7 +973,7 @@ impl<C: Channel> Session<'_, C> {
                         self.drop_conn(&mut conns, id)?;
                         done += 1;
                     } else {
-                        late.push_back((Instant::now() + react_after, id));
+                        late.push_back((after(react_after), id));
                     }
                 }
                 event::REJECTED => {
@@ -1247,10 +1256,7 @@ impl<C: Channel> Session<'_, C> {
         self.cm.listen(lid, 0)?;
         let mut r = ServerReport::default();
         let mut qpn_of: HashMap<u32, u32> = HashMap::new();
-        let until = o
-            .timeout
-            .and_then(|t| Instant::now().checked_add(t))
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(100 * 365 * 86400));
+        let until = after(o.timeout.unwrap_or(Duration::MAX));
         while r.disconnected + r.failed < o.connections {
             let Some(e) = self.cm.next_event(until)? else {
                 break;
@@ -1490,7 +1496,7 @@ impl Burst {
             }
         }
         // establish
-        self.serve(s, Instant::now() + self.o.timeout)?;
+        self.serve(s, after(self.o.timeout))?;
         self.steps[Step::Connect as usize].total = self.last_connect - t0;
         self.steps[Step::Establish as usize].total = self.last_established - t0;
         // Whatever is still on its way has timed out (destroyed below: REJ(TIMEOUT)).
@@ -1498,7 +1504,7 @@ impl Burst {
             self.fail(i, Failure::Timeout);
         }
         if !self.o.hold.is_zero() {
-            let until = Instant::now() + self.o.hold;
+            let until = after(self.o.hold);
             while let Some(e) = s.cm.next_event(until)? {
                 self.on_event(s, &e)?;
             }
@@ -1529,7 +1535,7 @@ impl Burst {
                 self.drain(s)?;
             }
         }
-        self.serve(s, Instant::now() + self.o.timeout)?;
+        self.serve(s, after(self.o.timeout))?;
         self.steps[Step::Disconnect as usize].total =
             self.last_disconnected.saturating_duration_since(t1);
         let stuck = self
@@ -1625,6 +1631,14 @@ mod tests {
             "{}",
             counters_text(&b)
         );
+    }
+
+    #[test]
+    fn any_timeout_is_an_instant() {
+        let now = Instant::now();
+        assert!(after(Duration::MAX) > now + Duration::from_secs(86400));
+        assert!(after(Duration::from_secs(1e18 as u64)) > now);
+        assert!(after(Duration::ZERO) >= now);
     }
 
     #[test]

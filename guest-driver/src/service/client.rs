@@ -81,7 +81,8 @@ impl Channel for DeviceFile {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<bool, i32> {
-        let until = Instant::now() + timeout;
+        let now = Instant::now();
+        let until = now.checked_add(timeout).unwrap_or(now);
         loop {
             let left = until.saturating_duration_since(Instant::now());
             let ms = left.as_millis().min(i32::MAX as u128) as i32;
