@@ -60,7 +60,7 @@ use crate::device::cmtime::{
 use crate::device::random_seed;
 use crate::service::abi::{ConnParam, EventParam, EventResp, event, ps};
 use crate::service::client::{Channel, CmdError, DeviceFile, RdmaCm};
-use crate::service::cma::gid_sockaddr;
+use crate::service::cma::{gid_sockaddr, sockaddr_gid};
 
 /// The rdma_cm device node pvcm-guestd serves.
 pub const DEFAULT_RDMA_CM: &str = "/dev/infiniband/rdma_cm";
@@ -818,6 +818,23 @@ impl<C: Channel> Session<'_, C> {
         Ok(None)
     }
 
+    /// The event that ends `id`'s attempt (`pick`s it), or why the attempt failed:
+    /// the event's failure, or a timeout.
+    fn attempt(
+        &mut self,
+        id: u32,
+        timeout: Duration,
+        pick: impl Fn(&EventResp) -> bool,
+    ) -> Result<Result<EventResp, Failure>, ViaError> {
+        Ok(match self.wait_for(id, timeout, pick)? {
+            None => Err(Failure::Timeout),
+            Some(e) => match attempt_failure(&e)? {
+                Some(f) => Err(f),
+                None => Ok(e),
+            },
+        })
+    }
+
     /// Resolves `id`'s address and route to `dst`: `Ok(Err(failure))` when either
     /// fails or does not come within `timeout`.
     fn resolve(
@@ -903,15 +920,12 @@ impl<C: Channel> Session<'_, C> {
             match e.event {
                 event::CONNECT_REQUEST => {
                     let c = conn_of(&e);
-                    let remote = self
+                    // The peer's address, as librdmacm reads it for a new id.
+                    let remote_gid = self
                         .cm
                         .query_route(id)?
                         .dst
-                        .map_or_else(|| "?".to_string(), |a| a.ip().to_string());
-                    let remote_gid = remote
-                        .parse::<IpAddr>()
-                        .map(|ip| crate::service::cma::sockaddr_gid(&SocketAddr::new(ip, 0)))
-                        .map_or(remote, |g| g.to_string());
+                        .map_or_else(|| "?".to_string(), |a| sockaddr_gid(&a).to_string());
                     let text = pd_text(&c.private_data, false);
                     rep.line(
                         format!(
@@ -1025,42 +1039,42 @@ impl<C: Channel> Session<'_, C> {
         let id = self.cm.create_id(uid, ps::TCP)?;
         let src = a.src_port.map(|p| wildcard(self.view.gid, p));
         let t0 = Instant::now();
-        let first = match self.resolve(id, src, gid_sockaddr(dest, port), timeout)? {
+        let ending = |e: &EventResp| {
+            matches!(
+                e.event,
+                event::CONNECT_RESPONSE
+                    | event::ESTABLISHED
+                    | event::REJECTED
+                    | event::UNREACHABLE
+                    | event::CONNECT_ERROR
+            )
+        };
+        let outcome = match self.resolve(id, src, gid_sockaddr(dest, port), timeout)? {
+            Err(f) => Err(f),
             Ok(()) => {
                 let qpn = self.qpn()?;
                 self.cm.connect(id, &params(qpn, a.data.as_bytes()))?;
-                self.wait_for(id, timeout, |e| {
-                    matches!(
-                        e.event,
-                        event::CONNECT_RESPONSE
-                            | event::ESTABLISHED
-                            | event::REJECTED
-                            | event::UNREACHABLE
-                            | event::CONNECT_ERROR
-                    )
-                })?
+                self.attempt(id, timeout, ending)?
             }
-            Err(Failure::Timeout) => None,
-            Err(_) => Some(EventResp {
-                uid,
-                id,
-                event: event::UNREACHABLE,
-                status: -libc::EHOSTUNREACH,
-                param: EventParam::Conn(ConnParam::empty()),
-                ece: Default::default(),
-            }),
         };
-        let failure = match &first {
-            None => Some(Failure::Timeout),
-            Some(e) => attempt_failure(e)?,
+        let outcome = match outcome {
+            Ok(e) if e.event == event::CONNECT_RESPONSE => match self.cm.complete(id) {
+                // The RTU: the connection is established.
+                Ok(()) => Ok(e),
+                // The peer ended it first: what it sent (its REJ) follows.
+                Err(err) if err.errno() == Some(libc::EINVAL) => {
+                    self.attempt(id, timeout, |e| {
+                        ending(e) && e.event != event::CONNECT_RESPONSE
+                    })?
+                }
+                Err(err) => return Err(err.into()),
+            },
+            o => o,
         };
-        if failure.is_none()
-            && let Some(e) = &first
-            && e.event == event::CONNECT_RESPONSE
-        {
-            // The RTU: the connection is established.
-            self.cm.complete(id)?;
-        }
+        let (first, failure) = match outcome {
+            Ok(e) => (Some(e), None),
+            Err(f) => (None, Some(f)),
+        };
         let took = ms(t0.elapsed());
         let name = id_name(id);
         if let Some(f) = failure {
