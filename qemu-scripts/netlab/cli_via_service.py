@@ -14,7 +14,8 @@ frames diverted to it).
 pvcm-guest runs in a with its default --via auto: pvcm-guestd's control socket answers,
 so every command goes through the service's rdma_cm device. Checks (each PASS/FAIL):
   0 the kernel's rdma_ucm, rdma_cm, ib_cm are not loaded in a; pvcm-guest info goes
-    through the service and reports the backend's QPN range for a
+    through the service and reports the backend's QPN range for a; --via device is
+    refused (it would reset the device under the service)
   1 pvcm-guest cmtime --dest k --connections N against the kernel's cmtime server:
     every connection established and torn down (its JSON report), its ids rdma_cm's
   2 pvcm-guest connect --dest k --data ... against the kernel's ucmatose -C 0, twice:
@@ -137,6 +138,10 @@ def info(a):
     rc, out = a.run("pvcm-guest info", 60)
     result("a: pvcm-guest info (text)", rc == 0 and "pvcm-guestd" in out and "qpns" in out,
            short(out, 160))
+    rc, out = a.run("pvcm-guest --via device info; echo rc=$?; pvcm-guestd stat --json", 60)
+    result("a: pvcm-guest --via device is refused while the service owns the device",
+           "rc=1" in out and "owns the pvcm device" in out and '"device_resets":0' in out,
+           short(out, 200))
 
 
 def cmtime_client(k, a, conns):
