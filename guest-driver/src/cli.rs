@@ -9,6 +9,10 @@
 //! not claimed by another process. The lab's devices (memfd memory and eventfds in the
 //! lab's own process) cannot be named here; `pvcm-lab` drives the library directly.
 //!
+//! When `pvcm-guestd` owns the device (its control socket answers), the commands run
+//! through the service's rdma_cm device instead, with the same output and exit
+//! statuses ([`via_service`]; `--via auto|service|device`).
+//!
 //! Commands: `info`, `listen`, `connect`, `connect-destroy` (seed 002: connect, then
 //! destroy at once) and `cmtime` (rdma-core's connection-rate benchmark). `--json`
 //! prints one JSON object per line instead of text. `--linux-drep` makes the agent
@@ -30,10 +34,14 @@ use crate::cm::rdma_cm::{
     tcp_service_id,
 };
 use crate::cm::{
-    AgentConfig, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing, PacingCounters,
-    RejReason,
+    AgentConfig, CmCounters, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing,
+    PacingCounters, RejReason,
 };
 use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
+use crate::service::cli::DEFAULT_CONTROL;
+use via_service::{DEFAULT_RDMA_CM, Via};
+
+pub mod via_service;
 use crate::device::pci::{PciDevice, PciOptions};
 use crate::device::{
     DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, DeviceStats, Notice,
@@ -188,7 +196,8 @@ impl DeviceArgs {
     about = "pvcm guest CM: connect, listen and benchmark through the pvcm device",
     after_help = "Runs inside a VM as root (user-space virtio-pci driver: unbinds the \
                   kernel driver, maps BARs, DMA from hugetlbfs with physical addresses from \
-                  /proc/self/pagemap).\n\nExit status: 0 success, 1 device or setup error, \
+                  /proc/self/pagemap). When pvcm-guestd runs (its control socket answers), \
+                  the commands go through its rdma_cm device instead (--via).\n\nExit status: 0 success, 1 device or setup error, \
                   2 usage error, 3 the CM operation failed (rejected, unreachable, timed out)."
 )]
 pub struct Cli {
@@ -210,6 +219,23 @@ pub struct Cli {
     /// The window a destination starts with (default 32; at most --max-window).
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     initial_window: Option<u32>,
+    /// Which way the commands go: through pvcm-guestd's rdma_cm device (service), the
+    /// pvcm device itself (device; refused while the service answers), or the service
+    /// when its control socket answers, else the device (auto).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "auto",
+        value_name = "WAY"
+    )]
+    via: Via,
+    /// pvcm-guestd's control socket (how `auto` finds the service).
+    #[arg(long, global = true, default_value = DEFAULT_CONTROL, value_name = "PATH")]
+    control: PathBuf,
+    /// The rdma_cm device pvcm-guestd serves.
+    #[arg(long, global = true, default_value = DEFAULT_RDMA_CM, value_name = "PATH")]
+    rdma_cm: PathBuf,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -329,6 +355,9 @@ const EXIT_CM_FAILED: u8 = 3;
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = Out { json: cli.json };
+    if let Some(code) = via_service::divert(&cli, out) {
+        return code;
+    }
     match run(&cli, out) {
         Ok(code) => code,
         Err(e) => report_error("pvcm-guest", &e, out),
@@ -494,7 +523,11 @@ fn pd_text(pd: &[u8], has_cma_hdr: bool) -> String {
 }
 
 fn counters_json<T: Transport, C: Clock>(dev: &Device<T, C>) -> Value {
-    let c = dev.agent().counters();
+    cm_counters_json(dev.agent().counters())
+}
+
+/// The CM counter table as JSON: `{group: {message: count}}`, zeros included.
+pub(crate) fn cm_counters_json(c: &CmCounters) -> Value {
     let mut groups = serde_json::Map::new();
     for g in Group::ALL {
         let mut m = serde_json::Map::new();
@@ -564,7 +597,8 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-fn pacing_json(p: &PacingCounters) -> Value {
+/// The pacing counters as JSON.
+pub(crate) fn pacing_json(p: &PacingCounters) -> Value {
     json!({
         "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
         "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
@@ -995,6 +1029,14 @@ fn cmtime_client_round<T: Transport, C: Clock>(
     let (cpu0, work0) = (ProcessCpu::now(), *dev.stats());
     let r = cmtime::client(dev, o)?;
     let cpu = ProcessCpu::now().since(cpu0);
+    out.emit(&r, cmtime_report_json(&r));
+    cpu.emit(out);
+    emit_device_work(dev, out, &work0);
+    Ok(r.success())
+}
+
+/// A client run's report as JSON (text: its `Display`).
+fn cmtime_report_json(r: &cmtime::CmtimeReport) -> Value {
     let mut steps = serde_json::Map::new();
     for s in Step::ALL {
         let t = r.step(s);
@@ -1014,17 +1056,11 @@ fn cmtime_client_round<T: Transport, C: Clock>(
         .iter()
         .map(|(f, n)| with(json!({"count": n}), failure_json(*f)))
         .collect();
-    out.emit(
-        &r,
-        json!({
-            "connections": r.connections, "established": r.established,
-            "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
-            "steps": steps, "pacing": pacing_json(&r.pacing),
-        }),
-    );
-    cpu.emit(out);
-    emit_device_work(dev, out, &work0);
-    Ok(r.success())
+    json!({
+        "connections": r.connections, "established": r.established,
+        "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
+        "steps": steps, "pacing": pacing_json(&r.pacing),
+    })
 }
 
 fn cmtime_server<T: Transport, C: Clock>(
@@ -1040,19 +1076,21 @@ fn cmtime_server<T: Transport, C: Clock>(
     let cpu0 = ProcessCpu::now();
     let r = cmtime::server(dev, o)?;
     let cpu = ProcessCpu::now().since(cpu0);
-    out.emit(
-        r,
-        json!({
-            "accepted": r.accepted, "established": r.established,
-            "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
-        }),
-    );
+    out.emit(r, server_report_json(&r));
     cpu.emit(out);
     emit_device_work(dev, out, &DeviceStats::default());
     Ok(if r.disconnected >= o.connections {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(EXIT_CM_FAILED)
+    })
+}
+
+/// A server run's report as JSON (text: its `Display`).
+fn server_report_json(r: &cmtime::ServerReport) -> Value {
+    json!({
+        "accepted": r.accepted, "established": r.established,
+        "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
     })
 }
 
@@ -1112,14 +1150,20 @@ impl ProcessCpu {
     }
 
     fn emit(self, out: Out) {
-        out.emit(
+        let (text, v) = self.report();
+        out.emit(text, v);
+    }
+
+    /// The report line: text and JSON.
+    fn report(self) -> (String, Value) {
+        (
             format!(
                 "cpu user {:.1} ms system {:.1} ms",
                 ms(self.user),
                 ms(self.system)
             ),
             json!({"event": "cpu", "user_ms": ms(self.user), "system_ms": ms(self.system)}),
-        );
+        )
     }
 }
 

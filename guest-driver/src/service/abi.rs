@@ -1261,6 +1261,391 @@ impl UverbsQpAttr {
     }
 }
 
+// ------------------------------------------------------------------ the client side
+
+// A client of the device (`service::client`) writes the commands and reads the
+// responses: the inverses of the parsers and writers above, at the same offsets.
+
+/// A command's bytes: the header (`in` = the structure's size, `out` = `out_len`) and
+/// the structure.
+pub fn command(code: u32, body: &[u8], out_len: u16) -> Vec<u8> {
+    let mut b = vec![0u8; HDR_LEN + body.len()];
+    CmdHdr {
+        cmd: code,
+        in_len: body.len() as u16,
+        out_len,
+    }
+    .emit(&mut b);
+    b[HDR_LEN..].copy_from_slice(body);
+    b
+}
+
+impl CreateId {
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.uid);
+        put_u64(&mut b, 8, self.response);
+        put_u16(&mut b, 16, self.ps);
+        b[18] = self.qp_type;
+        b
+    }
+}
+
+impl DestroyId {
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.response);
+        put_u32(&mut b, 8, self.id);
+        b
+    }
+}
+
+impl Bind {
+    /// BIND_IP's bytes.
+    pub fn to_bytes_ip(&self) -> [u8; Self::IP_LEN] {
+        let mut b = [0u8; Self::IP_LEN];
+        emit_sockaddr(&self.addr, &mut b[8..36]);
+        put_u32(&mut b, 36, self.id);
+        b
+    }
+}
+
+impl ResolveAddr {
+    /// RESOLVE_IP's bytes (no source: a zero family).
+    pub fn to_bytes_ip(&self) -> [u8; Self::IP_LEN] {
+        let mut b = [0u8; Self::IP_LEN];
+        if let Some(src) = &self.src {
+            emit_sockaddr(src, &mut b[0..28]);
+        }
+        emit_sockaddr(&self.dst, &mut b[28..56]);
+        put_u32(&mut b, 56, self.id);
+        put_u32(&mut b, 60, self.timeout_ms);
+        b
+    }
+}
+
+impl IdArg {
+    /// The 8-byte form's bytes.
+    pub fn to_bytes(&self) -> [u8; 8] {
+        let mut b = [0u8; 8];
+        put_u32(&mut b, 0, self.id);
+        put_u32(&mut b, 4, self.arg);
+        b
+    }
+
+    /// DISCONNECT's 4 bytes.
+    pub fn to_bytes_id(&self) -> [u8; 4] {
+        self.id.to_le_bytes()
+    }
+}
+
+impl RespIdArg {
+    /// The structure's bytes.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.response);
+        put_u32(&mut b, 8, self.id);
+        put_u32(&mut b, 12, self.arg);
+        b
+    }
+}
+
+impl Connect {
+    /// The structure's bytes, with the ECE.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        self.conn.emit(&mut b[0..272]);
+        put_u32(&mut b, 272, self.id);
+        put_u32(&mut b, 280, self.ece.vendor_id);
+        put_u32(&mut b, 284, self.ece.attr_mod);
+        b
+    }
+}
+
+impl Accept {
+    /// The structure's bytes (ECE zero).
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        put_u64(&mut b, 0, self.uid);
+        self.conn.emit(&mut b[8..280]);
+        put_u32(&mut b, 280, self.id);
+        b
+    }
+}
+
+impl Reject {
+    /// The structure's bytes (private data cut to the 256 bytes the field holds).
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
+        put_u32(&mut b, 0, self.id);
+        b[4] = n as u8;
+        b[5] = self.reason;
+        put(&mut b, 8, &self.private_data[..n]);
+        b
+    }
+}
+
+/// GET_EVENT's bytes.
+pub fn get_event_bytes(response: u64) -> [u8; 8] {
+    response.to_le_bytes()
+}
+
+impl UdParam {
+    /// Reads the structure (private data cut to its length).
+    pub fn parse(b: &[u8]) -> Result<UdParam, AbiError> {
+        need(b, Self::LEN)?;
+        let len = usize::from(b[296]).min(MAX_PRIVATE_DATA);
+        Ok(UdParam {
+            qp_num: u32_at(b, 0),
+            qkey: u32_at(b, 4),
+            ah_attr: AhAttr::parse(&b[8..40])?,
+            private_data: b[40..40 + len].to_vec(),
+        })
+    }
+}
+
+impl EventResp {
+    /// Reads an event a GET_EVENT answered: its parameters as a UD id's when `ud`, else
+    /// as a connected-mode id's. The ECE is zero when the buffer ends before it.
+    pub fn parse(b: &[u8], ud: bool) -> Result<EventResp, AbiError> {
+        need(b, Self::MIN_OUT)?;
+        let param = if ud {
+            EventParam::Ud(UdParam::parse(&b[20..324])?)
+        } else {
+            EventParam::Conn(ConnParam::parse(&b[20..292])?)
+        };
+        Ok(EventResp {
+            uid: u64_at(b, 0),
+            id: u32_at(b, 8),
+            event: u32_at(b, 12),
+            status: u32_at(b, 16) as i32,
+            param,
+            ece: Ece {
+                vendor_id: u32_at(b, 328),
+                attr_mod: u32_at(b, 332),
+            },
+        })
+    }
+}
+
+impl UserPathRec {
+    /// Reads the structure.
+    pub fn parse(b: &[u8]) -> Result<UserPathRec, AbiError> {
+        need(b, Self::LEN)?;
+        Ok(UserPathRec {
+            dgid: arr(b, 0),
+            sgid: arr(b, 16),
+            flow_label: u32::from_be_bytes(arr(b, 40)),
+            reversible: u32_at(b, 44) != 0,
+            mtu: u32_at(b, 48) as u8,
+            pkey: u16::from_be_bytes(arr(b, 52)),
+            hop_limit: b[54],
+            traffic_class: b[55],
+            sl: b[57],
+            rate: b[60],
+            packet_life_time: b[62],
+        })
+    }
+}
+
+impl QueryRouteResp {
+    /// Reads the structure: the paths it reports (`num_paths`, at most 2), the
+    /// addresses that are set (a zero family is none).
+    pub fn parse(b: &[u8]) -> Result<QueryRouteResp, AbiError> {
+        need(b, Self::MIN_OUT)?;
+        let num_paths = u32_at(b, 192);
+        let mut paths = [None, None];
+        for (i, p) in paths.iter_mut().enumerate() {
+            if (i as u32) < num_paths {
+                *p = Some(UserPathRec::parse(&b[8 + 64 * i..72 + 64 * i])?);
+            }
+        }
+        let addr = |r: &[u8]| match u16_at(r, 0) {
+            0 => Ok(None),
+            _ => parse_sockaddr(r).map(Some),
+        };
+        Ok(QueryRouteResp {
+            node_guid_be: u64_at(b, 0),
+            paths,
+            src: addr(&b[136..164])?,
+            dst: addr(&b[164..192])?,
+            num_paths,
+            port_num: b[196],
+            ibdev_index: u32_at(b, 200),
+        })
+    }
+}
+
+#[cfg(test)]
+mod client_side_tests {
+    use super::*;
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap_or_else(|_| unreachable!())
+    }
+
+    /// Every writer is the inverse of its parser.
+    #[test]
+    fn commands_round_trip() {
+        let c = CreateId {
+            uid: 0x1122_3344_5566_7788,
+            response: 0x7fff_0000_1000,
+            ps: ps::TCP,
+            qp_type: 2,
+        };
+        assert_eq!(CreateId::parse(&c.to_bytes()), Ok(c));
+        let d = DestroyId {
+            response: 0x7fff_0000_2000,
+            id: 9,
+        };
+        assert_eq!(DestroyId::parse(&d.to_bytes()), Ok(d));
+        let b = Bind {
+            id: 3,
+            addr: sa("0.0.0.0:7471"),
+        };
+        assert_eq!(Bind::parse_ip(&b.to_bytes_ip()), Ok(b));
+        for src in [None, Some(sa("10.99.0.11:4000"))] {
+            let r = ResolveAddr {
+                id: 4,
+                timeout_ms: 2000,
+                src,
+                dst: sa("10.99.0.2:7471"),
+            };
+            assert_eq!(ResolveAddr::parse_ip(&r.to_bytes_ip()), Ok(r));
+        }
+        let r6 = ResolveAddr {
+            id: 5,
+            timeout_ms: 1,
+            src: None,
+            dst: sa("[fd99::2]:7471"),
+        };
+        assert_eq!(ResolveAddr::parse_ip(&r6.to_bytes_ip()), Ok(r6));
+        let a = IdArg { id: 6, arg: 1024 };
+        assert_eq!(IdArg::parse(&a.to_bytes()), Ok(a));
+        assert_eq!(IdArg::parse_id(&a.to_bytes_id()).map(|x| x.id), Ok(6));
+        let q = RespIdArg {
+            response: 0x1000,
+            id: 7,
+            arg: 2,
+        };
+        assert_eq!(RespIdArg::parse(&q.to_bytes()), Ok(q));
+        let conn = ConnParam {
+            qp_num: 0x1234,
+            qkey: 0,
+            private_data: b"hello".to_vec(),
+            srq: false,
+            responder_resources: 0xFF,
+            initiator_depth: 0xFF,
+            flow_control: false,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            valid: true,
+        };
+        let k = Connect {
+            conn: conn.clone(),
+            id: 8,
+            ece: Ece {
+                vendor_id: 1,
+                attr_mod: 2,
+            },
+        };
+        assert_eq!(Connect::parse(&k.to_bytes()), Ok(k));
+        let acc = Accept {
+            uid: 0x99,
+            conn,
+            id: 10,
+        };
+        assert_eq!(Accept::parse(&acc.to_bytes()), Ok(acc));
+        let rej = Reject {
+            id: 11,
+            reason: 0,
+            private_data: b"no".to_vec(),
+        };
+        assert_eq!(Reject::parse(&rej.to_bytes()), Ok(rej));
+        assert_eq!(parse_get_event(&get_event_bytes(0xabc)), Ok(0xabc));
+        let cmd = command(cmd::LISTEN, &a.to_bytes(), 0);
+        assert_eq!(
+            CmdHdr::parse(&cmd),
+            Ok(CmdHdr {
+                cmd: cmd::LISTEN,
+                in_len: 8,
+                out_len: 0
+            })
+        );
+        assert_eq!(cmd.len(), HDR_LEN + 8);
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        let e = EventResp {
+            uid: 5,
+            id: 6,
+            event: event::REJECTED,
+            status: 28,
+            param: EventParam::Conn(ConnParam {
+                private_data: vec![1; 148],
+                ..ConnParam::empty()
+            }),
+            ece: Ece::default(),
+        };
+        assert_eq!(EventResp::parse(&e.to_bytes(), false), Ok(e.clone()));
+        assert!(matches!(
+            EventResp::parse(&e.to_bytes()[..100], false),
+            Err(AbiError::Short { need: 324, .. })
+        ));
+        let u = EventResp {
+            param: EventParam::Ud(UdParam {
+                qp_num: 0x44,
+                qkey: 0x0123_4567,
+                ah_attr: AhAttr {
+                    dgid: [7; 16],
+                    hop_limit: 64,
+                    is_global: true,
+                    port_num: 1,
+                    ..AhAttr::default()
+                },
+                private_data: vec![2; 136],
+            }),
+            ..e
+        };
+        assert_eq!(EventResp::parse(&u.to_bytes(), true), Ok(u));
+        let p = UserPathRec {
+            dgid: [1; 16],
+            sgid: [2; 16],
+            flow_label: 0x12345,
+            reversible: true,
+            mtu: 3,
+            pkey: 0xFFFF,
+            hop_limit: 64,
+            traffic_class: 0,
+            sl: 0,
+            rate: 0,
+            packet_life_time: 18,
+        };
+        let r = QueryRouteResp {
+            node_guid_be: 0x1122,
+            paths: [Some(p), None],
+            src: Some(sa("10.99.0.11:40000")),
+            dst: Some(sa("10.99.0.2:7471")),
+            num_paths: 1,
+            port_num: 1,
+            ibdev_index: 0,
+        };
+        assert_eq!(QueryRouteResp::parse(&r.to_bytes()), Ok(r));
+        let none = QueryRouteResp {
+            paths: [None, None],
+            src: None,
+            dst: None,
+            num_paths: 0,
+            ..r
+        };
+        assert_eq!(QueryRouteResp::parse(&none.to_bytes()), Ok(none));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

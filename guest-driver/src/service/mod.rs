@@ -10,10 +10,13 @@
 //!   rdma_cm names it to librdmacm.
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
 //! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
+//! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
+//!   it (`pvcm-guest` runs its commands through it while the service owns the device).
 
 pub mod abi;
 pub mod caller;
 pub mod cli;
+pub mod client;
 pub mod cma;
 pub mod cuse;
 pub mod server;

@@ -26,12 +26,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use pvcm_wire::abi::PortInfo;
 use serde_json::{Value, json};
 
 use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
+use crate::cli::{cm_counters_json, pacing_json};
+use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::time::SystemClock;
 
@@ -535,7 +538,7 @@ impl<'d, T: Transport> Server<'d, T> {
         };
         let d = self.dev.stats();
         let p = self.cma.port();
-        json!({
+        let mut v = json!({
             "port": {
                 "device": p.device, "port": p.port_num, "gid": p.gid.to_string(),
                 "gid_index": p.gid_index, "netdev": p.netdev, "path_mtu": p.path_mtu,
@@ -566,8 +569,33 @@ impl<'d, T: Transport> Server<'d, T> {
                 "connections": self.dev.agent().connection_count(),
                 "listeners": self.dev.agent().listener_count(),
             },
-        })
+        });
+        if let (Value::Object(m), Value::Object(pvcm)) = (
+            &mut v,
+            pvcm_stat_json(self.dev.port_info(), self.dev.port_up(), self.dev.agent()),
+        ) {
+            m.extend(pvcm);
+        }
+        v
     }
+}
+
+/// The pvcm side of `stat`: `pvcm`, the device's port as PORT_INFO gives it (its GID;
+/// the QPN range, from which clients without QPs, `pvcm-guest`'s commands, take their
+/// simulated QPNs so the backend admits them), and the CM agent's `counters` (the
+/// infiniband_cm table, `{group: {message: count}}`) and `pacing`.
+pub fn pvcm_stat_json(p: &PortInfo, port_up: bool, agent: &Agent) -> Value {
+    json!({
+        "pvcm": {
+            "name": p.name, "abi_version": p.abi_version, "port_up": port_up,
+            "gid": p.gid.to_string(), "ca_guid": format!("{:#018x}", p.ca_guid),
+            "lid": p.lid, "pkey": p.pkey, "qpn_base": p.qpn_base, "qpn_count": p.qpn_count,
+            "max_entries": p.max_entries, "active_mtu": p.active_mtu,
+            "ca_ack_delay": p.ca_ack_delay,
+        },
+        "counters": cm_counters_json(agent.counters()),
+        "pacing": pacing_json(&agent.pacing()),
+    })
 }
 
 /// Answers the kernel's CUSE_INIT (its first request), which creates the node.
