@@ -5,6 +5,7 @@ set -euo pipefail
 usage() {
     cat <<'USAGE'
 Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
+       qemu-scripts/apps.sh --cli [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
        qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
                              [--idle-windows N]
 
@@ -27,11 +28,16 @@ Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
 
+--cli runs qemu-scripts/netlab/cli_via_service.py instead (python3 -m
+netlab.cli_via_service): pvcm-guest's own commands in a pvcm VM going through
+pvcm-guestd (its default --via auto) against the kernel CM; sections 0-5 there.
+
 --bench runs qemu-scripts/netlab/bench.py instead (python3 -m netlab.bench): cmtime -c N
 between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
 drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
 
 Options:
+  --cli          pvcm-guest through the service (above)
   --bench        the benchmark (above)
   --rounds N     benchmark rounds of both pairs (default 2)
   --idle SECS    benchmark idle-cost window (default 20; 0 skips it)
@@ -51,6 +57,7 @@ args=() module=netlab.apps
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) module=netlab.bench ;;
+    --cli) module=netlab.cli_via_service ;;
     --workdir | --pcap | --conns | --only | --rounds | --idle | --idle-windows)
         [ $# -ge 2 ] || die "$1 needs a value"
         [ "$1" = --pcap ] && apt_install tshark

@@ -39,25 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from .apps import A, K, guestd_stat, result, results, short, start_guestd
 from .lab import Lab, LabError
 
-K, A = "10.99.0.2", "10.99.0.11"
 QPN_BASE, QPN_COUNT = 16, 0x20000  # rdma_rxe's QPNs, as netlab.apps gives its VMs
-
-results = []
-
-
-def result(name, ok, detail=""):
-    """Record and print one check."""
-    results.append(bool(ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
-    return ok
-
-
-def short(text, n=400):
-    """The last n characters of text, on one line."""
-    return " ".join(text.split())[-n:]
-
 
 def json_lines(text):
     """The JSON objects among the lines of a --json run's output."""
@@ -75,30 +60,6 @@ def json_lines(text):
 def events(objs, name):
     """The objects whose event is name."""
     return [o for o in objs if o.get("event") == name]
-
-
-def start_guestd(vm):
-    """pvcm-guestd in the VM, started as its systemd unit starts it; waits until its
-    node and control socket are there."""
-    job = vm.spawn(f"exec pvcm-guestd --gid-wait 30 >/host/guestd.{vm.name}.log 2>&1")
-    deadline = time.monotonic() + 90
-    while True:
-        rc, _ = vm.run("[ -c /dev/infiniband/rdma_cm ] && [ -S /run/pvcm-guestd.sock ]", 30)
-        if rc == 0:
-            return job
-        if job.done() or time.monotonic() > deadline:
-            log = (vm.lab.share / f"guestd.{vm.name}.log").read_text(errors="replace")
-            raise LabError(f"{vm.name}: pvcm-guestd did not come up: {log[-1500:]}")
-        time.sleep(0.5)
-
-
-def guestd_stat(vm):
-    """pvcm-guestd stat --json of a VM, parsed ({} if it does not answer)."""
-    rc, out = vm.run("pvcm-guestd stat --json", 30)
-    try:
-        return json.loads(out) if rc == 0 else {}
-    except ValueError:
-        return {}
 
 
 def until_ok(guest, cmd, timeout):
