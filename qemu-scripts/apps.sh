@@ -91,5 +91,9 @@ kcm="$work/kcm"
 gcc -O2 -Wall -Wextra -Werror -o "$kcm" "$PVCM_SCRIPTS_DIR/interop/kcm.c" -lrdmacm ||
     die "building kcm failed"
 cd "$PVCM_SCRIPTS_DIR"
+ucbench="$work/ucbench"
+gcc -O2 -Wall -Wextra -Werror -o "$ucbench" "$PVCM_SCRIPTS_DIR/interop/ucbench.c" -lrdmacm ||
+    die "building ucbench failed"
 [ "$module" = netlab.apps ] && args+=(--kcm "$kcm")
+[ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
 PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m "$module" "${args[@]}"

@@ -14,6 +14,11 @@ faster). Retries are counted where each CM counts them: the kernel's
 /sys/class/infiniband_cm/rxe0/1/cm_tx_retries, the backend's cm_tx_retries for the
 pvcm VMs (the retries their CM agents sent). Drops are the backend's.
 
+Per command: ucbench (qemu-scripts/interop/ucbench.c) in k and in a times rdma_cm
+commands as a process sees them: create_id + destroy_id through librdmacm, and a bare
+command the server answers at once with EINVAL (the round trip and nothing else: the
+kernel's ioctl-like write in k, a CUSE round trip to pvcm-guestd in a).
+
 Idle cost: with the lab idle, QEMU's host CPU time for VM a over alternating windows
 with pvcm-guestd running and stopped (SIGSTOP); the difference is the service's cost
 in host-core terms under TCG (which inflates guest work). Also pvcm-guestd's own CPU
@@ -45,6 +50,14 @@ def cmtime(server, client, conns):
     if rc != 0 or "disconnect" not in steps:
         raise LabError(f"cmtime {client.name} -> {server.name} failed (rc {rc}): {out[-800:]}")
     return steps
+
+
+def ucbench(guest, count):
+    """ucbench -n count in the guest: {"create+destroy": us, "bare command": us}."""
+    rc, out = guest.run(f"/host/bin/ucbench -n {count}", 300)
+    if rc != 0:
+        raise LabError(f"ucbench in {guest.name} failed (rc {rc}): {out[-400:]}")
+    return {k: float(v) for k, v in re.findall(r"^([\w+ ]+): ([\d.]+) us per command", out, re.M)}
 
 
 def kernel_retries(guest):
@@ -104,6 +117,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="rounds of both pairs (default 2)")
     ap.add_argument("--idle", type=int, default=20,
                     help="seconds per idle-cost window (default 20; 0 skips it)")
+    ap.add_argument("--ucbench", help="the ucbench binary (interop/ucbench.c built against "
+                    "librdmacm); without it the per-command figures are skipped")
     ap.add_argument("--idle-windows", type=int, default=4,
                     help="idle-cost windows of each state (default 4)")
     a = ap.parse_args()
@@ -151,6 +166,16 @@ def main():
                 print(f"{s:14} {km:10.0f} {pm:10.0f} {ratio:>12}")
             print(f"retries: kernel {kr}, pvcm {pr}; backend drops {d} "
                   f"(late answers to ended connections {q})")
+            if a.ucbench:
+                (lab.share / "bin").mkdir(exist_ok=True)
+                dst = lab.share / "bin" / "ucbench"
+                dst.write_bytes(Path(a.ucbench).read_bytes())
+                dst.chmod(0o755)
+                kc, pc = ucbench(k, 2000), ucbench(va, 2000)
+                for name in ("create+destroy", "bare command"):
+                    km, pm = kc.get(name, 0), pc.get(name, 0)
+                    print(f"per command, {name}: kernel {km:.1f} us, pvcm-guestd {pm:.1f} us "
+                          f"(kernel/pvcm {km / pm if pm else 0:.2f}x)")
             if a.idle > 0:
                 n = a.idle_windows
                 diff, run, guest, spread = idle_cost(va, a.idle, n)
