@@ -127,21 +127,37 @@ impl Report {
         });
     }
 
-    /// A figure's value as a number (0 if absent).
+    /// A figure's value as a number.
+    ///
+    /// # Panics
+    ///
+    /// If the report has no figure of that name, or its value is not a number: a test
+    /// that asks for a figure the scenario does not record fails instead of comparing
+    /// against a made-up 0.
     pub fn num(&self, name: &str) -> f64 {
-        self.figures
-            .iter()
-            .find(|f| f.name == name)
-            .and_then(|f| f.value.as_f64())
-            .unwrap_or(0.0)
+        let Some(f) = self.figures.iter().find(|f| f.name == name) else {
+            let known: Vec<&str> = self.figures.iter().map(|f| f.name.as_str()).collect();
+            panic!("no figure {name:?} in the report (it has {known:?})");
+        };
+        match f.value.as_f64() {
+            Some(v) => v,
+            None => panic!("figure {name:?} is not a number: {}", f.value),
+        }
     }
 
-    /// A timing's seconds (0 if absent).
+    /// A timing's seconds.
+    ///
+    /// # Panics
+    ///
+    /// If the report has no timing of that name, for the reason [`Report::num`] does.
     pub fn secs(&self, name: &str) -> f64 {
-        self.timings
-            .iter()
-            .find(|t| t.name == name)
-            .map_or(0.0, |t| t.seconds)
+        match self.timings.iter().find(|t| t.name == name) {
+            Some(t) => t.seconds,
+            None => {
+                let known: Vec<&str> = self.timings.iter().map(|t| t.name.as_str()).collect();
+                panic!("no timing {name:?} in the report (it has {known:?})");
+            }
+        }
     }
 
     /// Adds an invariant.
@@ -539,4 +555,49 @@ fn render_host(o: &mut String, h: &HostReport, policy: &str) {
         },
         h.guests.connections_left
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use super::super::opts::{LabOptions, ScenarioName};
+    use super::Report;
+
+    fn report() -> Report {
+        let mut r = Report::new(&LabOptions::new(
+            ScenarioName::Teardown,
+            PathBuf::from("pvcm-lab"),
+        ));
+        r.figure("connections", 12u64);
+        r.figure("policy", "default");
+        r.time("teardown", Duration::from_millis(1500));
+        r
+    }
+
+    #[test]
+    fn known_figures_and_timings_read_back() {
+        let r = report();
+        assert_eq!(r.num("connections"), 12.0);
+        assert_eq!(r.secs("teardown"), 1.5);
+    }
+
+    #[test]
+    #[should_panic(expected = "no figure \"conections\"")]
+    fn an_unknown_figure_fails() {
+        let _ = report().num("conections");
+    }
+
+    #[test]
+    #[should_panic(expected = "is not a number")]
+    fn a_figure_that_is_not_a_number_fails() {
+        let _ = report().num("policy");
+    }
+
+    #[test]
+    #[should_panic(expected = "no timing \"tear_down\"")]
+    fn an_unknown_timing_fails() {
+        let _ = report().secs("tear_down");
+    }
 }
