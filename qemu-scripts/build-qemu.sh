@@ -39,7 +39,7 @@ Usage: qemu-scripts/build-qemu.sh [--print-path] [--force] [--jobs N] [--keep-bu
 Builds QEMU 10.0.2 from Debian's source package (PVCM_DEB_SUITE, default
 bookworm-backports) with pvcm's patch (qemu-scripts/patches/): the generic
 vhost-user-device and vhost-user-device-pci become user-creatable, and virtio IDs
-QEMU has no name for (pvcm uses 63) no longer abort QEMU. Target x86_64-softmmu only,
+QEMU has no name for (pvcm uses 63) do not abort QEMU. Target x86_64-softmmu only,
 TCG (+KVM), vhost-user and virtfs (-virtfs / -fsdev: 9p host directory sharing), no
 FDT, no tools, no docs. Firmware (SeaBIOS, option ROMs)
 comes from Debian's seabios and qemu-system-data packages, installed if missing.

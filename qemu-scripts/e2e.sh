@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pvcm end-to-end tests in real (TCG) QEMU guests: issue 7's tests 1-4.
+# pvcm end-to-end tests in real (TCG) QEMU guests (the tests: see usage below).
 set -euo pipefail
 
 usage() {
@@ -723,7 +723,7 @@ PY
     fi
 }
 
-# Restart without loss (issue 13): the client's backend is killed with SIGKILL while
+# Restart without loss: the client's backend is killed with SIGKILL while
 # its VM holds connections, and started again over the same --state-dir; the patched
 # QEMU reconnects (reconnect-ms) and the VM tears its connections down afterwards.
 test9() {

@@ -1,14 +1,14 @@
-//! The serve loop: one process, many VMs, one soft RoCE port.
+//! The serve loop: one process, many VMs, one wire port (soft RoCE, umad or packet).
 //!
 //! - Per VM a thread listens on the VM's vhost-user socket and serves one connection at
 //!   a time with a fresh [`VhostUserDaemon`] and [`PvcmDevice`], so the VM can reconnect
 //!   (QEMU restart, `reconnect=`). On connect the VM is attached to the mux; on
 //!   disconnect it is detached, which releases its connections (DREQs, REJs, DREPs on
 //!   its behalf, see `docs/mux.md`). vhost-user-backend runs the VM's vring worker.
-//! - One host thread runs an epoll loop over the wire sockets (one per VM address,
-//!   `recvmmsg` batches), a timerfd armed at [`Mux::next_deadline`] that calls
-//!   [`Mux::poll`] and sends [`Mux::drain_outbox`], the control socket and the metrics
-//!   listener.
+//! - One host thread runs an epoll loop over the wire port's descriptors (the soft
+//!   port's sockets, the umad device or the packet socket, see [`crate::port`]), a
+//!   timerfd armed at [`Mux::next_deadline`] that calls [`Mux::poll`] and sends
+//!   [`Mux::drain_outbox`], the control socket and the metrics listener.
 //! - The mux sits behind one mutex; no lock is held across socket I/O or guest memory
 //!   writes of another VM. Deliveries to a VM go through its bounded rx backlog and its
 //!   own worker thread.

@@ -4,10 +4,17 @@
 //!   REJ(TIMEOUT) routing, protocol-aware entry lifetimes, VM cleanup, anti-spoofing.
 //! - [`config`]: the daemon's command line and config file.
 //! - [`device`]: the pvcm virtio device served over vhost-user (ABI: `docs/device-abi.md`).
-//! - [`port`]: the wire port, one trait and two implementations: the soft RoCEv2 port
-//!   (RoCEv2 over UDP, ICRC, `sendmmsg`/`recvmmsg`) and the umad port (a real RDMA
-//!   device's QP1 through `/dev/infiniband/umadN`).
+//! - [`port`]: the wire port, one trait and three implementations: the soft RoCEv2 port
+//!   (RoCEv2 over UDP, ICRC, `sendmmsg`/`recvmmsg`), the umad port (a real RDMA
+//!   device's QP1 through `/dev/infiniband/umadN`) and the packet port (QP1 frames of
+//!   VMs with their own NIC, diverted to a network device).
+//! - [`rx`], [`backlog`], [`vm_port`], [`shared`]: the state the VM threads and the
+//!   host loop share (rx messages, per-VM backlogs under a budget, one configured VM,
+//!   the mux behind one lock).
+//! - [`migration`], [`dirty_log`]: a VM's backend state on the move and the dirty-page
+//!   log of a live migration.
 //! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
+//! - [`error`]: the daemon's typed errors.
 //! - [`control`]: the control socket, `pvcm-backend stat`, Prometheus metrics.
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.

@@ -389,8 +389,9 @@ mod hostile_state {
 
 /// Deadlines arrive as time left: one longer than this host would ever set (a source
 /// with a longer quarantine, or a hostile state) is shortened, so the quarantine queue
-/// stays in release order and nothing is pinned for hours. Found by the property test
-/// below: a quarantine of 2.4 h held up every later release behind it.
+/// stays in release order and nothing is pinned for hours (an imported quarantine of
+/// 2.4 h would hold up every later release behind it; the property test below reaches
+/// such inputs).
 #[test]
 fn imported_deadlines_are_no_longer_than_this_host_sets() {
     let mut n = Net::new(Policy::Default);

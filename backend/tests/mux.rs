@@ -1129,11 +1129,12 @@ fn batch_entry_points_match_single_calls() {
     );
 }
 
-/// Found by the mux fuzz target's restart check: a SIDR_REQ whose (peer, request ID) was
-/// last delivered to another VM released the peer twice, so the peer's reference count
-/// fell below the entries that name it: its index went to the free list while an entry
-/// still named it, and the next new peer took that index over (the entry then named the
-/// wrong GID). A restored table counts the references afresh, so it must agree.
+/// A SIDR_REQ whose (peer, request ID) was last delivered to another VM releases the
+/// peer's reference once: released twice, the peer's reference count would fall below
+/// the entries that name it, its index would go to the free list while an entry still
+/// named it, and the next new peer would take that index over (the entry then naming the
+/// wrong GID). A restored table counts the references afresh, so it must agree (the mux
+/// fuzz target's restart check reaches this input).
 #[test]
 fn a_sidr_req_repeated_to_another_vm_keeps_the_peer_referenced() {
     let mut n = net2(Policy::Default);

@@ -1,5 +1,5 @@
-//! Regressions found by the mux fuzz target (`fuzz/fuzz_targets/mux.rs`); each input
-//! is also kept under `fuzz/seeds/mux/`.
+//! Inputs of the mux fuzz target (`fuzz/fuzz_targets/mux.rs`) as plain tests; each is
+//! also kept under `fuzz/seeds/mux/`.
 #![allow(clippy::unwrap_used)]
 
 mod common;

@@ -384,7 +384,6 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
     )
 }
 
-/// The agent options the command line changes (`--linux-drep`).
 /// The pacing policy for `--max-window N` (0: none).
 pub fn pacing_with_max(n: u32) -> Option<Pacing> {
     (n > 0).then(|| {
@@ -413,6 +412,7 @@ pub fn pacing_from(max_window: Option<u32>, initial_window: Option<u32>) -> Opti
     }))
 }
 
+/// The agent options the command line changes (`--linux-drep`).
 pub fn agent_configure(linux_drep: bool) -> Option<fn(&mut AgentConfig)> {
     linux_drep.then_some(|c: &mut AgentConfig| c.auto_drep = false)
 }

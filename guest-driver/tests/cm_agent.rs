@@ -187,8 +187,8 @@ fn mra_extends_the_req_wait() {
     assert_eq!(a.next_deadline(), Some(ms(extended)));
     let (out, _) = poll_at(&mut a, ms(extended));
     assert_eq!(out.len(), 1, "then the REQ is retried");
-    // Every remaining retry waits as long (Linux ib_modify_mad; this test used to expect
-    // the plain attempt timeout again).
+    // Every remaining retry waits as long, not the plain attempt timeout again (Linux
+    // ib_modify_mad).
     assert_eq!(a.next_deadline(), Some(ms(extended + 65_536 + TIMEWAIT)));
     // The REP still completes the handshake from MRA_REQ_RCVD.
     a.handle_mad(
@@ -316,8 +316,7 @@ fn duplicate_rep_in_established_resends_rtu() {
 
 #[test]
 fn rep_for_unknown_comm_id_is_dropped_and_counted() {
-    // Linux drops it (cm_rep_handler finds no id); this test used to expect a
-    // REJ(INVALID_COMM_ID).
+    // Linux drops it (cm_rep_handler finds no id): no REJ(INVALID_COMM_ID).
     let mut a = agent();
     a.handle_mad(
         &rep_mad(9, peer_rep(0x31, 0x1234_5678, 0x600)),
@@ -357,8 +356,8 @@ fn manual_rtu_with_mra_rep() {
         }]
     ));
     assert_eq!(a.state(id), Some(State::RepRcvd));
-    // mra_delay (100 ms) later: MRA_REP_SENT, silently (this test used to expect an
-    // MRA(REP) on the timer; Linux sends it only for a duplicate REP).
+    // mra_delay (100 ms) later: MRA_REP_SENT, silently (no MRA(REP) on the timer;
+    // Linux sends it only for a duplicate REP).
     let (out, _) = poll_at(&mut a, ms(110));
     assert!(out.is_empty(), "{out:?}");
     assert_eq!(a.state(id), Some(State::MraRepSent));
@@ -499,8 +498,8 @@ fn passive_mra_when_the_application_is_slow_and_duplicate_req() {
     let (out, _) = poll_at(&mut a, ms(99));
     assert!(out.is_empty());
     assert_eq!(a.state(id), Some(State::ReqRcvd));
-    // mra_delay later: MRA_REQ_SENT, silently (Linux IB_CM_MRA_FLAG_DELAY; this test
-    // used to expect an MRA on the timer, which Linux never sends).
+    // mra_delay later: MRA_REQ_SENT, silently (Linux IB_CM_MRA_FLAG_DELAY: no MRA on
+    // the timer, which Linux never sends).
     let (out, _) = poll_at(&mut a, ms(100));
     assert!(out.is_empty(), "no MRA on a timer: {out:?}");
     assert_eq!(a.state(id), Some(State::MraReqSent));
@@ -562,8 +561,7 @@ fn rep_retries_then_unreachable_and_mra_rep_extends() {
     assert_eq!(a.next_deadline(), Some(ms(10 + 4096 + TIMEWAIT)));
     let (out, _) = poll_at(&mut a, ms(10 + 4096 + TIMEWAIT));
     assert_eq!(out.len(), 1, "the one retry");
-    // The retry waits as long as the MRA asked (this test used to expect the plain
-    // passive timeout).
+    // The retry waits as long as the MRA asked, not the plain passive timeout.
     let (out, ev) = poll_at(&mut a, ms(10 + 2 * (4096 + TIMEWAIT) - 1));
     assert!(out.is_empty() && ev.is_empty());
     let (out, ev) = poll_at(&mut a, ms(10 + 2 * (4096 + TIMEWAIT)));
@@ -693,7 +691,7 @@ fn req_for_another_gid_gets_invalid_gid() {
 #[test]
 fn req_reusing_a_remote_comm_id_in_timewait_is_a_new_request() {
     // Linux's cm_enter_timewait() unindexes the remote comm ID (cm_remove_remote), so
-    // such a REQ is new. This test used to expect REJ(STALE_CONN).
+    // such a REQ is new, not a REJ(STALE_CONN).
     let mut a = agent();
     a.listen(SID).unwrap();
     let (id, local, _) = establish_passive(&mut a, 0x10, 0x800, ms(0));
@@ -1397,8 +1395,8 @@ fn sidr_server_event_auto_reply_and_unsupported() {
 
 #[test]
 fn lap_is_dropped_on_roce() {
-    // Linux drops LAPs on RoCE (cm_lap_handler: -EINVAL) and answers nothing; this test
-    // used to expect APR(UNSUPPORTED).
+    // Linux drops LAPs on RoCE (cm_lap_handler: -EINVAL) and answers nothing, not even
+    // APR(UNSUPPORTED).
     let mut a = agent();
     let (id, local, qpn, _) = establish_active(&mut a, 0x55, 0x600, ms(0));
     let lap = lap_mad(0x1A, 0x55, local, qpn);
@@ -1600,7 +1598,7 @@ fn handle_mad_runs_due_timers_first() {
         ms(ACTIVE_TIMEOUT),
     );
     assert_eq!(events(&mut a), vec![Event::Unreachable { id }]);
-    // ... and is dropped (Linux; it used to draw a REJ(INVALID_COMM_ID)).
+    // ... and is dropped, without a REJ(INVALID_COMM_ID) (Linux).
     assert!(take(&mut a).is_empty());
     assert_eq!(a.drops().get(DropReason::UnknownConnection), 1);
     let _ = Time::ZERO;

@@ -1,5 +1,5 @@
-//! The agent where it used to differ from Linux's kernel CM (`cm.c`, `cma.c`) and
-//! librdmacm: one test per item of `docs/linux-conformance.md`, against a scripted peer
+//! The agent beside Linux's kernel CM (`cm.c`, `cma.c`) and librdmacm where a CM could
+//! reasonably behave otherwise: one test per item of `docs/linux-conformance.md`, against a scripted peer
 //! in virtual time.
 
 #![allow(clippy::unwrap_used)]
@@ -240,7 +240,7 @@ fn c3_a_slow_application_never_causes_an_mra_on_a_timer() {
 #[test]
 fn c3_an_answer_before_the_peers_retry_sends_no_mra_at_all() {
     // A slow application (3 s, past mra_delay) answering before the Linux peer's first
-    // retry: the peer sees REQ -> REP, no MRA (it used to see an MRA at 100 ms). Without
+    // retry: the peer sees REQ -> REP, no MRA (none at mra_delay either). Without
     // mra_delay a duplicate is simply dropped, as in REQ_RCVD.
     for delay in [true, false] {
         let mut a = agent_with(|c| {

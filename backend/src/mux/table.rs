@@ -586,7 +586,9 @@ impl<C: Clock> Mux<C> {
         self.ent(slot).flags |= flag::IN_SL_MAP;
     }
 
-    /// A live entry the VM already named with this Local Comm ID.
+    /// The connection is established (an RTU passed): it has no deadline while its VM
+    /// is attached, and the REJ(TIMEOUT) lookup forgets it, since the peer got our REP
+    /// and names our comm ID in anything it sends.
     pub(super) fn establish(&mut self, slot: u32) {
         let e = self.ent(slot);
         e.state = State::Established;

@@ -940,7 +940,7 @@ impl Agent {
             return;
         }
         // Stale connection: the peer's QP is still connected to one of ours (IBTA 12.4.1).
-        // A connection in TimeWait is not in this index (the seed 001 fix).
+        // A connection in TimeWait is not in this index: its QPN may be reused at once.
         if let Some(&old) = self.remote_qpns.get(&(r.local_ca_guid, r.local_qpn)) {
             self.send_rej(
                 src,

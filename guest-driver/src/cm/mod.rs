@@ -46,7 +46,7 @@
 //! - Stale connections (IBTA 12.4.1, 12.9.8.3.1): a REQ or REP naming a (CA GUID, QPN)
 //!   one of our connections is still connected to is rejected with STALE_CONN and the
 //!   old connection gets a DREQ. A connection in TimeWait is *not* connected: its QPN
-//!   may be reused at once (the seed 001 fix).
+//!   may be reused at once (the `timewait-reuse` lab scenario).
 //! - TimeWait lasts `ms(path ACK timeout)` (Linux `av.timeout`: packet life + 1, so
 //!   512 ms for rdma_cm's RoCE paths); then the comm ID (and a simulated QPN) returns to
 //!   the allocator. Comm IDs: cyclic index XOR a random operand, never 0, never one

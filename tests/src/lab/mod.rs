@@ -1,4 +1,4 @@
-//! The lab (issue 6): many VMs on many hosts on one machine, the seed scenarios end to
+//! The lab: many VMs on many hosts on one machine, the seed scenarios end to
 //! end through the real pieces.
 //!
 //! - **Hosts** ([`host`]) are real `pvcm-backend` processes: the `pvcm-lab` binary

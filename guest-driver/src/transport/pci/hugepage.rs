@@ -362,7 +362,7 @@ mod tests {
     }
 
     /// Runs only where a hugetlbfs mount with free huge pages exists (not in CI; in
-    /// the QEMU guest of issue 7).
+    /// the QEMU test guests).
     #[test]
     fn hugetlbfs_if_available() {
         let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();

@@ -28,7 +28,7 @@
 //! // poll: rx.pop_used(), tx.kick(&notifier), ...
 //! ```
 //!
-//! # What is tested here and what only in QEMU (issue 7)
+//! # What is tested here and what only in QEMU
 //!
 //! Unit tests (no root, no huge pages, no PCI device) cover: capability parsing of
 //! 256- and 4096-byte images, the common-config layout, the whole init sequence and
