@@ -189,6 +189,7 @@ impl DeviceArgs {
     }
 }
 
+/// `pvcm-guest`'s command line.
 #[derive(Debug, Parser)]
 #[command(
     name = "pvcm-guest",
@@ -240,6 +241,7 @@ pub struct Cli {
     cmd: Cmd,
 }
 
+/// A `pvcm-guest` command.
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Show the port (from PORT_INFO), the device and the CM counters.

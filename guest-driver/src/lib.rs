@@ -11,10 +11,13 @@
 //!   (rx -> agent -> tx, one kick per batch), device events, blocking helpers, the
 //!   in-VM virtio-pci transport ([`device::pci`]) and the cmtime benchmark.
 //! - [`time`]: the injected clock.
-//!
+//! - [`service`]: `pvcm-guestd`, the guest CM service: the kernel's rdma_cm device ABI
+//!   served through CUSE on top of the agent, for the distribution's librdmacm programs.
 //! - [`cli`]: the `pvcm-guest` command line on top: `info`, `listen`, `connect`,
 //!   `connect-destroy`, `cmtime`, on any device (the binary, `src/bin/pvcm-guest.rs`,
 //!   and `pvcm-lab attach` both run it).
+
+#![warn(missing_docs)]
 
 pub mod cli;
 pub mod cm;
