@@ -11,8 +11,8 @@ use pvcm_wire::timeout::exponent_to_duration;
 
 use super::table::{State, flag};
 use super::{
-    Clock, DropReason, Group, GuestVerdict, MadSlot, Mux, PendingGet, RejTimeoutKey, TidKind, Time,
-    VmConfig, VmId, prefetch, set_local, write_rej,
+    Clock, DropReason, Group, GuestVerdict, MadSlot, Mux, PendingGet, TidKind, Time, VmConfig,
+    VmId, prefetch, set_local, write_rej,
 };
 
 /// What a REQ from a VM whose comm ID names an existing entry is (see `Mux::req_retry`).
@@ -455,15 +455,8 @@ impl<C: Clock> Mux<C> {
         now: u64,
     ) -> Result<(), DropReason> {
         let remote = m.remote_comm_id().unwrap_or(0);
-        let Some(ca_guid) = self.peers.by_gid(&dst).map(|p| p.ca_guid) else {
-            return Ok(());
-        };
-        let key = RejTimeoutKey {
-            ca_guid,
-            comm_id: remote,
-        };
-        let Some(&s) = self.remote_map.get(&key).filter(|_| remote != 0) else {
-            return Ok(()); // nothing pending under that ID: pass, as before
+        let Some(s) = self.remote_by_peer(&dst, remote).filter(|_| remote != 0) else {
+            return Ok(()); // nothing pending under that ID: pass it on unchanged
         };
         let e = self.slab[s as usize];
         if e.vm != vm {
@@ -576,19 +569,8 @@ impl<C: Clock> Mux<C> {
         if self.legacy() {
             return self.legacy_guest_entry(vm, sl, remote, dst);
         }
-        let ca_guid = self
-            .peers
-            .by_gid(&dst)
-            .map(|p| p.ca_guid)
-            .ok_or(DropReason::UnknownConnection)?;
-        let k = RejTimeoutKey {
-            ca_guid,
-            comm_id: remote,
-        };
         let s = self
-            .remote_map
-            .get(&k)
-            .copied()
+            .remote_by_peer(&dst, remote)
             .ok_or(DropReason::UnknownConnection)?;
         let e = self.slab[s as usize];
         if e.vm != vm || e.state != State::ReqRcvd || e.has(flag::IN_SL_MAP) {

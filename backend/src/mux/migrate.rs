@@ -19,7 +19,7 @@ use pvcm_wire::Gid;
 use super::persist::{REC_VM, Rd, decode_entry, decode_vm, encode_vm, entry_payload, records};
 use super::table::{Entry, NO_PEER, State, flag};
 use super::{
-    AttachError, Clock, CmCounters, DropCounters, FastMap, Mux, RejTimeoutKey, Time, Vm, VmId,
+    AttachError, Clock, CmCounters, DropCounters, FastMap, Mux, RemoteId, Time, Vm, VmId,
     put_record, put_record_parts,
 };
 
@@ -208,12 +208,12 @@ impl<C: Clock> Mux<C> {
             } else if e.state != State::ReqRcvd {
                 return Err(bad("an entry without a pv_cm_id past REQ received"));
             }
-            if e.has(flag::IN_REMOTE_MAP) {
-                let k = RejTimeoutKey {
+            if e.has(flag::IN_REMOTE_IDS) {
+                let k = RemoteId {
                     ca_guid: e.remote_ca_guid,
                     comm_id: e.remote_comm_id,
                 };
-                if self.remote_map.contains_key(&k) || remote_keys.insert(k, ()).is_some() {
+                if self.remote_ids.get(&k).is_some() || remote_keys.insert(k, ()).is_some() {
                     return Err(MigrateError::Conflict(format!(
                         "peer CA GUID {:#x} comm ID {:#x} already routed here",
                         k.ca_guid, k.comm_id
@@ -299,13 +299,7 @@ impl<C: Clock> Mux<C> {
             if m.e.has(flag::IN_SL_MAP) && !self.vms[id as usize].sl_map.contains_key(&e.sl_cm_id) {
                 self.index_sl(id, e.sl_cm_id, slot);
             }
-            if e.has(flag::IN_REMOTE_MAP) {
-                let k = RejTimeoutKey {
-                    ca_guid: e.remote_ca_guid,
-                    comm_id: e.remote_comm_id,
-                };
-                self.remote_map.insert(k, slot);
-            }
+            self.reindex_remote(slot);
             if e.state == State::SidrReqRcvd {
                 self.sidr_rcvd.insert((peer, e.remote_comm_id), slot);
             }

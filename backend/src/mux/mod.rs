@@ -6,7 +6,7 @@
 //!   host-unique values on the way to the wire, and back on the way in;
 //! - routes wire MADs to the right VM: REQ by Primary Remote Port GID, SIDR_REQ and
 //!   ClassPortInfo Get by destination GID, REJ(TIMEOUT) with Remote Comm ID 0 by
-//!   [`RejTimeoutKey`] (sender CA GUID, sender comm ID), everything else by remote comm ID;
+//!   [`RemoteId`] (sender CA GUID, sender comm ID), everything else by remote comm ID;
 //! - keeps every entry exactly as long as the protocol can still use it: deadlines are
 //!   derived from the CM timeouts the REQ and MRA carry, established connections never
 //!   expire, closed ones pass through TimeWait, and freed IDs sit in quarantine;
@@ -16,9 +16,10 @@
 //! I/O layers call [`Mux::from_guest`], [`Mux::from_wire`] and [`Mux::poll`], and send
 //! what [`Mux::drain_outbox`] yields. Time comes from an injected [`Clock`].
 
-//! The rooms: [`table`](self) (entries, IDs, timers, quarantine), `peers`, `guest` and
-//! `wire` (one handler per attribute in each direction), `detach` (orphans), and
-//! `legacy` (the mlx4 comparison policies).
+//! The rooms: [`table`](self) (entries, IDs, timers, quarantine), `peers`, `remote` (the
+//! REQs received, by their sender's ID), `guest` and `wire` (one handler per attribute
+//! in each direction), `detach` (orphans), `legacy` (the mlx4 comparison policies),
+//! `persist` (the journal, restore) and `migrate` (a VM's entries on the move).
 
 mod clock;
 mod config;
@@ -30,6 +31,7 @@ mod legacy;
 mod migrate;
 mod peers;
 mod persist;
+mod remote;
 mod table;
 mod wire;
 
@@ -49,6 +51,7 @@ pub use migrate::MigrateError;
 pub use persist::{
     FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, put_record_parts, records,
 };
+pub use remote::RemoteId;
 pub use table::State;
 
 use peers::{Peer, Peers};
@@ -129,17 +132,6 @@ impl MadSlot for [u8; mad::MAD_LEN] {
 /// A VM attached to the mux. IDs are never reused, so a stale ID never names a new VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct VmId(pub u32);
-
-/// The key that routes a REJ(TIMEOUT) with Remote Comm ID 0: the rejecting side's CA
-/// GUID (from its REQ, and the REJ's ARI) and its comm ID (the REQ's and the REJ's Local
-/// Comm ID). The Linux core CM's `cm_find_remote_id` key; mlx4 used the comm ID alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RejTimeoutKey {
-    /// The remote CA GUID.
-    pub ca_guid: u64,
-    /// The remote comm ID.
-    pub comm_id: u32,
-}
 
 /// What to do with a MAD a VM sent ([`Mux::from_guest`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,7 +251,8 @@ pub struct Mux<C: Clock> {
     free: VecDeque<u32>,
     vms: Vec<Vm>,
     gid_to_vm: FastMap<Gid, u32>,
-    remote_map: FastMap<RejTimeoutKey, u32>,
+    /// REQs received from the wire, by their sender's ID (`remote.rs`).
+    remote_ids: remote::RemoteIds,
     /// Incoming SIDR_REQs delivered to VMs: (peer, request ID) -> slot.
     sidr_rcvd: FastMap<(u32, u32), u32>,
     /// mlx4 post-2020: REJ(TIMEOUT) routes by the peer's comm ID alone -> (VM, expiry).
@@ -302,7 +295,7 @@ impl<C: Clock> Mux<C> {
             free: VecDeque::new(),
             vms: Vec::new(),
             gid_to_vm: FastMap::with_hasher(hasher()),
-            remote_map: FastMap::with_hasher(hasher()),
+            remote_ids: remote::RemoteIds::new(),
             sidr_rcvd: FastMap::with_hasher(hasher()),
             legacy_rej: FastMap::with_hasher(hasher()),
             peers: Peers {
@@ -492,10 +485,7 @@ impl<C: Clock> Mux<C> {
             + self.free.capacity() * 4
             + self.timers.capacity() * size_of::<Reverse<(u64, u32, u16)>>()
             + self.quarantine.capacity() * 16
-            + map(
-                self.remote_map.capacity(),
-                size_of::<(RejTimeoutKey, u32)>(),
-            )
+            + map(self.remote_ids.capacity(), size_of::<(RemoteId, u32)>())
             + map(self.sidr_rcvd.capacity(), 12)
             + map(self.legacy_rej.capacity(), 16)
             + self.peers.slots.capacity() * size_of::<Peer>()

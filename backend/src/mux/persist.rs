@@ -23,9 +23,7 @@ use pvcm_wire::Gid;
 
 use super::peers::Peer;
 use super::table::{Entry, NO_PEER, NO_VM, State, flag};
-use super::{
-    Clock, FastMap, ID_RANGE_BIT, IdRange, Mux, MuxConfig, RejTimeoutKey, Vm, VmConfig, VmId,
-};
+use super::{Clock, FastMap, ID_RANGE_BIT, IdRange, Mux, MuxConfig, Vm, VmConfig, VmId};
 
 /// What changed since the journal last took the changes.
 #[derive(Debug, Default)]
@@ -514,13 +512,7 @@ impl<C: Clock> Mux<C> {
                     }
                 }
             }
-            if e.has(flag::IN_REMOTE_MAP) {
-                let k = RejTimeoutKey {
-                    ca_guid: e.remote_ca_guid,
-                    comm_id: e.remote_comm_id,
-                };
-                self.remote_map.insert(k, slot);
-            }
+            self.reindex_remote(slot);
             if e.state == State::SidrReqRcvd {
                 self.sidr_rcvd.insert((e.peer, e.remote_comm_id), slot);
             }
@@ -581,15 +573,10 @@ impl<C: Clock> Mux<C> {
             self.quarantined.to_string(),
             o.quarantined.to_string(),
         )?;
-        let sorted = |m: &FastMap<RejTimeoutKey, u32>| {
-            let mut v: Vec<_> = m.iter().map(|(k, s)| (k.ca_guid, k.comm_id, *s)).collect();
-            v.sort_unstable();
-            format!("{v:?}")
-        };
         eq(
-            "remote map",
-            sorted(&self.remote_map),
-            sorted(&o.remote_map),
+            "remote IDs",
+            format!("{:?}", self.remote_ids.sorted()),
+            format!("{:?}", o.remote_ids.sorted()),
         )?;
         let sidr = |m: &FastMap<(u32, u32), u32>| {
             let mut v: Vec<_> = m.iter().map(|(k, s)| (*k, *s)).collect();

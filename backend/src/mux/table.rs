@@ -10,7 +10,7 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
 use pvcm_wire::timeout::exponent_to_duration;
 
-use super::{Clock, DropReason, Group, ID_RANGE_BIT, Mux, RejTimeoutKey, Time, permute_bits};
+use super::{Clock, DropReason, Group, ID_RANGE_BIT, Mux, Time, permute_bits};
 
 /// Connection state as the proxy sees it from the MADs that pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -76,8 +76,8 @@ pub(super) mod flag {
     pub const ACTIVE: u8 = 1;
     /// Indexed in its VM's comm-ID map.
     pub const IN_SL_MAP: u8 = 2;
-    /// Indexed in the REJ(TIMEOUT) map.
-    pub const IN_REMOTE_MAP: u8 = 4;
+    /// Indexed by its sender's comm ID and CA GUID (`remote.rs`).
+    pub const IN_REMOTE_IDS: u8 = 4;
     /// Legacy policies: the delayed-delete timer is armed.
     pub const LEGACY_TIMER: u8 = 8;
     /// Its VM detached; the proxy finishes the connection on its behalf.
@@ -514,22 +514,13 @@ impl<C: Clock> Mux<C> {
             self.unindex_sl(slot);
         }
         let e = self.slab[slot as usize];
-        if e.has(flag::IN_REMOTE_MAP) {
-            let k = RejTimeoutKey {
-                ca_guid: e.remote_ca_guid,
-                comm_id: e.remote_comm_id,
-            };
-            if self.remote_map.get(&k) == Some(&slot) {
-                self.remote_map.remove(&k);
-            }
-        }
         if e.state == State::SidrReqRcvd {
             let k = (e.peer, e.remote_comm_id);
             if self.sidr_rcvd.get(&k) == Some(&slot) {
                 self.sidr_rcvd.remove(&k);
             }
         }
-        self.ent(slot).flags &= !flag::IN_REMOTE_MAP;
+        self.unindex_remote(slot);
     }
 
     /// Removes the entry from its VM's comm-ID map (if the comm ID still names it).
@@ -592,19 +583,8 @@ impl<C: Clock> Mux<C> {
     pub(super) fn establish(&mut self, slot: u32) {
         let e = self.ent(slot);
         e.state = State::Established;
-        let was_indexed = e.has(flag::IN_REMOTE_MAP);
-        e.flags &= !flag::IN_REMOTE_MAP;
         e.deadline = u64::MAX;
-        // The peer got our REP: it can no longer send a REJ(TIMEOUT) without our ID.
-        if was_indexed {
-            let k = RejTimeoutKey {
-                ca_guid: e.remote_ca_guid,
-                comm_id: e.remote_comm_id,
-            };
-            if self.remote_map.get(&k) == Some(&slot) {
-                self.remote_map.remove(&k);
-            }
-        }
+        self.unindex_remote(slot);
     }
 
     pub(super) fn enter_timewait(&mut self, slot: u32, now: u64) {

@@ -11,8 +11,8 @@ use pvcm_wire::timeout::exponent_to_duration;
 
 use super::table::{State, flag};
 use super::{
-    Clock, DropReason, Group, MadSlot, Mux, RejTimeoutKey, TidKind, Time, VmId, WireVerdict,
-    prefetch, write_cm_ids, write_rej,
+    Clock, DropReason, Group, MadSlot, Mux, RemoteId, TidKind, Time, VmId, WireVerdict, prefetch,
+    write_cm_ids, write_rej,
 };
 
 impl<C: Clock> Mux<C> {
@@ -400,14 +400,14 @@ impl<C: Clock> Mux<C> {
         let gid = m.req_primary_remote_gid().ok_or(DropReason::Malformed)?;
         let &vm = self.gid_to_vm.get(&gid).ok_or(DropReason::UnknownGid)?;
         let p = req::Packet::new_unchecked(m.as_bytes());
-        let key = RejTimeoutKey {
+        let key = RemoteId {
             ca_guid: p.local_ca_guid(),
             comm_id: p.local_comm_id(),
         };
         if self.legacy() {
             return Ok(self.legacy_wire_req(key.comm_id, vm, now));
         }
-        if let Some(&s) = self.remote_map.get(&key) {
+        if let Some(s) = self.remote_ids.get(&key) {
             let e = self.slab[s as usize];
             if e.vm == vm && !e.has(flag::ORPHAN) {
                 // Duplicate REQ: refresh, and let the VM's CM decide (MRA again,
@@ -450,16 +450,10 @@ impl<C: Clock> Mux<C> {
         e.peer_resp = p.local_cm_response_timeout();
         e.ack = path.local_ack_timeout;
         e.retries = p.max_cm_retries();
-        e.flags |= flag::IN_REMOTE_MAP;
         let peer = e.peer;
         let en = *e;
         self.peers.set_ca_guid(peer, key.ca_guid);
-        if let Some(old) = self.remote_map.insert(key, s)
-            && old != s
-        {
-            // The flag says "the map names this slot" (see `index_sl`).
-            self.ent(old).flags &= !flag::IN_REMOTE_MAP;
-        }
+        self.index_remote(s);
         // If the VM never answers, the peer gives up after its REQ retries.
         let w = self.window(en.vm_resp, en.ack, en.retries);
         self.set_deadline(s, Time(now).after(w).0);
@@ -467,7 +461,7 @@ impl<C: Clock> Mux<C> {
     }
 
     /// REJ(TIMEOUT) with Remote Comm ID 0 (the peer never learnt our ID): routed by
-    /// [`RejTimeoutKey`], only from the port that sent the REQ, only towards the VM it
+    /// [`RemoteId`], only from the port that sent the REQ, only towards the VM it
     /// asked.
     fn wire_rej_timeout(
         &mut self,
@@ -481,8 +475,10 @@ impl<C: Clock> Mux<C> {
             return self.legacy_wire_rej_timeout(comm_id, now);
         }
         let ca_guid = m.rej_timeout_ca_guid().ok_or(DropReason::NoRoute)?;
-        let key = RejTimeoutKey { ca_guid, comm_id };
-        let &s = self.remote_map.get(&key).ok_or(DropReason::NoRoute)?;
+        let s = self
+            .remote_ids
+            .get(&RemoteId { ca_guid, comm_id })
+            .ok_or(DropReason::NoRoute)?;
         let e = self.slab[s as usize];
         // Only the port that sent the REQ may withdraw it, and only towards the VM it
         // asked: otherwise any host could cancel another peer's pending connection by
