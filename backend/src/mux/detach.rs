@@ -41,7 +41,7 @@ impl<C: Clock> Mux<C> {
         let v = &mut self.vms[vm.0 as usize];
         v.counters = c;
         v.drops = d;
-        if self.legacy() {
+        if !self.policy().cleans_up_detached_vms() {
             return;
         }
         let now = self.clock.now().0;

@@ -92,7 +92,7 @@ impl<C: Clock> Mux<C> {
 
     /// Whether the mux checks what VMs send (not under the mlx4 policies).
     fn checks(&self) -> bool {
-        !self.legacy()
+        self.policy().checks()
     }
 
     /// Whether the VM is at its quota of live entries (never under the mlx4 policies).
@@ -155,7 +155,7 @@ impl<C: Clock> Mux<C> {
                 e.retries = p.max_cm_retries();
                 self.index_sl(vm, sl, s);
                 self.assign_pv(s);
-                if !self.legacy() {
+                if self.policy().protocol_deadlines() {
                     let e = self.slab[s as usize];
                     let w = self.window(e.peer_resp, e.ack, e.retries);
                     self.set_deadline(s, Time(now).after(w).0);
@@ -191,7 +191,7 @@ impl<C: Clock> Mux<C> {
             }
             State::ReqRcvd => {
                 self.ent(slot).state = State::RepSent;
-                if !self.legacy() {
+                if self.policy().protocol_deadlines() {
                     // The VM retries its REP, the peer may MRA or REJ; the RTU must come
                     // within the peer's response window.
                     let w = self.window(e.peer_resp, e.ack, e.retries);
@@ -214,7 +214,7 @@ impl<C: Clock> Mux<C> {
     ) -> Result<GuestVerdict, DropReason> {
         let slot = self.guest_entry(vm, m, dst, now)?;
         let e = self.slab[slot as usize];
-        if !self.legacy() && e.state.in_handshake() {
+        if self.policy().protocol_deadlines() && e.state.in_handshake() {
             // (An MRA for a LAP leaves an established connection without deadline.)
             let svc = exponent_to_duration(m.mra_service_timeout().unwrap_or(0));
             let w = self.clamp(svc + self.window(e.vm_resp, e.ack, e.retries));
@@ -248,7 +248,7 @@ impl<C: Clock> Mux<C> {
         if sl == 0 {
             // A stateless reject (Linux cm_issue_rej): no ID of the VM's to hide, but the
             // REQ it answers leaves no entry behind.
-            if !self.legacy() {
+            if self.policy().tracks_received_reqs() {
                 self.stateless_rej(vm, m, dst, now)?;
             }
             return Ok(GuestVerdict::ToWire);
@@ -270,7 +270,7 @@ impl<C: Clock> Mux<C> {
             State::Established => self.vms[vm as usize]
                 .counters
                 .bump(Group::TxRetries, AttributeId::Rtu),
-            _ if self.legacy() => {}
+            _ if !self.policy().drops_unexpected() => {}
             _ => return Err(DropReason::BadState),
         }
         self.req_tid_to_host(slot, m);
@@ -295,11 +295,11 @@ impl<C: Clock> Mux<C> {
             _ => {
                 // Established (or a half-open connection the VM tears down).
                 self.ent(slot).state = State::DreqSent;
-                if self.legacy() {
-                    self.legacy_arm(slot, now);
-                } else {
+                if self.policy().protocol_deadlines() {
                     let w = self.window(e.peer_resp, e.ack, e.retries);
                     self.set_deadline(slot, Time(now).after(w).0);
+                } else {
+                    self.legacy_arm(slot, now);
                 }
             }
         }
@@ -322,7 +322,7 @@ impl<C: Clock> Mux<C> {
             State::TimeWait => self.vms[vm as usize]
                 .counters
                 .bump(Group::TxRetries, AttributeId::Drep),
-            _ if self.legacy() => self.legacy_guest_drep(slot, now),
+            _ if !self.policy().protocol_deadlines() => self.legacy_guest_drep(slot, now),
             State::DreqRcvd | State::DreqSent => self.enter_timewait(slot, now),
             _ => return Err(DropReason::BadState),
         }
@@ -413,7 +413,7 @@ impl<C: Clock> Mux<C> {
                 self.retire(s, now);
                 Ok(GuestVerdict::ToWire)
             }
-            _ if self.legacy() => Ok(GuestVerdict::ToWire),
+            _ if !self.policy().drops_unexpected() => Ok(GuestVerdict::ToWire),
             _ => Err(DropReason::UnknownConnection),
         }
     }
@@ -483,7 +483,8 @@ impl<C: Clock> Mux<C> {
     /// TID from the comm ID, so the TID is the same too).
     pub(super) fn req_retry(&self, slot: u32, tid: u64) -> Retry {
         let e = &self.slab[slot as usize];
-        let same = e.has(flag::ACTIVE) && (e.vm_tid_req == tid || self.legacy());
+        let same =
+            e.has(flag::ACTIVE) && (e.vm_tid_req == tid || !self.policy().retry_needs_same_tid());
         match e.state {
             State::ReqSent | State::RepRcvd if same => Retry::Forward,
             State::Quarantined if same && e.has(flag::IN_SL_MAP) => Retry::Drop,
@@ -559,14 +560,14 @@ impl<C: Clock> Mux<C> {
             // processed the peer's REP, which the mux has already passed: the REJ ends
             // that same connection, and the peer (in REP_SENT) must get it.
             let withdrawn = remote == 0 && e.has(flag::ACTIVE) && e.state == State::RepRcvd;
-            if e.remote_comm_id == remote || withdrawn || self.legacy() {
+            if e.remote_comm_id == remote || withdrawn || !self.policy().tracks_received_reqs() {
                 return Ok(s);
             }
             // The VM reuses its comm ID towards another peer connection: as far as its
             // CM is concerned the old one is gone.
             self.retire(s, now);
         }
-        if self.legacy() {
+        if !self.policy().tracks_received_reqs() {
             return self.legacy_guest_entry(vm, sl, remote, dst);
         }
         let s = self

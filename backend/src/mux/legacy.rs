@@ -2,8 +2,11 @@
 //! Linux mlx4's PF proxy does where pvcm's default rules differ. No protocol deadlines,
 //! a delayed-delete timer armed by DREQ (and REJ after 2020), REJ(TIMEOUT) routed by the
 //! peer's comm ID alone (after 2020) or not at all, allocation on any answer it has not
-//! seen, no checks, no quarantine, no VM cleanup. The handlers call in here at the
-//! points where the policies part ways, so that they read as the default rules.
+//! seen, no checks, no quarantine, no VM cleanup.
+//!
+//! Each way the policies part is a named behaviour, a predicate on [`Policy`] below,
+//! which the handlers ask where it matters; where mlx4 does something of its own
+//! instead, they call its handler here. So the handlers read as the default rules.
 
 use pvcm_wire::Gid;
 
@@ -11,6 +14,73 @@ use super::table::{State, flag};
 use std::time::Duration;
 
 use super::{Clock, DropReason, Mux, Policy, Time, VmId, WireVerdict};
+
+/// The behaviours in which the policies differ. Each is true for [`Policy::Default`]
+/// and false for both mlx4 policies; what mlx4 does instead is said with each.
+impl Policy {
+    /// Entries live by the protocol's own deadlines: a handshake as long as the CM
+    /// timeouts its REQ and MRAs carry, a DREQ through the peer's retries, then
+    /// TimeWait. mlx4 sets none of these: an entry lives until its delayed delete
+    /// (`legacy_arm`), armed by a DREQ (and after 2020 by a REJ), and goes when it fires.
+    pub(crate) fn protocol_deadlines(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A retired `pv_cm_id` is held in quarantine before its slot is reused, and a
+    /// rejected REQ keeps the VM's comm ID mapped through it (a REQ retry crossing the
+    /// REJ is dropped). mlx4 frees an entry at once.
+    pub(crate) fn quarantine(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// What a VM sends is checked (source GID, QPN range, CA GUID, quota) and a wire MAD
+    /// must be addressed to the GID of the VM it names. mlx4 checks nothing.
+    pub(crate) fn checks(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A MAD that its entry's state does not expect, or that names nothing the mux
+    /// knows, is dropped and counted. mlx4 forwards it.
+    pub(crate) fn drops_unexpected(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A REQ from the wire gets an entry at once, found by its sender's (CA GUID, comm
+    /// ID) (`remote.rs`): duplicates refresh it, the passive VM's first answer links to
+    /// it, a stateless REJ or a REJ(TIMEOUT) ends it. mlx4 delivers the REQ without an
+    /// entry, allocates one for any answer of the VM it has not seen (found by the VM's
+    /// comm ID alone), and routes a REJ(TIMEOUT) by the peer's comm ID alone (after
+    /// 2020) or not at all.
+    pub(crate) fn tracks_received_reqs(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A REQ repeating the VM's comm ID is a retry only with the same TID (another TID
+    /// is a new connection). mlx4 takes any REQ with the comm ID as the same one.
+    pub(crate) fn retry_needs_same_tid(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A DREQ for an unknown connection is answered with a stateless DREP, as Linux's
+    /// `cm_issue_drep()` does, so the peer stops retrying. mlx4 drops it, and the peer
+    /// retries until it gives up.
+    pub(crate) fn stateless_drep(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// A detached VM's connections are finished on its behalf (DREQs, REJs, DREPs).
+    /// mlx4 leaves them to the delayed delete, and the peers to their timeouts.
+    pub(crate) fn cleans_up_detached_vms(self) -> bool {
+        self == Policy::Default
+    }
+
+    /// The mux's state can be journaled and restored (`--state-dir`), moved with a VM
+    /// (migration) and given per-VM ID ranges. mlx4's entries carry no deadlines that
+    /// a restored or migrated table could be rebuilt from.
+    pub fn transfers_state(self) -> bool {
+        self == Policy::Default
+    }
+}
 
 impl<C: Clock> Mux<C> {
     /// mlx4's delayed delete: armed once, fires after `CM_CLEANUP_CACHE_TIMEOUT`.

@@ -73,7 +73,7 @@ impl<C: Clock> Mux<C> {
     /// its connections go on elsewhere) and returns it for [`Mux::import_vm`]. The VM
     /// is detached afterwards and its GID free here.
     pub fn export_vm(&mut self, vm: VmId) -> Result<Vec<u8>, MigrateError> {
-        if self.legacy() {
+        if !self.policy().transfers_state() {
             return Err(MigrateError::Legacy);
         }
         let v = self
@@ -155,7 +155,7 @@ impl<C: Clock> Mux<C> {
     /// every `pv_cm_id` (in the range, used nowhere here), the keys the entries are
     /// found by, and room in the table.
     pub fn import_vm(&mut self, state: &[u8]) -> Result<VmId, MigrateError> {
-        if self.legacy() {
+        if !self.policy().transfers_state() {
             return Err(MigrateError::Legacy);
         }
         let bad = |why: &str| MigrateError::Corrupt(why.to_string());

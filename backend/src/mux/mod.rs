@@ -328,8 +328,9 @@ impl<C: Clock> Mux<C> {
         &self.clock
     }
 
-    fn legacy(&self) -> bool {
-        self.cfg.policy.is_legacy()
+    /// The policy, whose behaviours the handlers ask (see `legacy.rs`).
+    fn policy(&self) -> Policy {
+        self.cfg.policy
     }
 
     // ----------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ impl<C: Clock> Mux<C> {
         let Some(range) = cfg.id_range else {
             return Ok(());
         };
-        if self.legacy() {
+        if !self.policy().transfers_state() {
             return Err(AttachError::IdRangeLegacy);
         }
         let quota = cfg.quota.unwrap_or(self.cfg.default_quota);

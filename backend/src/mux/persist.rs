@@ -369,7 +369,7 @@ impl<C: Clock> Mux<C> {
         clock: C,
         recs: impl IntoIterator<Item = (u8, &'a [u8])>,
     ) -> Result<Restored<C>, RestoreError> {
-        if cfg.policy.is_legacy() {
+        if !cfg.policy.transfers_state() {
             return Err(RestoreError::Policy(cfg.policy.name()));
         }
         let mut m = Mux::new(cfg, clock);

@@ -440,7 +440,7 @@ impl<C: Clock> Mux<C> {
 
     pub(super) fn expire(&mut self, slot: u32, now: u64) {
         let e = self.slab[slot as usize];
-        if self.legacy() {
+        if !self.policy().protocol_deadlines() {
             // mlx4's delayed work: delete, no quarantine.
             self.retire(slot, now);
             return;
@@ -482,7 +482,7 @@ impl<C: Clock> Mux<C> {
         if e.state == State::Free || e.state == State::Quarantined {
             return;
         }
-        let quarantine = e.pv_cm_id != 0 && !self.legacy();
+        let quarantine = e.pv_cm_id != 0 && self.policy().quarantine();
         self.unindex(slot, keep_sl && quarantine);
         if let Some(v) = self.vms.get_mut(e.vm as usize)
             && !e.has(flag::ORPHAN)

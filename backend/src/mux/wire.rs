@@ -92,7 +92,7 @@ impl<C: Clock> Mux<C> {
         }
         match self.vms.get(e.vm as usize) {
             Some(v) if v.attached => {
-                if v.cfg.gid != dst && !self.legacy() {
+                if v.cfg.gid != dst && self.policy().checks() {
                     return Err(DropReason::WrongDestination);
                 }
                 Ok(slot)
@@ -142,7 +142,7 @@ impl<C: Clock> Mux<C> {
             AttributeId::ClassPortInfo => self.wire_class_port_info(m, dst),
             _ => match self.wire_entry(m, dst) {
                 Ok(slot) => self.wire_connected(slot, m, now),
-                Err(r) if m.attr() == AttributeId::Dreq && !self.legacy() => {
+                Err(r) if m.attr() == AttributeId::Dreq && self.policy().stateless_drep() => {
                     Ok(self.stateless_drep(m, r))
                 }
                 Err(r) => Err(r),
@@ -198,7 +198,7 @@ impl<C: Clock> Mux<C> {
                 en.remote_qpn = m.local_qpn().unwrap_or(0);
                 let (peer, guid) = (en.peer, en.remote_ca_guid);
                 self.peers.set_ca_guid(peer, guid);
-                if !self.legacy() {
+                if self.policy().protocol_deadlines() {
                     // The VM must RTU (or MRA/REJ) within its response window; the peer
                     // retries the REP meanwhile.
                     let w = self.window(e.vm_resp, e.ack, e.retries);
@@ -206,7 +206,7 @@ impl<C: Clock> Mux<C> {
                 }
             }
             State::RepRcvd | State::Established => self.rx_dup(e.vm, AttributeId::Rep),
-            _ if self.legacy() => {}
+            _ if !self.policy().drops_unexpected() => {}
             _ => return Err(DropReason::BadState),
         }
         Ok(())
@@ -215,7 +215,7 @@ impl<C: Clock> Mux<C> {
     /// MRA: the VM now waits the service timeout on top of the peer's window.
     fn wire_mra(&mut self, slot: u32, m: &CmMad<&mut [u8]>, now: u64) {
         let e = self.slab[slot as usize];
-        if !self.legacy() && e.state.in_handshake() {
+        if self.policy().protocol_deadlines() && e.state.in_handshake() {
             let svc = exponent_to_duration(m.mra_service_timeout().unwrap_or(0));
             let w = self.clamp(svc + self.window(e.peer_resp, e.ack, e.retries));
             self.extend_deadline(slot, now, w);
@@ -228,7 +228,7 @@ impl<C: Clock> Mux<C> {
         match e.state {
             State::RepSent => self.establish(slot),
             State::Established => self.rx_dup(e.vm, AttributeId::Rtu),
-            _ if self.legacy() => {}
+            _ if !self.policy().drops_unexpected() => {}
             _ => return Err(DropReason::BadState),
         }
         Ok(())
@@ -238,7 +238,7 @@ impl<C: Clock> Mux<C> {
     fn wire_rej(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>, now: u64) -> WireVerdict {
         let e = self.slab[slot as usize];
         let v = self.deliver(slot, m);
-        if !self.legacy()
+        if self.policy().quarantine()
             && e.has(flag::ACTIVE)
             && matches!(e.state, State::ReqSent | State::RepRcvd)
         {
@@ -259,7 +259,7 @@ impl<C: Clock> Mux<C> {
         match e.state {
             State::DreqRcvd | State::TimeWait => {
                 self.rx_dup(e.vm, AttributeId::Dreq);
-                if !self.legacy() {
+                if self.policy().protocol_deadlines() {
                     // A retry: the peer waits one more attempt after it.
                     let a = self.attempt(e.vm_resp, e.ack) + self.cfg.grace;
                     self.extend_deadline(slot, now, a);
@@ -268,13 +268,13 @@ impl<C: Clock> Mux<C> {
             State::DreqSent => {} // crossed DREQs
             _ => {
                 self.ent(slot).state = State::DreqRcvd;
-                if self.legacy() {
-                    self.legacy_arm(slot, now);
-                } else {
+                if self.policy().protocol_deadlines() {
                     // Never lose the entry before the VM answers or the peer's retries
                     // (max CM retries x the VM's response time) run out.
                     let w = self.window(e.vm_resp, e.ack, e.retries);
                     self.set_deadline(slot, Time(now).after(w).0);
+                } else {
+                    self.legacy_arm(slot, now);
                 }
             }
         }
@@ -291,15 +291,15 @@ impl<C: Clock> Mux<C> {
         match e.state {
             State::DreqSent | State::DreqRcvd => {
                 let v = self.deliver(slot, m);
-                if self.legacy() {
-                    self.legacy_wire_drep(slot, now);
-                } else {
+                if self.policy().protocol_deadlines() {
                     self.enter_timewait(slot, now);
+                } else {
+                    self.legacy_wire_drep(slot, now);
                 }
                 return Ok(v);
             }
             State::TimeWait => self.rx_dup(e.vm, AttributeId::Drep),
-            _ if self.legacy() => {}
+            _ if !self.policy().drops_unexpected() => {}
             _ => return Err(DropReason::BadState),
         }
         Ok(self.deliver(slot, m))
@@ -328,7 +328,7 @@ impl<C: Clock> Mux<C> {
             }
             self.retire(s, now);
         }
-        if !self.legacy() && self.vm_full(vm) {
+        if self.policy().checks() && self.vm_full(vm) {
             return Err(DropReason::VmOverQuota);
         }
         let s = self.new_entry(vm, src).ok_or(DropReason::TableFull)?;
@@ -404,7 +404,7 @@ impl<C: Clock> Mux<C> {
             ca_guid: p.local_ca_guid(),
             comm_id: p.local_comm_id(),
         };
-        if self.legacy() {
+        if !self.policy().tracks_received_reqs() {
             return Ok(self.legacy_wire_req(key.comm_id, vm, now));
         }
         if let Some(s) = self.remote_ids.get(&key) {
@@ -471,7 +471,7 @@ impl<C: Clock> Mux<C> {
         now: u64,
     ) -> Result<WireVerdict, DropReason> {
         let comm_id = m.local_comm_id().unwrap_or(0);
-        if self.legacy() {
+        if !self.policy().tracks_received_reqs() {
             return self.legacy_wire_rej_timeout(comm_id, now);
         }
         let ca_guid = m.rej_timeout_ca_guid().ok_or(DropReason::NoRoute)?;
