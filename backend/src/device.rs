@@ -49,6 +49,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::backlog::RxBacklog;
+use crate::migration::MigrationError;
 use crate::mux::{DropReason, GuestVerdict, MadSlot};
 use crate::port::OutMad;
 use crate::rx::RxMsg;
@@ -115,7 +116,7 @@ enum Transfer {
     /// Reading the state to load.
     Loading(std::thread::JoinHandle<io::Result<Vec<u8>>>),
     /// Refused at the start; the check reports it.
-    Failed(String),
+    Failed(MigrationError),
 }
 
 /// The config space read at `offset`, `size` bytes: the 8-byte [`abi::config_space`],
@@ -760,7 +761,7 @@ impl VhostUserBackendMut for PvcmDevice {
         file: File,
     ) -> io::Result<Option<File>> {
         let t = if phase != VhostTransferStatePhase::STOPPED {
-            Transfer::Failed(format!("state transfer in phase {phase:?}: only STOPPED"))
+            Transfer::Failed(MigrationError::Phase(format!("{phase:?}")))
         } else if direction == VhostTransferStateDirection::SAVE {
             match self.shared.migrate_out(&self.port) {
                 Ok(blob) => Transfer::Saving(std::thread::spawn(move || {
@@ -792,17 +793,17 @@ impl VhostUserBackendMut for PvcmDevice {
     fn check_device_state(&self) -> io::Result<()> {
         let t = lock(&self.transfer).take();
         let r = match t {
-            None => Err("no device state transfer was started".to_string()),
+            None => Err(MigrationError::NotStarted),
             Some(Transfer::Failed(e)) => Err(e),
             Some(Transfer::Saving(h)) => match h.join() {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(format!("writing the state: {e}")),
-                Err(_) => Err("the state writer panicked".into()),
+                Ok(Err(e)) => Err(MigrationError::Write(e)),
+                Err(_) => Err(MigrationError::WriterPanicked),
             },
             Some(Transfer::Loading(h)) => match h.join() {
                 Ok(Ok(blob)) => self.shared.migrate_in(&self.port, &blob).map(|_| ()),
-                Ok(Err(e)) => Err(format!("reading the state: {e}")),
-                Err(_) => Err("the state reader panicked".into()),
+                Ok(Err(e)) => Err(MigrationError::Read(e)),
+                Err(_) => Err(MigrationError::ReaderPanicked),
             },
         };
         r.map_err(|e| {
@@ -982,7 +983,7 @@ mod queue_tests {
         fn poll_fds(&self) -> Vec<(RawFd, u64)> {
             Vec::new()
         }
-        fn attach(&self, _vm: usize) -> Result<(), String> {
+        fn attach(&self, _vm: usize) -> Result<(), crate::port::PortError> {
             Ok(())
         }
         fn send(&self, _ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {

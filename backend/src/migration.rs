@@ -8,9 +8,13 @@
 //! already accepted is lost. The source gives the VM's address up; the destination
 //! takes it over, imports, and the VM goes on with the same `pv_cm_id`s.
 
+use std::io;
 use std::sync::atomic::Ordering;
 
-use crate::mux::{FIRST_FOREIGN_KIND, VmId, put_record, records};
+use pvcm_wire::Gid;
+
+use crate::mux::{FIRST_FOREIGN_KIND, MigrateError, VmId, put_record, records};
+use crate::port::PortError;
 use crate::rx::RxMsg;
 use crate::shared::Shared;
 use crate::vm_port::{VmPort, lock};
@@ -18,17 +22,71 @@ use crate::vm_port::{VmPort, lock};
 /// One rx backlog message (its bytes as they go into an rx buffer).
 const REC_BACKLOG: u8 = FIRST_FOREIGN_KIND;
 
+/// Why a VM's state could not leave or arrive (a vhost-user device-state transfer).
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// The front-end asked for a transfer in a phase other than STOPPED.
+    #[error("state transfer in phase {0}: only STOPPED")]
+    Phase(String),
+    /// CHECK_DEVICE_STATE came without SET_DEVICE_STATE_FD.
+    #[error("no device state transfer was started")]
+    NotStarted,
+    /// Writing the saved state to the front-end failed.
+    #[error("writing the state: {0}")]
+    Write(#[source] io::Error),
+    /// Reading the state to load failed.
+    #[error("reading the state: {0}")]
+    Read(#[source] io::Error),
+    /// The thread writing the state panicked.
+    #[error("the state writer panicked")]
+    WriterPanicked,
+    /// The thread reading the state panicked.
+    #[error("the state reader panicked")]
+    ReaderPanicked,
+    /// Save: the VM has no session here.
+    #[error("the VM is not attached (nothing to save)")]
+    NotAttached,
+    /// Load: the VM is attached here already.
+    #[error("the VM is already attached here")]
+    AlreadyAttached,
+    /// The state's records end inside one.
+    #[error("VM state truncated at byte {0}")]
+    Truncated(usize),
+    /// A backlog record is not an rx message.
+    #[error("a bad rx backlog message")]
+    BadBacklogMessage,
+    /// A record of a kind this version does not know.
+    #[error("unknown VM state record {0:#x}")]
+    UnknownRecord(u8),
+    /// The port could not take the VM's address over.
+    #[error(transparent)]
+    Claim(#[from] PortError),
+    /// The mux refused to export or import the VM's entries.
+    #[error(transparent)]
+    Mux(#[from] MigrateError),
+    /// The state is another VM's.
+    #[error("the state is VM {found:?}'s, not this port's ({name} {gid})")]
+    OtherVm {
+        /// The VM the state is of, if the mux knew it.
+        found: Option<String>,
+        /// This port's VM.
+        name: String,
+        /// Its GID.
+        gid: Gid,
+    },
+}
+
 impl Shared {
     /// Takes the port's VM out (export, backlog, address) and returns its state. The VM
     /// is no longer this host's; its vhost-user session ending later releases nothing.
-    pub(crate) fn migrate_out(&self, port: &VmPort) -> Result<Vec<u8>, String> {
+    pub(crate) fn migrate_out(&self, port: &VmPort) -> Result<Vec<u8>, MigrationError> {
         let mut cur = lock(&port.current);
         let Some(vm) = *cur else {
-            return Err("the VM is not attached (nothing to save)".into());
+            return Err(MigrationError::NotAttached);
         };
         let (mut blob, next) = {
             let mut core = self.lock_core();
-            let blob = core.mux.export_vm(vm).map_err(|e| e.to_string())?;
+            let blob = core.mux.export_vm(vm)?;
             core.by_vm.remove(&vm);
             core.commit();
             (blob, core.mux.next_deadline())
@@ -51,22 +109,22 @@ impl Shared {
 
     /// Takes the port's VM in from `blob` ([`Shared::migrate_out`] on another host):
     /// takes its address over, imports its entries, queues its backlog.
-    pub(crate) fn migrate_in(&self, port: &VmPort, blob: &[u8]) -> Result<VmId, String> {
+    pub(crate) fn migrate_in(&self, port: &VmPort, blob: &[u8]) -> Result<VmId, MigrationError> {
         let mut mux_part = Vec::with_capacity(blob.len());
         let mut backlog = Vec::new();
         for r in records(blob) {
-            let (kind, p) = r.map_err(|at| format!("VM state truncated at byte {at}"))?;
+            let (kind, p) = r.map_err(MigrationError::Truncated)?;
             if kind == REC_BACKLOG {
-                backlog.push(RxMsg::from_bytes(p).ok_or("a bad rx backlog message")?);
+                backlog.push(RxMsg::from_bytes(p).ok_or(MigrationError::BadBacklogMessage)?);
             } else if kind < FIRST_FOREIGN_KIND {
                 put_record(&mut mux_part, kind, p);
             } else {
-                return Err(format!("unknown VM state record {kind:#x}"));
+                return Err(MigrationError::UnknownRecord(kind));
             }
         }
         let mut cur = lock(&port.current);
         if cur.is_some() {
-            return Err("the VM is already attached here".into());
+            return Err(MigrationError::AlreadyAttached);
         }
         let bound_now = self.port.claim(port.index)?;
         let (vm, next) = {
@@ -78,7 +136,7 @@ impl Shared {
                     if bound_now {
                         self.port.release(port.index);
                     }
-                    return Err(e.to_string());
+                    return Err(e.into());
                 }
             };
             let cfg = core.mux.vm_config(vm).cloned();
@@ -92,12 +150,11 @@ impl Shared {
                 if bound_now {
                     self.port.release(port.index);
                 }
-                return Err(format!(
-                    "the state is VM {:?}'s, not this port's ({} {})",
-                    cfg.map(|c| c.name),
-                    port.spec.vm.name,
-                    port.spec.vm.gid
-                ));
+                return Err(MigrationError::OtherVm {
+                    found: cfg.map(|c| c.name),
+                    name: port.spec.vm.name.clone(),
+                    gid: port.spec.vm.gid,
+                });
             }
             core.by_vm.insert(vm, port.index);
             core.commit();

@@ -49,7 +49,8 @@ pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace, permute_bits};
 pub use migrate::MigrateError;
 pub use persist::{
-    FIRST_FOREIGN_KIND, RestoreError, Restored, put_record, put_record_parts, records,
+    FIRST_FOREIGN_KIND, Inconsistency, RestoreError, Restored, StateDifference, put_record,
+    put_record_parts, records,
 };
 pub use remote::RemoteId;
 pub use table::State;

@@ -55,10 +55,55 @@ pub enum RestoreError {
         /// What is wrong.
         why: String,
     },
+    /// The records parse, but do not make one consistent table.
+    #[error("record {records}: {source}")]
+    Inconsistent {
+        /// Records applied.
+        records: usize,
+        /// What does not fit.
+        #[source]
+        source: Inconsistency,
+    },
     /// The mlx4 comparison policies keep timers outside the entries; they are not
     /// persisted.
     #[error("the {0} policy keeps no restorable state: use --policy default")]
     Policy(&'static str),
+}
+
+/// Why restored records do not make one consistent table.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Inconsistency {
+    /// Two attached VMs have the same GID.
+    #[error("VMs {first} and {second} share GID {gid}")]
+    SharedGid {
+        /// The VM recorded first.
+        first: u32,
+        /// The other.
+        second: u32,
+        /// Their GID.
+        gid: Gid,
+    },
+    /// An entry names a peer that no record made.
+    #[error("slot {0} names a peer never recorded")]
+    UnknownPeer(u32),
+    /// An entry names a VM that no record made.
+    #[error("slot {0} names a VM never recorded")]
+    UnknownVm(u32),
+    /// Two entries hold the same ranged `pv_cm_id`.
+    #[error("two entries hold pv_cm_id {0:#x}")]
+    SharedId(u32),
+}
+
+/// The first difference [`Mux::same_state_as`] found between two muxes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: {ours} != {theirs}")]
+pub struct StateDifference {
+    /// What differs (`slot 7`, `live`, `free slots`).
+    pub what: String,
+    /// This mux's value.
+    pub ours: String,
+    /// The other's.
+    pub theirs: String,
 }
 
 /// A mux rebuilt from records.
@@ -439,7 +484,11 @@ impl<C: Clock> Mux<C> {
             }
             applied += 1;
         }
-        m.rebuild_indexes().map_err(|why| corrupt(applied, &why))?;
+        m.rebuild_indexes()
+            .map_err(|source| RestoreError::Inconsistent {
+                records: applied,
+                source,
+            })?;
         let attached = m
             .vms
             .iter()
@@ -455,12 +504,16 @@ impl<C: Clock> Mux<C> {
     }
 
     /// Derives every index from the slab, the peers and the VMs.
-    fn rebuild_indexes(&mut self) -> Result<(), String> {
+    fn rebuild_indexes(&mut self) -> Result<(), Inconsistency> {
         for (id, v) in self.vms.iter().enumerate() {
             if v.attached
                 && let Some(other) = self.gid_to_vm.insert(v.cfg.gid, id as u32)
             {
-                return Err(format!("VMs {other} and {id} share GID {}", v.cfg.gid));
+                return Err(Inconsistency::SharedGid {
+                    first: other,
+                    second: id as u32,
+                    gid: v.cfg.gid,
+                });
             }
         }
         let mut quarantine = Vec::new();
@@ -474,11 +527,11 @@ impl<C: Clock> Mux<C> {
             if e.peer != NO_PEER {
                 match self.peers.slots.get_mut(e.peer as usize) {
                     Some(p) => p.refs += 1,
-                    None => return Err(format!("slot {s} names a peer never recorded")),
+                    None => return Err(Inconsistency::UnknownPeer(slot)),
                 }
             }
             if e.vm != NO_VM && e.vm as usize >= self.vms.len() {
-                return Err(format!("slot {s} names a VM never recorded"));
+                return Err(Inconsistency::UnknownVm(slot));
             }
             let vm = self.vms.get_mut(e.vm as usize);
             if e.state == State::Quarantined {
@@ -524,7 +577,7 @@ impl<C: Clock> Mux<C> {
                     .is_some_and(|r| r.contains(e.pv_cm_id))
                 && self.ranged.insert(e.pv_cm_id, slot).is_some()
             {
-                return Err(format!("two entries hold pv_cm_id {:#x}", e.pv_cm_id));
+                return Err(Inconsistency::SharedId(e.pv_cm_id));
             }
         }
         quarantine.sort_unstable();
@@ -547,7 +600,9 @@ impl<C: Clock> Mux<C> {
     /// Compares the protocol state (entries, indexes, timers, quarantine, peers, VMs) of
     /// two muxes, ignoring counters: for tests of [`Mux::restore`].
     #[doc(hidden)]
-    pub fn same_state_as<D: Clock>(&self, o: &Mux<D>) -> Result<(), String> {
+    pub fn same_state_as<D: Clock>(&self, o: &Mux<D>) -> Result<(), StateDifference> {
+        let differ =
+            |what: String, ours: String, theirs: String| StateDifference { what, ours, theirs };
         let strip = |e: &Entry| Entry {
             flags: e.flags & !flag::DIRTY,
             ..*e
@@ -557,14 +612,18 @@ impl<C: Clock> Mux<C> {
             let a = self.slab.get(s).map_or(Entry::FREE, strip);
             let b = o.slab.get(s).map_or(Entry::FREE, strip);
             if a != b {
-                return Err(format!("slot {s}: {a:?} != {b:?}"));
+                return Err(differ(
+                    format!("slot {s}"),
+                    format!("{a:?}"),
+                    format!("{b:?}"),
+                ));
             }
         }
         let eq = |what: &str, a: String, b: String| {
             if a == b {
                 Ok(())
             } else {
-                Err(format!("{what}: {a} != {b}"))
+                Err(differ(what.to_string(), a, b))
             }
         };
         eq("live", self.live.to_string(), o.live.to_string())?;
@@ -648,8 +707,10 @@ impl<C: Clock> Mux<C> {
                 .iter()
                 .find(|(g, i)| m.slots.get(**i as usize).is_none_or(|p| p.gid != **g))
             {
-                return Err(format!(
-                    "peer index names slot {i} for {g}, which holds another GID"
+                return Err(differ(
+                    "peer index".to_string(),
+                    format!("slot {i} for {g}"),
+                    "that slot holding that GID".to_string(),
                 ));
             }
         }

@@ -21,7 +21,9 @@
 //! VM owns what it received.
 
 use std::fmt;
+use std::io;
 use std::os::fd::RawFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use pvcm_wire::Gid;
@@ -54,6 +56,58 @@ pub struct PortCtx<'a> {
     pub capture: Option<&'a Capture>,
 }
 
+/// Why a port refused a VM ([`WirePort::attach`], [`WirePort::claim`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PortError {
+    /// Only the soft port moves VM addresses between hosts.
+    #[error("this port cannot take over a VM's address (migration needs the soft port)")]
+    CannotClaim,
+    /// The soft port takes an address over only where it receives through its raw
+    /// socket, so for IPv4 VMs in raw mode.
+    #[error("migration needs raw receive (--wire-rx raw) and an IPv4 GID on the soft port")]
+    ClaimNeedsRaw,
+    /// Binding the VM's address failed.
+    #[error(transparent)]
+    Bind(Box<crate::error::Error>),
+    /// The port knows no VM of that index.
+    #[error("no VM {0}")]
+    NoVm(usize),
+    /// umad: the port's GID table could not be read.
+    #[error("{port}: GID table: {source}")]
+    GidTable {
+        /// The port (`rxe0:1`).
+        port: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// umad: the VM's GID is not a RoCE v2 entry of the port's GID table.
+    #[error(
+        "VM {vm}: GID {gid} is not a RoCE v2 entry of {port}'s GID table ({}): add the VM's \
+         address to the device's netdev (e.g. `ip addr add {} dev eth0`), see docs/umad.md",
+        table.display(),
+        address_with_prefix(gid)
+    )]
+    GidNotInTable {
+        /// The VM's name.
+        vm: String,
+        /// Its GID.
+        gid: Gid,
+        /// The port (`rxe0:1`).
+        port: String,
+        /// The port's GID table in sysfs.
+        table: PathBuf,
+    },
+}
+
+/// A GID as `ip addr add` takes it: an IPv4 address with /32, else the GID with /128.
+fn address_with_prefix(gid: &Gid) -> String {
+    match gid.to_ipv4() {
+        Some(a) => format!("{a}/32"),
+        None => format!("{gid}/128"),
+    }
+}
+
 /// Tokens below this are the port's own epoll tokens.
 pub const TOKEN_LIMIT: u64 = 1 << 40;
 
@@ -66,13 +120,13 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     fn poll_fds(&self) -> Vec<(RawFd, u64)>;
     /// A session of VM `vm` begins: checks the VM can use the port (umad: its GID is in
     /// the port's GID table). An error refuses the attach and says why.
-    fn attach(&self, vm: usize) -> Result<(), String>;
+    fn attach(&self, vm: usize) -> Result<(), PortError>;
     /// VM `vm` arrived by migration: take over its address (bind it); true if it was
     /// bound now (false: it already was). The default refuses: only the soft port
     /// moves addresses.
-    fn claim(&self, vm: usize) -> Result<bool, String> {
+    fn claim(&self, vm: usize) -> Result<bool, PortError> {
         let _ = vm;
-        Err("this port cannot take over a VM's address (migration needs the soft port)".into())
+        Err(PortError::CannotClaim)
     }
     /// VM `vm` left by migration: give its address up (unbind it), so the host it
     /// moved to can take it. What still arrives for it is not this host's any more.

@@ -57,7 +57,7 @@ use pvcm_wire::roce::{
 
 use crate::error::Error;
 use crate::port::soft::{self, InFrame, RecvBatch};
-use crate::port::{InMad, OutMad, PortCtx, WirePort};
+use crate::port::{InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 
 /// Length of an Ethernet header (no VLAN tag: the kernel hands tags to packet sockets
@@ -775,11 +775,11 @@ impl WirePort for PacketPort {
         vec![(self.rx.as_raw_fd(), 0)]
     }
 
-    fn attach(&self, _vm: usize) -> Result<(), String> {
+    fn attach(&self, _vm: usize) -> Result<(), PortError> {
         Ok(())
     }
 
-    fn claim(&self, _vm: usize) -> Result<bool, String> {
+    fn claim(&self, _vm: usize) -> Result<bool, PortError> {
         // The address is the VM's NIC's: nothing to bind here.
         Ok(false)
     }

@@ -52,7 +52,7 @@ use pvcm_wire::roce::{
 use pvcm_wire::{Error as WireError, Gid};
 
 use crate::error::{Error, RAW_SOCKET_HOW};
-use crate::port::{InMad, OutMad, PortCtx};
+use crate::port::{InMad, OutMad, PortCtx, PortError};
 use crate::stats::{DevDrop, Io};
 
 pub use crate::config::RxMode;
@@ -1091,21 +1091,18 @@ impl crate::port::WirePort for SoftPort {
         fds
     }
 
-    fn attach(&self, _vm: usize) -> Result<(), String> {
+    fn attach(&self, _vm: usize) -> Result<(), PortError> {
         Ok(())
     }
 
-    fn claim(&self, vm: usize) -> Result<bool, String> {
+    fn claim(&self, vm: usize) -> Result<bool, PortError> {
         if self.sock(vm).is_some() {
             return Ok(false);
         }
         if self.reads_udp(vm) {
-            return Err(
-                "migration needs raw receive (--wire-rx raw) and an IPv4 GID on the soft port"
-                    .into(),
-            );
+            return Err(PortError::ClaimNeedsRaw);
         }
-        self.bind_vm(vm).map_err(|e| e.to_string())?;
+        self.bind_vm(vm).map_err(|e| PortError::Bind(Box::new(e)))?;
         Ok(true)
     }
 

@@ -40,7 +40,7 @@ use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UDP_PORT,
 use crate::config::gid_addr;
 
 use crate::error::Error;
-use crate::port::{InMad, OutMad, PortCtx, WirePort};
+use crate::port::{InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 
 /// `struct ib_user_mad_hdr` with the P_Key index (after `IB_USER_MAD_ENABLE_PKEY`).
@@ -490,22 +490,17 @@ impl UmadPort {
     }
 
     /// Finds VM `vm`'s GID in `table` and records its index.
-    fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<u8, String> {
+    fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<u8, PortError> {
         let Some((name, gid)) = self.vms.get(vm) else {
-            return Err(format!("no VM {vm}"));
+            return Err(PortError::NoVm(vm));
         };
         let Some(e) = table.iter().find(|e| e.gid == *gid && e.roce_v2) else {
-            let (addr, plen) = match gid.to_ipv4() {
-                Some(a) => (a.to_string(), 32),
-                None => (gid.to_string(), 128),
-            };
-            return Err(format!(
-                "VM {name}: GID {gid} is not a RoCE v2 entry of {}'s GID table ({}): add \
-                 the VM's address to the device's netdev (e.g. `ip addr add {addr}/{plen} \
-                 dev eth0`), see docs/umad.md",
-                self.name,
-                self.port_dir.join("gids").display()
-            ));
+            return Err(PortError::GidNotInTable {
+                vm: name.clone(),
+                gid: *gid,
+                port: self.name.clone(),
+                table: self.port_dir.join("gids"),
+            });
         };
         let mut ix = self.lock();
         if let Some(old) = ix.of_vm.get(vm).copied().flatten() {
@@ -593,9 +588,11 @@ impl WirePort for UmadPort {
         vec![(self.fd.as_raw_fd(), 0)]
     }
 
-    fn attach(&self, vm: usize) -> Result<(), String> {
-        let table =
-            read_gid_table(&self.port_dir).map_err(|e| format!("{}: GID table: {e}", self.name))?;
+    fn attach(&self, vm: usize) -> Result<(), PortError> {
+        let table = read_gid_table(&self.port_dir).map_err(|source| PortError::GidTable {
+            port: self.name.clone(),
+            source,
+        })?;
         self.resolve(vm, &table).map(|_| ())
     }
 
