@@ -1095,9 +1095,7 @@ mod queue_tests {
 
     /// Writes a tx message (header + payload) at `addr`; returns its length.
     fn put(mem: &Mem, addr: u64, h: &MsgHeader, payload: &[u8]) -> u32 {
-        let mut b = vec![0u8; HEADER_LEN + payload.len()];
-        h.emit(&mut b).unwrap();
-        b[HEADER_LEN..].copy_from_slice(payload);
+        let b = pvcm_wire::testing::message(h, payload);
         mem.write_slice(&b, GuestAddress(addr)).unwrap();
         b.len() as u32
     }
@@ -1249,9 +1247,7 @@ mod queue_tests {
     #[test]
     fn unknown_and_device_to_driver_types_are_counted() {
         let mut r = rig();
-        let mut unknown = vec![0u8; HEADER_LEN];
-        MsgHeader::mad(remote()).emit(&mut unknown).unwrap();
-        unknown[..2].copy_from_slice(&0xBEEFu16.to_le_bytes());
+        let unknown = pvcm_wire::testing::raw_header(0xBEEF, MAD_LEN as u32);
         r.mem.write_slice(&unknown, GuestAddress(DATA)).unwrap();
         let unknown = vec![D(DATA, HEADER_LEN as u32, false)];
         let port_info = msg_chain(

@@ -55,10 +55,7 @@ pub fn port(n: u8) -> PortInfo {
 
 /// A message: header + payload.
 pub fn msg(h: &MsgHeader, payload: &[u8]) -> Vec<u8> {
-    let mut b = vec![0u8; HEADER_LEN + payload.len()];
-    h.emit(&mut b).unwrap();
-    b[HEADER_LEN..].copy_from_slice(payload);
-    b
+    pvcm_wire::testing::message(h, payload)
 }
 
 pub fn port_info_msg(p: &PortInfo) -> Vec<u8> {

@@ -645,10 +645,7 @@ impl LabVm {
 
     /// Queues a message: header + payload.
     pub fn queue(&mut self, h: &MsgHeader, payload: &[u8]) -> io::Result<()> {
-        let mut b = vec![0u8; HEADER_LEN + payload.len()];
-        h.emit(&mut b).map_err(other)?;
-        b[HEADER_LEN..].copy_from_slice(payload);
-        self.queue_raw(&b, 1)
+        self.queue_raw(&pvcm_wire::testing::message(h, payload), 1)
     }
 
     /// Queues a MAD to `dst`.

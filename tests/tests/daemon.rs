@@ -323,14 +323,6 @@ fn wait_stats(dir: &Path, host: &str, what: &str, f: impl Fn(&Snapshot) -> bool)
     }
 }
 
-fn header(t: u16, len: u32) -> Vec<u8> {
-    let mut h = vec![0u8; abi::HEADER_LEN];
-    MsgHeader::mad(Gid::ZERO).emit(&mut h).unwrap();
-    h[0..2].copy_from_slice(&t.to_le_bytes());
-    h[4..8].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
 /// Every bad input is a counted drop (device, wire or mux), with a SEND_ERROR for MADs
 /// the device did not send; the queues and the VM keep working throughout.
 #[test]
@@ -353,7 +345,7 @@ fn bad_inputs_are_counted_drops() {
     let still_works = |a: &mut LabVm| check_port_info(a, &sa);
 
     // Descriptor chains.
-    let hdr = a.scratch(0, &header(2, 0)).unwrap();
+    let hdr = a.scratch(0, &mads::raw_header(2, 0)).unwrap();
     a.queue_chain(&[Segment::new(0xdead_0000_0000, 48)], &[])
         .unwrap(); // outside memory
     a.queue_chain(&[Segment::new(hdr, 24), Segment::new(0x10, 24)], &[])
@@ -381,12 +373,12 @@ fn bad_inputs_are_counted_drops() {
     still_works(&mut a);
 
     // Messages.
-    a.queue_raw(&header(2, 0)[..20], 1).unwrap(); // shorter than a header
-    a.queue_raw(&header(9, 0), 1).unwrap(); // unknown type
-    a.queue_raw(&header(3, 0), 1).unwrap(); // PORT_INFO is device -> driver
-    a.queue_raw(&header(1, 300), 1).unwrap(); // len above 256
-    a.queue_raw(&header(1, 256), 1).unwrap(); // header says 256, chain has none
-    let mut short = header(1, 100);
+    a.queue_raw(&mads::raw_header(2, 0)[..20], 1).unwrap(); // shorter than a header
+    a.queue_raw(&mads::raw_header(9, 0), 1).unwrap(); // unknown type
+    a.queue_raw(&mads::raw_header(3, 0), 1).unwrap(); // PORT_INFO is device -> driver
+    a.queue_raw(&mads::raw_header(1, 300), 1).unwrap(); // len above 256
+    a.queue_raw(&mads::raw_header(1, 256), 1).unwrap(); // header says 256, chain has none
+    let mut short = mads::raw_header(1, 100);
     short.extend_from_slice(&[0; 100]);
     a.queue_raw(&short, 3).unwrap(); // a MAD of 100 bytes
     a.kick();

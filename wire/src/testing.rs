@@ -11,9 +11,13 @@
 //!   every other byte zero; [`rep`], [`rtu`], [`dreq`], [`drep`], [`rej`] and [`mra`]
 //!   add the fields a proxy reads. [`req`] is a whole REQ ([`req_repr`], emitted).
 //!
+//! And the device's messages ([`crate::abi`]): [`message`] is a header and its payload,
+//! [`raw_header`] a header of any type and length, valid or not.
+//!
 //! Everything here panics on bad input: it is for tests.
 
 use crate::Gid;
+use crate::abi::{HEADER_LEN, MsgHeader};
 use crate::cm::{self, CmMad, CmRepr, MsgResponse, PathRepr, RejReason, TransportService};
 use crate::mad::{self, AttributeId, Header, MAD_LEN};
 
@@ -197,6 +201,28 @@ pub fn view(b: &Mad) -> CmMad<&[u8]> {
 pub fn attr(b: &[u8]) -> Option<AttributeId> {
     b.get(mad::field::ATTR_ID.range())?;
     AttributeId::from_u16(mad::field::ATTR_ID.get(b) as u16)
+}
+
+/// A device message: `h`, then `payload`.
+pub fn message(h: &MsgHeader, payload: &[u8]) -> Vec<u8> {
+    let mut b = vec![0u8; HEADER_LEN + payload.len()];
+    h.emit(&mut b)
+        .expect("a buffer of a header's length at least");
+    b[HEADER_LEN..].copy_from_slice(payload);
+    b
+}
+
+/// A message header with any type and payload length, valid or not (an unknown type, a
+/// type only the device sends, a length above the largest payload), for the device's
+/// checks: a MAD header to [`Gid::ZERO`] with `msg_type` and `len` written over its own.
+pub fn raw_header(msg_type: u16, len: u32) -> Vec<u8> {
+    let mut h = vec![0u8; HEADER_LEN];
+    MsgHeader::mad(Gid::ZERO)
+        .emit(&mut h)
+        .expect("a buffer of a header's length");
+    h[0..2].copy_from_slice(&msg_type.to_le_bytes());
+    h[4..8].copy_from_slice(&len.to_le_bytes());
+    h
 }
 
 #[cfg(test)]

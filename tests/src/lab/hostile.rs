@@ -33,7 +33,6 @@ use pvcm_guest::cm::rdma_cm::tcp_service_id;
 use pvcm_guest::device::cmtime::{self, ClientOptions, CmtimeReport, ServerOptions, Step};
 use pvcm_guest::virtq::Segment;
 use pvcm_wire::Gid;
-use pvcm_wire::abi::{HEADER_LEN, MsgHeader};
 use pvcm_wire::mad;
 use pvcm_wire::testing as mads;
 
@@ -349,15 +348,6 @@ fn rss_of(pid: u32) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-fn header(msg_type: u16, len: u32) -> Vec<u8> {
-    let mut h = vec![0u8; HEADER_LEN];
-    // The buffer has exactly a header's length.
-    let _ = MsgHeader::mad(Gid::ZERO).emit(&mut h);
-    h[0..2].copy_from_slice(&msg_type.to_le_bytes());
-    h[4..8].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
 /// The hostile VM: sessions of bad input, a device reset between them, until `stop`.
 fn flood(
     socket: &Path,
@@ -396,7 +386,9 @@ fn flood(
         // PORT_INFO).
         let cfg = VmConfig::new("bad", me);
         let (ca, qpn) = (cfg.ca_guid, cfg.qpn_base);
-        let hdr = vm.scratch(0, &header(1, 0)).map_err(|e| e.to_string())?;
+        let hdr = vm
+            .scratch(0, &mads::raw_header(1, 0))
+            .map_err(|e| e.to_string())?;
         let until = Instant::now() + session_len;
         while !stop.load(Ordering::Relaxed) && (session >= resets || Instant::now() < until) {
             vm.reclaim_tx();
@@ -406,9 +398,9 @@ fn flood(
             batch.push(vm.queue_chain(&[], &[Segment::new(hdr, 304)]));
             batch.push(vm.queue_chain(&[Segment::new(hdr, 400)], &[]));
             // Messages the device refuses.
-            batch.push(vm.queue_raw(&header(1, 0)[..20], 1));
-            batch.push(vm.queue_raw(&header(9, 0), 1));
-            batch.push(vm.queue_raw(&header(1, 300), 1));
+            batch.push(vm.queue_raw(&mads::raw_header(1, 0)[..20], 1));
+            batch.push(vm.queue_raw(&mads::raw_header(9, 0), 1));
+            batch.push(vm.queue_raw(&mads::raw_header(1, 300), 1));
             let mut not_cm = mads::req(me, ca, comm, u64::from(comm), nobody, qpn);
             mad::field::MGMT_CLASS.set(&mut not_cm, 0x03);
             batch.push(vm.queue_mad(nobody, &not_cm));
