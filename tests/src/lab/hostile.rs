@@ -36,8 +36,10 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad;
 use pvcm_wire::testing as mads;
 
+use super::error::{LabError, LabResult};
 use super::guest::{GuestOpts, GuestVm};
 use super::host::{HostProc, HostSpec, VmSlot};
+use super::standalone;
 use crate::vmm::{LabVm, VmOpts};
 
 /// `pvcm-lab hostile` options.
@@ -180,15 +182,9 @@ pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
     )
 }
 
-fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
-    VmSlot::loopback(dir, host, vm, name, net)
-}
-
 fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>) -> HostSpec {
     HostSpec::standalone(dir, index, vms, 0x4057_11e0 + index as u64)
 }
-
-type LabResult<T> = Result<T, String>;
 
 /// The hostile VM's quota of live entries.
 pub const HOSTILE_QUOTA: u32 = 1024;
@@ -198,33 +194,27 @@ fn guest(socket: &Path, seed: u64) -> LabResult<GuestVm> {
         seed,
         ..GuestOpts::default()
     };
-    GuestVm::connect(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))
+    standalone::guest(socket, &opts)
 }
 
 /// Runs the measurement: backends under `exe __backend`, sockets in a temporary
 /// directory.
 pub fn run(exe: &Path, a: &HostileCli) -> LabResult<HostileReport> {
-    let dir = std::env::temp_dir().join(format!("pvcm-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let r = run_in(exe, a, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    r
+    standalone::in_temp_dir("hostile", a.net, |dir| run_in(exe, a, dir))
 }
 
 fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
     let n = a.connections;
-    let srv = slot(dir, 0, 0, "srv", a.net);
-    let nb = slot(dir, 1, 0, "nb", a.net);
+    let srv = VmSlot::loopback(dir, 0, 0, "srv", a.net);
+    let nb = VmSlot::loopback(dir, 1, 0, "nb", a.net);
     let bad = VmSlot {
         // A small quota, so the flood's good REQs run into it.
         quota: Some(HOSTILE_QUOTA),
-        ..slot(dir, 1, 1, "bad", a.net)
+        ..VmSlot::loopback(dir, 1, 1, "bad", a.net)
     };
     let ready = Duration::from_secs(10);
-    let mut h1 =
-        HostProc::spawn(exe, spec(dir, 0, vec![srv.clone()]), ready).map_err(|e| e.to_string())?;
-    let mut h2 = HostProc::spawn(exe, spec(dir, 1, vec![nb.clone(), bad.clone()]), ready)
-        .map_err(|e| e.to_string())?;
+    let mut h1 = HostProc::spawn(exe, spec(dir, 0, vec![srv.clone()]), ready)?;
+    let mut h2 = HostProc::spawn(exe, spec(dir, 1, vec![nb.clone(), bad.clone()]), ready)?;
     let timeout = Duration::from_secs(120);
 
     // The server serves both runs.
@@ -247,7 +237,7 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
             )
             .map_err(|e| format!("server: {e}"))?;
             if r.disconnected != n {
-                return Err(format!("server: {r:?}"));
+                return Err(format!("server: {r:?}").into());
             }
         }
         Ok(())
@@ -298,13 +288,17 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
     };
     let flooded = client(&mut nbvm);
     stop.store(true, Ordering::Relaxed);
-    let flood_result = flooder.join().map_err(|_| "flooder panicked".to_string())?;
+    let flood_result = flooder
+        .join()
+        .map_err(|_| LabError::Panicked("the flooder".into()))?;
     let _ = sampler.join();
     let flooded = flooded?;
     let bad_vm = flood_result?;
-    server.join().map_err(|_| "server panicked".to_string())??;
+    server
+        .join()
+        .map_err(|_| LabError::Panicked("the server".into()))??;
     let rss1 = h2.rss_kib().unwrap_or(0);
-    let s: Snapshot = h2.stat().map_err(|e| e.to_string())?;
+    let s: Snapshot = h2.stat()?;
     if std::env::var_os("PVCM_HOSTILE_DEBUG").is_some() {
         eprintln!("{}", s.render());
     }
@@ -386,9 +380,7 @@ fn flood(
         // PORT_INFO).
         let cfg = VmConfig::new("bad", me);
         let (ca, qpn) = (cfg.ca_guid, cfg.qpn_base);
-        let hdr = vm
-            .scratch(0, &mads::raw_header(1, 0))
-            .map_err(|e| e.to_string())?;
+        let hdr = vm.scratch(0, &mads::raw_header(1, 0))?;
         let until = Instant::now() + session_len;
         while !stop.load(Ordering::Relaxed) && (session >= resets || Instant::now() < until) {
             vm.reclaim_tx();

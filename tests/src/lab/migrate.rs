@@ -35,10 +35,10 @@ use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group};
 use pvcm_guest::device::Notice;
 use pvcm_wire::mad::AttributeId;
 
-use super::guest::{GuestOpts, GuestVm, LabDevice};
+use super::error::{LabError, LabResult};
+use super::guest::{GuestVm, LabDevice};
 use super::host::{HostProc, HostSpec, VmSlot};
-
-type LabResult<T> = Result<T, String>;
+use super::standalone::{self, Phases, big_guest};
 
 /// `pvcm-lab migrate` options.
 #[derive(Debug, Clone, Parser)]
@@ -194,48 +194,23 @@ const LISTENING: u32 = 0;
 const HALF: u32 = 1;
 const MOVED: u32 = 2;
 
+/// The run's phases (see [`Phases`]), and the REQs the peer held when the VM moved.
 #[derive(Debug, Default)]
-struct Phases {
-    phase: AtomicU32,
-    arrived: [AtomicU32; 3],
+struct RunPhases {
+    ph: Phases<3>,
     in_flight: AtomicU32,
 }
 
-impl Phases {
-    fn arrive(&self, p: u32) {
-        self.arrived[p as usize].fetch_add(1, Ordering::AcqRel);
+impl std::ops::Deref for RunPhases {
+    type Target = Phases<3>;
+    fn deref(&self) -> &Phases<3> {
+        &self.ph
     }
-    fn wait_arrived(&self, p: u32, n: u32, until: Instant) -> LabResult<()> {
-        while self.arrived[p as usize].load(Ordering::Acquire) < n {
-            if Instant::now() > until {
-                return Err(format!("timed out waiting for phase {p}"));
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        Ok(())
-    }
-    fn at(&self, p: u32) -> bool {
-        self.phase.load(Ordering::Acquire) >= p
-    }
-    fn set(&self, p: u32) {
-        self.phase.store(p, Ordering::Release);
-    }
-}
-
-fn guest(socket: &Path, seed: u64) -> LabResult<GuestVm> {
-    let opts = GuestOpts {
-        seed,
-        queue_size: 1024,
-        mem_len: 4 << 20,
-        ..GuestOpts::default()
-    };
-    GuestVm::connect(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))
 }
 
 fn pump(dev: &mut LabDevice) -> LabResult<()> {
-    dev.run_until(Duration::from_millis(2), |_| false)
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    dev.run_until(Duration::from_millis(2), |_| false)?;
+    Ok(())
 }
 
 fn finish(dev: &mut LabDevice, s: &mut Side) {
@@ -247,11 +222,9 @@ fn finish(dev: &mut LabDevice, s: &mut Side) {
 
 /// The peer: accepts half, holds the rest until the VM moved, then accepts them; tears
 /// the odd connections down once all are up.
-fn peer(mut g: GuestVm, n: u32, ph: Arc<Phases>, until: Instant) -> LabResult<(Side, GuestVm)> {
+fn peer(mut g: GuestVm, n: u32, ph: Arc<RunPhases>, until: Instant) -> LabResult<(Side, GuestVm)> {
     let dev = &mut g.dev;
-    let listen = dev
-        .listen(tcp_service_id(SERVICE_PORT))
-        .map_err(|e| e.to_string())?;
+    let listen = dev.listen(tcp_service_id(SERVICE_PORT))?;
     ph.arrive(LISTENING);
     let mut s = Side::default();
     let mut conns: Vec<CmId> = Vec::new();
@@ -263,19 +236,20 @@ fn peer(mut g: GuestVm, n: u32, ph: Arc<Phases>, until: Instant) -> LabResult<(S
             return Err(format!(
                 "peer: timed out (established {}, disconnected {})",
                 s.established, s.disconnected
-            ));
+            )
+            .into());
         }
         pump(dev)?;
         if ph.at(MOVED) && !held.is_empty() {
             for id in held.drain(..) {
-                dev.accept(id, &[]).map_err(|e| e.to_string())?;
+                dev.accept(id, &[])?;
             }
         }
         while let Some(nt) = dev.pop_notice() {
             match nt {
                 Notice::Cm(Event::ConnectRequest { id, listen_id, .. }) if listen_id == listen => {
                     if accepted < n / 2 || ph.at(MOVED) {
-                        dev.accept(id, &[]).map_err(|e| e.to_string())?;
+                        dev.accept(id, &[])?;
                     } else {
                         held.push(id);
                         ph.in_flight.store(held.len() as u32, Ordering::Release);
@@ -304,7 +278,7 @@ fn peer(mut g: GuestVm, n: u32, ph: Arc<Phases>, until: Instant) -> LabResult<(S
             // Every connection is up (the VM sent each RTU, so it is up there too):
             // tear the odd ones down.
             for id in conns.iter().skip(1).step_by(2) {
-                dev.disconnect(*id).map_err(|e| e.to_string())?;
+                dev.disconnect(*id)?;
                 s.dreqs += 1;
             }
             torn = true;
@@ -322,7 +296,7 @@ fn vm(
     dest_socket: &Path,
     peer: pvcm_wire::Gid,
     n: u32,
-    ph: &Phases,
+    ph: &RunPhases,
     until: Instant,
     hosts: (&HostProc, &HostProc),
     rep: &mut MigrateReport,
@@ -332,8 +306,7 @@ fn vm(
     let opts = ConnectOptions::default();
     for _ in 0..n {
         g.dev
-            .connect(peer, tcp_service_id(SERVICE_PORT), &[], &opts)
-            .map_err(|e| e.to_string())?;
+            .connect(peer, tcp_service_id(SERVICE_PORT), &[], &opts)?;
     }
     let mut moved = false;
     let mut torn = false;
@@ -342,9 +315,10 @@ fn vm(
             return Err(format!(
                 "vm: timed out (established {}, disconnected {})",
                 s.established, s.disconnected
-            ));
+            )
+            .into());
         }
-        if !moved && ph.arrived[HALF as usize].load(Ordering::Acquire) > 0 {
+        if !moved && ph.arrived(HALF) > 0 {
             // Stop-and-copy: the guest does not run while its device moves.
             let t = Instant::now();
             rep.state_bytes = g
@@ -354,8 +328,8 @@ fn vm(
             rep.in_flight = ph.in_flight.load(Ordering::Acquire);
             moved = true;
             ph.set(MOVED);
-            let src = hosts.0.stat().map_err(|e| e.to_string())?;
-            let dst = hosts.1.stat().map_err(|e| e.to_string())?;
+            let src = hosts.0.stat()?;
+            let dst = hosts.1.stat()?;
             rep.source_after = (src.host.live, src.host.quarantined);
             rep.dest_after = dst.host.live;
         }
@@ -379,13 +353,13 @@ fn vm(
         }
         if s.established == n && !torn {
             for id in conns.iter().step_by(2) {
-                g.dev.disconnect(*id).map_err(|e| e.to_string())?;
+                g.dev.disconnect(*id)?;
                 s.dreqs += 1;
             }
             torn = true;
         }
         if s.failed > 0 && s.established + s.failed >= n && !torn {
-            return Err(format!("vm: {} connections failed", s.failed));
+            return Err(format!("vm: {} connections failed", s.failed).into());
         }
     }
     finish(&mut g.dev, &mut s);
@@ -405,12 +379,7 @@ pub fn run(exe: &Path, a: &MigrateCli) -> LabResult<MigrateReport> {
     if a.connections < 2 || a.connections > 30_000 {
         return Err("--connections must be 2 to 30000".into());
     }
-    let dir = std::env::temp_dir().join(format!("pvcm-migrate-{}-{}", std::process::id(), a.net));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let r = run_in(exe, a, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    r
+    standalone::in_temp_dir("migrate", a.net, |dir| run_in(exe, a, dir))
 }
 
 fn run_in(exe: &Path, a: &MigrateCli, dir: &Path) -> LabResult<MigrateReport> {
@@ -432,19 +401,18 @@ fn run_in(exe: &Path, a: &MigrateCli, dir: &Path) -> LabResult<MigrateReport> {
         exe,
         HostSpec::standalone(dir, 0, vec![p.clone()], 0x3161),
         ready,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let mut s2 = HostSpec::standalone(dir, 1, Vec::new(), 0x3162);
     s2.extra = vec!["--vm".into(), vm_arg(&m.socket, false)];
-    let h2 = HostProc::spawn(exe, s2, ready).map_err(|e| e.to_string())?;
+    let h2 = HostProc::spawn(exe, s2, ready)?;
     let mut s3 = HostSpec::standalone(dir, 2, Vec::new(), 0x3163);
     s3.extra = vec!["--vm".into(), vm_arg(&m_dest, true)];
-    let h3 = HostProc::spawn(exe, s3, ready).map_err(|e| e.to_string())?;
+    let h3 = HostProc::spawn(exe, s3, ready)?;
 
     let until = Instant::now() + Duration::from_secs(120);
-    let ph = Arc::new(Phases::default());
-    let pg = guest(&p.socket, 0x9e_e701)?;
-    let mg = guest(&m.socket, 0x7e57_0101)?;
+    let ph = Arc::new(RunPhases::default());
+    let pg = big_guest(&p.socket, 0x9e_e701)?;
+    let mg = big_guest(&m.socket, 0x7e57_0101)?;
     let peer_thread = {
         let ph = ph.clone();
         std::thread::spawn(move || peer(pg, n, ph, until))
@@ -460,7 +428,7 @@ fn run_in(exe: &Path, a: &MigrateCli, dir: &Path) -> LabResult<MigrateReport> {
     ph.set(MOVED); // release the peer's held REQs even if the VM failed early
     let peer_r = peer_thread
         .join()
-        .map_err(|_| "the peer thread panicked".to_string())?;
+        .map_err(|_| LabError::Panicked("the peer thread".into()))?;
     let (vm_side, mg) = r?;
     let (peer_side, pg) = peer_r?;
     rep.vm = vm_side;
@@ -468,11 +436,7 @@ fn run_in(exe: &Path, a: &MigrateCli, dir: &Path) -> LabResult<MigrateReport> {
     // Quiesce: TimeWait ends, then nothing may stay live anywhere.
     let quiet = Instant::now() + Duration::from_secs(60);
     loop {
-        let (a, b, c) = (
-            h1.stat().map_err(|e| e.to_string())?,
-            h2.stat().map_err(|e| e.to_string())?,
-            h3.stat().map_err(|e| e.to_string())?,
-        );
+        let (a, b, c) = (h1.stat()?, h2.stat()?, h3.stat()?);
         rep.leaked = (a.host.live, b.host.live, c.host.live);
         rep.drops.clear();
         drops_of("h1", &a, &mut rep.drops);

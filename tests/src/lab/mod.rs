@@ -27,6 +27,7 @@
 
 pub mod attach;
 pub mod cli;
+pub mod error;
 pub mod guest;
 pub mod host;
 pub mod hostile;
@@ -38,6 +39,7 @@ pub mod report;
 pub mod restart;
 pub mod scenarios;
 pub mod stamp;
+pub mod standalone;
 pub mod world;
 
 pub use opts::{LabOptions, ScenarioName};
@@ -62,7 +64,7 @@ pub fn render_checks(out: &mut String, checks: &[(&str, bool, String)]) {
 pub fn command_main<T, R>(
     name: &str,
     args: impl IntoIterator<Item = std::ffi::OsString>,
-    run: impl FnOnce(&std::path::Path, &T) -> Result<R, String>,
+    run: impl FnOnce(&std::path::Path, &T) -> error::LabResult<R>,
     render: impl Fn(&R) -> String,
     passed: impl Fn(&T, &R) -> bool,
     failed: &str,

@@ -28,7 +28,6 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
@@ -40,10 +39,10 @@ use pvcm_guest::device::cmtime::{self, ClientOptions, ServerOptions, Step};
 use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
 
-use super::guest::{GuestOpts, GuestVm, LabDevice};
+use super::error::{LabError, LabResult};
+use super::guest::{GuestVm, LabDevice};
 use super::host::{HostProc, HostSpec, VmSlot};
-
-type LabResult<T> = Result<T, String>;
+use super::standalone::{self, Phases, big_guest};
 
 /// Drops by reason (only those that happened).
 pub type Drops = Vec<(String, u64)>;
@@ -288,10 +287,6 @@ pub fn main<I: IntoIterator<Item = OsString>>(args: I) -> ExitCode {
     )
 }
 
-fn slot(dir: &Path, host: usize, vm: usize, name: &str, net: u8) -> VmSlot {
-    VmSlot::loopback(dir, host, vm, name, net)
-}
-
 fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>, state: Option<PathBuf>) -> HostSpec {
     let mut h = HostSpec::standalone(dir, index, vms, 0x5e57_a270 + index as u64);
     if let Some(s) = state {
@@ -300,61 +295,14 @@ fn spec(dir: &Path, index: usize, vms: Vec<VmSlot>, state: Option<PathBuf>) -> H
     h
 }
 
-fn guest(socket: &Path, seed: u64) -> LabResult<GuestVm> {
-    let opts = GuestOpts {
-        seed,
-        queue_size: 1024,
-        mem_len: 4 << 20,
-        ..GuestOpts::default()
-    };
-    GuestVm::connect(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))
-}
-
-/// The run's phases: the main thread moves `phase` on; each VM thread counts itself in
-/// `arrived[phase]` when done with it. Threads keep pumping their device while they
-/// wait, as a guest would.
-#[derive(Debug, Default)]
-struct Phases {
-    phase: AtomicU32,
-    arrived: [AtomicU32; 6],
-}
+/// The run's phases (see [`Phases`]).
+type RunPhases = Phases<6>;
 
 const LISTENING: u32 = 0;
 const ESTABLISHED: u32 = 1;
 const DOWN: u32 = 2;
 const UP: u32 = 3;
 const RECONNECTED: u32 = 4;
-
-impl Phases {
-    fn arrive(&self, p: u32) {
-        self.arrived[p as usize].fetch_add(1, Ordering::AcqRel);
-    }
-    fn wait(&self, dev: &mut LabDevice, p: u32, until: Instant) -> LabResult<()> {
-        while self.phase.load(Ordering::Acquire) < p {
-            if Instant::now() > until {
-                return Err(format!("timed out waiting for phase {p}"));
-            }
-            dev.run_until(Duration::from_millis(5), |_| false)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-    fn wait_arrived(&self, p: u32, n: u32, until: Instant) -> LabResult<()> {
-        while self.arrived[p as usize].load(Ordering::Acquire) < n {
-            if Instant::now() > until {
-                return Err(format!(
-                    "timed out: {} of {n} threads done with phase {p}",
-                    self.arrived[p as usize].load(Ordering::Acquire)
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Ok(())
-    }
-    fn set(&self, p: u32) {
-        self.phase.store(p, Ordering::Release);
-    }
-}
 
 const SERVICE_PORT: u16 = 18515;
 /// A port nobody listens on: REQs to it are rejected, and their IDs go to quarantine.
@@ -397,7 +345,7 @@ type Done = (Side, GuestVm);
 /// Disconnects every connection in `conns` (one DREQ each, counted in `s`).
 fn disconnect_all(dev: &mut LabDevice, conns: &[CmId], s: &mut Side) -> LabResult<()> {
     for id in conns {
-        dev.disconnect(*id).map_err(|e| e.to_string())?;
+        dev.disconnect(*id)?;
         s.dreqs += 1;
     }
     Ok(())
@@ -412,20 +360,23 @@ fn finish(mut g: GuestVm, mut s: Side) -> Done {
 }
 
 /// A peer: listens, accepts `n`, tears down when its role says so, until `n` are gone.
-fn peer(socket: PathBuf, n: u32, role: Role, ph: Arc<Phases>, until: Instant) -> LabResult<Done> {
-    let mut g = guest(&socket, 0x9e_e700 + n as u64)?;
+fn peer(
+    socket: PathBuf,
+    n: u32,
+    role: Role,
+    ph: Arc<RunPhases>,
+    until: Instant,
+) -> LabResult<Done> {
+    let mut g = big_guest(&socket, 0x9e_e700 + n as u64)?;
     let dev = &mut g.dev;
-    let listen = dev
-        .listen(tcp_service_id(SERVICE_PORT))
-        .map_err(|e| e.to_string())?;
+    let listen = dev.listen(tcp_service_id(SERVICE_PORT))?;
     ph.arrive(LISTENING);
     let mut s = Side::default();
     let mut conns = Vec::new();
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, Some(listen));
         s.established >= n
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     ph.arrive(ESTABLISHED);
     ph.wait(dev, DOWN, until)?;
     if role == Role::PeerDuringGap {
@@ -438,8 +389,7 @@ fn peer(socket: PathBuf, n: u32, role: Role, ph: Arc<Phases>, until: Instant) ->
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, Some(listen));
         s.disconnected >= n
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     Ok(finish(g, s))
 }
 
@@ -461,32 +411,29 @@ fn vm(
     n: u32,
     role: Role,
     probes: bool,
-    ph: Arc<Phases>,
+    ph: Arc<RunPhases>,
     until: Instant,
     seed: u64,
 ) -> LabResult<Done> {
-    let mut g = guest(&socket, seed)?;
+    let mut g = big_guest(&socket, seed)?;
     ph.wait(&mut g.dev, ESTABLISHED, until)?; // the peers listen
     let dev = &mut g.dev;
     let mut s = Side::default();
     let mut conns = Vec::new();
     let opts = ConnectOptions::default();
     for _ in 0..n {
-        dev.connect(dest, tcp_service_id(SERVICE_PORT), &[], &opts)
-            .map_err(|e| e.to_string())?;
+        dev.connect(dest, tcp_service_id(SERVICE_PORT), &[], &opts)?;
     }
     let probes = if probes { PROBES } else { 0 };
     for _ in 0..probes {
-        dev.connect(dest, tcp_service_id(NOBODY_PORT), &[], &opts)
-            .map_err(|e| e.to_string())?;
+        dev.connect(dest, tcp_service_id(NOBODY_PORT), &[], &opts)?;
     }
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, None);
         s.established >= n && s.rejected >= probes
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     if s.established < n {
-        return Err(format!("only {} of {n} established", s.established));
+        return Err(format!("only {} of {n} established", s.established).into());
     }
     ph.arrive(ESTABLISHED);
     ph.wait(dev, UP, until)?;
@@ -494,7 +441,7 @@ fn vm(
     loop {
         match g.reconnect(&socket) {
             Ok(()) => break,
-            Err(e) if Instant::now() > until => return Err(format!("reconnect: {e}")),
+            Err(e) if Instant::now() > until => return Err(format!("reconnect: {e}").into()),
             Err(_) => {
                 let _ = g.dev.run_until(Duration::from_millis(20), |_| false);
             }
@@ -509,8 +456,7 @@ fn vm(
     dev.run_until(until.saturating_duration_since(Instant::now()), |d| {
         drain(d, &mut s, &mut conns, None);
         s.disconnected >= n
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     Ok(finish(g, s))
 }
 
@@ -530,12 +476,7 @@ pub fn run(exe: &Path, a: &RestartCli) -> LabResult<RestartReport> {
     if a.vms == 0 || a.vms > 32 || a.connections < a.vms as u32 {
         return Err("--vms must be 1 to 32, with at least one connection each".into());
     }
-    let dir = std::env::temp_dir().join(format!("pvcm-restart-{}-{}", std::process::id(), a.net));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let r = run_in(exe, a, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    r
+    standalone::in_temp_dir("restart", a.net, |dir| run_in(exe, a, dir))
 }
 
 fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
@@ -543,19 +484,17 @@ fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
     let per = a.connections / k as u32;
     let n_total = per * k as u32;
     let peers: Vec<VmSlot> = (0..k)
-        .map(|i| slot(dir, 0, i, &format!("p{}", i + 1), a.net))
+        .map(|i| VmSlot::loopback(dir, 0, i, &format!("p{}", i + 1), a.net))
         .collect();
     let vms: Vec<VmSlot> = (0..k)
-        .map(|i| slot(dir, 1, i, &format!("v{}", i + 1), a.net))
+        .map(|i| VmSlot::loopback(dir, 1, i, &format!("v{}", i + 1), a.net))
         .collect();
     let state = dir.join("state");
     let ready = Duration::from_secs(10);
-    let h1 = HostProc::spawn(exe, spec(dir, 0, peers.clone(), None), ready)
-        .map_err(|e| e.to_string())?;
-    let mut h2 = HostProc::spawn(exe, spec(dir, 1, vms.clone(), Some(state.clone())), ready)
-        .map_err(|e| e.to_string())?;
+    let h1 = HostProc::spawn(exe, spec(dir, 0, peers.clone(), None), ready)?;
+    let mut h2 = HostProc::spawn(exe, spec(dir, 1, vms.clone(), Some(state.clone())), ready)?;
     let until = Instant::now() + Duration::from_secs(120);
-    let ph = Arc::new(Phases::default());
+    let ph = Arc::new(RunPhases::default());
     let role = |i: usize| {
         if i + 1 == k && k > 1 {
             Role::PeerDuringGap
@@ -585,15 +524,15 @@ fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
             )
         }));
     }
-    let fail = |e: String, threads: Vec<std::thread::JoinHandle<LabResult<Done>>>| {
+    let fail = |e: LabError, threads: Vec<std::thread::JoinHandle<LabResult<Done>>>| {
         ph.set(u32::MAX);
-        let mut msgs = vec![e];
+        let mut errors = vec![e];
         for t in threads {
             if let Ok(Err(e)) = t.join() {
-                msgs.push(e);
+                errors.push(e);
             }
         }
-        Err::<RestartReport, String>(msgs.join("; "))
+        Err::<RestartReport, _>(LabError::Several(errors))
     };
     if let Err(e) = ph.wait_arrived(LISTENING, k as u32, until) {
         return fail(e, threads);
@@ -608,7 +547,7 @@ fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
         mode: Some(a.mode),
         ..RestartReport::default()
     };
-    let st = h2.stat().map_err(|e| e.to_string())?;
+    let st = h2.stat()?;
     rep.before = (st.host.live, st.host.quarantined);
     let t0 = Instant::now();
     match a.mode {
@@ -619,10 +558,10 @@ fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
     // The peers' DREQs of the last pair go out now, into the gap.
     std::thread::sleep(Duration::from_millis(300));
     if let Err(e) = h2.respawn(exe, ready) {
-        return fail(e.to_string(), threads);
+        return fail(LabError::io("restarting the backend")(e), threads);
     }
     rep.gap_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let st = h2.stat().map_err(|e| e.to_string())?;
+    let st = h2.stat()?;
     rep.restored = (st.host.live, st.host.quarantined);
     rep.restored_attached = st.vms.iter().filter(|v| v.attached).count();
     let t1 = Instant::now();
@@ -641,17 +580,17 @@ fn run_in(exe: &Path, a: &RestartCli, dir: &Path) -> LabResult<RestartReport> {
                 alive.push(g);
             }
             Ok(Err(e)) => errors.push(e),
-            Err(_) => errors.push("a VM thread panicked".into()),
+            Err(_) => errors.push(LabError::Panicked("a VM thread".into())),
         }
     }
     if !errors.is_empty() {
-        return Err(errors.join("; "));
+        return Err(LabError::Several(errors));
     }
     // Quiesce: TimeWait ends, then nothing may stay live.
     let quiet = Instant::now() + Duration::from_secs(60);
     loop {
-        let s2 = h2.stat().map_err(|e| e.to_string())?;
-        let s1 = h1.stat().map_err(|e| e.to_string())?;
+        let s2 = h2.stat()?;
+        let s1 = h1.stat()?;
         rep.leaked = (s2.host.live, s1.host.live);
         rep.drops = (drops_of(&s2), drops_of(&s1));
         if rep.leaked == (0, 0) || Instant::now() > quiet {
@@ -677,9 +616,9 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
     let n = a.cost_connections;
     let rounds = a.cost_rounds.max(1);
     let net = a.net.wrapping_add(1);
-    let srv = slot(dir, 0, 0, "srv", net);
-    let on = slot(dir, 1, 0, "on", net);
-    let off = slot(dir, 2, 0, "off", net);
+    let srv = VmSlot::loopback(dir, 0, 0, "srv", net);
+    let on = VmSlot::loopback(dir, 1, 0, "on", net);
+    let off = VmSlot::loopback(dir, 2, 0, "off", net);
     let ready = Duration::from_secs(10);
     let mk = |i: usize, v: &VmSlot, state: Option<PathBuf>| {
         let mut s = spec(dir, i, vec![v.clone()], state);
@@ -687,18 +626,14 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
         s.log = dir.join(format!("cost{i}.log"));
         s
     };
-    let _h1 = HostProc::spawn(exe, mk(0, &srv, None), ready).map_err(|e| e.to_string())?;
-    let _h2 = HostProc::spawn(exe, mk(1, &on, Some(dir.join("cost-state"))), ready)
-        .map_err(|e| e.to_string())?;
-    let _h3 = HostProc::spawn(exe, mk(2, &off, None), ready).map_err(|e| e.to_string())?;
+    let _h1 = HostProc::spawn(exe, mk(0, &srv, None), ready)?;
+    let _h2 = HostProc::spawn(exe, mk(1, &on, Some(dir.join("cost-state"))), ready)?;
+    let _h3 = HostProc::spawn(exe, mk(2, &off, None), ready)?;
     let timeout = Duration::from_secs(120);
     let srv_socket = srv.socket.clone();
     let server = std::thread::spawn(move || -> LabResult<()> {
-        let mut g = guest(&srv_socket, 11)?;
-        let listen = g
-            .dev
-            .listen(tcp_service_id(cmtime::DEFAULT_PORT))
-            .map_err(|e| e.to_string())?;
+        let mut g = big_guest(&srv_socket, 11)?;
+        let listen = g.dev.listen(tcp_service_id(cmtime::DEFAULT_PORT))?;
         for _ in 0..2 * rounds {
             cmtime::serve(
                 &mut g.dev,
@@ -713,8 +648,8 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
         }
         Ok(())
     });
-    let mut g_on = guest(&on.socket, 12)?;
-    let mut g_off = guest(&off.socket, 13)?;
+    let mut g_on = big_guest(&on.socket, 12)?;
+    let mut g_off = big_guest(&off.socket, 13)?;
     let _ = g_on.dev.run_until(Duration::from_millis(300), |_| false);
     let run = |g: &mut GuestVm| -> LabResult<f64> {
         let r = cmtime::client(
@@ -726,10 +661,9 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
                 timeout,
                 hold: Duration::ZERO,
             },
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         if r.disconnected != n {
-            return Err(format!("cost run: {} of {n} torn down", r.disconnected));
+            return Err(format!("cost run: {} of {n} torn down", r.disconnected).into());
         }
         let t = r.step(Step::Establish).total + r.step(Step::Disconnect).total;
         Ok(f64::from(n) / t.as_secs_f64().max(1e-9))
@@ -745,6 +679,8 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
             a_on.push(run(&mut g_on)?);
         }
     }
-    server.join().map_err(|_| "server panicked".to_string())??;
+    server
+        .join()
+        .map_err(|_| LabError::Panicked("the server".into()))??;
     Ok((a_on, a_off))
 }

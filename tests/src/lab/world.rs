@@ -22,8 +22,7 @@ use super::relay::{Relay, RelayHost, RelayStats};
 /// The RoCEv2 port hosts use when no relay is in the path.
 pub const ROCE_PORT: u16 = pvcm_wire::roce::UDP_PORT;
 
-/// A lab error (setup, or a VM that failed).
-pub type LabResult<T> = Result<T, String>;
+pub use super::error::{LabError, LabResult};
 
 /// VM `vm` (0-based) of host `host` (0-based) on net `net`: `127.net.(host+1).(vm+1)`.
 pub fn vm_addr(net: u8, host: usize, vm: usize) -> Ipv4Addr {
@@ -54,9 +53,7 @@ impl World {
     /// asked for.
     pub fn start(o: &LabOptions, layout: &[usize], seeds: Option<&[u64]>) -> LabResult<World> {
         if layout.is_empty() || layout.len() > 200 || layout.iter().any(|&n| n == 0 || n > 250) {
-            return Err(format!(
-                "bad layout {layout:?}: 1 to 200 hosts of 1 to 250 VMs"
-            ));
+            return Err(format!("bad layout {layout:?}: 1 to 200 hosts of 1 to 250 VMs").into());
         }
         let dir = tempfile::Builder::new()
             .prefix("pvcm-lab-")
@@ -296,10 +293,13 @@ impl VmEnv<'_> {
         let until = Instant::now() + self.opts.phase_timeout;
         while !self.ctl.open(g) {
             if self.ctl.aborted() {
-                return Err("aborted".into());
+                return Err(LabError::Aborted);
             }
             if Instant::now() > until {
-                return Err(format!("{}: gate {g} not open in time", self.slot.name));
+                return Err(LabError::Timeout(format!(
+                    "{}: gate {g} open",
+                    self.slot.name
+                )));
             }
             dev.wait(Duration::from_millis(2)).map_err(dev_err)?;
         }
@@ -308,8 +308,8 @@ impl VmEnv<'_> {
 }
 
 /// A device error as a lab error.
-pub fn dev_err(e: DeviceError) -> String {
-    format!("device: {e}")
+pub fn dev_err(e: DeviceError) -> LabError {
+    LabError::device("device")(e)
 }
 
 /// Counters of one guest (or of a host's guests summed), in the infiniband_cm shape.
@@ -640,10 +640,10 @@ fn vm_thread<O, F>(
     }
     let result = match vm.is_some() {
         true if !ctl.aborted() => program(&mut vm, &env),
-        _ => Err("not started".to_string()),
+        _ => Err(LabError::NotStarted),
     };
     if let Err(e) = &result {
-        if e != "aborted" && e != "not started" {
+        if !matches!(e, LabError::Aborted | LabError::NotStarted) {
             ctl.fail(format!("{}: {e}", slot.name));
         }
     }

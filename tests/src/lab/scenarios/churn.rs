@@ -31,7 +31,7 @@ use crate::lab::opts::LabOptions;
 use crate::lab::relay::Sink;
 use crate::lab::report::Report;
 use crate::lab::stamp::Stamp;
-use crate::lab::world::{LabResult, VmEnv, World, dev_err, run_vms};
+use crate::lab::world::{LabError, LabResult, VmEnv, World, dev_err, run_vms};
 
 /// The plans, in stamp order.
 pub const PLANS: [&str; 6] = [
@@ -362,7 +362,7 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<ChurnVm> {
     let grace = o.cm.attempt() * (u32::from(o.cm.retries) + 2);
     loop {
         if ctl.aborted() {
-            return Err("aborted".into());
+            return Err(LabError::Aborted);
         }
         if Instant::now() > until {
             return Err(format!(
@@ -370,7 +370,8 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<ChurnVm> {
                 env.slot.name,
                 st.rounds_done,
                 st.passive.len()
-            ));
+            )
+            .into());
         }
         for p in 0..o.procs {
             if st.procs[p].is_none() && st.rounds_done[p] < o.rounds {

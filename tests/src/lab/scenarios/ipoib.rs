@@ -22,7 +22,7 @@ use crate::lab::guest::GuestVm;
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
 use crate::lab::stamp::{STAMP_LEN, Stamp};
-use crate::lab::world::{LabResult, VmEnv, World, dev_err, flush, run_vms};
+use crate::lab::world::{LabError, LabResult, VmEnv, World, dev_err, flush, run_vms};
 
 /// IPoIB CM's service ID prefix (`IPOIB_CM_IETF_ID`).
 pub const IPOIB_CM_IETF_ID: u64 = 0x1000_0000_0000_0000;
@@ -114,10 +114,13 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<IpoibVm> {
         // Phase 1: every connection established, everywhere.
         loop {
             if ctl.aborted() {
-                return Err("aborted".into());
+                return Err(LabError::Aborted);
             }
             if Instant::now() > until {
-                return Err(format!("{}: not established in time ({r:?})", me.name));
+                return Err(LabError::Timeout(format!(
+                    "{}: established ({r:?})",
+                    me.name
+                )));
             }
             dev.wait(Duration::from_millis(2)).map_err(dev_err)?;
             while let Some(n) = dev.pop_notice() {
@@ -174,7 +177,8 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<IpoibVm> {
                         return Err(format!(
                             "{}: connection {id} failed while connecting",
                             me.name
-                        ));
+                        )
+                        .into());
                     }
                     _ => {}
                 }
@@ -195,10 +199,10 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<IpoibVm> {
             let until = t0 + o.phase_timeout;
             while !conns.is_empty() {
                 if ctl.aborted() {
-                    return Err("aborted".into());
+                    return Err(LabError::Aborted);
                 }
                 if Instant::now() > until {
-                    return Err(format!("{}: stale connections not gone ({r:?})", me.name));
+                    return Err(format!("{}: stale connections not gone ({r:?})", me.name).into());
                 }
                 if !reaping && Instant::now() >= reap_at {
                     reaping = true;

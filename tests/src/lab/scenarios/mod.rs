@@ -18,7 +18,7 @@ use pvcm_guest::time::Time;
 use super::opts::{LabOptions, ScenarioName};
 use super::report::Report;
 use super::stamp::Stamp;
-use super::world::{LabResult, VmEnv};
+use super::world::{LabError, LabResult, VmEnv};
 
 /// Runs one scenario and returns its summary.
 pub fn run(o: &LabOptions) -> LabResult<Report> {
@@ -35,7 +35,7 @@ pub fn run(o: &LabOptions) -> LabResult<Report> {
 }
 
 fn validate(o: &LabOptions) -> LabResult<()> {
-    let bad = |s: &str| Err(s.to_string());
+    let bad = |s: &str| Err(LabError::Usage(s.to_string()));
     if o.hosts < 1 || o.hosts > 200 {
         return bad("--hosts must be 1 to 200");
     }
@@ -54,7 +54,7 @@ fn validate(o: &LabOptions) -> LabResult<()> {
         ("--reorder", o.faults.reorder),
     ] {
         if !(0.0..=1.0).contains(&p) {
-            return Err(format!("{n} must be a probability (0 to 1)"));
+            return Err(format!("{n} must be a probability (0 to 1)").into());
         }
     }
     if o.cm.response > 31 || o.cm.packet_life > 30 || o.cm.retries > 15 {

@@ -28,7 +28,7 @@ use pvcm_wire::testing::{self as mads, Mad};
 
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
-use crate::lab::world::{GATES, LabResult, Outcome, World};
+use crate::lab::world::{GATES, LabError, LabResult, Outcome, World};
 use crate::vmm::{LabVm, VmOpts};
 
 const BATCH: usize = 64;
@@ -48,8 +48,8 @@ fn baseline(net: u8, n: u64) -> LabResult<f64> {
 /// bound to `to` (port 4791), `sendmmsg`/`recvmmsg` batches of 64 through the wire
 /// port's own calls, at most 1024 in flight. Returns the wall time it took.
 pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Duration> {
-    let a = UdpPort::bind(from.into(), 0, 4791).map_err(|e| format!("baseline socket: {e}"))?;
-    let b = UdpPort::bind(to.into(), 0, 4791).map_err(|e| format!("baseline socket: {e}"))?;
+    let a = UdpPort::bind(from.into(), 0, 4791).map_err(LabError::io("baseline socket"))?;
+    let b = UdpPort::bind(to.into(), 0, 4791).map_err(LabError::io("baseline socket"))?;
     let mad = mads::ids(AttributeId::Lap, 1, 2, 3);
     let frames: Vec<_> = (0..BATCH)
         .filter_map(|_| a.frame(b.local(), &mad))
@@ -89,10 +89,12 @@ pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Durat
         let k = (n - sent).min(BATCH as u64) as usize;
         sent += a.send_batch(&frames[..k]) as u64;
     }
-    let total = rx.join().map_err(|_| "baseline receiver panicked")?;
+    let total = rx
+        .join()
+        .map_err(|_| LabError::Panicked("the baseline receiver".into()))?;
     let dt = t0.elapsed();
     if total != n {
-        return Err(format!("baseline lost frames: {total}/{n}"));
+        return Err(format!("baseline lost frames: {total}/{n}").into());
     }
     Ok(dt)
 }
@@ -100,7 +102,7 @@ pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Durat
 fn recv_mad(vm: &mut LabVm) -> LabResult<Mad> {
     vm.recv_type(MsgType::Mad, T)
         .map(|m| m.mad())
-        .ok_or_else(|| "no MAD within 5 s".to_string())
+        .ok_or_else(|| LabError::Timeout("a MAD within 5 s".to_string()))
 }
 
 /// A connection set up by hand: A's comm ID and the comm ID A knows B by.
@@ -212,14 +214,15 @@ fn through(
         let k = (n - sent).min(BATCH as u64);
         for j in 0..k {
             let c = ((sent + j) as usize).wrapping_mul(stride) % conns.len();
-            a.queue_mad(dst, &lap(c, conns[c]))
-                .map_err(|e| e.to_string())?;
+            a.queue_mad(dst, &lap(c, conns[c]))?;
         }
         a.kick();
         a.reclaim_tx();
         sent += k;
     }
-    let (total, b) = rx.join().map_err(|_| "receiver panicked")?;
+    let (total, b) = rx
+        .join()
+        .map_err(|_| LabError::Panicked("the receiver".into()))?;
     let dt = t0.elapsed();
     Ok((total as f64 / dt.as_secs_f64(), total, b))
 }

@@ -25,7 +25,7 @@ use crate::lab::guest::GuestVm;
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
 use crate::lab::stamp::Stamp;
-use crate::lab::world::{LabResult, VmEnv, World, dev_err, flush, run_vms};
+use crate::lab::world::{LabError, LabResult, VmEnv, World, dev_err, flush, run_vms};
 
 const CONNECTED: usize = 0;
 const DESTROYED: usize = 1;
@@ -73,10 +73,10 @@ fn active(
         let until = Instant::now() + o.phase_timeout;
         while ctl.shared[c].load(Ordering::Acquire) < want {
             if ctl.aborted() {
-                return Err("aborted".into());
+                return Err(LabError::Aborted);
             }
             if Instant::now() > until {
-                return Err("round barrier timed out".into());
+                return Err(LabError::Timeout("the round barrier".into()));
             }
             dev.wait(Duration::from_millis(1)).map_err(dev_err)?;
             while dev.pop_notice().is_some() {}
@@ -136,10 +136,10 @@ fn passive(
     let grace = o.cm.attempt() * (u32::from(o.cm.retries) + 2) + Duration::from_millis(500);
     loop {
         if ctl.aborted() {
-            return Err("aborted".into());
+            return Err(LabError::Aborted);
         }
         if Instant::now() > until {
-            return Err(format!("{}: not done in time ({r:?})", me.name));
+            return Err(LabError::Timeout(format!("{} ({r:?})", me.name)));
         }
         let wait = later.wait(dev.now(), Duration::from_millis(5));
         dev.wait(wait).map_err(dev_err)?;

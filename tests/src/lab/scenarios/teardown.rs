@@ -24,7 +24,7 @@ use crate::lab::host::VmSlot;
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
 use crate::lab::stamp::Stamp;
-use crate::lab::world::{LabResult, VmEnv, World, dev_err, run_vms};
+use crate::lab::world::{LabError, LabResult, VmEnv, World, dev_err, run_vms};
 
 /// Shared counter: actives done (teardown finished at the active end), all VMs.
 const ACTIVES_DONE: usize = 0;
@@ -142,13 +142,14 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<TeardownVm> {
     let mut all_done_at: Option<Instant> = None;
     loop {
         if ctl.aborted() {
-            return Err("aborted".into());
+            return Err(LabError::Aborted);
         }
         if Instant::now() > until {
             return Err(format!(
                 "{}: phase {phase:?} not done in {:?} ({r:?})",
                 me.name, o.phase_timeout
-            ));
+            )
+            .into());
         }
         let now = dev.now();
         let wait = later.wait(now, Duration::from_millis(5));

@@ -21,7 +21,7 @@ use crate::lab::guest::GuestVm;
 use crate::lab::opts::LabOptions;
 use crate::lab::report::Report;
 use crate::lab::stamp::Stamp;
-use crate::lab::world::{LabResult, VmEnv, World, dev_err, run_vms};
+use crate::lab::world::{LabError, LabResult, VmEnv, World, dev_err, run_vms};
 
 /// What one VM saw.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -91,10 +91,10 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<TwVm> {
     };
     loop {
         if env.ctl.aborted() {
-            return Err("aborted".into());
+            return Err(LabError::Aborted);
         }
         if Instant::now() > until {
-            return Err(format!("{}: not done in time ({r:?})", me.name));
+            return Err(LabError::Timeout(format!("{} ({r:?})", me.name)));
         }
         if cur.is_none() && k < n {
             let qpn = base + (k as u32 % q);
