@@ -37,7 +37,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::backlog::{HostBudget, RxBacklog};
+use crate::backlog::HostBudget;
 use crate::config::Config;
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 pub use crate::error::Error;
@@ -500,20 +500,9 @@ impl Daemon {
         };
         for (i, spec) in cfg.vms.iter().enumerate() {
             by_gid.insert(spec.vm.gid, i);
-            ports.push(Arc::new(VmPort {
-                index: i,
-                spec: spec.clone(),
-                current: Mutex::new(None),
-                rx: Mutex::new(RxBacklog::new(cfg.rx_backlog_bytes, host_budget.clone())),
-                rx_wake: EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?,
-                counters: DevCounters::default(),
-                session: Mutex::new(None),
-                restored: AtomicBool::new(false),
-                tx_resume: Mutex::new(None),
-                awaiting: AtomicBool::new(spec.incoming),
-                migrated_out: Mutex::new(None),
-                span: tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid),
-            }));
+            let port = VmPort::new(i, spec.clone(), cfg.rx_backlog_bytes, host_budget.clone())
+                .map_err(e("eventfd".into()))?;
+            ports.push(Arc::new(port));
         }
         let capture = match &cfg.pcap {
             Some(p) => Some(Capture::create(p).map_err(e(format!("--pcap {}", p.display())))?),

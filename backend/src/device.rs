@@ -1011,25 +1011,13 @@ mod queue_tests {
     fn rig() -> Rig {
         let vm = VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)));
         let host = HostBudget::new(backlog::DEFAULT_HOST_BYTES);
-        let port = Arc::new(VmPort {
-            index: 0,
-            spec: VmSpec {
-                socket: "/nonexistent/a.sock".into(),
-                vm: vm.clone(),
-                incoming: false,
-                iface: None,
-            },
-            current: Mutex::new(None),
-            rx: Mutex::new(RxBacklog::new(backlog::DEFAULT_VM_BYTES, host)),
-            rx_wake: EventFd::new(EFD_NONBLOCK).unwrap(),
-            counters: DevCounters::default(),
-            session: Mutex::new(None),
-            restored: AtomicBool::new(false),
-            awaiting: AtomicBool::new(false),
-            migrated_out: Mutex::new(None),
-            tx_resume: Mutex::new(None),
-            span: tracing::Span::none(),
-        });
+        let spec = VmSpec {
+            socket: "/nonexistent/a.sock".into(),
+            vm: vm.clone(),
+            incoming: false,
+            iface: None,
+        };
+        let port = Arc::new(VmPort::new(0, spec, backlog::DEFAULT_VM_BYTES, host).unwrap());
         let sent = Sent::default();
         let cfg = MuxConfig {
             seed: 1,

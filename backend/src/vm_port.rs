@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use vhost_user_backend::ShutdownHandle;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::backlog::RxBacklog;
+use crate::backlog::{HostBudget, RxBacklog};
 use crate::config::VmSpec;
 use crate::mux::VmId;
 use crate::rx::RxMsg;
@@ -55,6 +55,31 @@ pub struct VmPort {
 }
 
 impl VmPort {
+    /// VM `index` of the configuration, with no session yet: its rx backlog holds up to
+    /// `rx_bytes` of the host's `host` budget; an `incoming` VM awaits its migration.
+    pub(crate) fn new(
+        index: usize,
+        spec: VmSpec,
+        rx_bytes: usize,
+        host: std::sync::Arc<HostBudget>,
+    ) -> std::io::Result<VmPort> {
+        let span = tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid);
+        Ok(VmPort {
+            index,
+            current: Mutex::new(None),
+            rx: Mutex::new(RxBacklog::new(rx_bytes, host)),
+            rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
+            counters: DevCounters::default(),
+            session: Mutex::new(None),
+            restored: AtomicBool::new(false),
+            tx_resume: Mutex::new(None),
+            awaiting: AtomicBool::new(spec.incoming),
+            migrated_out: Mutex::new(None),
+            span,
+            spec,
+        })
+    }
+
     /// The mux's ID of the VM's current session.
     pub(crate) fn current_vm(&self) -> Option<VmId> {
         *lock(&self.current)
@@ -82,27 +107,13 @@ impl VmPort {
         let _ = self.rx_wake.write(1);
     }
 
-    /// A VM port without a session, for the wire ports' tests.
+    /// A VM port without a session and the default budgets, for tests.
     #[cfg(test)]
     pub(crate) fn for_test(index: usize, spec: VmSpec) -> std::sync::Arc<VmPort> {
-        use crate::backlog::{DEFAULT_HOST_BYTES, DEFAULT_VM_BYTES, HostBudget};
-        std::sync::Arc::new(VmPort {
-            index,
-            spec,
-            current: Mutex::new(None),
-            rx: Mutex::new(RxBacklog::new(
-                DEFAULT_VM_BYTES,
-                HostBudget::new(DEFAULT_HOST_BYTES),
-            )),
-            rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
-                .expect("eventfd for a test VM port"),
-            counters: DevCounters::default(),
-            session: Mutex::new(None),
-            restored: AtomicBool::new(false),
-            tx_resume: Mutex::new(None),
-            awaiting: AtomicBool::new(false),
-            migrated_out: Mutex::new(None),
-            span: tracing::Span::none(),
-        })
+        use crate::backlog::{DEFAULT_HOST_BYTES, DEFAULT_VM_BYTES};
+        let host = HostBudget::new(DEFAULT_HOST_BYTES);
+        std::sync::Arc::new(
+            VmPort::new(index, spec, DEFAULT_VM_BYTES, host).expect("eventfd for a test VM port"),
+        )
     }
 }
