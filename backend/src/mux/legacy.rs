@@ -77,7 +77,7 @@ impl Policy {
     /// The mux's state can be journaled and restored (`--state-dir`), moved with a VM
     /// (migration) and given per-VM ID ranges. mlx4's entries carry no deadlines that
     /// a restored or migrated table could be rebuilt from.
-    pub fn transfers_state(self) -> bool {
+    pub(crate) fn transfers_state(self) -> bool {
         self == Policy::Default
     }
 }
