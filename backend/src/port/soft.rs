@@ -597,15 +597,12 @@ pub struct RawRx {
     fd: OwnedFd,
 }
 
-/// The raw socket's receive buffer for `vms` addresses: 2 MiB per address, 16 MiB at
-/// least, 512 MiB at most. One socket takes every VM's frames, so it needs the room
-/// the per-VM sockets of udp mode would have together: a teardown of 65,536
-/// connections per host brings bursts of tens of thousands of frames while the host
-/// loop is busy routing. The kernel charges only what is queued.
-pub fn raw_rcvbuf(vms: usize) -> libc::c_int {
-    let bytes = vms.saturating_mul(2 << 20).clamp(16 << 20, 512 << 20);
-    libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX)
-}
+/// The raw socket's receive buffer (the kernel doubles it for its bookkeeping). Not
+/// larger: a deeper queue turns a burst the host loop cannot keep up with into delay
+/// past the CM's timeouts instead of loss, and every late request is retried (at
+/// 65,536 connections per host in the lab, 256 MiB lost no frame but drew ten times the
+/// DREQ retries of 16 MiB).
+const RAW_RCVBUF: libc::c_int = 16 << 20;
 
 impl RawRx {
     /// Opens the raw socket for datagrams to `port` at `addrs`. Fails with
@@ -624,9 +621,8 @@ impl RawRx {
         let raw = fd.as_raw_fd();
         // Best effort: a large buffer absorbs bursts. FORCE (root/CAP_NET_ADMIN)
         // passes net.core.rmem_max; the plain option is capped by it.
-        let buf = raw_rcvbuf(addrs.len());
-        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, buf).is_err() {
-            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, buf);
+        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RAW_RCVBUF).is_err() {
+            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, RAW_RCVBUF);
         }
         // Raw sockets never send here: a zero-length send buffer is not possible, but
         // nothing is ever written.
