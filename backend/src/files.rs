@@ -28,11 +28,10 @@ pub(crate) fn owner_only() -> OpenOptions {
 /// has the asked permissions, whatever the umask.
 pub(crate) fn bind_socket(path: &Path, access: &SocketAccess) -> io::Result<UnixListener> {
     static SEQ: AtomicU32 = AtomicU32::new(0);
-    let name = path
-        .file_name()
-        .map_or_else(|| "socket".into(), |n| n.to_string_lossy().into_owned());
+    // A short name: a Unix socket's path is limited to 107 bytes, and the temporary one
+    // should be no longer than the socket's own.
     let dir = path.with_file_name(format!(
-        ".{name}.{}.{}.d",
+        ".{:x}.{:x}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));
