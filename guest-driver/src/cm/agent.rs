@@ -18,7 +18,7 @@ use super::config::{AgentConfig, cm_ack_timeout};
 use super::counters::{CmCounters, DropReason, Drops, Group};
 use super::event::{CmId, Event, State};
 use super::ids::{CommIds, QpnPool, SplitMix64};
-use super::pacing::{Pace, PacingCounters, Window};
+use super::pacing::{Pace, Pacer, PacingCounters, WindowInfo};
 use super::qp_attr::{PathAv, QpParams};
 use crate::time::Time;
 
@@ -178,10 +178,7 @@ pub struct Agent {
     pub(crate) drops: Drops,
     pub(crate) connections: usize,
     /// Per-destination request windows (see `pacing.rs`).
-    pub(crate) windows: FastMap<Gid, Window>,
-    /// Destinations whose window freed a slot since the last flush.
-    pub(crate) pace_dirty: Vec<Gid>,
-    pub(crate) pace_counters: PacingCounters,
+    pacer: Pacer,
 }
 
 /// Connections an agent makes room for when it starts (fewer if its quota is smaller):
@@ -202,6 +199,7 @@ impl Agent {
             0 => PRESIZED_CONNECTIONS,
             n => (n as usize).min(PRESIZED_CONNECTIONS),
         };
+        let cfg_pacing = cfg.pacing;
         let mut comm_ids = CommIds::new(operand);
         comm_ids.reserve(cap);
         qpns.reserve(cap);
@@ -225,9 +223,7 @@ impl Agent {
             counters: CmCounters::default(),
             drops: Drops::default(),
             connections: 0,
-            windows: FastMap::default(),
-            pace_dirty: Vec::new(),
-            pace_counters: PacingCounters::default(),
+            pacer: Pacer::new(cfg_pacing),
         }
     }
 
@@ -311,7 +307,7 @@ impl Agent {
             && self.sidr_rcvd.is_empty()
             && self.armed == 0
             && self.outbox.is_empty()
-            && self.windows.is_empty()
+            && self.pacer.is_idle()
     }
 
     /// How many remembered connections are in each state.
@@ -506,6 +502,76 @@ impl Agent {
         if !self.pace_queued(slot) {
             self.arm(slot, now.after_ms(wait));
         }
+    }
+
+    // ----------------------------------------------------------------- pacing
+
+    /// The pacing counters.
+    pub fn pacing(&self) -> PacingCounters {
+        self.pacer.counters()
+    }
+
+    /// The window of one destination (`None`: nothing outstanding or queued there).
+    pub fn window(&self, dst: Gid) -> Option<WindowInfo> {
+        self.pacer.window(dst)
+    }
+
+    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window:
+    /// at once if a slot is free and nobody waits (true), else queued (false; the
+    /// caller must not arm its timer: the send does).
+    pub(crate) fn send_request(&mut self, slot: u32, dst: Gid, mad: [u8; MAD_LEN]) -> bool {
+        let pace = &mut self.conns[slot as usize].pace;
+        let now = self.pacer.admit(pace, slot, dst, mad);
+        if now {
+            self.push(dst, mad, false);
+        }
+        now
+    }
+
+    /// True if the connection's request waits in a queue (its timers must not run).
+    pub(crate) fn pace_queued(&self, slot: u32) -> bool {
+        self.conns[slot as usize].pace == Pace::Queued
+    }
+
+    /// The peer answered the connection's request (see [`Pacer::answered`]).
+    pub(crate) fn pace_answered(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.answered(&mut c.pace, slot, c.remote_gid);
+    }
+
+    /// The connection no longer needs its request (see [`Pacer::release`]).
+    pub(crate) fn pace_release(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.release(&mut c.pace, slot, c.remote_gid);
+    }
+
+    /// The connection's request timed out and is about to be retried (see
+    /// [`Pacer::timeout`]).
+    fn pace_timeout(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.timeout(&mut c.pace, c.remote_gid);
+    }
+
+    /// Sends what the freed slots allow, in queue order, arming each sent connection's
+    /// timer from `now`. Run at the end of every agent call.
+    pub(crate) fn pace_flush(&mut self, now: Time) {
+        for r in self.pacer.ready() {
+            self.conns[r.slot as usize].pace = r.pace;
+            self.push(r.dst, r.mad, false);
+            self.arm_after_send(r.slot, now);
+        }
+    }
+
+    /// Arms the timer a request's connection runs once the request is on its way.
+    fn arm_after_send(&mut self, slot: u32, now: Time) {
+        let c = &self.conns[slot as usize];
+        let wait = match c.state {
+            State::ReqSent | State::DreqSent => c.timeout_ms,
+            // A destroyed connection's one DREQ: its TimeWait starts now.
+            State::Timewait => linux_ms(c.av_timeout),
+            _ => return,
+        };
+        self.arm(slot, now.after_ms(wait));
     }
 
     // ----------------------------------------------------------------- timers

@@ -1,6 +1,9 @@
 //! Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
 //! window of requests sent and not yet answered, per destination GID, with the rest
-//! queued in order. See [`Pacing`] for the policy.
+//! queued in order. [`Pacing`] is the policy, [`Pacer`] the windows, queues and
+//! counters; the agent tells the pacer what happened to a connection's request and the
+//! pacer says what may go on the wire. The pacer knows connections only by their slot
+//! and the [`Pace`] the agent keeps for each, and never touches the agent.
 //!
 //! - A request takes a slot of its destination's window when it is first sent, and gives
 //!   it back when it is answered (REQ: REP, REJ or MRA; DREQ: DREP, REJ, or the peer's
@@ -24,14 +27,79 @@ use std::collections::VecDeque;
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
-use pvcm_wire::timeout::linux_ms;
 
-use super::agent::Agent;
-use super::config::Pacing;
-use super::event::State;
-use crate::time::Time;
+use super::FastMap;
 
-/// Where a connection's paced request stands.
+/// The window a destination starts with, by default.
+pub const DEFAULT_INITIAL_WINDOW: u32 = 32;
+/// The most requests outstanding per destination, by default.
+pub const DEFAULT_MAX_WINDOW: u32 = 1024;
+/// The window never shrinks below this (or below the ceiling, if that is smaller).
+pub const MIN_WINDOW: u32 = 4;
+
+/// Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
+/// window of requests sent and not yet answered, so a burst of connects or disconnects
+/// never overruns the peer's QP1 receive queue (a Linux peer keeps at most ~128 MAD sends
+/// outstanding itself, and rdma_rxe's QP1 receive queue holds 512).
+///
+/// The window starts at `initial_window`, grows by one per answer up to `slow_start`
+/// (slow start: it doubles per round trip), then by one per window's worth of answers
+/// (additive increase), never beyond `max_window`. A request's timeout halves it (once
+/// per window: timeouts of requests sent before the last decrease do not count again),
+/// never below `min_window`. Requests beyond the window wait in order, their timers not
+/// running.
+///
+/// [`Pacing::new`] derives a consistent policy from the two numbers an operator sets;
+/// the fields stay public for tests that need an unusual one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// The window a destination starts with.
+    pub initial_window: u32,
+    /// The window never shrinks below this.
+    pub min_window: u32,
+    /// The window never grows beyond this.
+    pub max_window: u32,
+    /// Slow-start threshold a destination starts with (later: half the window at the
+    /// last timeout).
+    pub slow_start: u32,
+}
+
+impl Pacing {
+    /// The policy for a ceiling of `max_window` requests outstanding per destination
+    /// (default [`DEFAULT_MAX_WINDOW`]; `Some(0)`: no pacing, `None` returned) and a
+    /// start of `initial_window` (default [`DEFAULT_INITIAL_WINDOW`]). Slow start runs
+    /// up to the ceiling; the start and the floor ([`MIN_WINDOW`]) are cut to the
+    /// ceiling, and the start is at least the floor.
+    pub fn new(max_window: Option<u32>, initial_window: Option<u32>) -> Option<Pacing> {
+        let max = max_window.unwrap_or(DEFAULT_MAX_WINDOW);
+        if max == 0 {
+            return None;
+        }
+        let min = MIN_WINDOW.min(max);
+        Some(Pacing {
+            initial_window: initial_window
+                .unwrap_or(DEFAULT_INITIAL_WINDOW)
+                .clamp(min.max(1), max),
+            min_window: min,
+            max_window: max,
+            slow_start: max,
+        })
+    }
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Pacing {
+            initial_window: DEFAULT_INITIAL_WINDOW,
+            min_window: MIN_WINDOW,
+            max_window: DEFAULT_MAX_WINDOW,
+            slow_start: DEFAULT_MAX_WINDOW,
+        }
+    }
+}
+
+/// Where a connection's paced request stands (kept by the agent per connection, changed
+/// only by the [`Pacer`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Pace {
     /// No paced request (none started, or it was answered).
@@ -46,14 +114,27 @@ pub(crate) enum Pace {
 
 /// A request waiting for a slot.
 #[derive(Debug, Clone)]
-pub(crate) struct Queued {
+struct Queued {
     slot: u32,
     mad: [u8; MAD_LEN],
 }
 
+/// A queued request the window lets go now: the agent sends it and starts its timer.
+#[derive(Debug, Clone)]
+pub(crate) struct Ready {
+    /// The connection's slot.
+    pub slot: u32,
+    /// The destination.
+    pub dst: Gid,
+    /// The request, as it was queued.
+    pub mad: [u8; MAD_LEN],
+    /// The connection's pace from now on.
+    pub pace: Pace,
+}
+
 /// One destination's window.
 #[derive(Debug, Clone)]
-pub(crate) struct Window {
+struct Window {
     cwnd: u32,
     ssthresh: u32,
     /// Answers counted towards the next additive increase.
@@ -155,10 +236,30 @@ impl PacingCounters {
     }
 }
 
-impl Agent {
-    /// The pacing counters.
-    pub fn pacing(&self) -> PacingCounters {
-        let mut c = self.pace_counters;
+/// The windows of every destination, their queues and the counters (see the module
+/// docs). With no policy every request goes out at once and nothing is counted.
+#[derive(Debug)]
+pub(crate) struct Pacer {
+    policy: Option<Pacing>,
+    windows: FastMap<Gid, Window>,
+    /// Destinations whose window freed a slot since the last [`Pacer::ready`].
+    dirty: Vec<Gid>,
+    counters: PacingCounters,
+}
+
+impl Pacer {
+    pub(crate) fn new(policy: Option<Pacing>) -> Pacer {
+        Pacer {
+            policy,
+            windows: FastMap::default(),
+            dirty: Vec::new(),
+            counters: PacingCounters::default(),
+        }
+    }
+
+    /// The counters, with the current outstanding, queued and destinations.
+    pub(crate) fn counters(&self) -> PacingCounters {
+        let mut c = self.counters;
         c.outstanding = self
             .windows
             .values()
@@ -170,7 +271,7 @@ impl Agent {
     }
 
     /// The window of one destination (`None`: nothing outstanding or queued there).
-    pub fn window(&self, dst: Gid) -> Option<WindowInfo> {
+    pub(crate) fn window(&self, dst: Gid) -> Option<WindowInfo> {
         self.windows.get(&dst).map(|w| WindowInfo {
             window: w.cwnd,
             outstanding: w.outstanding,
@@ -178,50 +279,51 @@ impl Agent {
         })
     }
 
-    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window:
-    /// at once if a slot is free and nobody waits (true), else queued (false; the
-    /// caller must not arm its timer: the send does).
-    pub(crate) fn send_request(&mut self, slot: u32, dst: Gid, mad: [u8; MAD_LEN]) -> bool {
-        let Some(p) = self.cfg.pacing else {
-            self.push(dst, mad, false);
+    /// No destination has anything outstanding or queued.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.windows.is_empty()
+    }
+
+    /// A connection starts a request (REQ, DREQ) to `dst`: true if it may go now (a
+    /// slot was free and nobody waits; it holds the slot), false if it was queued with
+    /// its MAD (its timer must not run: [`Pacer::ready`] hands it back when it may go).
+    pub(crate) fn admit(
+        &mut self,
+        pace: &mut Pace,
+        slot: u32,
+        dst: Gid,
+        mad: [u8; MAD_LEN],
+    ) -> bool {
+        let Some(p) = self.policy else {
             return true;
         };
         let w = self.windows.entry(dst).or_insert_with(|| Window::new(&p));
-        let c = &mut self.pace_counters;
+        let c = &mut self.counters;
         c.saw_window(w.cwnd);
         if w.queue.is_empty() && w.outstanding < w.cwnd {
             w.outstanding += 1;
             c.sent += 1;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
-            let epoch = w.epoch;
-            self.conns[slot as usize].pace = Pace::Outstanding { epoch };
-            self.push(dst, mad, false);
+            *pace = Pace::Outstanding { epoch: w.epoch };
             true
         } else {
             w.queue.push_back(Queued { slot, mad });
             c.waited += 1;
             c.max_queued = c.max_queued.max(w.queue.len() as u64);
-            self.conns[slot as usize].pace = Pace::Queued;
+            *pace = Pace::Queued;
             false
         }
     }
 
-    /// True if the connection's request waits in a queue (its timers must not run).
-    pub(crate) fn pace_queued(&self, slot: u32) -> bool {
-        self.conns[slot as usize].pace == Pace::Queued
-    }
-
     /// The peer answered the connection's request: its slot is free and the window
     /// grows. A request still queued is withdrawn (the answer made it moot).
-    pub(crate) fn pace_answered(&mut self, slot: u32) {
-        let c = &mut self.conns[slot as usize];
-        let (pace, dst) = (c.pace, c.remote_gid);
-        match pace {
+    pub(crate) fn answered(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
+        match *pace {
             Pace::Idle => {}
-            Pace::Queued => self.pace_release(slot),
+            Pace::Queued => self.release(pace, slot, dst),
             Pace::Outstanding { .. } => {
-                c.pace = Pace::Idle;
-                let Some(p) = self.cfg.pacing else { return };
+                *pace = Pace::Idle;
+                let Some(p) = self.policy else { return };
                 let Some(w) = self.windows.get_mut(&dst) else {
                     return;
                 };
@@ -236,43 +338,39 @@ impl Agent {
                     }
                 }
                 w.cwnd = w.cwnd.min(p.max_window.max(1));
-                self.pace_counters.answered += 1;
-                self.pace_counters.saw_window(w.cwnd);
-                self.pace_dirty.push(dst);
+                self.counters.answered += 1;
+                self.counters.saw_window(w.cwnd);
+                self.dirty.push(dst);
             }
         }
     }
 
     /// The connection no longer needs its request: an outstanding one frees its slot
     /// (no growth), a queued one leaves the queue unsent (counted as cancelled).
-    pub(crate) fn pace_release(&mut self, slot: u32) {
-        let c = &mut self.conns[slot as usize];
-        let (pace, dst) = (c.pace, c.remote_gid);
-        c.pace = Pace::Idle;
+    pub(crate) fn release(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
+        let was = std::mem::take(pace);
         let Some(w) = self.windows.get_mut(&dst) else {
             return;
         };
-        match pace {
+        match was {
             Pace::Idle => return,
             Pace::Queued => {
                 let before = w.queue.len();
                 w.queue.retain(|q| q.slot != slot);
-                self.pace_counters.cancelled += (before - w.queue.len()) as u64;
+                self.counters.cancelled += (before - w.queue.len()) as u64;
             }
             Pace::Outstanding { .. } => w.outstanding = w.outstanding.saturating_sub(1),
         }
-        self.pace_dirty.push(dst);
+        self.dirty.push(dst);
     }
 
     /// The connection's request timed out and is about to be retried: the first such
     /// timeout of a window halves it. The retry counts as sent now.
-    pub(crate) fn pace_timeout(&mut self, slot: u32) {
-        let c = &self.conns[slot as usize];
-        let Pace::Outstanding { epoch } = c.pace else {
+    pub(crate) fn timeout(&mut self, pace: &mut Pace, dst: Gid) {
+        let Pace::Outstanding { epoch } = *pace else {
             return;
         };
-        let dst = c.remote_gid;
-        let (Some(p), Some(w)) = (self.cfg.pacing, self.windows.get_mut(&dst)) else {
+        let (Some(p), Some(w)) = (self.policy, self.windows.get_mut(&dst)) else {
             return;
         };
         if epoch == w.epoch {
@@ -280,49 +378,56 @@ impl Agent {
             w.cwnd = w.ssthresh;
             w.acc = 0;
             w.epoch = w.epoch.wrapping_add(1);
-            self.pace_counters.decreases += 1;
-            self.pace_counters.saw_window(w.cwnd);
+            self.counters.decreases += 1;
+            self.counters.saw_window(w.cwnd);
         }
-        let epoch = w.epoch;
-        self.conns[slot as usize].pace = Pace::Outstanding { epoch };
+        *pace = Pace::Outstanding { epoch: w.epoch };
     }
 
-    /// Sends what the freed slots allow, in queue order, arming each sent connection's
-    /// timer from `now`; forgets idle destinations. Run at the end of every agent call.
-    pub(crate) fn pace_flush(&mut self, now: Time) {
-        while let Some(dst) = self.pace_dirty.pop() {
+    /// The queued requests the freed slots let go now, in queue order per destination,
+    /// each holding its slot already; forgets idle destinations.
+    pub(crate) fn ready(&mut self) -> Vec<Ready> {
+        let mut out = Vec::new();
+        while let Some(dst) = self.dirty.pop() {
             let Some(w) = self.windows.get_mut(&dst) else {
                 continue;
             };
-            let mut sent = Vec::new();
+            let before = out.len();
             while w.outstanding < w.cwnd {
                 let Some(q) = w.queue.pop_front() else { break };
                 w.outstanding += 1;
-                sent.push((q.slot, q.mad, w.epoch));
+                out.push(Ready {
+                    slot: q.slot,
+                    dst,
+                    mad: q.mad,
+                    pace: Pace::Outstanding { epoch: w.epoch },
+                });
             }
-            let c = &mut self.pace_counters;
-            c.sent += sent.len() as u64;
+            let c = &mut self.counters;
+            c.sent += (out.len() - before) as u64;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
             if w.idle() {
                 self.windows.remove(&dst);
             }
-            for (slot, mad, epoch) in sent {
-                self.conns[slot as usize].pace = Pace::Outstanding { epoch };
-                self.push(dst, mad, false);
-                self.arm_after_send(slot, now);
-            }
         }
+        out
     }
+}
 
-    /// Arms the timer a request's connection runs once the request is on its way.
-    fn arm_after_send(&mut self, slot: u32, now: Time) {
-        let c = &self.conns[slot as usize];
-        let wait = match c.state {
-            State::ReqSent | State::DreqSent => c.timeout_ms,
-            // A destroyed connection's one DREQ: its TimeWait starts now.
-            State::Timewait => linux_ms(c.av_timeout),
-            _ => return,
-        };
-        self.arm(slot, now.after_ms(wait));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_constructor_derives_the_default_and_cuts_to_the_ceiling() {
+        assert_eq!(Pacing::new(None, None), Some(Pacing::default()));
+        assert_eq!(Pacing::new(Some(0), Some(8)), None);
+        let p = Pacing::new(Some(2), None).unwrap_or_default();
+        assert_eq!(
+            (p.initial_window, p.min_window, p.max_window, p.slow_start),
+            (2, 2, 2, 2)
+        );
+        let p = Pacing::new(Some(256), Some(1)).unwrap_or_default();
+        assert_eq!((p.initial_window, p.min_window, p.slow_start), (4, 4, 256));
     }
 }
