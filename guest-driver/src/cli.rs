@@ -581,7 +581,7 @@ pub(crate) fn pacing_json(p: &PacingCounters) -> Value {
     json!({
         "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
         "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
-        "decreases": p.decreases, "max_outstanding": p.max_outstanding,
+        "decreases": p.decreases, "opened": p.opened, "max_outstanding": p.max_outstanding,
         "max_queued": p.max_queued, "min_window": p.min_window, "max_window": p.max_window,
     })
 }

@@ -18,7 +18,7 @@ use super::config::{AgentConfig, cm_ack_timeout};
 use super::counters::{CmCounters, DropReason, Drops, Group};
 use super::event::{CmId, Event, State};
 use super::ids::{CommIds, QpnPool, SplitMix64};
-use super::pacing::{Pace, Pacer, PacingCounters, WindowInfo};
+use super::pacing::{Pace, Pacer, PacingCounters, Request, WindowInfo};
 use super::qp_attr::{PathAv, QpParams};
 use crate::time::Time;
 
@@ -511,17 +511,23 @@ impl Agent {
         self.pacer.counters()
     }
 
-    /// The window of one destination (`None`: nothing outstanding or queued there).
-    pub fn window(&self, dst: Gid) -> Option<WindowInfo> {
-        self.pacer.window(dst)
+    /// One of a destination's windows (`None`: nothing outstanding or queued there).
+    pub fn window(&self, dst: Gid, kind: Request) -> Option<WindowInfo> {
+        self.pacer.window(dst, kind)
     }
 
-    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window:
-    /// at once if a slot is free and nobody waits (true), else queued (false; the
-    /// caller must not arm its timer: the send does).
-    pub(crate) fn send_request(&mut self, slot: u32, dst: Gid, mad: [u8; MAD_LEN]) -> bool {
+    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window
+    /// for that kind: at once if a slot is free and nobody waits (true), else queued
+    /// (false; the caller must not arm its timer: the send does).
+    pub(crate) fn send_request(
+        &mut self,
+        slot: u32,
+        dst: Gid,
+        kind: Request,
+        mad: [u8; MAD_LEN],
+    ) -> bool {
         let pace = &mut self.conns[slot as usize].pace;
-        let now = self.pacer.admit(pace, slot, dst, mad);
+        let now = self.pacer.admit(pace, slot, dst, kind, mad);
         if now {
             self.push(dst, mad, false);
         }
@@ -530,7 +536,7 @@ impl Agent {
 
     /// True if the connection's request waits in a queue (its timers must not run).
     pub(crate) fn pace_queued(&self, slot: u32) -> bool {
-        self.conns[slot as usize].pace == Pace::Queued
+        matches!(self.conns[slot as usize].pace, Pace::Queued(_))
     }
 
     /// The peer answered the connection's request (see [`Pacer::answered`]).
@@ -545,7 +551,7 @@ impl Agent {
         self.pacer.release(&mut c.pace, slot, c.remote_gid);
     }
 
-    /// The connection's request timed out and is about to be retried (see
+    /// The connection's request timed out, to be retried or given up (see
     /// [`Pacer::timeout`]).
     fn pace_timeout(&mut self, slot: u32) {
         let c = &mut self.conns[slot as usize];
@@ -691,6 +697,7 @@ impl Agent {
                     self.arm(slot, now.after_ms(t));
                     return;
                 }
+                self.pace_timeout(slot);
                 self.pace_release(slot);
                 let id = self.id_of(slot);
                 if state == State::DreqSent {
@@ -860,11 +867,11 @@ impl Agent {
             c.retries_left = c.max_retries;
             c.state = State::DreqSent;
             let t = c.timeout_ms;
-            if self.send_request(slot, dst, mad) {
+            if self.send_request(slot, dst, Request::Disconnect, mad) {
                 self.arm(slot, now.after_ms(t));
             }
         } else {
-            self.send_request(slot, dst, mad);
+            self.send_request(slot, dst, Request::Disconnect, mad);
         }
     }
 

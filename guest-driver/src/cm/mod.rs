@@ -87,7 +87,8 @@ pub use counters::{CmCounters, DropReason, Drops, Group, MESSAGES};
 pub use event::{CmError, CmId, Event, State};
 pub use ids::{CommIds, QpnPool, SplitMix64};
 pub use pacing::{
-    DEFAULT_INITIAL_WINDOW, DEFAULT_MAX_WINDOW, MIN_WINDOW, Pacing, PacingCounters, WindowInfo,
+    DEFAULT_INITIAL_WINDOW, DEFAULT_MAX_WINDOW, MIN_WINDOW, Pacing, PacingCounters, Request,
+    WindowInfo,
 };
 pub use pvcm_wire::cm::{RejReason, SidrStatus};
 pub use qp_attr::{QpAttr, QpParams, QpState};

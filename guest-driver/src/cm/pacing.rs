@@ -98,6 +98,18 @@ impl Default for Pacing {
     }
 }
 
+/// Which of a destination's two windows a request goes through. Connects and
+/// disconnects are paced apart, as Linux never delays one for the other: a DREQ a Linux
+/// peer leaves unanswered until its application disconnects (minutes, maybe) must not
+/// hold up connects, nor a connect burst a disconnect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Request {
+    /// REQ.
+    Connect,
+    /// DREQ.
+    Disconnect,
+}
+
 /// Where a connection's paced request stands (kept by the agent per connection, changed
 /// only by the [`Pacer`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -106,12 +118,18 @@ pub(crate) enum Pace {
     #[default]
     Idle,
     /// Waiting in its destination's queue, not sent yet.
-    Queued,
+    Queued(Request),
     /// Sent, holding a slot of its destination's window; `epoch` is the window's epoch
-    /// when it was (last) sent.
-    Outstanding { epoch: u32 },
+    /// and `heard` its count of answers when it was sent.
+    Outstanding {
+        kind: Request,
+        epoch: u32,
+        heard: u32,
+    },
+    /// Timed out: its slot is free and its retries go out unpaced; an answer still
+    /// tells the window its destination lives.
+    Retrying(Request),
 }
-
 /// A request waiting for a slot.
 #[derive(Debug, Clone)]
 struct Queued {
@@ -140,22 +158,40 @@ struct Window {
     /// Answers counted towards the next additive increase.
     acc: u32,
     outstanding: u32,
-    /// Bumped by every decrease.
+    /// Bumped by every decrease, and when the window opens or starts again.
     epoch: u32,
+    /// Answers heard (also to requests that had timed out): a request that times out
+    /// with this count unchanged since it was sent met a silent destination.
+    heard: u32,
+    /// Opened to the ceiling because the destination answered nothing at all.
+    open: bool,
     queue: VecDeque<Queued>,
 }
 
 impl Window {
     fn new(p: &Pacing) -> Window {
-        let max = p.max_window.max(1);
-        Window {
-            cwnd: p.initial_window.clamp(p.min_window.max(1), max),
-            ssthresh: p.slow_start.min(max),
+        let mut w = Window {
+            cwnd: 0,
+            ssthresh: 0,
             acc: 0,
             outstanding: 0,
             epoch: 0,
+            heard: 0,
+            open: false,
             queue: VecDeque::new(),
-        }
+        };
+        w.start(p);
+        w
+    }
+
+    /// The window a fresh destination has: `initial_window`, slow start to
+    /// `slow_start`.
+    fn start(&mut self, p: &Pacing) {
+        let max = p.max_window.max(1);
+        self.cwnd = p.initial_window.clamp(p.min_window.max(1), max);
+        self.ssthresh = p.slow_start.min(max);
+        self.acc = 0;
+        self.open = false;
     }
 
     fn idle(&self) -> bool {
@@ -191,8 +227,10 @@ pub struct PacingCounters {
     pub answered: u64,
     /// Queued requests withdrawn unsent because their connection no longer needed them.
     pub cancelled: u64,
-    /// Timeouts that halved a window.
+    /// Timeouts that halved a window (the destination answered others meanwhile).
     pub decreases: u64,
+    /// Timeouts that opened a window to its ceiling (the destination answered nothing).
+    pub opened: u64,
     /// Most requests one destination had outstanding at once.
     pub max_outstanding: u64,
     /// Most requests one destination had queued at once.
@@ -208,7 +246,7 @@ impl fmt::Display for PacingCounters {
         write!(
             f,
             "pacing outstanding {} queued {} sent {} waited {} answered {} cancelled {} \
-             decreases {} max_outstanding {} max_queued {} window min {} max {}",
+             decreases {} opened {} max_outstanding {} max_queued {} window min {} max {}",
             self.outstanding,
             self.queued,
             self.sent,
@@ -216,6 +254,7 @@ impl fmt::Display for PacingCounters {
             self.answered,
             self.cancelled,
             self.decreases,
+            self.opened,
             self.max_outstanding,
             self.max_queued,
             self.min_window,
@@ -241,9 +280,9 @@ impl PacingCounters {
 #[derive(Debug)]
 pub(crate) struct Pacer {
     policy: Option<Pacing>,
-    windows: FastMap<Gid, Window>,
-    /// Destinations whose window freed a slot since the last [`Pacer::ready`].
-    dirty: Vec<Gid>,
+    windows: FastMap<(Gid, Request), Window>,
+    /// Windows that freed a slot since the last [`Pacer::ready`].
+    dirty: Vec<(Gid, Request)>,
     counters: PacingCounters,
 }
 
@@ -270,9 +309,9 @@ impl Pacer {
         c
     }
 
-    /// The window of one destination (`None`: nothing outstanding or queued there).
-    pub(crate) fn window(&self, dst: Gid) -> Option<WindowInfo> {
-        self.windows.get(&dst).map(|w| WindowInfo {
+    /// One window of a destination (`None`: nothing outstanding or queued there).
+    pub(crate) fn window(&self, dst: Gid, kind: Request) -> Option<WindowInfo> {
+        self.windows.get(&(dst, kind)).map(|w| WindowInfo {
             window: w.cwnd,
             outstanding: w.outstanding,
             queued: w.queue.len() as u32,
@@ -284,96 +323,136 @@ impl Pacer {
         self.windows.is_empty()
     }
 
-    /// A connection starts a request (REQ, DREQ) to `dst`: true if it may go now (a
-    /// slot was free and nobody waits; it holds the slot), false if it was queued with
-    /// its MAD (its timer must not run: [`Pacer::ready`] hands it back when it may go).
+    /// A connection starts a request to `dst`: true if it may go now (a slot was free
+    /// and nobody waits; it holds the slot), false if it was queued with its MAD (its
+    /// timer must not run: [`Pacer::ready`] hands it back when it may go).
     pub(crate) fn admit(
         &mut self,
         pace: &mut Pace,
         slot: u32,
         dst: Gid,
+        kind: Request,
         mad: [u8; MAD_LEN],
     ) -> bool {
         let Some(p) = self.policy else {
             return true;
         };
-        let w = self.windows.entry(dst).or_insert_with(|| Window::new(&p));
+        let w = self
+            .windows
+            .entry((dst, kind))
+            .or_insert_with(|| Window::new(&p));
         let c = &mut self.counters;
         c.saw_window(w.cwnd);
         if w.queue.is_empty() && w.outstanding < w.cwnd {
             w.outstanding += 1;
             c.sent += 1;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
-            *pace = Pace::Outstanding { epoch: w.epoch };
+            *pace = Pace::Outstanding {
+                kind,
+                epoch: w.epoch,
+                heard: w.heard,
+            };
             true
         } else {
             w.queue.push_back(Queued { slot, mad });
             c.waited += 1;
             c.max_queued = c.max_queued.max(w.queue.len() as u64);
-            *pace = Pace::Queued;
+            *pace = Pace::Queued(kind);
             false
         }
     }
 
     /// The peer answered the connection's request: its slot is free and the window
-    /// grows. A request still queued is withdrawn (the answer made it moot).
+    /// grows; after a silence the window starts again from `initial_window` (the
+    /// destination is back, its queue's state unknown). A request still queued is
+    /// withdrawn (the answer made it moot).
     pub(crate) fn answered(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
-        match *pace {
-            Pace::Idle => {}
-            Pace::Queued => self.release(pace, slot, dst),
-            Pace::Outstanding { .. } => {
-                *pace = Pace::Idle;
-                let Some(p) = self.policy else { return };
-                let Some(w) = self.windows.get_mut(&dst) else {
-                    return;
-                };
-                w.outstanding = w.outstanding.saturating_sub(1);
-                if w.cwnd < w.ssthresh {
-                    w.cwnd += 1;
-                } else {
-                    w.acc += 1;
-                    if w.acc >= w.cwnd {
-                        w.acc = 0;
-                        w.cwnd += 1;
-                    }
-                }
-                w.cwnd = w.cwnd.min(p.max_window.max(1));
-                self.counters.answered += 1;
-                self.counters.saw_window(w.cwnd);
-                self.dirty.push(dst);
+        let (kind, held) = match *pace {
+            Pace::Idle => return,
+            Pace::Queued(_) => return self.release(pace, slot, dst),
+            Pace::Outstanding { kind, .. } => (kind, true),
+            Pace::Retrying(kind) => (kind, false),
+        };
+        *pace = Pace::Idle;
+        let Some(p) = self.policy else { return };
+        let Some(w) = self.windows.get_mut(&(dst, kind)) else {
+            return;
+        };
+        w.heard = w.heard.wrapping_add(1);
+        if w.open {
+            w.start(&p);
+            w.epoch = w.epoch.wrapping_add(1);
+            self.counters.saw_window(w.cwnd);
+        }
+        if !held {
+            return;
+        }
+        w.outstanding = w.outstanding.saturating_sub(1);
+        if w.cwnd < w.ssthresh {
+            w.cwnd += 1;
+        } else {
+            w.acc += 1;
+            if w.acc >= w.cwnd {
+                w.acc = 0;
+                w.cwnd += 1;
             }
         }
+        w.cwnd = w.cwnd.min(p.max_window.max(1));
+        self.counters.answered += 1;
+        self.counters.saw_window(w.cwnd);
+        self.dirty.push((dst, kind));
     }
 
     /// The connection no longer needs its request: an outstanding one frees its slot
     /// (no growth), a queued one leaves the queue unsent (counted as cancelled).
     pub(crate) fn release(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
         let was = std::mem::take(pace);
-        let Some(w) = self.windows.get_mut(&dst) else {
+        let kind = match was {
+            Pace::Idle | Pace::Retrying(_) => return,
+            Pace::Queued(kind) | Pace::Outstanding { kind, .. } => kind,
+        };
+        let Some(w) = self.windows.get_mut(&(dst, kind)) else {
             return;
         };
-        match was {
-            Pace::Idle => return,
-            Pace::Queued => {
-                let before = w.queue.len();
-                w.queue.retain(|q| q.slot != slot);
-                self.counters.cancelled += (before - w.queue.len()) as u64;
-            }
-            Pace::Outstanding { .. } => w.outstanding = w.outstanding.saturating_sub(1),
+        if let Pace::Queued(_) = was {
+            let before = w.queue.len();
+            w.queue.retain(|q| q.slot != slot);
+            self.counters.cancelled += (before - w.queue.len()) as u64;
+        } else {
+            w.outstanding = w.outstanding.saturating_sub(1);
         }
-        self.dirty.push(dst);
+        self.dirty.push((dst, kind));
     }
 
-    /// The connection's request timed out and is about to be retried: the first such
-    /// timeout of a window halves it. The retry counts as sent now.
+    /// The connection's request timed out (to be retried, or given up). It gives its
+    /// slot back: the destination had a whole response time to answer it, and its
+    /// retries go out unpaced, as Linux's. What the timeout says about the destination:
+    ///
+    /// - It answered other requests since this one was sent: it lives but lost this one
+    ///   (an overrun queue, or a lossy path). The first such timeout of a window halves
+    ///   it, never below `min_window`.
+    /// - It answered nothing since: it is silent (gone, or not there yet), and there is
+    ///   no queue a window could protect. The window opens to `max_window`, so a dead
+    ///   destination fails every waiting request within about one retry budget, as
+    ///   Linux, which sends them all at once. Its first answer starts the window again.
     pub(crate) fn timeout(&mut self, pace: &mut Pace, dst: Gid) {
-        let Pace::Outstanding { epoch } = *pace else {
+        let Pace::Outstanding { kind, epoch, heard } = *pace else {
             return;
         };
-        let (Some(p), Some(w)) = (self.policy, self.windows.get_mut(&dst)) else {
+        *pace = Pace::Retrying(kind);
+        let (Some(p), Some(w)) = (self.policy, self.windows.get_mut(&(dst, kind))) else {
             return;
         };
-        if epoch == w.epoch {
+        w.outstanding = w.outstanding.saturating_sub(1);
+        if heard == w.heard {
+            if !w.open {
+                w.open = true;
+                w.cwnd = p.max_window.max(1);
+                w.epoch = w.epoch.wrapping_add(1);
+                self.counters.opened += 1;
+                self.counters.saw_window(w.cwnd);
+            }
+        } else if epoch == w.epoch {
             w.ssthresh = (w.cwnd / 2).max(p.min_window.max(1));
             w.cwnd = w.ssthresh;
             w.acc = 0;
@@ -381,15 +460,15 @@ impl Pacer {
             self.counters.decreases += 1;
             self.counters.saw_window(w.cwnd);
         }
-        *pace = Pace::Outstanding { epoch: w.epoch };
+        self.dirty.push((dst, kind));
     }
 
-    /// The queued requests the freed slots let go now, in queue order per destination,
-    /// each holding its slot already; forgets idle destinations.
+    /// The queued requests the freed slots let go now, in queue order per window, each
+    /// holding its slot already; forgets idle windows.
     pub(crate) fn ready(&mut self) -> Vec<Ready> {
         let mut out = Vec::new();
-        while let Some(dst) = self.dirty.pop() {
-            let Some(w) = self.windows.get_mut(&dst) else {
+        while let Some(key) = self.dirty.pop() {
+            let Some(w) = self.windows.get_mut(&key) else {
                 continue;
             };
             let before = out.len();
@@ -398,16 +477,20 @@ impl Pacer {
                 w.outstanding += 1;
                 out.push(Ready {
                     slot: q.slot,
-                    dst,
+                    dst: key.0,
                     mad: q.mad,
-                    pace: Pace::Outstanding { epoch: w.epoch },
+                    pace: Pace::Outstanding {
+                        kind: key.1,
+                        epoch: w.epoch,
+                        heard: w.heard,
+                    },
                 });
             }
             let c = &mut self.counters;
             c.sent += (out.len() - before) as u64;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
             if w.idle() {
-                self.windows.remove(&dst);
+                self.windows.remove(&key);
             }
         }
         out
@@ -429,5 +512,34 @@ mod tests {
         );
         let p = Pacing::new(Some(256), Some(1)).unwrap_or_default();
         assert_eq!((p.initial_window, p.min_window, p.slow_start), (4, 4, 256));
+    }
+
+    /// Fills one destination's window, then the destination answers one request and
+    /// the rest time out, again and again: the window halves each time, never below the
+    /// floor, and never opens (the destination is not silent).
+    #[test]
+    fn timeouts_of_a_live_destination_halve_the_window_down_to_the_floor() {
+        let mut pacer = Pacer::new(Some(Pacing::default()));
+        let (dst, kind, mad) = (Gid::ZERO, Request::Connect, [0; MAD_LEN]);
+        // One request that stays outstanding keeps the window from being forgotten.
+        let mut keep = Pace::Idle;
+        assert!(pacer.admit(&mut keep, 999, dst, kind, mad));
+        let mut windows = Vec::new();
+        for _ in 0..8 {
+            let w = pacer.window(dst, kind).map_or(0, |w| w.window);
+            let mut paces = vec![Pace::Idle; w as usize - 1];
+            for (slot, pace) in paces.iter_mut().enumerate() {
+                assert!(pacer.admit(pace, slot as u32, dst, kind, mad));
+            }
+            pacer.answered(&mut paces[0], 0, dst);
+            for pace in &mut paces[1..] {
+                pacer.timeout(pace, dst);
+            }
+            assert!(pacer.ready().is_empty());
+            windows.push(pacer.window(dst, kind).map_or(0, |w| w.window));
+        }
+        assert_eq!(windows[..4], [16, 8, 4, 4], "{windows:?}");
+        assert_eq!(pacer.counters().opened, 0);
+        assert_eq!(pacer.counters().min_window, u64::from(MIN_WINDOW));
     }
 }
