@@ -819,6 +819,21 @@ impl Agent {
         c.state = next;
     }
 
+    /// A duplicate arrived while the application has not answered the REQ or REP yet
+    /// (`waiting`: REQ_RCVD or REP_RCVD) and `mra_delay` has not passed: rdma_cm is in
+    /// MRA_REQ_SENT / MRA_REP_SENT from the moment its handler returned, so the duplicate
+    /// is owed the MRA now, not dropped. Enters the MRA state early (the caller sends it).
+    fn mra_owed(&mut self, slot: u32, waiting: State) {
+        if self.cfg.mra_delay.is_none() || self.conns[slot as usize].state != waiting {
+            return;
+        }
+        self.disarm(slot);
+        match waiting {
+            State::ReqRcvd => self.delay_mra(slot, MsgResponse::Req, State::MraReqSent),
+            _ => self.delay_mra(slot, MsgResponse::Rep, State::MraRepSent),
+        }
+    }
+
     /// Answers a duplicate with the last answer (MRA, RTU, DREP) and this TID. A re-sent
     /// answer counts as a retry; a delayed MRA going out for the first time does not.
     fn resend_reply(&mut self, slot: u32, tid: u64) {
@@ -1007,6 +1022,7 @@ impl Agent {
         // reusing it is a new request, as in Linux.
         if let Some(&slot) = self.remote_ids.get(&(r.local_ca_guid, r.local_comm_id)) {
             self.dup(AttributeId::Req);
+            self.mra_owed(slot, State::ReqRcvd);
             if self.conns[slot as usize].state == State::MraReqSent {
                 self.resend_reply(slot, h.tid);
             }
@@ -1241,8 +1257,9 @@ impl Agent {
         if !fresh {
             if c.remote_id == r.local_comm_id && c.remote_ca_guid == r.local_ca_guid {
                 // Linux cm_dup_rep_handler.
-                let state = c.state;
                 self.dup(AttributeId::Rep);
+                self.mra_owed(slot, State::RepRcvd);
+                let state = self.conns[slot as usize].state;
                 if matches!(state, State::Established | State::MraRepSent) {
                     self.resend_reply(slot, h.tid);
                 }
