@@ -1395,6 +1395,14 @@ impl Agent {
             }
             State::Timewait => {
                 self.dup(AttributeId::Dreq);
+                // A destroyed connection's one DREQ still waiting for its window is
+                // answered by the peer's: withdrawn (it would draw a second DREP), and
+                // the TimeWait that waited for it starts now.
+                if self.pace_queued(slot) {
+                    self.pace_release(slot);
+                    let wait = linux_ms(self.conns[slot as usize].av_timeout);
+                    self.arm(slot, now.after_ms(wait));
+                }
                 let c = &self.conns[slot as usize];
                 if c.reply.is_some_and(|m| {
                     AttributeId::from_u16(mad::field::ATTR_ID.get(&m) as u16)
