@@ -842,3 +842,80 @@ fn a_dead_destination_fails_every_connect_as_fast_as_linux_and_the_window_recove
         15 * 1000
     );
 }
+
+#[test]
+fn a_queued_dreq_crossed_by_the_peers_dreq_is_withdrawn() {
+    // 40 connections torn down at once: 32 DREQs go, 8 wait. The peer's own DREQ for a
+    // waiting one answers it: that DREQ never goes out (it would draw a second DREP),
+    // whether the application disconnected (DREQ_SENT) or destroyed (TimeWait) it.
+    for destroy in [false, true] {
+        let mut a = agent();
+        let (ids, peer) = establish_many(&mut a, 40);
+        for id in &ids {
+            if destroy {
+                a.destroy(*id, ms(10)).unwrap();
+            } else {
+                a.disconnect(*id, ms(10)).unwrap();
+            }
+        }
+        let sent: Vec<_> = take(&mut a).iter().filter_map(as_dreq).collect();
+        assert_eq!(sent.len(), 32);
+        let local = *peer
+            .keys()
+            .find(|l| !sent.iter().any(|d| d.1 == **l))
+            .unwrap();
+        let (peer_id, qpn) = peer[&local];
+        a.handle_mad(&dreq_mad(0x77, peer_id, local, qpn), peer_gid(), ms(11));
+        let out = take(&mut a);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert!(matches!(parse(&out[0]).1, CmRepr::Drep(_)));
+        assert_eq!(a.pacing().cancelled, 1);
+        // The window frees (DREPs for the 32): the other 7 go, not the withdrawn one.
+        for (tid, l, remote) in &sent {
+            a.handle_mad(&drep_mad(*tid, *remote, *l), peer_gid(), ms(12));
+        }
+        let rest: Vec<_> = take(&mut a).iter().filter_map(as_dreq).collect();
+        assert_eq!(rest.len(), 7, "destroy {destroy}");
+        assert!(rest.iter().all(|d| d.1 != local));
+        for (tid, l, remote) in &rest {
+            a.handle_mad(&drep_mad(*tid, *remote, *l), peer_gid(), ms(13));
+        }
+        // Every TimeWait runs out, the withdrawn one's too.
+        a.poll(ms(10_000));
+        if destroy {
+            assert!(a.is_quiescent(), "{:?}", a.state_histogram());
+        } else {
+            assert_eq!(a.state_histogram(), vec![(State::Idle, 40)]);
+        }
+    }
+}
+
+#[test]
+fn a_dreq_for_a_stale_connection_is_not_paced() {
+    // A REQ from the peer naming the QPN of a connection we hold established: REJ
+    // (STALE_CONN) and a DREQ for the stale connection, both at once, as Linux sends
+    // them, even while a burst of disconnects fills the window.
+    let mut a = agent();
+    let (ids, peer) = establish_many(&mut a, 40);
+    for id in &ids[..39] {
+        a.disconnect(*id, ms(10)).unwrap();
+    }
+    assert_eq!(take(&mut a).iter().filter_map(as_dreq).count(), 32);
+    let stale = a.info(ids[39]).unwrap().local_comm_id;
+    let (_, qpn) = peer[&stale];
+    let peer_qpn = 0x40_0000 | (qpn & 0xFFFF);
+    a.handle_mad(
+        &req_mad(0x99, peer_req(0x7777, peer_qpn)),
+        peer_gid(),
+        ms(11),
+    );
+    let out = take(&mut a);
+    assert!(
+        matches!(parse(&out[0]).1, CmRepr::Rej(ref r) if r.reason == pvcm_wire::cm::RejReason::StaleConn),
+        "{out:?}"
+    );
+    let dreqs: Vec<_> = out.iter().filter_map(as_dreq).collect();
+    assert_eq!(dreqs.len(), 1, "{out:?}");
+    assert_eq!(dreqs[0].1, stale);
+    assert_eq!(a.state(ids[39]), Some(State::DreqSent));
+}

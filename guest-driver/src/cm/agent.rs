@@ -860,8 +860,21 @@ impl Agent {
     }
 
     /// Sends a DREQ from ESTABLISHED; `retried`: keep it for retries (DREQ_SENT),
-    /// else it goes once (destroy).
+    /// else it goes once (destroy). The application's disconnects are paced like REQs
+    /// (a burst must not overrun the peer either); the DREQ for a stale connection is
+    /// not ([`Agent::send_stale_dreq`]).
     pub(crate) fn send_dreq(&mut self, slot: u32, private_data: &[u8], retried: bool, now: Time) {
+        self.dreq(slot, private_data, retried, true, now);
+    }
+
+    /// The DREQ for a connection the peer has just called stale (its REQ or REP named
+    /// our connected QPN): sent at once with the REJ(STALE_CONN), as Linux sends both,
+    /// never behind a window of disconnects; one per stale connection, rare.
+    fn send_stale_dreq(&mut self, slot: u32, now: Time) {
+        self.dreq(slot, &[], true, false, now);
+    }
+
+    fn dreq(&mut self, slot: u32, private_data: &[u8], retried: bool, paced: bool, now: Time) {
         let c = &self.conns[slot as usize];
         let tid = self.form_tid(c.local_id);
         let r = CmRepr::Dreq(dreq::Repr {
@@ -871,7 +884,6 @@ impl Agent {
             private_data,
         });
         let dst = c.remote_gid;
-        // Paced like a REQ: a burst of disconnects must not overrun the peer either.
         let Some(mad) = self.encode(&Header::cm_send(AttributeId::Dreq, tid), &r) else {
             return;
         };
@@ -881,12 +893,16 @@ impl Agent {
             c.msg = Some(mad);
             c.retries_left = c.max_retries;
             c.state = State::DreqSent;
-            let t = c.timeout_ms;
-            if self.send_request(slot, dst, Request::Disconnect, mad) {
-                self.arm(slot, now.after_ms(t));
-            }
+        }
+        let sent = if paced {
+            self.send_request(slot, dst, Request::Disconnect, mad)
         } else {
-            self.send_request(slot, dst, Request::Disconnect, mad);
+            self.push(dst, mad, false);
+            true
+        };
+        if retried && sent {
+            let t = self.conns[slot as usize].timeout_ms;
+            self.arm(slot, now.after_ms(t));
         }
     }
 
@@ -1042,7 +1058,7 @@ impl Agent {
                 &[],
             );
             if self.conns[old as usize].state == State::Established {
-                self.send_dreq(old, &[], true, now);
+                self.send_stale_dreq(old, now);
             }
             return;
         }
@@ -1289,7 +1305,7 @@ impl Agent {
                 &[],
             );
             if self.conns[old as usize].state == State::Established {
-                self.send_dreq(old, &[], true, now);
+                self.send_stale_dreq(old, now);
             }
             return;
         }
