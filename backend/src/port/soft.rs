@@ -1234,6 +1234,18 @@ impl SoftPort {
 }
 
 impl crate::port::WirePort for SoftPort {
+    fn link(&self, vm: usize) -> crate::port::Link {
+        // rdma_cm takes a RoCE route's MTU from the network device the address is on.
+        let mtu = self.addrs.get(vm).and_then(|(_, a, _)| {
+            let iface = crate::port::iface_of(*a)?;
+            crate::port::iboe_mtu(crate::port::if_mtu(&iface)?)
+        });
+        crate::port::Link {
+            mtu,
+            ca_ack_delay: None,
+        }
+    }
+
     fn rx_mode(&self) -> String {
         if self.raw.is_some() {
             RxMode::Raw.name().to_string()
