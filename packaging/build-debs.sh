@@ -14,7 +14,8 @@ Builds two Debian packages from a release build of the workspace, with dpkg-deb:
       modules-load.d entry for cuse and uio_pci_generic; the hugepages sysctl; the udev
       rule giving the rdma_cm node mode 0666; man pages; docs/apps.md.
   pvcm-backend_VERSION_amd64.deb  the host's side: pvcm-backend, its systemd unit
-      reading /etc/pvcm/backend.conf (an example), a man page, the docs.
+      (Type=notify) reading /etc/pvcm/backend.toml, a full example config, a man page,
+      the docs.
 
 Options:
   --out DIR    where the packages go (default: target/debian)
@@ -77,15 +78,26 @@ manpage() {
         --version-string "$version" "$1" | gzip -9n >"$4"
 }
 
-# copyright DEST: the license statement for /usr/share/doc/PKG/copyright.
+# copyright DEST: the license statement for /usr/share/doc/PKG/copyright, with the
+# BSD text (LICENSE-BSD-3-Clause) and Debian's copy of the Apache license.
 copyright() {
-    cat >"$1" <<EOF
+    {
+        cat <<EOF
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
 Upstream-Name: pvcm
 
 Files: *
-License: Apache-2.0 OR BSD-3-Clause
+Copyright: the pvcm developers
+License: Apache-2.0 or BSD-3-Clause
+
+License: Apache-2.0
+ On Debian systems, the full text of the Apache License 2.0 is in
+ /usr/share/common-licenses/Apache-2.0 (also LICENSE-APACHE in the source).
+
+License: BSD-3-Clause
 EOF
+        sed -e 's/^$/./' -e 's/^/ /' "$repo/LICENSE-BSD-3-Clause"
+    } >"$1"
 }
 
 # deb PKGROOT: builds the package rooted at PKGROOT into $out.
@@ -163,8 +175,11 @@ h="$stage/pvcm-backend"
 install -D -m 755 "$target/pvcm-backend" "$h/usr/sbin/pvcm-backend"
 strip --strip-debug "$h/usr/sbin/pvcm-backend"
 install -D -m 644 "$here/host/pvcm-backend.service" "$h/lib/systemd/system/pvcm-backend.service"
-install -D -m 644 "$here/host/backend.conf" "$h/etc/pvcm/backend.conf"
-for d in daemon.md umad.md packet-port.md security.md restart.md migration.md; do
+install -D -m 644 "$here/host/backend.toml" "$h/etc/pvcm/backend.toml"
+install -D -m 644 "$here/host/backend.example.toml" \
+    "$h/usr/share/doc/pvcm-backend/examples/backend.toml"
+for d in daemon.md deploy.md operations.md troubleshooting.md umad.md packet-port.md \
+    security.md restart.md migration.md; do
     [ -f "$repo/docs/$d" ] && install -D -m 644 "$repo/docs/$d" "$h/usr/share/doc/pvcm-backend/$d"
 done
 copyright "$h/usr/share/doc/pvcm-backend/copyright"
@@ -185,7 +200,7 @@ Description: pvcm host daemon: para-virtual InfiniBand CM endpoints for VMs
  frames diverted from the VMs' own NICs), rewriting their comm IDs and keeping each
  ID exactly as long as the protocol needs it.
 EOF
-printf '%s\n' /etc/pvcm/backend.conf >"$h/DEBIAN/conffiles"
+printf '%s\n' /etc/pvcm/backend.toml >"$h/DEBIAN/conffiles"
 cat >"$h/DEBIAN/postinst" <<'EOF'
 #!/bin/sh
 set -e

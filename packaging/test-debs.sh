@@ -32,9 +32,11 @@ check "pvcm-guest ships the service, its unit, the modprobe rule, the udev rule"
              dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./lib/systemd/system/pvcm-guestd.service &&
              dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./etc/modprobe.d/pvcm-guest.conf &&
              dpkg-deb -c '$out'/pvcm-guest_*.deb | grep -q ./usr/lib/udev/rules.d/60-pvcm-guest.rules"
-check "pvcm-backend ships the daemon, its unit, its config, a man page" \
+check "pvcm-backend ships the daemon, its unit, its config and an example, a man page" \
     bash -c "dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/sbin/pvcm-backend &&
-             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./etc/pvcm/backend.conf &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./etc/pvcm/backend.toml &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/doc/pvcm-backend/examples/backend.toml &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/doc/pvcm-backend/deploy.md &&
              dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/man/man8/pvcm-backend.8.gz"
 check "both packages install (dpkg -i)" dpkg -i "$out"/pvcm-guest_*.deb "$out"/pvcm-backend_*.deb
 check "systemd-analyze verify pvcm-guestd.service" \
@@ -45,8 +47,13 @@ check "the installed pvcm-guestd and pvcm-backend run (--version)" \
     bash -c "/usr/sbin/pvcm-guestd --version && /usr/sbin/pvcm-backend --version && /usr/bin/pvcm-guest --version"
 check "the modprobe rule keeps rdma_ucm out (modprobe -n shows /bin/false)" \
     bash -c "modprobe -n -v --ignore-install rdma_ucm >/dev/null 2>&1; modprobe -c | grep -q '^install rdma_ucm /bin/false'"
+check "pvcm-backend check-config accepts the example and names a bad key" \
+    bash -c "/usr/sbin/pvcm-backend check-config /usr/share/doc/pvcm-backend/examples/backend.toml &&
+             printf 'bind-port = 0\n' >$out/bad.toml &&
+             ! /usr/sbin/pvcm-backend check-config $out/bad.toml 2>$out/bad.err &&
+             grep -q 'bind-port' $out/bad.err"
 check "pvcm-backend starts on the shipped config plus one VM and answers stat" \
-    bash -c "/usr/sbin/pvcm-backend --config /etc/pvcm/backend.conf --wire-rx udp \
+    bash -c "/usr/sbin/pvcm-backend --config /etc/pvcm/backend.toml --wire-rx udp \
                --vm socket=$out/vm.sock,gid=127.0.0.99,name=x --control $out/ctl \
                --state-dir $out/state >$out/backend.log 2>&1 & pid=\$!
              for i in \$(seq 100); do [ -S $out/ctl ] && break; sleep 0.1; done

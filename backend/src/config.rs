@@ -34,14 +34,160 @@ pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
 /// Largest accepted backlog budget, per VM or host-wide (64 GiB).
 pub const MAX_BACKLOG_BYTES: usize = 64 << 30;
 
-/// A configuration error: what was wrong, in words for the operator (naming the option
-/// and the values it takes).
+/// A configuration error: what was wrong, in words for the operator, naming the option
+/// or the config file's key and the values it takes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+pub enum ConfigError {
+    /// A value an option or key does not take.
+    #[error("{key}={value:?}: {why}")]
+    BadValue {
+        /// The option or key (`qpn-base`, `bind-port`).
+        key: String,
+        /// The value given.
+        value: String,
+        /// What the key takes.
+        why: String,
+    },
+    /// A value's problem on its own: the caller (clap, or the whole it belongs to) names
+    /// the option.
+    #[error("{0}")]
+    Invalid(String),
+    /// A key the option or the file does not have.
+    #[error("unknown key {key:?} (expected {expected})")]
+    UnknownKey {
+        /// The key given.
+        key: String,
+        /// The keys there are.
+        expected: String,
+    },
+    /// A key given twice in one VM.
+    #[error("{key} given twice")]
+    Twice {
+        /// The key.
+        key: String,
+    },
+    /// A required key is missing.
+    #[error("{key}={what} is required")]
+    Missing {
+        /// The key.
+        key: &'static str,
+        /// What it takes.
+        what: &'static str,
+    },
+    /// A part of a `--vm` spec that is not `key=value`.
+    #[error("{0:?} is not key=value")]
+    NotKeyValue(String),
+    /// A config file's value of the wrong TOML type.
+    #[error("{key}: expected {expected}, found {found}")]
+    WrongType {
+        /// The key, with its table (`vm #2: quota`).
+        key: String,
+        /// The type it takes.
+        expected: &'static str,
+        /// The type given.
+        found: &'static str,
+    },
+    /// One VM's spec is wrong.
+    #[error("{vm}: {source}")]
+    Vm {
+        /// The VM: `--vm "socket=..."`, or `[[vm]] #N` in a config file.
+        vm: String,
+        /// What is wrong with it.
+        source: Box<ConfigError>,
+    },
+    /// No VM is configured.
+    #[error(
+        "no VM: give at least one --vm socket=PATH,gid=GID (or a [[vm]] table in the \
+         config file)"
+    )]
+    NoVm,
+    /// Two VMs share what must be theirs alone.
+    #[error("two VMs use {what} {value}")]
+    Duplicate {
+        /// `socket`, `GID` or `name`.
+        what: &'static str,
+        /// The shared value.
+        value: String,
+    },
+    /// The control socket's path is a VM's socket.
+    #[error("the control socket is also a VM socket")]
+    ControlIsVmSocket,
+    /// An rx backlog budget outside its range.
+    #[error("{which} rx backlog budget {bytes}: must be {min} bytes to 64G")]
+    BacklogBudget {
+        /// `per-VM` or `host`.
+        which: &'static str,
+        /// The budget given.
+        bytes: usize,
+        /// The smallest budget (one message).
+        min: usize,
+    },
+    /// `--bind-port 0`.
+    #[error("bind port must not be 0")]
+    BindPortZero,
+    /// `--state-dir` with a comparison policy.
+    #[error(
+        "--state-dir keeps the default policy's state; the {policy} policy is a comparison \
+         policy without it: use --policy default"
+    )]
+    StateDirPolicy {
+        /// The policy given.
+        policy: &'static str,
+    },
+    /// A user or group name that does not resolve.
+    #[error("{key}={name:?}: no such {what} on this host")]
+    NoSuchAccount {
+        /// The option (`socket-owner`, `control-group`).
+        key: &'static str,
+        /// `user` or `group`.
+        what: &'static str,
+        /// The name given.
+        name: String,
+    },
+    /// The config file cannot be read.
+    #[error("--config {}: {error}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error, in words.
+        error: String,
+    },
+    /// The config file is not valid TOML.
+    #[error("{0}")]
+    Toml(String),
+    /// An error in the config file.
+    #[error("--config {}: {source}", path.display())]
+    InFile {
+        /// The file.
+        path: PathBuf,
+        /// The error in it.
+        source: Box<ConfigError>,
+    },
+    /// The command line (or a line of the line-based config file) is not valid; clap's
+    /// message.
+    #[error("{0}")]
+    Cli(String),
+}
+
+impl ConfigError {
+    fn bad(key: &str, value: &str, why: impl Into<String>) -> ConfigError {
+        ConfigError::BadValue {
+            key: key.to_string(),
+            value: value.to_string(),
+            why: why.into(),
+        }
+    }
+
+    fn vm(vm: &str, e: ConfigError) -> ConfigError {
+        ConfigError::Vm {
+            vm: vm.to_string(),
+            source: Box::new(e),
+        }
+    }
+}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError(msg.into()))
+    Err(ConfigError::Invalid(msg.into()))
 }
 
 /// One VM: its vhost-user socket and its port identity.
@@ -87,15 +233,12 @@ fn number(v: &str) -> Option<u64> {
 }
 
 fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
-    number(v).ok_or_else(|| {
-        let v = v.trim().replace('_', "");
-        ConfigError(format!("{key}={v:?}: {NOT_A_NUMBER}"))
-    })
+    number(v).ok_or_else(|| ConfigError::bad(key, v.trim(), NOT_A_NUMBER))
 }
 
 fn parse_u32(key: &str, v: &str) -> Result<u32, ConfigError> {
     let n = parse_u64(key, v)?;
-    u32::try_from(n).map_err(|_| ConfigError(format!("{key}={v}: larger than 32 bits")))
+    u32::try_from(n).map_err(|_| ConfigError::bad(key, v, "larger than 32 bits"))
 }
 
 /// Parses a VM's GID: an IPv4 address (taken as its IPv4-mapped GID, RoCEv2 over
@@ -108,28 +251,30 @@ pub fn parse_gid(v: &str) -> Result<(Gid, Option<String>), ConfigError> {
         Some((a, i)) => (a, Some(i)),
         None => (v, None),
     };
+    let bad = |why: String| ConfigError::bad("gid", v, why);
     let gid = Gid::from_str(addr).map_err(|_| {
-        ConfigError(format!(
-            "gid={v:?}: not a GID: give an IPv4 address (10.0.0.1), an IPv4-mapped GID \
+        bad(
+            "not a GID: give an IPv4 address (10.0.0.1), an IPv4-mapped GID \
              (::ffff:10.0.0.1) or an IPv6 address (2001:db8::1, fe80::1%IFACE)"
-        ))
+                .into(),
+        )
     })?;
     if let Some(why) = gid.roce_unicast_problem() {
-        return err(format!(
-            "gid={v}: {why} cannot be a VM's GID (a unicast RoCE address)"
-        ));
+        return Err(bad(format!(
+            "{why} cannot be a VM's GID (a unicast RoCE address)"
+        )));
     }
     match (gid.is_link_local(), iface) {
-        (true, None) => err(format!(
-            "gid={v}: a link-local GID is reachable through one interface only: name it, \
+        (true, None) => Err(bad(format!(
+            "a link-local GID is reachable through one interface only: name it, \
              e.g. gid={addr}%br0"
-        )),
+        ))),
         (true, Some(i)) => {
-            check_ifname(i).map_err(|e| ConfigError(format!("gid={v}: {e}")))?;
+            check_ifname(i).map_err(bad)?;
             Ok((gid, Some(i.to_string())))
         }
-        (false, Some(_)) => err(format!(
-            "gid={v}: only a link-local GID (fe80::/10) takes an interface (%IFACE)"
+        (false, Some(_)) => Err(bad(
+            "only a link-local GID (fe80::/10) takes an interface (%IFACE)".into(),
         )),
         (false, None) => Ok((gid, None)),
     }
@@ -151,12 +296,16 @@ pub fn check_ifname(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-impl FromStr for VmSpec {
-    type Err = ConfigError;
+/// The keys of a VM (`--vm`, `[[vm]]`).
+pub const VM_KEYS: &str = "socket, gid, name, qpn-base, qpn-count, ca-guid, quota, id-range, \
+                           incoming";
 
-    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
-    /// id-range=BASE/LEN,incoming=yes]`.
-    fn from_str(s: &str) -> Result<VmSpec, ConfigError> {
+impl VmSpec {
+    /// A VM from its `key=value` pairs: `--vm`'s, or a config file's `[[vm]]` table's.
+    /// An error names the key (and the caller names the VM).
+    pub fn from_pairs<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<VmSpec, ConfigError> {
         let mut id_range = None;
         let mut incoming = None;
         let mut socket = None;
@@ -167,14 +316,11 @@ impl FromStr for VmSpec {
         let mut qpn_count = None;
         let mut ca_guid = None;
         let mut quota = None;
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let Some((k, v)) = part.split_once('=') else {
-                return err(format!("--vm: {part:?} is not key=value"));
-            };
+        for (k, v) in pairs {
             let (k, v) = (k.trim(), v.trim());
             let dup = |set: bool| {
                 if set {
-                    err(format!("--vm: {k} given twice"))
+                    Err(ConfigError::Twice { key: k.to_string() })
                 } else {
                     Ok(())
                 }
@@ -183,7 +329,7 @@ impl FromStr for VmSpec {
                 "socket" | "socket-path" => {
                     dup(socket.is_some())?;
                     if v.is_empty() {
-                        return err("--vm: socket= is empty");
+                        return Err(ConfigError::bad(k, v, "empty"));
                     }
                     socket = Some(PathBuf::from(v));
                 }
@@ -196,7 +342,7 @@ impl FromStr for VmSpec {
                 "name" => {
                     dup(name.is_some())?;
                     if v.is_empty() || v.len() > 48 {
-                        return err(format!("--vm: name={v:?} must be 1 to 48 bytes"));
+                        return Err(ConfigError::bad(k, v, "must be 1 to 48 bytes"));
                     }
                     name = Some(v.to_string());
                 }
@@ -219,8 +365,7 @@ impl FromStr for VmSpec {
                 "id-range" => {
                     dup(id_range.is_some())?;
                     id_range = Some(
-                        IdRange::from_str(v)
-                            .map_err(|e| ConfigError(format!("--vm: id-range: {e}")))?,
+                        IdRange::from_str(v).map_err(|e| ConfigError::bad(k, v, e.to_string()))?,
                     );
                 }
                 "incoming" => {
@@ -228,22 +373,28 @@ impl FromStr for VmSpec {
                     incoming = Some(match v {
                         "yes" | "true" | "1" => true,
                         "no" | "false" | "0" => false,
-                        _ => return err(format!("--vm: incoming={v:?}: expected yes or no")),
+                        _ => return Err(ConfigError::bad(k, v, "expected yes or no")),
                     });
                 }
                 _ => {
-                    return err(format!(
-                        "--vm: unknown key {k:?} (expected socket, gid, name, qpn-base, \
-                         qpn-count, ca-guid, quota, id-range, incoming)"
-                    ));
+                    return Err(ConfigError::UnknownKey {
+                        key: k.to_string(),
+                        expected: VM_KEYS.into(),
+                    });
                 }
             }
         }
         let Some(socket) = socket else {
-            return err(format!("--vm {s:?}: socket=PATH is required"));
+            return Err(ConfigError::Missing {
+                key: "socket",
+                what: "PATH",
+            });
         };
         let Some(gid) = gid else {
-            return err(format!("--vm {s:?}: gid=GID is required"));
+            return Err(ConfigError::Missing {
+                key: "gid",
+                what: "GID",
+            });
         };
         let ip = gid_addr(gid);
         let mut vm = VmConfig::new(name.unwrap_or_else(|| format!("vm-{ip}")), gid);
@@ -254,34 +405,34 @@ impl FromStr for VmSpec {
             vm.qpn_count = c;
         }
         if u64::from(vm.qpn_base) + u64::from(vm.qpn_count) > 1 << 24 {
-            return err(format!(
-                "--vm {s:?}: qpn-base + qpn-count must stay within 24-bit QPNs (<= 0x1000000)"
-            ));
+            return err("qpn-base + qpn-count must stay within 24-bit QPNs (<= 0x1000000)");
         }
         if vm.qpn_count != 0 && vm.qpn_base < 2 {
-            return err(format!(
-                "--vm {s:?}: qpn-base must be at least 2 (QP0 and QP1 are special)"
+            return Err(ConfigError::bad(
+                "qpn-base",
+                &vm.qpn_base.to_string(),
+                "must be at least 2 (QP0 and QP1 are special)",
             ));
         }
         if let Some(g) = ca_guid {
             if g == 0 {
-                return err(format!("--vm {s:?}: ca-guid must not be 0"));
+                return Err(ConfigError::bad("ca-guid", "0", "must not be 0"));
             }
             vm.ca_guid = g;
         }
         if let Some(q) = quota {
             if q == 0 {
-                return err(format!("--vm {s:?}: quota must be at least 1"));
+                return Err(ConfigError::bad("quota", "0", "must be at least 1"));
             }
             vm.quota = Some(q);
         }
         vm.id_range = id_range;
         let incoming = incoming.unwrap_or(false);
         if incoming && id_range.is_none() {
-            return err(format!(
-                "--vm {s:?}: incoming=yes needs id-range=BASE/LEN (the range the VM's \
-                 connections carry from the host it leaves)"
-            ));
+            return err(
+                "incoming=yes needs id-range=BASE/LEN (the range the VM's connections \
+                 carry from the host it leaves)",
+            );
         }
         Ok(VmSpec {
             socket,
@@ -292,67 +443,93 @@ impl FromStr for VmSpec {
     }
 }
 
+impl FromStr for VmSpec {
+    type Err = ConfigError;
+
+    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
+    /// id-range=BASE/LEN,incoming=yes]`.
+    fn from_str(s: &str) -> Result<VmSpec, ConfigError> {
+        let mut pairs = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some(kv) = part.split_once('=') else {
+                return Err(ConfigError::vm(
+                    &format!("--vm {s:?}"),
+                    ConfigError::NotKeyValue(part.to_string()),
+                ));
+            };
+            pairs.push(kv);
+        }
+        VmSpec::from_pairs(pairs).map_err(|e| ConfigError::vm(&format!("--vm {s:?}"), e))
+    }
+}
+
 /// The daemon's options.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
     /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
     /// id-range=BASE/LEN,incoming=yes]` (repeatable; one vhost-user socket per VM).
     /// GID: an IPv4 address (10.0.0.1, its IPv4-mapped GID), an IPv6 address
     /// (2001:db8::1; RoCEv2 over IPv6), or a link-local one with its interface
-    /// (fe80::1%br0). `id-range` makes the VM migratable; `incoming=yes` waits for it
-    /// to arrive.
+    /// (fe80::1%br0). Defaults: name vm-ADDRESS, qpn-base 0x10000, qpn-count 0x10000,
+    /// ca-guid derived from the GID, quota 65536. `id-range` makes the VM migratable;
+    /// `incoming=yes` waits for it to arrive.
     #[arg(long = "vm", value_name = "SPEC", value_parser = VmSpec::from_str)]
     pub vms: Vec<VmSpec>,
-    /// A file of options, one per line without the leading dashes (`vm socket=...`).
+    /// A config file: TOML if its name ends in .toml (keys as the long options, one
+    /// [[vm]] table per VM; see docs/daemon.md), else the line format (one option per
+    /// line without the leading dashes). Options on the command line come after the
+    /// file's.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Cache policy: default, mlx4-pre2020 or mlx4-post2020.
+    /// Cache policy: default, mlx4-pre2020 or mlx4-post2020 (the last two reproduce
+    /// mlx4's proxy for comparison) [default: default].
     #[arg(long, value_name = "POLICY", value_parser = Policy::from_str)]
     pub policy: Option<Policy>,
-    /// Unix socket for `pvcm-backend stat`.
+    /// Unix socket for `pvcm-backend stat` [default: none].
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
     /// Serve Prometheus text metrics over HTTP: a port (bound on 127.0.0.1) or an
-    /// address:port (give 0.0.0.0:PORT or another address to serve beyond the host).
+    /// address:port (give 0.0.0.0:PORT or another address to serve beyond the host)
+    /// [default: none].
     #[arg(long, value_name = "ADDR", value_parser = parse_metrics_addr)]
     pub metrics: Option<SocketAddr>,
     /// Capture every frame sent and received to this pcap file (IPv4 and IPv6
-    /// datagrams, LINKTYPE_RAW).
+    /// datagrams, LINKTYPE_RAW) [default: none].
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<PathBuf>,
     /// Memory for messages kept per VM while its rx queue has no buffers (K, M, G
-    /// suffixes; default 32M, about 100,000 MADs); past it they are dropped and counted
-    /// (rx_backlog_full).
+    /// suffixes; about 100,000 MADs at the default); past it they are dropped and
+    /// counted (rx_backlog_full) [default: 32M].
     #[arg(long, value_name = "SIZE", value_parser = parse_backlog_size)]
     pub rx_backlog_bytes: Option<usize>,
-    /// Memory for the rx backlogs of all VMs together (default 512M); past it messages
-    /// are dropped and counted (rx_host_budget).
+    /// Memory for the rx backlogs of all VMs together; past it messages are dropped and
+    /// counted (rx_host_budget) [default: 512M].
     #[arg(long, value_name = "SIZE", value_parser = parse_backlog_size)]
     pub rx_host_backlog_bytes: Option<usize>,
     /// The per-VM budget as a number of messages (older form of --rx-backlog-bytes).
     #[arg(long, value_name = "N", value_parser = parse_backlog_messages)]
     pub rx_backlog: Option<u64>,
-    /// The RoCEv2 UDP port (4791): the soft port binds it on each VM address and sends
-    /// to it; the packet port filters on it and sends to it.
+    /// The RoCEv2 UDP port: the soft port binds it on each VM address and sends to it;
+    /// the packet port filters on it and sends to it [default: 4791].
     #[arg(long, value_name = "PORT", value_parser = parse_bind_port)]
     pub bind_port: Option<u16>,
     /// How the soft RoCE port receives from IPv4 peers: `raw` checks each frame's ICRC
     /// over its IPv4 header as received and accepts every conformant sender (Linux rxe,
     /// hardware); it needs CAP_NET_RAW. `udp` needs no privilege but accepts only
-    /// senders that write IP ID 0 (pvcm peers). `auto` (default): raw if permitted,
-    /// else udp with a warning. IPv6 VMs are read through their own sockets in every
-    /// mode (exact ICRC, any sender).
+    /// senders that write IP ID 0 (pvcm peers). `auto`: raw if permitted, else udp with
+    /// a warning. IPv6 VMs are read through their own sockets in every mode (exact
+    /// ICRC, any sender) [default: auto].
     #[arg(long, value_name = "MODE", value_enum)]
     pub wire_rx: Option<RxMode>,
-    /// The wire port: `soft` (default: pvcm's own RoCEv2 port over UDP on the VMs'
-    /// addresses), `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through
-    /// /dev/infiniband/umadN, e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not
-    /// be loaded; see docs/umad.md) or `packet:DEV[:IFACE]` (VMs with their own NICs:
-    /// their QP1 frames are diverted to network device DEV and read there, answers
-    /// leave through the host's IP stack with the VM's address as source; IFACE is the
-    /// interface of link-local IPv6 destinations; needs CAP_NET_RAW; see
-    /// docs/packet-port.md). --wire-rx applies to the soft port only; --bind-port is
-    /// the RoCEv2 UDP port of the soft and packet ports.
+    /// The wire port: `soft` (pvcm's own RoCEv2 port over UDP on the VMs' addresses),
+    /// `umad:DEVICE[:PORT]` (a real RDMA device's QP1 through /dev/infiniband/umadN,
+    /// e.g. umad:rxe0:1 or umad:mlx4_0:1; the kernel CM must not be loaded; see
+    /// docs/umad.md) or `packet:DEV[:IFACE]` (VMs with their own NICs: their QP1 frames
+    /// are diverted to network device DEV and read there, answers leave through the
+    /// host's IP stack with the VM's address as source; IFACE is the interface of
+    /// link-local IPv6 destinations; needs CAP_NET_RAW; see docs/packet-port.md).
+    /// --wire-rx applies to the soft port only; --bind-port is the RoCEv2 UDP port of
+    /// the soft and packet ports [default: soft].
     #[arg(long, value_name = "PORT", value_parser = PortSpec::from_str)]
     pub port: Option<PortSpec>,
     /// sysfs mount (the umad port reads the GID and P_Key tables there).
@@ -365,13 +542,42 @@ pub struct ServeArgs {
     /// journal in this directory, so that a restart, an upgrade or a crash of the daemon
     /// loses no connection: started again with the same options, it restores the state
     /// and the VMs reconnect (see docs/restart.md). Without it, stopping the daemon
-    /// releases every connection.
+    /// releases every connection [default: none].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
     /// With --state-dir: how long a restored VM may take to reconnect before its
-    /// connections are released on its behalf (seconds; default 60).
+    /// connections are released on its behalf, in seconds [default: 60].
     #[arg(long, value_name = "SECS", value_parser = parse_seed)]
     pub reconnect_grace: Option<u64>,
+    /// The owner of the VMs' vhost-user sockets: a user name or number (giving them to
+    /// another user needs CAP_CHOWN) [default: the daemon's user].
+    #[arg(long, value_name = "USER", value_parser = Account::from_str)]
+    pub socket_owner: Option<Account>,
+    /// The group of the VMs' vhost-user sockets: a group name or number, e.g. the
+    /// VMM's group (kvm, libvirt-qemu) [default: the daemon's group].
+    #[arg(long, value_name = "GROUP", value_parser = Account::from_str)]
+    pub socket_group: Option<Account>,
+    /// The permission bits of the VMs' vhost-user sockets, in octal; connecting needs
+    /// write permission, so 0660 lets the owner and the group connect and nobody else
+    /// [default: 0660].
+    #[arg(long, value_name = "MODE", value_parser = parse_mode)]
+    pub socket_mode: Option<u32>,
+    /// The owner of the control socket: a user name or number [default: the daemon's
+    /// user].
+    #[arg(long, value_name = "USER", value_parser = Account::from_str)]
+    pub control_owner: Option<Account>,
+    /// The group of the control socket: a group name or number (with --control-mode
+    /// 0660, its members may run `pvcm-backend stat`) [default: the daemon's group].
+    #[arg(long, value_name = "GROUP", value_parser = Account::from_str)]
+    pub control_group: Option<Account>,
+    /// The permission bits of the control socket, in octal [default: 0600].
+    #[arg(long, value_name = "MODE", value_parser = parse_mode)]
+    pub control_mode: Option<u32>,
+    /// The log format on stderr: `text` (one line per event; colour only on a
+    /// terminal, never with NO_COLOR set) or `json` (one JSON object per line). RUST_LOG
+    /// sets the level [default: text].
+    #[arg(long, value_name = "FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
 }
 
 /// `pvcm-backend stat` options.
@@ -380,9 +586,17 @@ pub struct StatArgs {
     /// The daemon's control socket.
     #[arg(long, value_name = "PATH")]
     pub control: PathBuf,
-    /// Print JSON instead of the table.
+    /// Print JSON instead of the table (docs/operations.md describes it).
     #[arg(long)]
     pub json: bool,
+}
+
+/// `pvcm-backend check-config` options.
+#[derive(Debug, Clone, Args)]
+pub struct CheckConfigArgs {
+    /// The config file (TOML if its name ends in .toml, else the line format).
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
 }
 
 /// Subcommands.
@@ -390,6 +604,10 @@ pub struct StatArgs {
 pub enum Command {
     /// Print the counters of a running daemon.
     Stat(StatArgs),
+    /// Check a config file as the daemon would read it (users and groups resolved),
+    /// print what it configures, and exit 0; or print the first error, naming the key,
+    /// and exit 2.
+    CheckConfig(CheckConfigArgs),
 }
 
 /// The `pvcm-backend` command line.
@@ -398,7 +616,13 @@ pub enum Command {
     name = "pvcm-backend",
     version,
     about = "pvcm host daemon: para-virtual IB CM devices for VMs over vhost-user, \
-             multiplexed onto one RoCEv2 port (soft, or a device's QP1 via umad)",
+             multiplexed onto one RoCEv2 port (soft, a device's QP1 via umad, or QP1 \
+             frames diverted from the VMs' own NICs)",
+    after_help = "Without a subcommand, runs the daemon. Exit codes: 0 after SIGTERM or \
+                  SIGINT; 2 for a bad option or config file; 1 when the daemon cannot \
+                  start (a socket cannot be bound, a device cannot be opened). Under \
+                  systemd (Type=notify) it reports READY=1 once every socket listens. \
+                  See docs/daemon.md and docs/operations.md.",
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
@@ -409,6 +633,90 @@ pub struct Cli {
     /// The daemon's options.
     #[command(flatten)]
     pub serve: ServeArgs,
+}
+
+/// A user or a group, by name or number, as `--socket-owner` and the like take it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Account {
+    /// A numeric ID.
+    Id(u32),
+    /// A name, looked up on the host when the configuration is checked.
+    Name(String),
+}
+
+impl FromStr for Account {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Account, ConfigError> {
+        if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+            return s
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| n != u32::MAX)
+                .map(Account::Id)
+                .ok_or_else(|| ConfigError::Invalid("an ID below 4294967295".into()));
+        }
+        if s.is_empty()
+            || s.len() > 64
+            || s.starts_with('-')
+            || s.chars()
+                .any(|c| c == ':' || c == '/' || c == ',' || c.is_whitespace() || c.is_control())
+        {
+            return err(
+                "a user or group name (1 to 64 characters, no ':', '/', ',' or \
+                        white space) or number",
+            );
+        }
+        Ok(Account::Name(s.to_string()))
+    }
+}
+
+impl fmt::Display for Account {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Account::Id(n) => write!(f, "{n}"),
+            Account::Name(s) => f.write_str(s),
+        }
+    }
+}
+
+/// The log format (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One line per event.
+    #[default]
+    Text,
+    /// One JSON object per event and line (`timestamp`, `level`, `target`, the event's
+    /// fields including `message`, and `span`, the VM's name and GID for a VM's events).
+    Json,
+}
+
+/// Who may connect to a Unix socket the daemon listens on: the socket file's owner,
+/// group and permission bits (the IDs resolved; `None` leaves the daemon's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketAccess {
+    /// The file's owner.
+    pub owner: Option<u32>,
+    /// The file's group.
+    pub group: Option<u32>,
+    /// The permission bits (at most 0o777).
+    pub mode: u32,
+}
+
+impl SocketAccess {
+    /// The VMs' vhost-user sockets by default: the daemon's user and group may connect,
+    /// nobody else.
+    pub const VM_DEFAULT: SocketAccess = SocketAccess {
+        owner: None,
+        group: None,
+        mode: 0o660,
+    };
+    /// The control socket by default: the daemon's user only.
+    pub const CONTROL_DEFAULT: SocketAccess = SocketAccess {
+        owner: None,
+        group: None,
+        mode: 0o600,
+    };
 }
 
 /// The daemon's validated configuration.
@@ -442,6 +750,12 @@ pub struct Config {
     pub state_dir: Option<PathBuf>,
     /// How long a restored VM may take to reconnect.
     pub reconnect_grace: std::time::Duration,
+    /// Who may connect to the VMs' vhost-user sockets.
+    pub vm_sockets: SocketAccess,
+    /// Who may connect to the control socket.
+    pub control_access: SocketAccess,
+    /// The log format.
+    pub log_format: LogFormat,
 }
 
 impl Config {
@@ -462,6 +776,9 @@ impl Config {
             seed: None,
             state_dir: None,
             reconnect_grace: std::time::Duration::from_secs(60),
+            vm_sockets: SocketAccess::VM_DEFAULT,
+            control_access: SocketAccess::CONTROL_DEFAULT,
+            log_format: LogFormat::Text,
         }
     }
 
@@ -470,6 +787,30 @@ impl Config {
         let args = match &args.config {
             Some(file) => merge(read_config_file(file)?, args),
             None => args.clone(),
+        };
+        let user = |key, a: &Option<Account>| match a {
+            Some(a) => crate::files::resolve_user(a)
+                .map(Some)
+                .ok_or_else(|| no_such(key, "user", a)),
+            None => Ok(None),
+        };
+        let group = |key, a: &Option<Account>| match a {
+            Some(a) => crate::files::resolve_group(a)
+                .map(Some)
+                .ok_or_else(|| no_such(key, "group", a)),
+            None => Ok(None),
+        };
+        let vm_sockets = SocketAccess {
+            owner: user("socket-owner", &args.socket_owner)?,
+            group: group("socket-group", &args.socket_group)?,
+            mode: args.socket_mode.unwrap_or(SocketAccess::VM_DEFAULT.mode),
+        };
+        let control_access = SocketAccess {
+            owner: user("control-owner", &args.control_owner)?,
+            group: group("control-group", &args.control_group)?,
+            mode: args
+                .control_mode
+                .unwrap_or(SocketAccess::CONTROL_DEFAULT.mode),
         };
         let mut cfg = Config::new(args.vms);
         if let Some(p) = args.policy {
@@ -505,6 +846,9 @@ impl Config {
         if let Some(g) = args.reconnect_grace {
             cfg.reconnect_grace = std::time::Duration::from_secs(g);
         }
+        cfg.vm_sockets = vm_sockets;
+        cfg.control_access = control_access;
+        cfg.log_format = args.log_format.unwrap_or_default();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -512,46 +856,146 @@ impl Config {
     /// Checks the whole: at least one VM, no socket or GID twice.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.vms.is_empty() {
-            return err("no VM: give at least one --vm socket=PATH,gid=GID");
+            return Err(ConfigError::NoVm);
         }
         for (i, a) in self.vms.iter().enumerate() {
             for b in &self.vms[..i] {
+                let dup = |what, value: String| Err(ConfigError::Duplicate { what, value });
                 if a.socket == b.socket {
-                    return err(format!("two VMs use socket {}", a.socket.display()));
+                    return dup("socket", a.socket.display().to_string());
                 }
                 if a.vm.gid == b.vm.gid {
-                    return err(format!("two VMs use GID {}", a.vm.gid));
+                    return dup("GID", a.vm.gid.to_string());
                 }
                 if a.vm.name == b.vm.name {
-                    return err(format!("two VMs are named {:?}", a.vm.name));
+                    return dup("name", format!("{:?}", a.vm.name));
                 }
             }
             if Some(&a.socket) == self.control.as_ref() {
-                return err("the control socket is also a VM socket");
+                return Err(ConfigError::ControlIsVmSocket);
             }
         }
-        for (what, b) in [
+        for (which, bytes) in [
             ("per-VM", self.rx_backlog_bytes),
             ("host", self.rx_host_backlog_bytes),
         ] {
-            if !(backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&b) {
-                return err(format!(
-                    "{what} rx backlog budget {b}: must be {} bytes to 64G",
-                    backlog::MSG_COST
-                ));
+            if !(backlog::MSG_COST..=MAX_BACKLOG_BYTES).contains(&bytes) {
+                return Err(ConfigError::BacklogBudget {
+                    which,
+                    bytes,
+                    min: backlog::MSG_COST,
+                });
             }
         }
         if self.bind_port == 0 {
-            return err("bind port must not be 0");
+            return Err(ConfigError::BindPortZero);
         }
         if self.state_dir.is_some() && self.policy.is_legacy() {
-            return err(format!(
-                "--state-dir keeps the default policy's state; the {} policy is a comparison \
-                 policy without it: use --policy default",
-                self.policy.name()
-            ));
+            return Err(ConfigError::StateDirPolicy {
+                policy: self.policy.name(),
+            });
+        }
+        for (key, a) in [
+            ("socket-mode", self.vm_sockets),
+            ("control-mode", self.control_access),
+        ] {
+            if a.mode > 0o777 {
+                return Err(ConfigError::bad(
+                    key,
+                    &format!("{:o}", a.mode),
+                    "permission bits, at most 0777",
+                ));
+            }
         }
         Ok(())
+    }
+
+    /// What the configuration sets up, in a few lines (`pvcm-backend check-config`).
+    pub fn summary(&self) -> String {
+        use fmt::Write;
+        let mut s = String::new();
+        let access = |a: &SocketAccess| {
+            format!(
+                "mode {:04o}, owner {}, group {}",
+                a.mode,
+                a.owner.map_or("the daemon's".into(), |u| u.to_string()),
+                a.group.map_or("the daemon's".into(), |g| g.to_string())
+            )
+        };
+        let _ = writeln!(
+            s,
+            "port {}, policy {}, wire rx {}, RoCEv2 UDP port {}",
+            self.port,
+            self.policy.name(),
+            self.wire_rx.name(),
+            self.bind_port
+        );
+        for v in &self.vms {
+            let _ = writeln!(
+                s,
+                "vm {}: socket {}, gid {}{}, qpn {:#x}+{:#x}, ca-guid {:#018x}, quota {}{}{}",
+                v.vm.name,
+                v.socket.display(),
+                v.vm.gid,
+                v.iface
+                    .as_deref()
+                    .map_or(String::new(), |i| format!("%{i}")),
+                v.vm.qpn_base,
+                v.vm.qpn_count,
+                v.vm.ca_guid,
+                v.vm.quota.map_or("default".into(), |q| q.to_string()),
+                v.vm.id_range
+                    .map_or(String::new(), |r| format!(", id-range {r}")),
+                if v.incoming { ", incoming" } else { "" }
+            );
+        }
+        let _ = writeln!(s, "vm sockets: {}", access(&self.vm_sockets));
+        match &self.control {
+            Some(c) => {
+                let _ = writeln!(
+                    s,
+                    "control {}: {}",
+                    c.display(),
+                    access(&self.control_access)
+                );
+            }
+            None => s.push_str("control: none\n"),
+        }
+        let _ = writeln!(
+            s,
+            "metrics {}, pcap {}, state-dir {}",
+            self.metrics.map_or("none".into(), |m| m.to_string()),
+            self.pcap
+                .as_ref()
+                .map_or("none".into(), |p| p.display().to_string()),
+            self.state_dir
+                .as_ref()
+                .map_or("none".into(), |p| p.display().to_string())
+        );
+        let _ = writeln!(
+            s,
+            "rx backlog {} bytes per VM, {} bytes per host",
+            self.rx_backlog_bytes, self.rx_host_backlog_bytes
+        );
+        s
+    }
+}
+
+fn no_such(key: &'static str, what: &'static str, a: &Account) -> ConfigError {
+    ConfigError::NoSuchAccount {
+        key,
+        what,
+        name: a.to_string(),
+    }
+}
+
+/// `--socket-mode`, `--control-mode`: permission bits in octal (`0660`, `660`, `0o660`).
+fn parse_mode(v: &str) -> Result<u32, ConfigError> {
+    let t = v.trim();
+    let t = t.strip_prefix("0o").unwrap_or(t);
+    match u32::from_str_radix(t, 8) {
+        Ok(m) if !t.is_empty() && m <= 0o777 => Ok(m),
+        _ => err("permission bits in octal, at most 0777 (e.g. 0660)"),
     }
 }
 
@@ -561,7 +1005,7 @@ fn parse_metrics_addr(m: &str) -> Result<SocketAddr, ConfigError> {
         return Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
     }
     SocketAddr::from_str(m).map_err(|_| {
-        ConfigError(
+        ConfigError::Invalid(
             "a port (bound on 127.0.0.1, e.g. 9791) or an address:port (e.g. 127.0.0.1:9791)"
                 .into(),
         )
@@ -575,7 +1019,7 @@ const NOT_A_NUMBER: &str = "not a number (decimal or 0x hex)";
 
 /// `--rx-backlog N`: a number of messages, 1 to what 64G holds.
 fn parse_backlog_messages(v: &str) -> Result<u64, ConfigError> {
-    let n = number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))?;
+    let n = number(v).ok_or_else(|| ConfigError::Invalid(NOT_A_NUMBER.into()))?;
     let max = (MAX_BACKLOG_BYTES / backlog::MSG_COST) as u64;
     if n == 0 || n > max {
         return err(format!("must be 1 to {max} messages"));
@@ -597,7 +1041,7 @@ fn parse_backlog_size(v: &str) -> Result<usize, ConfigError> {
 
 /// `--bind-port`: a UDP port, 1 to 65535.
 fn parse_bind_port(v: &str) -> Result<u16, ConfigError> {
-    let n = number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))?;
+    let n = number(v).ok_or_else(|| ConfigError::Invalid(NOT_A_NUMBER.into()))?;
     match u16::try_from(n) {
         Ok(p) if p != 0 => Ok(p),
         _ => err("must be 1 to 65535"),
@@ -606,13 +1050,31 @@ fn parse_bind_port(v: &str) -> Result<u16, ConfigError> {
 
 /// `--seed`: decimal or `0x` hex.
 fn parse_seed(v: &str) -> Result<u64, ConfigError> {
-    number(v).ok_or_else(|| ConfigError(NOT_A_NUMBER.into()))
+    number(v).ok_or_else(|| ConfigError::Invalid(NOT_A_NUMBER.into()))
 }
 
-/// Reads a config file into arguments (one option per line, `#` comments).
+/// Reads a config file into arguments: TOML if its name ends in `.toml`, else the line
+/// format. An error names the file (and the key, or the line's option).
 fn read_config_file(path: &Path) -> Result<ServeArgs, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ConfigError(format!("--config {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        path: path.to_path_buf(),
+        error: e.to_string(),
+    })?;
+    let toml = path.extension().is_some_and(|e| e == "toml");
+    let args = if toml {
+        read_toml(&text)
+    } else {
+        read_lines(&text)
+    };
+    args.map_err(|e| ConfigError::InFile {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    })
+}
+
+/// The line format: one option per line, as on the command line without the leading
+/// dashes (`vm socket=...`, `policy default`, `rx-backlog=16`), `#` comments.
+fn read_lines(text: &str) -> Result<ServeArgs, ConfigError> {
     let mut argv = vec!["pvcm-backend".to_string()];
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -625,29 +1087,160 @@ fn read_config_file(path: &Path) -> Result<ServeArgs, ConfigError> {
         };
         let k = k.trim_start_matches('-');
         if k == "config" {
-            return err(format!(
-                "--config {}:{}: a config file cannot include another",
-                path.display(),
+            return Err(ConfigError::Cli(format!(
+                "line {}: a config file cannot include another",
                 n + 1
-            ));
+            )));
         }
         argv.push(format!("--{k}"));
         if let Some(v) = v {
             argv.push(v.to_string());
         }
     }
-    let cli = Cli::try_parse_from(&argv).map_err(|e| {
-        ConfigError(format!(
-            "--config {}: {}",
-            path.display(),
-            e.render()
-                .to_string()
-                .lines()
-                .next()
-                .unwrap_or("bad option")
-        ))
-    })?;
+    let cli = Cli::try_parse_from(&argv).map_err(|e| ConfigError::Cli(clap_message(&e)))?;
     Ok(cli.serve)
+}
+
+/// A clap error in one line, without its `error: ` prefix, usage and help hint.
+fn clap_message(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let parts: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more"))
+        .collect();
+    let line = parts.join(" ");
+    match line.strip_prefix("error: ") {
+        Some(l) => l.to_string(),
+        None if line.is_empty() => "bad option".to_string(),
+        None => line,
+    }
+}
+
+/// The long options a config file may set (every one but `--config`, `--help` and
+/// `--version`), as its keys.
+pub fn config_keys() -> Vec<String> {
+    use clap::CommandFactory;
+    Cli::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long())
+        .filter(|l| !matches!(*l, "config" | "help" | "version"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A TOML value's type, in words.
+fn toml_type(v: &toml::Value) -> &'static str {
+    match v {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "an integer",
+        toml::Value::Float(_) => "a float",
+        toml::Value::Boolean(_) => "a boolean",
+        toml::Value::Datetime(_) => "a date",
+        toml::Value::Array(_) => "an array",
+        toml::Value::Table(_) => "a table",
+    }
+}
+
+/// A scalar TOML value as the text the command line would give: strings as they are,
+/// integers in decimal, booleans as `true`/`false`.
+fn toml_scalar(key: &str, v: &toml::Value) -> Result<String, ConfigError> {
+    match v {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(n) => Ok(n.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        _ => Err(ConfigError::WrongType {
+            key: key.to_string(),
+            expected: "a string, an integer or a boolean",
+            found: toml_type(v),
+        }),
+    }
+}
+
+/// The TOML format: top-level keys are the long options (`policy = "default"`,
+/// `bind-port = 4791`, `rx-backlog-bytes = "32M"`), one `[[vm]]` table per VM with the
+/// `--vm` keys (`socket`, `gid`, `name`, `qpn-base`, ...). Each value goes through the
+/// option's own parser, so the file takes exactly what the command line takes; an error
+/// names the key.
+fn read_toml(text: &str) -> Result<ServeArgs, ConfigError> {
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::Toml(e.to_string().trim_end().to_string()))?;
+    let mut args = ServeArgs::default();
+    for (key, value) in &table {
+        match key.as_str() {
+            "vm" => {
+                let toml::Value::Array(vms) = value else {
+                    return Err(ConfigError::WrongType {
+                        key: "vm".into(),
+                        expected: "an array of tables ([[vm]])",
+                        found: toml_type(value),
+                    });
+                };
+                for (i, t) in vms.iter().enumerate() {
+                    let label = format!("[[vm]] #{}", i + 1);
+                    let toml::Value::Table(t) = t else {
+                        return Err(ConfigError::WrongType {
+                            key: label,
+                            expected: "a table",
+                            found: toml_type(t),
+                        });
+                    };
+                    let mut pairs = Vec::new();
+                    for (k, v) in t {
+                        let v = toml_scalar(k, v).map_err(|e| ConfigError::vm(&label, e))?;
+                        pairs.push((k.as_str(), v));
+                    }
+                    let label = match t.get("name").and_then(toml::Value::as_str) {
+                        Some(n) => format!("{label} ({n})"),
+                        None => label,
+                    };
+                    let spec = VmSpec::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str())))
+                        .map_err(|e| ConfigError::vm(&label, e))?;
+                    args.vms.push(spec);
+                }
+            }
+            "config" => {
+                return Err(ConfigError::bad(
+                    "config",
+                    &toml_scalar(key, value)?,
+                    "a config file cannot include another",
+                ));
+            }
+            _ => {
+                let one = toml_option(key, value)?;
+                args = merge(args, &one);
+            }
+        }
+    }
+    Ok(args)
+}
+
+/// One top-level key of a TOML config file, parsed as the long option of its name.
+fn toml_option(key: &str, value: &toml::Value) -> Result<ServeArgs, ConfigError> {
+    use clap::error::ErrorKind;
+    let unknown = || ConfigError::UnknownKey {
+        key: key.to_string(),
+        expected: format!("[[vm]] or {}", config_keys().join(", ")),
+    };
+    if !config_keys().iter().any(|k| k == key) || key == "vm" {
+        return Err(unknown());
+    }
+    let text = toml_scalar(key, value)?;
+    // `--key=value` as one argument, so a value starting with '-' stays a value.
+    let argv = ["pvcm-backend".to_string(), format!("--{key}={text}")];
+    match Cli::try_parse_from(argv) {
+        Ok(cli) => Ok(cli.serve),
+        Err(e) => match e.kind() {
+            ErrorKind::UnknownArgument => Err(unknown()),
+            _ => {
+                let why = std::error::Error::source(&e)
+                    .map(ToString::to_string)
+                    .unwrap_or_else(|| clap_message(&e));
+                Err(ConfigError::bad(key, &text, why))
+            }
+        },
+    }
 }
 
 /// The file's options, then the command line's on top.
@@ -671,6 +1264,13 @@ fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
         seed: cli.seed.or(file.seed),
         state_dir: cli.state_dir.clone().or(file.state_dir),
         reconnect_grace: cli.reconnect_grace.or(file.reconnect_grace),
+        socket_owner: cli.socket_owner.clone().or(file.socket_owner),
+        socket_group: cli.socket_group.clone().or(file.socket_group),
+        socket_mode: cli.socket_mode.or(file.socket_mode),
+        control_owner: cli.control_owner.clone().or(file.control_owner),
+        control_group: cli.control_group.clone().or(file.control_group),
+        control_mode: cli.control_mode.or(file.control_mode),
+        log_format: cli.log_format.or(file.log_format),
     }
 }
 
@@ -801,7 +1401,7 @@ mod tests {
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
         let mut argv = vec!["pvcm-backend"];
         argv.extend_from_slice(args);
-        let cli = Cli::try_parse_from(argv).map_err(|e| ConfigError(e.to_string()))?;
+        let cli = Cli::try_parse_from(argv).map_err(|e| ConfigError::Cli(e.to_string()))?;
         Config::from_args(&cli.serve)
     }
 
@@ -861,7 +1461,7 @@ mod tests {
             ("socket=/a,gid=127.0.0.1,banana", "key=value"),
         ] {
             let e = VmSpec::from_str(s).unwrap_err();
-            assert!(e.0.contains(want), "{s}: {e}");
+            assert!(e.to_string().contains(want), "{s}: {e}");
         }
     }
 
@@ -878,7 +1478,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.metrics, Some("0.0.0.0:9791".parse().unwrap()));
         let e = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", "--metrics", "x"]).unwrap_err();
-        assert!(e.0.contains("--metrics"), "{e}");
+        assert!(e.to_string().contains("--metrics"), "{e}");
     }
 
     #[test]
@@ -943,7 +1543,7 @@ mod tests {
             ),
         ] {
             let e = parse(args).unwrap_err();
-            assert!(e.0.contains(want), "{args:?}: {e}");
+            assert!(e.to_string().contains(want), "{args:?}: {e}");
         }
     }
 
@@ -990,13 +1590,13 @@ mod tests {
             let mut a = vec!["--vm", "socket=/a,gid=127.0.0.1"];
             a.extend_from_slice(args);
             let e = parse(&a).unwrap_err();
-            assert!(e.0.contains(want), "{args:?}: {e}");
+            assert!(e.to_string().contains(want), "{args:?}: {e}");
         }
         // A bad value in the file names the file.
         std::fs::write(&f, "vm socket=/tmp/p,gid=127.2.0.1\nbind-port 70000\n").unwrap();
         let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
         assert!(
-            e.0.contains("--config") && e.0.contains("--bind-port"),
+            e.to_string().contains("--config") && e.to_string().contains("--bind-port"),
             "{e}"
         );
     }
@@ -1026,8 +1626,241 @@ mod tests {
         assert_eq!(c.rx_backlog_bytes, 32 * backlog::MSG_COST);
         std::fs::write(&f, "colour blue\n").unwrap();
         let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
-        assert!(e.0.contains("--config"), "{e}");
+        assert!(e.to_string().contains("--config"), "{e}");
         let e = parse(&["--config", "/nonexistent/pvcm.conf"]).unwrap_err();
-        assert!(e.0.contains("/nonexistent"), "{e}");
+        assert!(e.to_string().contains("/nonexistent"), "{e}");
+    }
+
+    const TOML: &str = r#"
+# a host with two VMs
+policy = "default"
+port = "soft"
+wire-rx = "udp"
+bind-port = 0x12b7
+control = "/run/pvcm/control.sock"
+metrics = 9791
+rx-backlog-bytes = "4M"
+rx-host-backlog-bytes = 1073741824
+state-dir = "/var/lib/pvcm"
+reconnect-grace = 30
+socket-group = 0
+socket-mode = "0640"
+control-mode = "0660"
+log-format = "json"
+
+[[vm]]
+name = "vm1"
+socket = "/run/pvcm/vm1.sock"
+gid = "::ffff:192.0.2.11"
+qpn-base = 16
+qpn-count = 0x20000
+ca-guid = "0x0002c90300a1b2c3"
+quota = 4096
+
+[[vm]]
+name = "vm2"
+socket = "/run/pvcm/vm2.sock"
+gid = "2001:db8::12"
+id-range = "0x80070000/16"
+incoming = true
+"#;
+
+    fn toml_file(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("backend.toml");
+        std::fs::write(&f, text).unwrap();
+        (dir, f)
+    }
+
+    #[test]
+    fn a_toml_file_sets_every_kind_of_value() {
+        let (_d, f) = toml_file(TOML);
+        let c = parse(&["--config", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.vms.len(), 2);
+        let (a, b) = (&c.vms[0], &c.vms[1]);
+        assert_eq!(a.vm.name, "vm1");
+        assert_eq!((a.vm.qpn_base, a.vm.qpn_count), (16, 0x20000));
+        assert_eq!(a.vm.ca_guid, 0x0002_c903_00a1_b2c3);
+        assert_eq!(a.vm.quota, Some(4096));
+        assert!(b.incoming && b.vm.id_range.is_some());
+        assert_eq!(b.addr(), "2001:db8::12".parse::<IpAddr>().unwrap());
+        assert_eq!(c.wire_rx, RxMode::Udp);
+        assert_eq!(c.bind_port, 0x12b7);
+        assert_eq!(c.metrics, Some("127.0.0.1:9791".parse().unwrap()));
+        assert_eq!(
+            (c.rx_backlog_bytes, c.rx_host_backlog_bytes),
+            (4 << 20, 1 << 30)
+        );
+        assert_eq!(c.reconnect_grace, std::time::Duration::from_secs(30));
+        assert_eq!(c.state_dir, Some(PathBuf::from("/var/lib/pvcm")));
+        assert_eq!(
+            c.vm_sockets,
+            SocketAccess {
+                owner: None,
+                group: Some(0),
+                mode: 0o640
+            }
+        );
+        assert_eq!(c.control_access.mode, 0o660);
+        assert_eq!(c.log_format, LogFormat::Json);
+        // The command line comes after the file.
+        let c = parse(&[
+            "--config",
+            f.to_str().unwrap(),
+            "--vm",
+            "socket=/tmp/c,gid=127.3.0.3",
+            "--socket-mode",
+            "600",
+        ])
+        .unwrap();
+        assert_eq!(c.vms.len(), 3);
+        assert_eq!(c.vm_sockets.mode, 0o600);
+    }
+
+    #[test]
+    fn toml_errors_name_the_file_and_the_key() {
+        let vm = "[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\n";
+        for (text, want) in [
+            (
+                "bind-port = 70000\n".to_string() + vm,
+                "bind-port=\"70000\"",
+            ),
+            ("bind-port = 70000\n".to_string() + vm, "must be 1 to 65535"),
+            (
+                "colour = \"blue\"\n".to_string() + vm,
+                "unknown key \"colour\"",
+            ),
+            (
+                "policy = \"mlx5\"\n".to_string() + vm,
+                "policy=\"mlx5\": unknown policy",
+            ),
+            ("wire-rx = \"fast\"\n".to_string() + vm, "wire-rx=\"fast\""),
+            ("wire-rx = \"fast\"\n".to_string() + vm, "auto, raw, udp"),
+            (
+                "metrics = [1, 2]\n".to_string() + vm,
+                "metrics: expected a string",
+            ),
+            ("socket-mode = \"0999\"\n".to_string() + vm, "socket-mode"),
+            (
+                "socket-group = \"no-such-group-pvcm\"\n".to_string() + vm,
+                "no such group",
+            ),
+            (
+                "control-owner = \"no-such-user-pvcm\"\n".to_string() + vm,
+                "control-owner",
+            ),
+            ("config = \"/etc/x\"\n".to_string() + vm, "cannot include"),
+            ("vm = 3\n".to_string(), "vm: expected an array of tables"),
+            ("policy = \n".to_string() + vm, "line 1"),
+            (
+                "[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\n[[vm]]\nname = \"b\"\n\
+                 socket = \"/tmp/b\"\ngid = \"127.0.0.2\"\nqpn-base = \"zz\"\n"
+                    .to_string(),
+                "[[vm]] #2 (b): qpn-base=\"zz\": not a number",
+            ),
+            (
+                "[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\ncolor = 1\n".to_string(),
+                "[[vm]] #1: unknown key \"color\"",
+            ),
+            (
+                "[[vm]]\nsocket = \"/tmp/a\"\ngid = [1]\n".to_string(),
+                "[[vm]] #1: gid: expected a string",
+            ),
+            (
+                "[[vm]]\nsocket = \"/tmp/a\"\n".to_string(),
+                "gid=GID is required",
+            ),
+            ("policy = \"default\"\n".to_string(), "no VM"),
+        ] {
+            let (_d, f) = toml_file(&text);
+            let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(want), "{text}: {msg}");
+            // Names are looked up once file and command line are merged: the key says it.
+            if !matches!(e, ConfigError::NoVm | ConfigError::NoSuchAccount { .. }) {
+                assert!(msg.contains("backend.toml"), "{text}: {msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_long_option_is_a_toml_key() {
+        // A file that names every option but --vm and --config (and the hidden ones the
+        // tests use) parses: the file takes what the command line takes.
+        let mut text = String::new();
+        for k in config_keys() {
+            let v = match k.as_str() {
+                "vm" => continue,
+                "policy" => "\"default\"",
+                "control" | "pcap" | "state-dir" | "sysfs" => "\"/tmp/pvcm-x\"",
+                "metrics" => "9791",
+                "rx-backlog-bytes" | "rx-host-backlog-bytes" => "\"1M\"",
+                "wire-rx" => "\"auto\"",
+                "port" => "\"soft\"",
+                "socket-owner" | "socket-group" | "control-owner" | "control-group" => "0",
+                "socket-mode" | "control-mode" => "\"0600\"",
+                "log-format" => "\"text\"",
+                _ => "7",
+            };
+            text.push_str(&format!("{k} = {v}\n"));
+        }
+        text.push_str("[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\n");
+        let (_d, f) = toml_file(&text);
+        parse(&["--config", f.to_str().unwrap()]).unwrap();
+    }
+
+    #[test]
+    fn socket_access_options() {
+        let c = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1"]).unwrap();
+        assert_eq!(c.vm_sockets, SocketAccess::VM_DEFAULT);
+        assert_eq!(c.vm_sockets.mode, 0o660);
+        assert_eq!(c.control_access.mode, 0o600);
+        let c = parse(&[
+            "--vm",
+            "socket=/tmp/x,gid=127.1.0.1",
+            "--socket-owner",
+            "root",
+            "--socket-group",
+            "root",
+            "--socket-mode",
+            "0o666",
+            "--control-group",
+            "0",
+            "--control-mode",
+            "0640",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.vm_sockets,
+            SocketAccess {
+                owner: Some(0),
+                group: Some(0),
+                mode: 0o666
+            }
+        );
+        assert_eq!(
+            c.control_access,
+            SocketAccess {
+                owner: None,
+                group: Some(0),
+                mode: 0o640
+            }
+        );
+        for (args, want) in [
+            (&["--socket-mode", "1777"][..], "at most 0777"),
+            (&["--socket-mode", "rw"][..], "--socket-mode"),
+            (&["--socket-group", "a:b"][..], "--socket-group"),
+            (
+                &["--socket-group", "no-such-group-pvcm"][..],
+                "no such group",
+            ),
+            (&["--socket-owner", "no-such-user-pvcm"][..], "no such user"),
+            (&["--log-format", "xml"][..], "--log-format"),
+        ] {
+            let mut a = vec!["--vm", "socket=/a,gid=127.0.0.1"];
+            a.extend_from_slice(args);
+            let e = parse(&a).unwrap_err();
+            assert!(e.to_string().contains(want), "{args:?}: {e}");
+        }
     }
 }

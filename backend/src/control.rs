@@ -54,24 +54,15 @@ impl Serving {
     }
 }
 
-/// Binds a Unix socket at `path` that only its owner can connect to (mode 0600): it is
-/// bound under a temporary name, restricted, then renamed into place, so there is no
-/// moment when another local user could connect.
-pub(crate) fn bind_private(path: &Path) -> io::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    let name = path
-        .file_name()
-        .map_or_else(|| "socket".into(), |n| n.to_string_lossy().into_owned());
-    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let l = UnixListener::bind(&tmp)?;
-    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    Ok(l)
+/// Binds the control socket at `path` with the owner, group and mode `access` asks for
+/// (by default 0600: only the daemon's user; root can always connect). It is bound
+/// where nobody else can reach it, given its permissions, then renamed into place, so
+/// there is no moment when another local user could connect.
+pub(crate) fn bind_control(
+    path: &Path,
+    access: &crate::config::SocketAccess,
+) -> io::Result<UnixListener> {
+    crate::files::bind_socket(path, access)
 }
 
 /// Answers one control connection.
@@ -192,7 +183,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("ctl");
-        let _l = bind_private(&p).unwrap();
+        let _l = bind_control(&p, &crate::config::SocketAccess::CONTROL_DEFAULT).unwrap();
         let mode = std::fs::metadata(&p).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         // No temporary name is left behind, and it answers.

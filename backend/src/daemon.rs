@@ -41,6 +41,7 @@ use crate::backlog::HostBudget;
 use crate::config::Config;
 use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 pub use crate::error::Error;
+use crate::files::SocketFile;
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, WireVerdict};
 use crate::pcap::Capture;
 use crate::port::packet::PacketPort;
@@ -442,7 +443,8 @@ pub struct Daemon {
     vm_threads: Vec<JoinHandle<()>>,
     host: Option<JoinHandle<()>>,
     sockets: Vec<PathBuf>,
-    control: Option<PathBuf>,
+    /// Removed when the daemon stops: the VMs' sockets and the control socket.
+    socket_files: Vec<SocketFile>,
     metrics: Option<SocketAddr>,
 }
 
@@ -549,20 +551,25 @@ impl Daemon {
         if let Some(rec) = &recovery {
             adopt_restored(&shared, rec);
         }
+        // The socket files go with the daemon (or with this function, if it fails).
+        let mut socket_files = Vec::new();
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
-            let l = Listener::new(&spec.socket, true).map_err(|source| Error::VhostSocket {
-                vm: spec.vm.name.clone(),
-                path: spec.socket.clone(),
-                source,
+            let l = crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
+                Error::VhostSocket {
+                    vm: spec.vm.name.clone(),
+                    path: spec.socket.clone(),
+                    source: vhost::vhost_user::Error::SocketError(source),
+                }
             })?;
-            listeners.push(l);
+            socket_files.push(SocketFile(spec.socket.clone()));
+            listeners.push(Listener::from(l));
         }
         let control = match &cfg.control {
             Some(p) => {
-                let _ = std::fs::remove_file(p);
-                let l = crate::control::bind_private(p)
+                let l = crate::control::bind_control(p, &cfg.control_access)
                     .map_err(e(format!("--control {}", p.display())))?;
+                socket_files.push(SocketFile(p.clone()));
                 l.set_nonblocking(true).map_err(e("control".into()))?;
                 Some(l)
             }
@@ -647,7 +654,7 @@ impl Daemon {
             vm_threads,
             host: Some(host),
             sockets: cfg.vms.iter().map(|v| v.socket.clone()).collect(),
-            control: cfg.control.clone(),
+            socket_files,
             metrics: metrics_addr,
         })
     }
@@ -705,9 +712,7 @@ impl Daemon {
                 tracing::info!(dir = %j.dir().display(), live = core.mux.live_entries(), "state kept for the next start");
             }
         }
-        if let Some(p) = &self.control {
-            let _ = std::fs::remove_file(p);
-        }
+        self.socket_files.clear();
         tracing::info!("stopped");
     }
 }
@@ -731,7 +736,10 @@ pub fn run(cfg: Config) -> Result<(), Error> {
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
+    let vms = cfg.vms.len();
     let daemon = Daemon::start(cfg)?;
+    // Every socket listens: a VMM started after this finds its socket.
+    crate::notify::notify(&format!("READY=1\nSTATUS=serving {vms} VMs"));
     let mut sig: libc::c_int = 0;
     // SAFETY: `set` and `sig` are valid for the call; sigwait blocks until one of the
     // blocked signals is pending.
@@ -739,6 +747,7 @@ pub fn run(cfg: Config) -> Result<(), Error> {
     if r == 0 {
         tracing::info!(signal = sig, "signal received");
     }
+    crate::notify::notify("STOPPING=1");
     daemon.shutdown();
     Ok(())
 }

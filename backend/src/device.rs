@@ -69,11 +69,13 @@ const TX_ROUND: usize = 256;
 /// The largest device state accepted on load: 64-byte entries and 256-byte backlog
 /// messages, far above any VM's quota and backlog budget.
 const MAX_STATE_BYTES: u64 = 1 << 30;
-/// The active MTU PORT_INFO reports (IBTA code): 1024 bytes, rdma_cm's RoCE default, until
-/// the daemon's configuration names the link's own (Linux takes it from the netdev).
+/// The active MTU PORT_INFO reports (IBTA code) when the wire port cannot tell the
+/// link's ([`WirePort::link`](crate::port::WirePort::link)): 1024 bytes, rdma_cm's
+/// RoCE default.
 pub const PORT_ACTIVE_MTU: u8 = abi::MTU_1024;
-/// The local CA ACK delay PORT_INFO reports (5-bit exponent): 15, what rdma_rxe reports
-/// (`RXE_LOCAL_CA_ACK_DELAY`), the software RoCE device the soft port stands in for.
+/// The local CA ACK delay PORT_INFO reports (5-bit exponent) when the wire port cannot
+/// tell the device's: 15, what rdma_rxe reports (`RXE_LOCAL_CA_ACK_DELAY`), the
+/// software RoCE device the soft port stands in for.
 pub const PORT_CA_ACK_DELAY: u8 = 15;
 /// The `VHOST_USER_F_PROTOCOL_FEATURES` feature bit.
 const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
@@ -672,6 +674,8 @@ impl PvcmDevice {
     fn port_info(&self) -> RxMsg {
         let vm = &self.port.spec.vm;
         let quota = vm.quota.unwrap_or(self.shared.default_quota());
+        // The path values of the VM's own link: its MTU, the device's ACK delay.
+        let link = self.shared.port.link(self.port.index);
         let info = PortInfo {
             abi_version: abi::ABI_VERSION,
             port_up: true,
@@ -683,8 +687,8 @@ impl PvcmDevice {
             qpn_count: vm.qpn_count,
             max_entries: quota,
             name: vm.name.clone(),
-            active_mtu: PORT_ACTIVE_MTU,
-            ca_ack_delay: PORT_CA_ACK_DELAY,
+            active_mtu: link.mtu.unwrap_or(PORT_ACTIVE_MTU),
+            ca_ack_delay: link.ca_ack_delay.unwrap_or(PORT_CA_ACK_DELAY),
         };
         let mut payload = [0u8; PORT_INFO_LEN];
         // The buffer has exactly the length emit checks for.

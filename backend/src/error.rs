@@ -49,6 +49,9 @@ pub enum Error {
          docs/daemon.md)"
     )]
     RawSocket(#[source] io::Error),
+    /// The soft port's loss-audit timer could not be created.
+    #[error("soft port: timerfd for the receive-loss audit: {0}")]
+    AuditTimer(#[source] io::Error),
     /// A VM's address could not be bound for the soft port.
     #[error("VM {vm}: wire port {addr} port {port} (is the address local?): {source}")]
     WireBind {

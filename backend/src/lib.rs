@@ -19,6 +19,7 @@
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.
 //! - [`state`]: `--state-dir`, the mux's state journal (restart without loss).
+//! - [`notify`]: readiness for systemd (`sd_notify`).
 //!
 //! The binary (`src/main.rs`) only parses the command line and calls [`daemon::run`] or
 //! [`control::stat`].
@@ -35,6 +36,7 @@ pub mod error;
 mod files;
 pub mod migration;
 pub mod mux;
+pub mod notify;
 pub mod pcap;
 pub mod port;
 pub mod rx;
@@ -74,14 +76,23 @@ where
                 ExitCode::FAILURE
             }
         },
+        Some(config::Command::CheckConfig(a)) => {
+            let args = config::ServeArgs {
+                config: Some(a.file.clone()),
+                ..config::ServeArgs::default()
+            };
+            match config::Config::from_args(&args) {
+                Ok(cfg) => {
+                    print!("{}: ok\n{}", a.file.display(), cfg.summary());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("pvcm-backend check-config: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         None => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
             let cfg = match config::Config::from_args(&cli.serve) {
                 Ok(c) => c,
                 Err(e) => {
@@ -89,6 +100,7 @@ where
                     return ExitCode::from(2);
                 }
             };
+            init_logging(cfg.log_format);
             match daemon::run(cfg) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -98,4 +110,30 @@ where
             }
         }
     }
+}
+
+/// Logs to stderr in the asked format, at `RUST_LOG`'s level (default `info`). Text
+/// carries ANSI colour only when stderr is a terminal and `NO_COLOR` is unset, so
+/// journald and log files get plain lines. A second call (a process that already set a
+/// logger) changes nothing.
+fn init_logging(format: config::LogFormat) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        config::LogFormat::Text => {
+            let colour = std::io::stderr().is_terminal()
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            builder.with_ansi(colour).try_init()
+        }
+        config::LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
+    };
 }

@@ -99,9 +99,11 @@ dev_drops! {
     /// device's traffic bypasses it.
     WireNotRoce => "wire_not_roce",
     /// wire: datagrams the kernel dropped before pvcm read them, its socket's receive
-    /// queue full (SO_RXQ_OVFL of the soft port's sockets, PACKET_STATISTICS drops of
-    /// the packet port's; host counters). The peers' retries recover them; a growing
-    /// count means the host loop falls behind.
+    /// queue full: the soft port's per-VM count (its sockets' drop counts, or in raw
+    /// mode the datagrams that reached the VM's address less those the raw socket
+    /// delivered), PACKET_STATISTICS drops of the packet port's socket (host
+    /// counters). The peers' retries recover them; a growing count means the host loop
+    /// falls behind.
     WireRxOverflow => "wire_rx_overflow",
 }
 

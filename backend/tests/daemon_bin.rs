@@ -3,7 +3,9 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::Read;
-use std::os::unix::net::UnixStream;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -138,6 +140,8 @@ fn serves_stat_and_stops_on_sigterm() {
         .unwrap();
     assert!(status.success(), "{status:?}\n{log}");
     assert!(log.contains("stopped"), "{log}");
+    // stderr is a pipe here: plain text, no ANSI colour.
+    assert!(!log.contains('\x1b'), "{log}");
     assert!(!sock.exists() && !ctl.exists());
     let out = Command::new(BIN)
         .arg("stat")
@@ -146,4 +150,156 @@ fn serves_stat_and_stops_on_sigterm() {
         .output()
         .unwrap();
     assert!(!out.status.success());
+}
+
+/// Waits for the child to exit (at most 10 s) and returns its status and stderr.
+fn wait_exit(child: &mut std::process::Child) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    (status, log)
+}
+
+#[test]
+fn tells_systemd_it_is_ready_once_its_sockets_listen_with_the_asked_permissions() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("a.sock");
+    let ctl = dir.path().join("ctl");
+    let notify = dir.path().join("notify");
+    let rx = UnixDatagram::bind(&notify).unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // A group the test may give files to: its own (root may give any).
+    // SAFETY: getegid has no preconditions.
+    let gid = unsafe { libc::getegid() };
+    let mut child = Command::new(BIN)
+        .arg("--vm")
+        .arg(format!("socket={},gid=127.31.0.2,name=n", sock.display()))
+        .args(["--wire-rx", "udp", "--control"])
+        .arg(&ctl)
+        .args(["--socket-mode", "0640", "--socket-group"])
+        .arg(gid.to_string())
+        .args(["--control-mode", "0660", "--log-format", "json"])
+        .env("NOTIFY_SOCKET", &notify)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut b = [0u8; 256];
+    let n = rx.recv(&mut b).expect("no READY=1 within 10 s");
+    let msg = String::from_utf8_lossy(&b[..n]).into_owned();
+    assert!(msg.lines().any(|l| l == "READY=1"), "{msg:?}");
+    // Ready means every socket is there, with its permissions, and answers.
+    for (p, mode) in [(&sock, 0o640), (&ctl, 0o660)] {
+        let m = std::fs::metadata(p).unwrap();
+        assert_eq!(m.mode() & 0o777, mode, "{}", p.display());
+        if p == &sock {
+            assert_eq!(m.gid(), gid);
+        }
+    }
+    // A frontend that connects and goes away: one session, logged in the VM's span.
+    drop(UnixStream::connect(&sock).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pvcm_backend::control::query(&ctl)
+        .map(|s| s.vms[0].figures.io("sessions"))
+        .unwrap_or(0)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "no session");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let n = rx.recv(&mut b).expect("no STOPPING=1");
+    assert_eq!(&b[..n], b"STOPPING=1");
+    let (status, log) = wait_exit(&mut child);
+    assert!(status.success(), "{status:?}\n{log}");
+    // --log-format json: one JSON object per line, each with a level and a message.
+    let mut lines = 0;
+    for l in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{l}");
+        lines += 1;
+    }
+    assert!(lines >= 2 && log.contains("pvcm-backend started"), "{log}");
+    // A VM's events name it in their span (no key twice: serde_json keeps the last).
+    let session = log
+        .lines()
+        .find(|l| l.contains("vhost-user session started"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert_eq!(session.matches("\"name\"").count(), 1, "{session}");
+    let v: serde_json::Value = serde_json::from_str(session).unwrap();
+    assert_eq!(v["span"]["vm"], "n", "{session}");
+    assert_eq!(v["span"]["gid"], "::ffff:127.31.0.2", "{session}");
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn check_config(file: &Path) -> (bool, Option<i32>, String, String) {
+    let out = Command::new(BIN)
+        .arg("check-config")
+        .arg(file)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_validates_the_shipped_examples_and_names_a_bad_key() {
+    // The full example validates as it is.
+    let full = repo().join("packaging/host/backend.example.toml");
+    let (ok, _, out, err) = check_config(&full);
+    assert!(ok, "{err}");
+    assert!(out.contains(": ok") && out.contains("vm vm1:"), "{out}");
+    // The installed config file holds no VM; with one added it validates.
+    let dir = tempfile::tempdir().unwrap();
+    let shipped = std::fs::read_to_string(repo().join("packaging/host/backend.toml")).unwrap();
+    let f = dir.path().join("backend.toml");
+    std::fs::write(
+        &f,
+        format!("{shipped}\n[[vm]]\nsocket = \"/run/pvcm/x.sock\"\ngid = \"192.0.2.9\"\n"),
+    )
+    .unwrap();
+    let (ok, _, _, err) = check_config(&f);
+    assert!(ok, "{err}");
+    // Without, it says there is no VM.
+    std::fs::write(&f, &shipped).unwrap();
+    let (ok, code, _, err) = check_config(&f);
+    assert!(!ok && code == Some(2) && err.contains("no VM"), "{err}");
+    // A bad value: exit 2, the file and the key named, no panic.
+    std::fs::write(
+        &f,
+        "rx-backlog-bytes = \"12Q\"\n[[vm]]\nsocket = \"/tmp/x\"\ngid = \"192.0.2.9\"\n",
+    )
+    .unwrap();
+    let (ok, code, _, err) = check_config(&f);
+    assert!(!ok && code == Some(2), "{err}");
+    assert!(
+        err.contains("backend.toml") && err.contains("rx-backlog-bytes=\"12Q\""),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, code, _, err) = check_config(&dir.path().join("missing.toml"));
+    assert!(
+        !ok && code == Some(2) && err.contains("missing.toml"),
+        "{err}"
+    );
 }

@@ -386,32 +386,11 @@ fn open(cli: &Cli) -> Result<Device<PciDevice>, DeviceError> {
     )
 }
 
-/// The pacing policy for `--max-window N` (0: none).
-pub fn pacing_with_max(n: u32) -> Option<Pacing> {
-    (n > 0).then(|| {
-        let d = Pacing::default();
-        Pacing {
-            max_window: n,
-            slow_start: n,
-            initial_window: d.initial_window.min(n),
-            min_window: d.min_window.min(n),
-        }
-    })
-}
-
-/// The pacing the options ask for (`None`: the agent's default; `Some(None)`: none).
+/// The pacing the options ask for (`None`: the agent's default; `Some(None)`: none):
+/// [`Pacing::new`] is the one place the policy is derived.
 pub fn pacing_from(max_window: Option<u32>, initial_window: Option<u32>) -> Option<Option<Pacing>> {
-    let p = match max_window {
-        Some(n) => pacing_with_max(n),
-        None if initial_window.is_some() => Some(Pacing::default()),
-        None => return None,
-    };
-    Some(p.map(|mut p| {
-        if let Some(i) = initial_window {
-            p.initial_window = i.clamp(p.min_window.max(1), p.max_window);
-        }
-        p
-    }))
+    (max_window.is_some() || initial_window.is_some())
+        .then(|| Pacing::new(max_window, initial_window))
 }
 
 /// The agent options the command line changes (`--linux-drep`).
@@ -604,7 +583,7 @@ pub(crate) fn pacing_json(p: &PacingCounters) -> Value {
     json!({
         "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
         "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
-        "decreases": p.decreases, "max_outstanding": p.max_outstanding,
+        "decreases": p.decreases, "opened": p.opened, "max_outstanding": p.max_outstanding,
         "max_queued": p.max_queued, "min_window": p.min_window, "max_window": p.max_window,
     })
 }
@@ -1240,13 +1219,15 @@ mod tests {
     #[test]
     fn max_window_sets_the_pacing() {
         let c = parse(&["--max-window", "1024", "cmtime", "--server"]).unwrap();
-        let p = pacing_with_max(c.max_window.unwrap()).unwrap();
+        let p = pacing_from(c.max_window, c.initial_window)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (p.max_window, p.slow_start, p.initial_window),
             (1024, 1024, 32)
         );
         let c = parse(&["cmtime", "--server", "--max-window", "0"]).unwrap();
-        assert_eq!(pacing_with_max(c.max_window.unwrap()), None);
+        assert_eq!(pacing_from(c.max_window, c.initial_window), Some(None));
         assert_eq!(parse(&["cmtime", "--server"]).unwrap().max_window, None);
     }
 

@@ -336,3 +336,53 @@ fn c4_an_mra_stretches_every_remaining_req_retry() {
     assert_eq!(t + wait, 100 + 4 * wait);
     assert_eq!(a.counters().get(Group::RxDuplicates, AttributeId::Mra), 3);
 }
+
+// ------------------------------------- an MRA owed on an early duplicate
+
+#[test]
+fn c3_a_duplicate_within_the_mra_delay_draws_the_mra() {
+    // rdma_cm enters MRA_REQ_SENT (silently) as soon as its REQ handler returns without
+    // an accept, so a duplicate REQ at any time draws the MRA: also one that arrives
+    // before pvcm's mra_delay has passed (a peer with a short response timeout).
+    let mut a = agent();
+    a.listen(SID).unwrap();
+    let req = req_mad(0xABC, peer_req(0x10, 0x800));
+    a.handle_mad(&req, peer_gid(), ms(0));
+    let id = events(&mut a)[0].id();
+    a.handle_mad(&req, peer_gid(), ms(50));
+    let m = one(&mut a);
+    let (h, CmRepr::Mra(mra)) = parse(&m) else {
+        panic!("not an MRA: {m:?}")
+    };
+    assert_eq!((h.tid, mra.message_mraed), (0xABC, MsgResponse::Req));
+    assert_eq!(a.state(id), Some(State::MraReqSent));
+    // The delay's timer has nothing left to do; the next duplicate re-sends the MRA.
+    let (out, _) = poll_at(&mut a, ms(200));
+    assert!(out.is_empty(), "{out:?}");
+    a.handle_mad(&req, peer_gid(), ms(300));
+    assert!(matches!(parse(&one(&mut a)).1, CmRepr::Mra(_)));
+    a.accept(id, &[], ms(301)).unwrap();
+    assert!(matches!(parse(&one(&mut a)).1, CmRepr::Rep(_)));
+
+    // The same for a REP the application has not confirmed yet (MRA(REP)).
+    let mut a = agent();
+    let o = ConnectOptions {
+        auto_rtu: false,
+        ..Default::default()
+    };
+    let id = a.connect(peer_gid(), SID, &[], &o, ms(0)).unwrap();
+    let m = one(&mut a);
+    let (h, CmRepr::Req(r)) = parse(&m) else {
+        panic!()
+    };
+    let rep = rep_mad(h.tid, peer_rep(0x44, r.local_comm_id, 0x700));
+    a.handle_mad(&rep, peer_gid(), ms(10));
+    events(&mut a);
+    a.handle_mad(&rep, peer_gid(), ms(60));
+    let m = one(&mut a);
+    let (_, CmRepr::Mra(mra)) = parse(&m) else {
+        panic!("not an MRA: {m:?}")
+    };
+    assert_eq!(mra.message_mraed, MsgResponse::Rep);
+    assert_eq!(a.state(id), Some(State::MraRepSent));
+}

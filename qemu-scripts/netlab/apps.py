@@ -23,6 +23,10 @@ Checks (each PASS/FAIL):
   3 16 processes in a (12 cmtime -c 50, 4 ucmatose) against k at once, 8 killed with
     kill -9 mid-run: the survivors finish, k is left with its listeners only, the
     backend reaches 0 live entries after the quarantine, no drops
+  5 a misbehaving process (interop/ucflood.c) in a: 4 threads of garbage commands, bad
+    response addresses, other files' ids and create/destroy pairs for 15 s, while
+    rping -v and ucmatose run from a to k: they pass, the flood's calls all return with
+    the errors they must, the service answers and holds no id afterwards
   4 counters: the backend's drops are 0; the VMs' MADs went through the backend
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
@@ -196,6 +200,32 @@ def connect_destroy(k, a, share):
            ("" if ok else f" {short(out)} | {short(res)}"))
 
 
+def misbehaving(k, a):
+    """Section 5: a flood of bad commands beside well-behaved programs."""
+    job = a.spawn("/host/bin/ucflood -t 4 -s 15")
+    time.sleep(2)
+    pair("rping -v -S 1024 -C 100 beside the flood", k, a,
+         f"rping -s -a {k.ip} -v -C 100 -S 1024", f"rping -c -a {k.ip} -v -C 100 -S 1024",
+         lambda s: s.count("server ping data:") == 100, lambda c: c.count("ping data:") == 100)
+    pair("ucmatose -c 20 -C 10 beside the flood", k, a,
+         "ucmatose -c 20 -C 10", f"ucmatose -s {k.ip} -c 20 -C 10",
+         lambda s: "test complete" in s and "return status 0" in s,
+         lambda c: "test complete" in c and "return status 0" in c)
+    try:
+        rc = job.wait(90)
+    except LabError:
+        job.kill("KILL")
+        rc = -1
+    out = job.text()
+    result("ucflood (4 threads, 15 s) in VM a: every call returned with the error it must; "
+           "the good ones succeeded", rc == 0 and "ucflood: ok" in out, short(out, 300))
+    st = guestd_stat(a)
+    result("pvcm-guestd answers after the flood and holds no id",
+           bool(st) and st.get("ids") == 0 and st.get("files") == 0,
+           f"ids {st.get('ids')}, files {st.get('files')}, bad requests "
+           f"{st.get('bad_requests')}")
+
+
 def kill_nine(lab, k, a, backend):
     """Section 3: 16 processes, 8 killed."""
     srv = k.spawn("cmtime -p 7480")
@@ -321,18 +351,20 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,4,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,4,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
+    ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     a = ap.parse_args()
     only = set(a.only.split(","))
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-apps."))
     t0 = time.monotonic()
     try:
         with Lab(workdir, pcap=a.pcap) as lab:
-            if a.kcm:
-                (lab.share / "bin").mkdir(exist_ok=True)
-                Path(lab.share / "bin" / "kcm").write_bytes(Path(a.kcm).read_bytes())
-                (lab.share / "bin" / "kcm").chmod(0o755)
+            for name, path in (("kcm", a.kcm), ("ucflood", a.ucflood)):
+                if path:
+                    (lab.share / "bin").mkdir(exist_ok=True)
+                    (lab.share / "bin" / name).write_bytes(Path(path).read_bytes())
+                    (lab.share / "bin" / name).chmod(0o755)
             sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
             backend = lab.backend(
                 "--port", "packet:pvcm-qp1",
@@ -370,11 +402,15 @@ def main():
                 print("== 3. 16 processes, 8 killed", flush=True)
                 kill_nine(lab, k, va, backend)
 
+            if "5" in only and a.ucflood:
+                print("== 5. a misbehaving process", flush=True)
+                misbehaving(k, va)
+
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)
-                traffic = bool(only & {"1", "2", "3"})
+                traffic = bool(only & {"1", "2", "3", "5"})
                 if not traffic:
-                    print("(sections 1-3 did not run: only the drop counters are checked)")
+                    print("(sections 1-3 and 5 did not run: only the drop counters are checked)")
                 for vm in (va, vb) if traffic else ():
                     st = guestd_stat(vm)
                     cmds = st.get("commands", {})

@@ -108,6 +108,103 @@ fn address_with_prefix(gid: &Gid) -> String {
     }
 }
 
+/// What a port knows of the link a VM's GID is on: what the VM's PORT_INFO reports as
+/// the path values (`docs/device-abi.md`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Link {
+    /// The active MTU (IBTA code) a VM on this link uses for its paths: Linux's
+    /// `iboe_get_mtu()` of the network device's MTU, as rdma_cm takes it for a RoCE
+    /// route. `None`: the port cannot say.
+    pub mtu: Option<u8>,
+    /// The CA's local ACK delay (5-bit exponent); `None`: the port cannot say.
+    pub ca_ack_delay: Option<u8>,
+}
+
+/// Linux's `iboe_get_mtu()`: the IBTA MTU code for a RoCE network device's MTU, the
+/// largest IB MTU that fits with the headers RoCE adds (GRH 40, UDP 8, BTH 12, XRC ext
+/// 4, AtomicETH 28, ICRC 4: 96 bytes). `None` below 256 bytes.
+pub fn iboe_mtu(netdev_mtu: u32) -> Option<u8> {
+    let payload = netdev_mtu.checked_sub(96)?;
+    [(4096, 5), (2048, 4), (1024, 3), (512, 2), (256, 1)]
+        .into_iter()
+        .find(|(bytes, _)| payload >= *bytes)
+        .map(|(_, code)| code)
+}
+
+/// The MTU of network interface `name` in this process's network namespace
+/// (`SIOCGIFMTU`; sysfs may show another namespace's).
+pub fn if_mtu(name: &str) -> Option<u32> {
+    let bytes = name.as_bytes();
+    // SAFETY: an all-zero ifreq is a valid value of the plain C struct.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if bytes.is_empty() || bytes.len() >= req.ifr_name.len() || bytes.contains(&0) {
+        return None;
+    }
+    for (d, b) in req.ifr_name.iter_mut().zip(bytes) {
+        *d = *b as libc::c_char;
+    }
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd is a socket we own; req is a valid ifreq with a NUL-terminated name, and
+    // SIOCGIFMTU writes only its ifru_mtu.
+    let r = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
+    // SAFETY: we own fd and close it once.
+    unsafe { libc::close(fd) };
+    if r < 0 {
+        return None;
+    }
+    // SAFETY: after a successful SIOCGIFMTU the union holds the MTU.
+    u32::try_from(unsafe { req.ifr_ifru.ifru_mtu }).ok()
+}
+
+/// The name of the interface that holds local address `addr` (`getifaddrs(3)`).
+pub fn iface_of(addr: std::net::IpAddr) -> Option<String> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a list we free below; the result is checked.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: cur is a node of the list getifaddrs returned, not freed yet.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr points to a sockaddr of the family it names, at least as
+        // large as a sockaddr_in(6) for those families.
+        let a = unsafe {
+            match i32::from((*ifa.ifa_addr).sa_family) {
+                libc::AF_INET => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    Some(std::net::IpAddr::from(
+                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                    ))
+                }
+                libc::AF_INET6 => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    Some(std::net::IpAddr::from(sin6.sin6_addr.s6_addr))
+                }
+                _ => None,
+            }
+        };
+        if a == Some(addr) {
+            // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+            found = Some(name.to_string_lossy().into_owned());
+            break;
+        }
+    }
+    // SAFETY: list came from getifaddrs and is freed once; no reference into it lives on.
+    unsafe { libc::freeifaddrs(list) };
+    found
+}
+
 /// Tokens below this are the port's own epoll tokens.
 pub const TOKEN_LIMIT: u64 = 1 << 40;
 
@@ -132,6 +229,12 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     /// moved to can take it. What still arrives for it is not this host's any more.
     fn release(&self, vm: usize) {
         let _ = vm;
+    }
+    /// The link VM `vm`'s GID is on, as far as the port can tell (read when the VM's
+    /// session starts, so a changed MTU is seen at the next one). The default: nothing.
+    fn link(&self, vm: usize) -> Link {
+        let _ = vm;
+        Link::default()
     }
     /// Sends MADs from VM `vm` to their GIDs; counts frames and drops on the VM.
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]);
@@ -211,6 +314,27 @@ pub(crate) mod testnet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn iboe_mtu_is_linuxs() {
+        assert_eq!(super::iboe_mtu(1500), Some(3));
+        assert_eq!(super::iboe_mtu(9000), Some(5));
+        assert_eq!(super::iboe_mtu(65536), Some(5));
+        assert_eq!(super::iboe_mtu(2144), Some(4));
+        assert_eq!(super::iboe_mtu(2143), Some(3));
+        assert_eq!(super::iboe_mtu(351), None);
+        assert_eq!(super::iboe_mtu(0), None);
+    }
+
+    #[test]
+    fn the_loopback_interface_and_its_mtu_are_found() {
+        let lo = super::iface_of("127.0.0.1".parse().unwrap());
+        assert_eq!(lo.as_deref(), Some("lo"));
+        assert!(super::if_mtu("lo").is_some_and(|m| m >= 1500));
+        assert_eq!(super::if_mtu("no-such-if0"), None);
+        assert_eq!(super::if_mtu(""), None);
+        assert_eq!(super::iface_of("192.0.2.77".parse().unwrap()), None);
+    }
 
     #[test]
     fn port_spec_parses() {

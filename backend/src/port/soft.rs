@@ -37,7 +37,12 @@
 //! even show the IPv6 header: Linux hands raw IPv6 sockets the payload only.)
 //!
 //! The kernel's own drops (a socket's receive queue full) are counted as
-//! `wire_rx_overflow` on the host's counters, from `SO_RXQ_OVFL`.
+//! `wire_rx_overflow` on the VM's counters ([`SoftPort`]'s loss audit): a UDP socket's
+//! drop count (`SO_RXQ_OVFL` with each datagram, `SO_MEMINFO` when the traffic pauses);
+//! in raw mode, the datagrams that reached a VM's address (its UDP socket's filter
+//! drops and counts each one) less those the raw socket delivered. The raw socket's own
+//! drop count is not used: while its queue is full the kernel counts every UDP datagram
+//! on the host against it, its filter notwithstanding.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -65,6 +70,12 @@ pub const RECV_BUF: usize = 512;
 
 /// `SO_RXQ_OVFL` (asm-generic/socket.h): a control message with the socket's drop count.
 const SO_RXQ_OVFL: libc::c_int = 40;
+/// `SO_MEMINFO` (asm-generic/socket.h): the socket's memory counters, drops among them.
+const SO_MEMINFO: libc::c_int = 55;
+/// Index of the drop count in `SO_MEMINFO`'s array (`SK_MEMINFO_DROPS`, sock_diag.h).
+const SK_MEMINFO_DROPS: usize = 8;
+/// How long after traffic the loss audit runs.
+const AUDIT_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 /// `UDP_NO_CHECK6_RX` (linux/udp.h): accept IPv6 UDP datagrams with checksum 0.
 const UDP_NO_CHECK6_RX: libc::c_int = 102;
 
@@ -83,8 +94,56 @@ pub struct UdpPort {
     sock: UdpSocket,
     local: SocketAddr,
     psn: AtomicU32,
-    /// The socket's kernel drop count last seen (`SO_RXQ_OVFL`).
-    drops_seen: AtomicU32,
+    /// Datagrams to this address the kernel dropped, as last counted (see [`Lost`]).
+    lost: Lost,
+    /// Datagrams to this address the raw socket delivered (raw mode).
+    raw_rx: AtomicU32,
+}
+
+/// A cumulative count of datagrams the kernel dropped, and how much of it was counted
+/// already. The kernel's counts are 32-bit and wrap; the count only moves forward, so
+/// an older or transiently low reading adds nothing.
+#[derive(Debug, Default)]
+struct Lost(AtomicU32);
+
+impl Lost {
+    /// The drops in `now` (a cumulative count) not counted before.
+    fn new_since(&self, now: u32) -> u32 {
+        let mut seen = self.0.load(Ordering::Relaxed);
+        loop {
+            let d = now.wrapping_sub(seen);
+            if d == 0 || d > i32::MAX as u32 {
+                return 0;
+            }
+            match self
+                .0
+                .compare_exchange_weak(seen, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return d,
+                Err(s) => seen = s,
+            }
+        }
+    }
+}
+
+/// The kernel's drop count of socket `fd` (`SO_MEMINFO`).
+fn socket_drops(fd: RawFd) -> io::Result<u32> {
+    let mut info = [0u32; SK_MEMINFO_DROPS + 1];
+    let mut len = std::mem::size_of_val(&info) as libc::socklen_t;
+    // SAFETY: `info` is writable for `len` bytes; the kernel writes at most that many.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_MEMINFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    })?;
+    if (len as usize) < std::mem::size_of_val(&info) {
+        return Err(io::Error::other("SO_MEMINFO without a drop count"));
+    }
+    Ok(info[SK_MEMINFO_DROPS])
 }
 
 /// A socket address as the kernel takes it: the storage and its length.
@@ -243,7 +302,8 @@ impl UdpPort {
             sock,
             local,
             psn: AtomicU32::new(0),
-            drops_seen: AtomicU32::new(0),
+            lost: Lost::default(),
+            raw_rx: AtomicU32::new(0),
         })
     }
 
@@ -340,10 +400,16 @@ impl UdpPort {
         recv_batch(self.sock.as_raw_fd(), rb)
     }
 
-    /// The datagrams the kernel dropped on this socket since the last call, from the
+    /// The datagrams the kernel dropped on this socket and not counted yet, from the
     /// drop count the last batch carried (0 if it carried none).
     pub fn new_drops(&self, rb: &RecvBatch) -> u32 {
-        new_drops(&self.drops_seen, rb)
+        rb.drop_count.map_or(0, |now| self.lost.new_since(now))
+    }
+
+    /// The datagrams the kernel dropped on this socket and not counted yet, asked of
+    /// the socket (`SO_MEMINFO`): also those no later datagram reported.
+    pub fn new_drops_now(&self) -> io::Result<u32> {
+        socket_drops(self.sock.as_raw_fd()).map(|now| self.lost.new_since(now))
     }
 
     /// Makes the socket discard everything it receives (raw mode reads elsewhere): a
@@ -354,18 +420,6 @@ impl UdpPort {
         let mut rb = RecvBatch::default();
         while self.recv_batch(&mut rb)? == BATCH {}
         Ok(())
-    }
-}
-
-/// The kernel drops since `seen` was last updated, from the largest `SO_RXQ_OVFL` count
-/// of the batch (a cumulative count per socket).
-pub(crate) fn new_drops(seen: &AtomicU32, rb: &RecvBatch) -> u32 {
-    match rb.drop_count {
-        Some(now) => {
-            let before = seen.swap(now, Ordering::Relaxed);
-            now.wrapping_sub(before)
-        }
-        None => 0,
     }
 }
 
@@ -541,8 +595,14 @@ fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
 #[derive(Debug)]
 pub struct RawRx {
     fd: OwnedFd,
-    drops_seen: AtomicU32,
 }
+
+/// The raw socket's receive buffer (the kernel doubles it for its bookkeeping). Not
+/// larger: a deeper queue turns a burst the host loop cannot keep up with into delay
+/// past the CM's timeouts instead of loss, and every late request is retried (at
+/// 65,536 connections per host in the lab, 256 MiB lost no frame but drew ten times the
+/// DREQ retries of 16 MiB).
+const RAW_RCVBUF: libc::c_int = 16 << 20;
 
 impl RawRx {
     /// Opens the raw socket for datagrams to `port` at `addrs`. Fails with
@@ -561,17 +621,13 @@ impl RawRx {
         let raw = fd.as_raw_fd();
         // Best effort: a large buffer absorbs bursts. FORCE (root/CAP_NET_ADMIN)
         // passes net.core.rmem_max; the plain option is capped by it.
-        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 16 << 20).is_err() {
-            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 16 << 20);
+        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RAW_RCVBUF).is_err() {
+            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, RAW_RCVBUF);
         }
         // Raw sockets never send here: a zero-length send buffer is not possible, but
         // nothing is ever written.
         attach_filter(raw, &raw_filter(port, addrs))?;
-        setsockopt_int(raw, libc::SOL_SOCKET, SO_RXQ_OVFL, 1)?;
-        let rx = RawRx {
-            fd,
-            drops_seen: AtomicU32::new(0),
-        };
+        let rx = RawRx { fd };
         // Datagrams that arrived between socket() and the filter: not filtered, drop.
         let mut rb = RecvBatch::default();
         while rx.recv_batch(&mut rb)? == BATCH {}
@@ -586,11 +642,6 @@ impl RawRx {
     /// Receives up to [`BATCH`] whole IPv4 datagrams (non-blocking) into `rb`.
     pub fn recv_batch(&self, rb: &mut RecvBatch) -> io::Result<usize> {
         recv_batch(self.fd.as_raw_fd(), rb)
-    }
-
-    /// The datagrams the kernel dropped on this socket since the last call.
-    pub fn new_drops(&self, rb: &RecvBatch) -> u32 {
-        new_drops(&self.drops_seen, rb)
     }
 }
 
@@ -749,6 +800,10 @@ impl From<InFrame> for InMad {
 
 /// The epoll token of the raw receive socket (the per-VM sockets use their VM index).
 const TOK_RAW: u64 = 1 << 39;
+/// The epoll token of the loss audit's timer.
+const TOK_AUDIT: u64 = TOK_RAW + 1;
+/// Raw batches the audit reads at most while it waits for the queue to empty.
+const AUDIT_DRAIN_ROUNDS: usize = 64;
 
 /// Datagram batches taken from one socket before the loop looks at the others.
 const RX_ROUNDS: usize = 16;
@@ -765,6 +820,9 @@ pub struct SoftPort {
     raw: Option<RawRx>,
     port_num: u16,
     by_addr: std::collections::HashMap<IpAddr, usize>,
+    /// The loss audit: a one-shot timer armed by traffic (see [`SoftPort::audit`]).
+    audit_timer: std::sync::Mutex<vmm_sys_util::timerfd::TimerFd>,
+    audit_armed: std::sync::atomic::AtomicBool,
 }
 
 /// Opens the raw receive socket the mode asks for (None: udp mode, or no IPv4 VM).
@@ -838,12 +896,20 @@ impl SoftPort {
             };
             addrs.push((name.clone(), *a, scope));
         }
+        let audit_timer = vmm_sys_util::timerfd::TimerFd::new()
+            .map_err(|e| Error::AuditTimer(io::Error::from(e)))?;
+        // Non-blocking: reading an expiry that is not there must not stall the loop.
+        // SAFETY: fcntl(2) on a descriptor the timer owns; the result is checked.
+        cvt(unsafe { libc::fcntl(audit_timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) })
+            .map_err(Error::AuditTimer)?;
         let mut port = SoftPort {
             socks: Vec::new(),
             addrs,
             raw,
             port_num,
             by_addr: std::collections::HashMap::new(),
+            audit_timer: std::sync::Mutex::new(audit_timer),
+            audit_armed: std::sync::atomic::AtomicBool::new(false),
         };
         for (i, (_, a, _)) in vms.iter().enumerate() {
             port.by_addr.insert(*a, i);
@@ -938,28 +1004,31 @@ impl SoftPort {
         }
     }
 
-    /// Takes datagrams from one VM address's socket (udp mode, and IPv6 VMs).
+    /// Takes datagrams from one VM address's socket (udp mode, and IPv6 VMs); returns
+    /// how many it read.
     fn on_udp(
         &self,
         ctx: &PortCtx<'_>,
         vm: usize,
         rb: &mut RecvBatch,
         route: &mut dyn FnMut(usize, Vec<InMad>),
-    ) {
+    ) -> usize {
         let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
-            return;
+            return 0;
         };
         let local = sock.local();
+        let mut read = 0;
         for _ in 0..RX_ROUNDS {
             let n = match sock.recv_batch(rb) {
-                Ok(0) => return,
+                Ok(0) => return read,
                 Ok(n) => n,
                 Err(e) => {
                     tracing::warn!(parent: &port.span, error = %e, "wire receive failed");
-                    return;
+                    return read;
                 }
             };
-            ctx.host
+            read += n;
+            port.counters
                 .drop_n(DevDrop::WireRxOverflow, sock.new_drops(rb).into());
             port.counters.add(Io::WireRxFrames, n as u64);
             let mut frames = Vec::with_capacity(n);
@@ -991,31 +1060,35 @@ impl SoftPort {
                 route(vm, frames);
             }
             if n < BATCH {
-                return;
+                return read;
             }
         }
+        read
     }
 
     /// Takes datagrams from the raw socket (raw mode): each is checked over its IPv4
-    /// header as received and routed to the VM of its destination address.
+    /// header as received and routed to the VM of its destination address. Returns how
+    /// many it read, and whether it left the socket's queue empty.
     fn on_raw(
         &self,
         ctx: &PortCtx<'_>,
         rb: &mut RecvBatch,
         route: &mut dyn FnMut(usize, Vec<InMad>),
-    ) {
-        let Some(raw) = &self.raw else { return };
+    ) -> (usize, bool) {
+        let Some(raw) = &self.raw else {
+            return (0, true);
+        };
+        let mut read = 0;
         for _ in 0..RX_ROUNDS {
             let n = match raw.recv_batch(rb) {
-                Ok(0) => return,
+                Ok(0) => return (read, true),
                 Ok(n) => n,
                 Err(e) => {
                     tracing::warn!(error = %e, "raw wire receive failed");
-                    return;
+                    return (read, true);
                 }
             };
-            ctx.host
-                .drop_n(DevDrop::WireRxOverflow, raw.new_drops(rb).into());
+            read += n;
             let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
             for i in 0..n {
                 let (_, dgram, truncated) = rb.get(i);
@@ -1030,12 +1103,13 @@ impl SoftPort {
                 };
                 // An address this host does not hold now (a VM not arrived yet, or
                 // gone by migration) is not ours either: its frames are another host's.
-                if self.sock(p).is_none() {
+                let Some(sock) = self.sock(p) else {
                     continue;
-                }
+                };
                 let Some(port) = ctx.vms.get(p) else {
                     continue;
                 };
+                sock.raw_rx.fetch_add(1, Ordering::Relaxed);
                 port.counters.add(Io::WireRxFrames, 1);
                 if let Some(c) = ctx.capture {
                     c.record_datagram(dgram);
@@ -1065,13 +1139,113 @@ impl SoftPort {
                 route(p, frames);
             }
             if n < BATCH {
-                return;
+                return (read, true);
             }
+        }
+        (read, false)
+    }
+
+    /// Arms the loss audit, unless it is armed already.
+    fn arm_audit(&self) {
+        if self.audit_armed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let mut t = self
+            .audit_timer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(e) = t.reset(AUDIT_AFTER, None) {
+            tracing::warn!(error = %e, "loss audit timer");
+            self.audit_armed.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts the datagrams the kernel dropped for each VM and no datagram reported:
+    /// `AUDIT_AFTER` after traffic, so the count is complete soon after a burst ends
+    /// even when nothing follows it.
+    ///
+    /// - A socket the port reads (udp mode, IPv6 VMs): its drop count (`SO_MEMINFO`).
+    /// - An IPv4 VM in raw mode: the datagrams that reached its address (its UDP socket
+    ///   drops each one with its filter and counts it) less those the raw socket
+    ///   delivered for it. The arrivals are read first, then the raw queue is emptied:
+    ///   every datagram counted in the arrivals is then either delivered or lost, and
+    ///   one that arrives meanwhile can only make the difference smaller, never count
+    ///   as lost (the next audit counts it right).
+    ///
+    /// It re-arms itself while traffic goes on.
+    fn audit(
+        &self,
+        ctx: &PortCtx<'_>,
+        rb: &mut RecvBatch,
+        route: &mut dyn FnMut(usize, Vec<InMad>),
+    ) {
+        {
+            let mut t = self
+                .audit_timer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Consumes the expiry: epoll reported it, so this does not block.
+            let _ = t.wait();
+        }
+        self.audit_armed.store(false, Ordering::Relaxed);
+        let mut read = 0;
+        let mut drained = true;
+        if self.raw.is_some() {
+            let arrivals: Vec<(usize, std::sync::Arc<UdpPort>, u32)> = (0..self.socks.len())
+                .filter(|&vm| !self.reads_udp(vm))
+                .filter_map(|vm| {
+                    let sock = self.sock(vm)?;
+                    let a = socket_drops(sock.socket().as_raw_fd()).ok()?;
+                    Some((vm, sock, a))
+                })
+                .collect();
+            drained = false;
+            for _ in 0..AUDIT_DRAIN_ROUNDS {
+                let (n, empty) = self.on_raw(ctx, rb, route);
+                read += n;
+                if empty {
+                    drained = true;
+                    break;
+                }
+            }
+            if drained {
+                for (vm, sock, arrived) in arrivals {
+                    let lost = arrived.wrapping_sub(sock.raw_rx.load(Ordering::Relaxed));
+                    let n = sock.lost.new_since(lost);
+                    if let Some(port) = ctx.vms.get(vm) {
+                        port.counters.drop_n(DevDrop::WireRxOverflow, n.into());
+                    }
+                }
+            }
+        }
+        for vm in (0..self.socks.len()).filter(|&vm| self.reads_udp(vm)) {
+            let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
+                continue;
+            };
+            match sock.new_drops_now() {
+                Ok(n) => port.counters.drop_n(DevDrop::WireRxOverflow, n.into()),
+                Err(e) => tracing::debug!(parent: &port.span, error = %e, "SO_MEMINFO"),
+            }
+        }
+        if read > 0 || !drained {
+            self.arm_audit();
         }
     }
 }
 
 impl crate::port::WirePort for SoftPort {
+    fn link(&self, vm: usize) -> crate::port::Link {
+        // rdma_cm takes a RoCE route's MTU from the network device the address is on.
+        let mtu = self.addrs.get(vm).and_then(|(_, a, _)| {
+            let iface = crate::port::iface_of(*a)?;
+            crate::port::iboe_mtu(crate::port::if_mtu(&iface)?)
+        });
+        crate::port::Link {
+            mtu,
+            ca_ack_delay: None,
+        }
+    }
+
     fn rx_mode(&self) -> String {
         if self.raw.is_some() {
             RxMode::Raw.name().to_string()
@@ -1083,6 +1257,13 @@ impl crate::port::WirePort for SoftPort {
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {
         let mut fds: Vec<(RawFd, u64)> =
             self.raw.iter().map(|r| (r.as_raw_fd(), TOK_RAW)).collect();
+        fds.push((
+            self.audit_timer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_raw_fd(),
+            TOK_AUDIT,
+        ));
         fds.extend(
             (0..self.socks.len())
                 .filter(|&i| self.reads_udp(i))
@@ -1144,10 +1325,16 @@ impl crate::port::WirePort for SoftPort {
         RB.with(|rb| {
             let mut rb = rb.borrow_mut();
             let rb = rb.get_or_insert_with(RecvBatch::default);
-            if token == TOK_RAW {
-                self.on_raw(ctx, rb, route);
-            } else {
-                self.on_udp(ctx, token as usize, rb, route);
+            let read = match token {
+                TOK_AUDIT => {
+                    self.audit(ctx, rb, route);
+                    0
+                }
+                TOK_RAW => self.on_raw(ctx, rb, route).0,
+                vm => self.on_udp(ctx, vm as usize, rb, route),
+            };
+            if read > 0 {
+                self.arm_audit();
             }
         });
     }
@@ -1593,7 +1780,7 @@ mod tests {
             let port = SoftPort::open(&vms, &[false; 4], 4791, RxMode::Raw).unwrap();
             assert_eq!(port.rx_mode(), "raw");
             let toks: Vec<u64> = port.poll_fds().iter().map(|(_, t)| *t).collect();
-            assert_eq!(toks, vec![TOK_RAW, 2, 3]);
+            assert_eq!(toks, vec![TOK_RAW, TOK_AUDIT, 2, 3]);
             let ports: Vec<_> = vms
                 .iter()
                 .enumerate()
@@ -1659,6 +1846,122 @@ mod tests {
             // An incoming IPv6 VM is refused on the soft port.
             let e = SoftPort::open(&vms[2..3], &[true], 4795, RxMode::Raw).unwrap_err();
             assert!(e.to_string().contains("IPv4 GID"), "{e}");
+        });
+    }
+
+    /// Raw mode: the frames the kernel drops for a VM are counted exactly, while frames
+    /// to another address, dropped by the same full raw queue, are not counted as ours.
+    #[test]
+    fn raw_mode_counts_exactly_the_frames_lost_for_its_vms() {
+        if !is_root() {
+            eprintln!("skipped: needs CAP_NET_RAW");
+            return;
+        }
+        super::super::testnet::in_netns("soft port raw loss audit", || {
+            use crate::config::VmSpec;
+            use crate::port::WirePort;
+            let s: VmSpec = "socket=/x/a,gid=127.82.0.1,name=a".parse().unwrap();
+            let vms = vec![("a".to_string(), s.addr(), None)];
+            let port = SoftPort::open(&vms, &[false], 4791, RxMode::Raw).unwrap();
+            let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
+            let host = crate::stats::DevCounters::default();
+            let ctx = PortCtx {
+                vms: &ports,
+                host: &host,
+                capture: None,
+            };
+            let raw = port.raw.as_ref().unwrap().as_raw_fd();
+            setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 1).unwrap();
+            let peer = UdpPort::bind(v4([127, 82, 0, 9]), 0, 4791).unwrap();
+            let other = UdpPort::bind(v4([127, 82, 0, 2]), 0, 4791).unwrap();
+            let ours = sa4(Ipv4Addr::new(127, 82, 0, 1), 4791);
+            // Interleaved: 150 frames for the VM, 150 for an address that is not ours.
+            let frames: Vec<OutFrame> = (0..300u16)
+                .map(|i| {
+                    let to = if i % 2 == 0 { ours } else { other.local() };
+                    peer.frame(to, &cm_mad(i as u8)).unwrap()
+                })
+                .collect();
+            assert_eq!(peer.send_batch(&frames), 300);
+            let got = std::cell::Cell::new(0usize);
+            let mut route = |_: usize, m: Vec<InMad>| got.set(got.get() + m.len());
+            for _ in 0..20 {
+                port.receive(&ctx, TOK_RAW, &mut route);
+            }
+            std::thread::sleep(AUDIT_AFTER * 2);
+            port.receive(&ctx, TOK_AUDIT, &mut route);
+            let lost = ports[0].counters.dropped(DevDrop::WireRxOverflow);
+            let rx = ports[0].counters.io(Io::WireRxFrames);
+            assert!(
+                lost > 0,
+                "the raw queue must have overflowed ({rx} received)"
+            );
+            assert_eq!(rx as usize, got.get());
+            assert_eq!(rx + lost, 150, "{rx} received, {lost} counted as lost");
+            assert_eq!(host.dropped(DevDrop::WireRxOverflow), 0);
+            // The kernel's own count for the raw socket includes the other address's.
+            assert!(socket_drops(raw).unwrap() as u64 > lost);
+            // Counted once: a later audit adds nothing.
+            port.arm_audit();
+            std::thread::sleep(AUDIT_AFTER * 2);
+            port.receive(&ctx, TOK_AUDIT, &mut route);
+            assert_eq!(ports[0].counters.dropped(DevDrop::WireRxOverflow), lost);
+        });
+    }
+
+    /// Udp mode: drops at the end of a burst, which no later datagram reports, are
+    /// counted by the audit (`SO_MEMINFO`), once.
+    #[test]
+    fn udp_mode_audit_counts_the_last_drops_of_a_burst() {
+        super::super::testnet::in_netns("soft port udp loss audit", || {
+            use crate::config::VmSpec;
+            use crate::port::WirePort;
+            let s: VmSpec = "socket=/x/a,gid=127.83.0.1,name=a".parse().unwrap();
+            let vms = vec![("a".to_string(), s.addr(), None)];
+            let port = SoftPort::open(&vms, &[false], 4791, RxMode::Udp).unwrap();
+            let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
+            let host = crate::stats::DevCounters::default();
+            let ctx = PortCtx {
+                vms: &ports,
+                host: &host,
+                capture: None,
+            };
+            let sock = port.sock(0).unwrap();
+            setsockopt_int(
+                sock.socket().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                1,
+            )
+            .unwrap();
+            let peer = UdpPort::bind(v4([127, 83, 0, 9]), 0, 4791).unwrap();
+            let frames: Vec<OutFrame> = (0..200u8)
+                .map(|i| peer.frame(sock.local(), &cm_mad(i)).unwrap())
+                .collect();
+            assert_eq!(peer.send_batch(&frames), 200);
+            for _ in 0..20 {
+                port.receive(&ctx, 0, &mut |_, _| {});
+            }
+            std::thread::sleep(AUDIT_AFTER * 2);
+            port.receive(&ctx, TOK_AUDIT, &mut |_, _| {});
+            let lost = ports[0].counters.dropped(DevDrop::WireRxOverflow);
+            let rx = ports[0].counters.io(Io::WireRxFrames);
+            assert!(lost > 0, "the queue must have overflowed ({rx} received)");
+            assert_eq!(rx + lost, 200, "{rx} received, {lost} counted as lost");
+            // One more datagram reports the same count: nothing is counted twice.
+            assert_eq!(
+                peer.send_batch(&[peer.frame(sock.local(), &cm_mad(0)).unwrap()]),
+                1
+            );
+            for _ in 0..50 {
+                port.receive(&ctx, 0, &mut |_, _| {});
+                if ports[0].counters.io(Io::WireRxFrames) == rx + 1 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            assert_eq!(ports[0].counters.io(Io::WireRxFrames), rx + 1);
+            assert_eq!(ports[0].counters.dropped(DevDrop::WireRxOverflow), lost);
         });
     }
 

@@ -274,6 +274,27 @@ pub fn read_gid_table(port_dir: &Path) -> io::Result<Vec<GidEntry>> {
     Ok(out)
 }
 
+/// The active MTU (IBTA code) of GID entry `index` of the port at `port_dir`
+/// (`sysfs/class/infiniband/DEV/ports/N`): `iboe_get_mtu()` of its network device's
+/// MTU (`gid_attrs/ndevs/INDEX`), as the RoCE device's port reports it and rdma_cm
+/// takes it. The device's MTU from sysfs, else from the device in this namespace.
+pub fn gid_mtu(port_dir: &Path, index: u8) -> Option<u8> {
+    let ndev = fs::read_to_string(
+        port_dir
+            .join("gid_attrs")
+            .join("ndevs")
+            .join(index.to_string()),
+    )
+    .ok()?;
+    let ndev = ndev.trim();
+    let root = port_dir.ancestors().nth(5)?;
+    let mtu = fs::read_to_string(root.join("class/net").join(ndev).join("mtu"))
+        .ok()
+        .and_then(|m| m.trim().parse().ok())
+        .or_else(|| crate::port::if_mtu(ndev))?;
+    crate::port::iboe_mtu(mtu)
+}
+
 /// Reads the P_Key table (`ports/N/pkeys/*`), index -> value (missing: 0xFFFF at 0).
 pub fn read_pkeys(port_dir: &Path) -> Vec<u16> {
     let mut v: Vec<(usize, u16)> = Vec::new();
@@ -580,6 +601,15 @@ impl UmadPort {
 }
 
 impl WirePort for UmadPort {
+    fn link(&self, vm: usize) -> crate::port::Link {
+        let index = self.lock().of_vm.get(vm).copied().flatten();
+        crate::port::Link {
+            mtu: index.and_then(|i| gid_mtu(&self.port_dir, i)),
+            // Not in sysfs or the umad ABI (the device reports it through verbs only).
+            ca_ack_delay: None,
+        }
+    }
+
     fn rx_mode(&self) -> String {
         format!("umad {}", self.name.trim_start_matches("umad:"))
     }
@@ -844,6 +874,23 @@ mod tests {
         fs::write(m.join("ibdev"), "rxe0\n").unwrap();
         fs::write(m.join("port"), "1\n").unwrap();
         p
+    }
+
+    #[test]
+    fn a_gid_entrys_mtu_is_its_network_devices() {
+        let d = tempfile::tempdir().unwrap();
+        let p = fake_port(d.path());
+        fs::create_dir_all(p.join("gid_attrs/ndevs")).unwrap();
+        fs::write(p.join("gid_attrs/ndevs/2"), "eth9\n").unwrap();
+        fs::write(p.join("gid_attrs/ndevs/4"), "eth1\n").unwrap();
+        for (dev, mtu) in [("eth9", "9000\n"), ("eth1", "1500\n")] {
+            let n = d.path().join("class/net").join(dev);
+            fs::create_dir_all(&n).unwrap();
+            fs::write(n.join("mtu"), mtu).unwrap();
+        }
+        assert_eq!(gid_mtu(&p, 2), Some(5), "a jumbo device: 4096");
+        assert_eq!(gid_mtu(&p, 4), Some(3), "1500: 1024");
+        assert_eq!(gid_mtu(&p, 6), None, "no device named");
     }
 
     #[test]

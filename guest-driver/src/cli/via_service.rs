@@ -331,6 +331,7 @@ fn pacing_of(stat: &Value) -> PacingCounters {
         answered: p("answered"),
         cancelled: p("cancelled"),
         decreases: p("decreases"),
+        opened: p("opened"),
         max_outstanding: p("max_outstanding"),
         max_queued: p("max_queued"),
         max_window: p("max_window"),

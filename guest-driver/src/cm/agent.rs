@@ -18,7 +18,7 @@ use super::config::{AgentConfig, cm_ack_timeout};
 use super::counters::{CmCounters, DropReason, Drops, Group};
 use super::event::{CmId, Event, State};
 use super::ids::{CommIds, QpnPool, SplitMix64};
-use super::pacing::{Pace, PacingCounters, Window};
+use super::pacing::{Pace, Pacer, PacingCounters, Request, WindowInfo};
 use super::qp_attr::{PathAv, QpParams};
 use crate::time::Time;
 
@@ -178,10 +178,7 @@ pub struct Agent {
     pub(crate) drops: Drops,
     pub(crate) connections: usize,
     /// Per-destination request windows (see `pacing.rs`).
-    pub(crate) windows: FastMap<Gid, Window>,
-    /// Destinations whose window freed a slot since the last flush.
-    pub(crate) pace_dirty: Vec<Gid>,
-    pub(crate) pace_counters: PacingCounters,
+    pacer: Pacer,
 }
 
 /// Connections an agent makes room for when it starts (fewer if its quota is smaller):
@@ -202,6 +199,7 @@ impl Agent {
             0 => PRESIZED_CONNECTIONS,
             n => (n as usize).min(PRESIZED_CONNECTIONS),
         };
+        let cfg_pacing = cfg.pacing;
         let mut comm_ids = CommIds::new(operand);
         comm_ids.reserve(cap);
         qpns.reserve(cap);
@@ -225,9 +223,7 @@ impl Agent {
             counters: CmCounters::default(),
             drops: Drops::default(),
             connections: 0,
-            windows: FastMap::default(),
-            pace_dirty: Vec::new(),
-            pace_counters: PacingCounters::default(),
+            pacer: Pacer::new(cfg_pacing),
         }
     }
 
@@ -311,7 +307,7 @@ impl Agent {
             && self.sidr_rcvd.is_empty()
             && self.armed == 0
             && self.outbox.is_empty()
-            && self.windows.is_empty()
+            && self.pacer.is_idle()
     }
 
     /// How many remembered connections are in each state.
@@ -508,6 +504,82 @@ impl Agent {
         }
     }
 
+    // ----------------------------------------------------------------- pacing
+
+    /// The pacing counters.
+    pub fn pacing(&self) -> PacingCounters {
+        self.pacer.counters()
+    }
+
+    /// One of a destination's windows (`None`: nothing outstanding or queued there).
+    pub fn window(&self, dst: Gid, kind: Request) -> Option<WindowInfo> {
+        self.pacer.window(dst, kind)
+    }
+
+    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window
+    /// for that kind: at once if a slot is free and nobody waits (true), else queued
+    /// (false; the caller must not arm its timer: the send does).
+    pub(crate) fn send_request(
+        &mut self,
+        slot: u32,
+        dst: Gid,
+        kind: Request,
+        mad: [u8; MAD_LEN],
+    ) -> bool {
+        let pace = &mut self.conns[slot as usize].pace;
+        let now = self.pacer.admit(pace, slot, dst, kind, mad);
+        if now {
+            self.push(dst, mad, false);
+        }
+        now
+    }
+
+    /// True if the connection's request waits in a queue (its timers must not run).
+    pub(crate) fn pace_queued(&self, slot: u32) -> bool {
+        matches!(self.conns[slot as usize].pace, Pace::Queued(_))
+    }
+
+    /// The peer answered the connection's request (see [`Pacer::answered`]).
+    pub(crate) fn pace_answered(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.answered(&mut c.pace, slot, c.remote_gid);
+    }
+
+    /// The connection no longer needs its request (see [`Pacer::release`]).
+    pub(crate) fn pace_release(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.release(&mut c.pace, slot, c.remote_gid);
+    }
+
+    /// The connection's request timed out, to be retried or given up (see
+    /// [`Pacer::timeout`]).
+    fn pace_timeout(&mut self, slot: u32) {
+        let c = &mut self.conns[slot as usize];
+        self.pacer.timeout(&mut c.pace, c.remote_gid);
+    }
+
+    /// Sends what the freed slots allow, in queue order, arming each sent connection's
+    /// timer from `now`. Run at the end of every agent call.
+    pub(crate) fn pace_flush(&mut self, now: Time) {
+        for r in self.pacer.ready() {
+            self.conns[r.slot as usize].pace = r.pace;
+            self.push(r.dst, r.mad, false);
+            self.arm_after_send(r.slot, now);
+        }
+    }
+
+    /// Arms the timer a request's connection runs once the request is on its way.
+    fn arm_after_send(&mut self, slot: u32, now: Time) {
+        let c = &self.conns[slot as usize];
+        let wait = match c.state {
+            State::ReqSent | State::DreqSent => c.timeout_ms,
+            // A destroyed connection's one DREQ: its TimeWait starts now.
+            State::Timewait => linux_ms(c.av_timeout),
+            _ => return,
+        };
+        self.arm(slot, now.after_ms(wait));
+    }
+
     // ----------------------------------------------------------------- timers
 
     pub(crate) fn arm(&mut self, slot: u32, at: Time) {
@@ -625,6 +697,7 @@ impl Agent {
                     self.arm(slot, now.after_ms(t));
                     return;
                 }
+                self.pace_timeout(slot);
                 self.pace_release(slot);
                 let id = self.id_of(slot);
                 if state == State::DreqSent {
@@ -746,6 +819,21 @@ impl Agent {
         c.state = next;
     }
 
+    /// A duplicate arrived while the application has not answered the REQ or REP yet
+    /// (`waiting`: REQ_RCVD or REP_RCVD) and `mra_delay` has not passed: rdma_cm is in
+    /// MRA_REQ_SENT / MRA_REP_SENT from the moment its handler returned, so the duplicate
+    /// is owed the MRA now, not dropped. Enters the MRA state early (the caller sends it).
+    fn mra_owed(&mut self, slot: u32, waiting: State) {
+        if self.cfg.mra_delay.is_none() || self.conns[slot as usize].state != waiting {
+            return;
+        }
+        self.disarm(slot);
+        match waiting {
+            State::ReqRcvd => self.delay_mra(slot, MsgResponse::Req, State::MraReqSent),
+            _ => self.delay_mra(slot, MsgResponse::Rep, State::MraRepSent),
+        }
+    }
+
     /// Answers a duplicate with the last answer (MRA, RTU, DREP) and this TID. A re-sent
     /// answer counts as a retry; a delayed MRA going out for the first time does not.
     fn resend_reply(&mut self, slot: u32, tid: u64) {
@@ -772,8 +860,21 @@ impl Agent {
     }
 
     /// Sends a DREQ from ESTABLISHED; `retried`: keep it for retries (DREQ_SENT),
-    /// else it goes once (destroy).
+    /// else it goes once (destroy). The application's disconnects are paced like REQs
+    /// (a burst must not overrun the peer either); the DREQ for a stale connection is
+    /// not ([`Agent::send_stale_dreq`]).
     pub(crate) fn send_dreq(&mut self, slot: u32, private_data: &[u8], retried: bool, now: Time) {
+        self.dreq(slot, private_data, retried, true, now);
+    }
+
+    /// The DREQ for a connection the peer has just called stale (its REQ or REP named
+    /// our connected QPN): sent at once with the REJ(STALE_CONN), as Linux sends both,
+    /// never behind a window of disconnects; one per stale connection, rare.
+    fn send_stale_dreq(&mut self, slot: u32, now: Time) {
+        self.dreq(slot, &[], true, false, now);
+    }
+
+    fn dreq(&mut self, slot: u32, private_data: &[u8], retried: bool, paced: bool, now: Time) {
         let c = &self.conns[slot as usize];
         let tid = self.form_tid(c.local_id);
         let r = CmRepr::Dreq(dreq::Repr {
@@ -783,7 +884,6 @@ impl Agent {
             private_data,
         });
         let dst = c.remote_gid;
-        // Paced like a REQ: a burst of disconnects must not overrun the peer either.
         let Some(mad) = self.encode(&Header::cm_send(AttributeId::Dreq, tid), &r) else {
             return;
         };
@@ -793,12 +893,16 @@ impl Agent {
             c.msg = Some(mad);
             c.retries_left = c.max_retries;
             c.state = State::DreqSent;
-            let t = c.timeout_ms;
-            if self.send_request(slot, dst, mad) {
-                self.arm(slot, now.after_ms(t));
-            }
+        }
+        let sent = if paced {
+            self.send_request(slot, dst, Request::Disconnect, mad)
         } else {
-            self.send_request(slot, dst, mad);
+            self.push(dst, mad, false);
+            true
+        };
+        if retried && sent {
+            let t = self.conns[slot as usize].timeout_ms;
+            self.arm(slot, now.after_ms(t));
         }
     }
 
@@ -934,6 +1038,7 @@ impl Agent {
         // reusing it is a new request, as in Linux.
         if let Some(&slot) = self.remote_ids.get(&(r.local_ca_guid, r.local_comm_id)) {
             self.dup(AttributeId::Req);
+            self.mra_owed(slot, State::ReqRcvd);
             if self.conns[slot as usize].state == State::MraReqSent {
                 self.resend_reply(slot, h.tid);
             }
@@ -953,7 +1058,7 @@ impl Agent {
                 &[],
             );
             if self.conns[old as usize].state == State::Established {
-                self.send_dreq(old, &[], true, now);
+                self.send_stale_dreq(old, now);
             }
             return;
         }
@@ -1168,8 +1273,9 @@ impl Agent {
         if !fresh {
             if c.remote_id == r.local_comm_id && c.remote_ca_guid == r.local_ca_guid {
                 // Linux cm_dup_rep_handler.
-                let state = c.state;
                 self.dup(AttributeId::Rep);
+                self.mra_owed(slot, State::RepRcvd);
+                let state = self.conns[slot as usize].state;
                 if matches!(state, State::Established | State::MraRepSent) {
                     self.resend_reply(slot, h.tid);
                 }
@@ -1199,7 +1305,7 @@ impl Agent {
                 &[],
             );
             if self.conns[old as usize].state == State::Established {
-                self.send_dreq(old, &[], true, now);
+                self.send_stale_dreq(old, now);
             }
             return;
         }
@@ -1305,6 +1411,14 @@ impl Agent {
             }
             State::Timewait => {
                 self.dup(AttributeId::Dreq);
+                // A destroyed connection's one DREQ still waiting for its window is
+                // answered by the peer's: withdrawn (it would draw a second DREP), and
+                // the TimeWait that waited for it starts now.
+                if self.pace_queued(slot) {
+                    self.pace_release(slot);
+                    let wait = linux_ms(self.conns[slot as usize].av_timeout);
+                    self.arm(slot, now.after_ms(wait));
+                }
                 let c = &self.conns[slot as usize];
                 if c.reply.is_some_and(|m| {
                     AttributeId::from_u16(mad::field::ATTR_ID.get(&m) as u16)

@@ -15,6 +15,7 @@ use super::config::{
     cm_ack_timeout,
 };
 use super::event::{CmError, CmId, Event, State};
+use super::pacing::Request;
 use super::qp_attr::{PathAv, QpAttr, QpParams, QpState};
 use super::rdma_cm;
 use crate::time::Time;
@@ -288,7 +289,7 @@ impl Agent {
         let t = c.timeout_ms;
         // Through the destination's window: a REQ that has to wait is sent (and its
         // timer started) when a slot frees up.
-        if self.send_request(slot, dest, sent) {
+        if self.send_request(slot, dest, Request::Connect, sent) {
             self.arm(slot, now.after_ms(t));
         }
         Ok(self.id_of(slot))

@@ -7,6 +7,8 @@ use pvcm_wire::Gid;
 use pvcm_wire::abi::{MTU_1024, PortInfo};
 use pvcm_wire::cm::TransportService;
 
+use super::pacing::Pacing;
+
 /// Linux's `CM_MRA_SETTING`: the service timeout an MRA offers (~68.7 s).
 pub const CM_MRA_SETTING: u8 = 24;
 /// rdma_cm's `CMA_CM_RESPONSE_TIMEOUT`: 4.096 us * 2^20 (~4.3 s; Linux uses 4096 ms).
@@ -24,41 +26,6 @@ pub const RDMA_MAX_INIT_DEPTH: u8 = 0xFF;
 /// The responder resources and initiator depth [`AgentConfig`] takes as the device
 /// maximum: rdma_rxe's `max_qp_rd_atom` and `max_qp_init_rd_atom` (128).
 pub const DEFAULT_MAX_RD_ATOM: u8 = 128;
-
-/// Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
-/// window of requests sent and not yet answered, so a burst of connects or disconnects
-/// never overruns the peer's QP1 receive queue (a Linux peer keeps at most ~128 MAD sends
-/// outstanding itself, and rdma_rxe's QP1 receive queue holds 512).
-///
-/// The window starts at `initial_window`, grows by one per answer up to `slow_start`
-/// (slow start: it doubles per round trip), then by one per window's worth of answers
-/// (additive increase), never beyond `max_window`. A request's timeout halves it (once
-/// per window: timeouts of requests sent before the last decrease do not count again),
-/// never below `min_window`. Requests beyond the window wait in order, their timers not
-/// running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pacing {
-    /// The window a destination starts with.
-    pub initial_window: u32,
-    /// The window never shrinks below this.
-    pub min_window: u32,
-    /// The window never grows beyond this.
-    pub max_window: u32,
-    /// Slow-start threshold a destination starts with (later: half the window at the
-    /// last timeout).
-    pub slow_start: u32,
-}
-
-impl Default for Pacing {
-    fn default() -> Self {
-        Pacing {
-            initial_window: 32,
-            min_window: 4,
-            max_window: 1024,
-            slow_start: 1024,
-        }
-    }
-}
 
 /// The agent's identity and policy.
 #[derive(Debug, Clone, PartialEq, Eq)]

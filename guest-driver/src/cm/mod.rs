@@ -80,13 +80,16 @@ pub use agent::{Agent, OutMad};
 pub use api::ConnInfo;
 pub use config::{
     AcceptOptions, AgentConfig, CM_MRA_SETTING, CMA_CM_RESPONSE_TIMEOUT, CMA_IBOE_PACKET_LIFETIME,
-    CMA_MAX_CM_RETRIES, ConnectOptions, DEFAULT_MAX_RD_ATOM, Pacing, RDMA_MAX_INIT_DEPTH,
+    CMA_MAX_CM_RETRIES, ConnectOptions, DEFAULT_MAX_RD_ATOM, RDMA_MAX_INIT_DEPTH,
     RDMA_MAX_RESP_RES, SidrOptions, cm_ack_timeout,
 };
 pub use counters::{CmCounters, DropReason, Drops, Group, MESSAGES};
 pub use event::{CmError, CmId, Event, State};
 pub use ids::{CommIds, QpnPool, SplitMix64};
-pub use pacing::{PacingCounters, WindowInfo};
+pub use pacing::{
+    DEFAULT_INITIAL_WINDOW, DEFAULT_MAX_WINDOW, MIN_WINDOW, Pacing, PacingCounters, Request,
+    WindowInfo,
+};
 pub use pvcm_wire::cm::{RejReason, SidrStatus};
 pub use qp_attr::{QpAttr, QpParams, QpState};
 

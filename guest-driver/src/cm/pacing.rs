@@ -1,6 +1,9 @@
 //! Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
 //! window of requests sent and not yet answered, per destination GID, with the rest
-//! queued in order. See [`Pacing`] for the policy.
+//! queued in order. [`Pacing`] is the policy, [`Pacer`] the windows, queues and
+//! counters; the agent tells the pacer what happened to a connection's request and the
+//! pacer says what may go on the wire. The pacer knows connections only by their slot
+//! and the [`Pace`] the agent keeps for each, and never touches the agent.
 //!
 //! - A request takes a slot of its destination's window when it is first sent, and gives
 //!   it back when it is answered (REQ: REP, REJ or MRA; DREQ: DREP, REJ, or the peer's
@@ -24,57 +27,171 @@ use std::collections::VecDeque;
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
-use pvcm_wire::timeout::linux_ms;
 
-use super::agent::Agent;
-use super::config::Pacing;
-use super::event::State;
-use crate::time::Time;
+use super::FastMap;
 
-/// Where a connection's paced request stands.
+/// The window a destination starts with, by default.
+pub const DEFAULT_INITIAL_WINDOW: u32 = 32;
+/// The most requests outstanding per destination, by default.
+pub const DEFAULT_MAX_WINDOW: u32 = 1024;
+/// The window never shrinks below this (or below the ceiling, if that is smaller).
+pub const MIN_WINDOW: u32 = 4;
+
+/// Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
+/// window of requests sent and not yet answered, so a burst of connects or disconnects
+/// never overruns the peer's QP1 receive queue (a Linux peer keeps at most ~128 MAD sends
+/// outstanding itself, and rdma_rxe's QP1 receive queue holds 512).
+///
+/// The window starts at `initial_window`, grows by one per answer up to `slow_start`
+/// (slow start: it doubles per round trip), then by one per window's worth of answers
+/// (additive increase), never beyond `max_window`. A request's timeout halves it (once
+/// per window: timeouts of requests sent before the last decrease do not count again),
+/// never below `min_window`. Requests beyond the window wait in order, their timers not
+/// running.
+///
+/// [`Pacing::new`] derives a consistent policy from the two numbers an operator sets;
+/// the fields stay public for tests that need an unusual one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// The window a destination starts with.
+    pub initial_window: u32,
+    /// The window never shrinks below this.
+    pub min_window: u32,
+    /// The window never grows beyond this.
+    pub max_window: u32,
+    /// Slow-start threshold a destination starts with (later: half the window at the
+    /// last timeout).
+    pub slow_start: u32,
+}
+
+impl Pacing {
+    /// The policy for a ceiling of `max_window` requests outstanding per destination
+    /// (default [`DEFAULT_MAX_WINDOW`]; `Some(0)`: no pacing, `None` returned) and a
+    /// start of `initial_window` (default [`DEFAULT_INITIAL_WINDOW`]). Slow start runs
+    /// up to the ceiling; the start and the floor ([`MIN_WINDOW`]) are cut to the
+    /// ceiling, and the start is at least the floor.
+    pub fn new(max_window: Option<u32>, initial_window: Option<u32>) -> Option<Pacing> {
+        let max = max_window.unwrap_or(DEFAULT_MAX_WINDOW);
+        if max == 0 {
+            return None;
+        }
+        let min = MIN_WINDOW.min(max);
+        Some(Pacing {
+            initial_window: initial_window
+                .unwrap_or(DEFAULT_INITIAL_WINDOW)
+                .clamp(min.max(1), max),
+            min_window: min,
+            max_window: max,
+            slow_start: max,
+        })
+    }
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Pacing {
+            initial_window: DEFAULT_INITIAL_WINDOW,
+            min_window: MIN_WINDOW,
+            max_window: DEFAULT_MAX_WINDOW,
+            slow_start: DEFAULT_MAX_WINDOW,
+        }
+    }
+}
+
+/// Which of a destination's two windows a request goes through. Connects and
+/// disconnects are paced apart, as Linux never delays one for the other: a DREQ a Linux
+/// peer leaves unanswered until its application disconnects (minutes, maybe) must not
+/// hold up connects, nor a connect burst a disconnect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Request {
+    /// REQ.
+    Connect,
+    /// DREQ.
+    Disconnect,
+}
+
+/// Where a connection's paced request stands (kept by the agent per connection, changed
+/// only by the [`Pacer`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Pace {
     /// No paced request (none started, or it was answered).
     #[default]
     Idle,
     /// Waiting in its destination's queue, not sent yet.
-    Queued,
+    Queued(Request),
     /// Sent, holding a slot of its destination's window; `epoch` is the window's epoch
-    /// when it was (last) sent.
-    Outstanding { epoch: u32 },
+    /// and `heard` its count of answers when it was sent.
+    Outstanding {
+        kind: Request,
+        epoch: u32,
+        heard: u32,
+    },
+    /// Timed out: its slot is free and its retries go out unpaced; an answer still
+    /// tells the window its destination lives.
+    Retrying(Request),
 }
-
 /// A request waiting for a slot.
 #[derive(Debug, Clone)]
-pub(crate) struct Queued {
+struct Queued {
     slot: u32,
     mad: [u8; MAD_LEN],
 }
 
+/// A queued request the window lets go now: the agent sends it and starts its timer.
+#[derive(Debug, Clone)]
+pub(crate) struct Ready {
+    /// The connection's slot.
+    pub slot: u32,
+    /// The destination.
+    pub dst: Gid,
+    /// The request, as it was queued.
+    pub mad: [u8; MAD_LEN],
+    /// The connection's pace from now on.
+    pub pace: Pace,
+}
+
 /// One destination's window.
 #[derive(Debug, Clone)]
-pub(crate) struct Window {
+struct Window {
     cwnd: u32,
     ssthresh: u32,
     /// Answers counted towards the next additive increase.
     acc: u32,
     outstanding: u32,
-    /// Bumped by every decrease.
+    /// Bumped by every decrease, and when the window opens or starts again.
     epoch: u32,
+    /// Answers heard (also to requests that had timed out): a request that times out
+    /// with this count unchanged since it was sent met a silent destination.
+    heard: u32,
+    /// Opened to the ceiling because the destination answered nothing at all.
+    open: bool,
     queue: VecDeque<Queued>,
 }
 
 impl Window {
     fn new(p: &Pacing) -> Window {
-        let max = p.max_window.max(1);
-        Window {
-            cwnd: p.initial_window.clamp(p.min_window.max(1), max),
-            ssthresh: p.slow_start.min(max),
+        let mut w = Window {
+            cwnd: 0,
+            ssthresh: 0,
             acc: 0,
             outstanding: 0,
             epoch: 0,
+            heard: 0,
+            open: false,
             queue: VecDeque::new(),
-        }
+        };
+        w.start(p);
+        w
+    }
+
+    /// The window a fresh destination has: `initial_window`, slow start to
+    /// `slow_start`.
+    fn start(&mut self, p: &Pacing) {
+        let max = p.max_window.max(1);
+        self.cwnd = p.initial_window.clamp(p.min_window.max(1), max);
+        self.ssthresh = p.slow_start.min(max);
+        self.acc = 0;
+        self.open = false;
     }
 
     fn idle(&self) -> bool {
@@ -110,8 +227,10 @@ pub struct PacingCounters {
     pub answered: u64,
     /// Queued requests withdrawn unsent because their connection no longer needed them.
     pub cancelled: u64,
-    /// Timeouts that halved a window.
+    /// Timeouts that halved a window (the destination answered others meanwhile).
     pub decreases: u64,
+    /// Timeouts that opened a window to its ceiling (the destination answered nothing).
+    pub opened: u64,
     /// Most requests one destination had outstanding at once.
     pub max_outstanding: u64,
     /// Most requests one destination had queued at once.
@@ -127,7 +246,7 @@ impl fmt::Display for PacingCounters {
         write!(
             f,
             "pacing outstanding {} queued {} sent {} waited {} answered {} cancelled {} \
-             decreases {} max_outstanding {} max_queued {} window min {} max {}",
+             decreases {} opened {} max_outstanding {} max_queued {} window min {} max {}",
             self.outstanding,
             self.queued,
             self.sent,
@@ -135,6 +254,7 @@ impl fmt::Display for PacingCounters {
             self.answered,
             self.cancelled,
             self.decreases,
+            self.opened,
             self.max_outstanding,
             self.max_queued,
             self.min_window,
@@ -155,10 +275,30 @@ impl PacingCounters {
     }
 }
 
-impl Agent {
-    /// The pacing counters.
-    pub fn pacing(&self) -> PacingCounters {
-        let mut c = self.pace_counters;
+/// The windows of every destination, their queues and the counters (see the module
+/// docs). With no policy every request goes out at once and nothing is counted.
+#[derive(Debug)]
+pub(crate) struct Pacer {
+    policy: Option<Pacing>,
+    windows: FastMap<(Gid, Request), Window>,
+    /// Windows that freed a slot since the last [`Pacer::ready`].
+    dirty: Vec<(Gid, Request)>,
+    counters: PacingCounters,
+}
+
+impl Pacer {
+    pub(crate) fn new(policy: Option<Pacing>) -> Pacer {
+        Pacer {
+            policy,
+            windows: FastMap::default(),
+            dirty: Vec::new(),
+            counters: PacingCounters::default(),
+        }
+    }
+
+    /// The counters, with the current outstanding, queued and destinations.
+    pub(crate) fn counters(&self) -> PacingCounters {
+        let mut c = self.counters;
         c.outstanding = self
             .windows
             .values()
@@ -169,160 +309,237 @@ impl Agent {
         c
     }
 
-    /// The window of one destination (`None`: nothing outstanding or queued there).
-    pub fn window(&self, dst: Gid) -> Option<WindowInfo> {
-        self.windows.get(&dst).map(|w| WindowInfo {
+    /// One window of a destination (`None`: nothing outstanding or queued there).
+    pub(crate) fn window(&self, dst: Gid, kind: Request) -> Option<WindowInfo> {
+        self.windows.get(&(dst, kind)).map(|w| WindowInfo {
             window: w.cwnd,
             outstanding: w.outstanding,
             queued: w.queue.len() as u32,
         })
     }
 
-    /// Sends a request (REQ, DREQ) of `slot` to `dst` through its destination's window:
-    /// at once if a slot is free and nobody waits (true), else queued (false; the
-    /// caller must not arm its timer: the send does).
-    pub(crate) fn send_request(&mut self, slot: u32, dst: Gid, mad: [u8; MAD_LEN]) -> bool {
-        let Some(p) = self.cfg.pacing else {
-            self.push(dst, mad, false);
+    /// No destination has anything outstanding or queued.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.windows.is_empty()
+    }
+
+    /// A connection starts a request to `dst`: true if it may go now (a slot was free
+    /// and nobody waits; it holds the slot), false if it was queued with its MAD (its
+    /// timer must not run: [`Pacer::ready`] hands it back when it may go).
+    pub(crate) fn admit(
+        &mut self,
+        pace: &mut Pace,
+        slot: u32,
+        dst: Gid,
+        kind: Request,
+        mad: [u8; MAD_LEN],
+    ) -> bool {
+        let Some(p) = self.policy else {
             return true;
         };
-        let w = self.windows.entry(dst).or_insert_with(|| Window::new(&p));
-        let c = &mut self.pace_counters;
+        let w = self
+            .windows
+            .entry((dst, kind))
+            .or_insert_with(|| Window::new(&p));
+        let c = &mut self.counters;
         c.saw_window(w.cwnd);
         if w.queue.is_empty() && w.outstanding < w.cwnd {
             w.outstanding += 1;
             c.sent += 1;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
-            let epoch = w.epoch;
-            self.conns[slot as usize].pace = Pace::Outstanding { epoch };
-            self.push(dst, mad, false);
+            *pace = Pace::Outstanding {
+                kind,
+                epoch: w.epoch,
+                heard: w.heard,
+            };
             true
         } else {
             w.queue.push_back(Queued { slot, mad });
             c.waited += 1;
             c.max_queued = c.max_queued.max(w.queue.len() as u64);
-            self.conns[slot as usize].pace = Pace::Queued;
+            *pace = Pace::Queued(kind);
             false
         }
     }
 
-    /// True if the connection's request waits in a queue (its timers must not run).
-    pub(crate) fn pace_queued(&self, slot: u32) -> bool {
-        self.conns[slot as usize].pace == Pace::Queued
-    }
-
     /// The peer answered the connection's request: its slot is free and the window
-    /// grows. A request still queued is withdrawn (the answer made it moot).
-    pub(crate) fn pace_answered(&mut self, slot: u32) {
-        let c = &mut self.conns[slot as usize];
-        let (pace, dst) = (c.pace, c.remote_gid);
-        match pace {
-            Pace::Idle => {}
-            Pace::Queued => self.pace_release(slot),
-            Pace::Outstanding { .. } => {
-                c.pace = Pace::Idle;
-                let Some(p) = self.cfg.pacing else { return };
-                let Some(w) = self.windows.get_mut(&dst) else {
-                    return;
-                };
-                w.outstanding = w.outstanding.saturating_sub(1);
-                if w.cwnd < w.ssthresh {
-                    w.cwnd += 1;
-                } else {
-                    w.acc += 1;
-                    if w.acc >= w.cwnd {
-                        w.acc = 0;
-                        w.cwnd += 1;
-                    }
-                }
-                w.cwnd = w.cwnd.min(p.max_window.max(1));
-                self.pace_counters.answered += 1;
-                self.pace_counters.saw_window(w.cwnd);
-                self.pace_dirty.push(dst);
+    /// grows; after a silence the window starts again from `initial_window` (the
+    /// destination is back, its queue's state unknown). A request still queued is
+    /// withdrawn (the answer made it moot).
+    pub(crate) fn answered(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
+        let (kind, held) = match *pace {
+            Pace::Idle => return,
+            Pace::Queued(_) => return self.release(pace, slot, dst),
+            Pace::Outstanding { kind, .. } => (kind, true),
+            Pace::Retrying(kind) => (kind, false),
+        };
+        *pace = Pace::Idle;
+        let Some(p) = self.policy else { return };
+        let Some(w) = self.windows.get_mut(&(dst, kind)) else {
+            return;
+        };
+        w.heard = w.heard.wrapping_add(1);
+        if w.open {
+            w.start(&p);
+            w.epoch = w.epoch.wrapping_add(1);
+            self.counters.saw_window(w.cwnd);
+        }
+        if !held {
+            return;
+        }
+        w.outstanding = w.outstanding.saturating_sub(1);
+        if w.cwnd < w.ssthresh {
+            w.cwnd += 1;
+        } else {
+            w.acc += 1;
+            if w.acc >= w.cwnd {
+                w.acc = 0;
+                w.cwnd += 1;
             }
         }
+        w.cwnd = w.cwnd.min(p.max_window.max(1));
+        self.counters.answered += 1;
+        self.counters.saw_window(w.cwnd);
+        self.dirty.push((dst, kind));
     }
 
     /// The connection no longer needs its request: an outstanding one frees its slot
     /// (no growth), a queued one leaves the queue unsent (counted as cancelled).
-    pub(crate) fn pace_release(&mut self, slot: u32) {
-        let c = &mut self.conns[slot as usize];
-        let (pace, dst) = (c.pace, c.remote_gid);
-        c.pace = Pace::Idle;
-        let Some(w) = self.windows.get_mut(&dst) else {
+    pub(crate) fn release(&mut self, pace: &mut Pace, slot: u32, dst: Gid) {
+        let was = std::mem::take(pace);
+        let kind = match was {
+            Pace::Idle | Pace::Retrying(_) => return,
+            Pace::Queued(kind) | Pace::Outstanding { kind, .. } => kind,
+        };
+        let Some(w) = self.windows.get_mut(&(dst, kind)) else {
             return;
         };
-        match pace {
-            Pace::Idle => return,
-            Pace::Queued => {
-                let before = w.queue.len();
-                w.queue.retain(|q| q.slot != slot);
-                self.pace_counters.cancelled += (before - w.queue.len()) as u64;
-            }
-            Pace::Outstanding { .. } => w.outstanding = w.outstanding.saturating_sub(1),
+        if let Pace::Queued(_) = was {
+            let before = w.queue.len();
+            w.queue.retain(|q| q.slot != slot);
+            self.counters.cancelled += (before - w.queue.len()) as u64;
+        } else {
+            w.outstanding = w.outstanding.saturating_sub(1);
         }
-        self.pace_dirty.push(dst);
+        self.dirty.push((dst, kind));
     }
 
-    /// The connection's request timed out and is about to be retried: the first such
-    /// timeout of a window halves it. The retry counts as sent now.
-    pub(crate) fn pace_timeout(&mut self, slot: u32) {
-        let c = &self.conns[slot as usize];
-        let Pace::Outstanding { epoch } = c.pace else {
+    /// The connection's request timed out (to be retried, or given up). It gives its
+    /// slot back: the destination had a whole response time to answer it, and its
+    /// retries go out unpaced, as Linux's. What the timeout says about the destination:
+    ///
+    /// - It answered other requests since this one was sent: it lives but lost this one
+    ///   (an overrun queue, or a lossy path). The first such timeout of a window halves
+    ///   it, never below `min_window`.
+    /// - It answered nothing since: it is silent (gone, or not there yet), and there is
+    ///   no queue a window could protect. The window opens to `max_window`, so a dead
+    ///   destination fails every waiting request within about one retry budget, as
+    ///   Linux, which sends them all at once. Its first answer starts the window again.
+    pub(crate) fn timeout(&mut self, pace: &mut Pace, dst: Gid) {
+        let Pace::Outstanding { kind, epoch, heard } = *pace else {
             return;
         };
-        let dst = c.remote_gid;
-        let (Some(p), Some(w)) = (self.cfg.pacing, self.windows.get_mut(&dst)) else {
+        *pace = Pace::Retrying(kind);
+        let (Some(p), Some(w)) = (self.policy, self.windows.get_mut(&(dst, kind))) else {
             return;
         };
-        if epoch == w.epoch {
+        w.outstanding = w.outstanding.saturating_sub(1);
+        if heard == w.heard {
+            if !w.open {
+                w.open = true;
+                w.cwnd = p.max_window.max(1);
+                w.epoch = w.epoch.wrapping_add(1);
+                self.counters.opened += 1;
+                self.counters.saw_window(w.cwnd);
+            }
+        } else if epoch == w.epoch {
             w.ssthresh = (w.cwnd / 2).max(p.min_window.max(1));
             w.cwnd = w.ssthresh;
             w.acc = 0;
             w.epoch = w.epoch.wrapping_add(1);
-            self.pace_counters.decreases += 1;
-            self.pace_counters.saw_window(w.cwnd);
+            self.counters.decreases += 1;
+            self.counters.saw_window(w.cwnd);
         }
-        let epoch = w.epoch;
-        self.conns[slot as usize].pace = Pace::Outstanding { epoch };
+        self.dirty.push((dst, kind));
     }
 
-    /// Sends what the freed slots allow, in queue order, arming each sent connection's
-    /// timer from `now`; forgets idle destinations. Run at the end of every agent call.
-    pub(crate) fn pace_flush(&mut self, now: Time) {
-        while let Some(dst) = self.pace_dirty.pop() {
-            let Some(w) = self.windows.get_mut(&dst) else {
+    /// The queued requests the freed slots let go now, in queue order per window, each
+    /// holding its slot already; forgets idle windows.
+    pub(crate) fn ready(&mut self) -> Vec<Ready> {
+        let mut out = Vec::new();
+        while let Some(key) = self.dirty.pop() {
+            let Some(w) = self.windows.get_mut(&key) else {
                 continue;
             };
-            let mut sent = Vec::new();
+            let before = out.len();
             while w.outstanding < w.cwnd {
                 let Some(q) = w.queue.pop_front() else { break };
                 w.outstanding += 1;
-                sent.push((q.slot, q.mad, w.epoch));
+                out.push(Ready {
+                    slot: q.slot,
+                    dst: key.0,
+                    mad: q.mad,
+                    pace: Pace::Outstanding {
+                        kind: key.1,
+                        epoch: w.epoch,
+                        heard: w.heard,
+                    },
+                });
             }
-            let c = &mut self.pace_counters;
-            c.sent += sent.len() as u64;
+            let c = &mut self.counters;
+            c.sent += (out.len() - before) as u64;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
             if w.idle() {
-                self.windows.remove(&dst);
-            }
-            for (slot, mad, epoch) in sent {
-                self.conns[slot as usize].pace = Pace::Outstanding { epoch };
-                self.push(dst, mad, false);
-                self.arm_after_send(slot, now);
+                self.windows.remove(&key);
             }
         }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_constructor_derives_the_default_and_cuts_to_the_ceiling() {
+        assert_eq!(Pacing::new(None, None), Some(Pacing::default()));
+        assert_eq!(Pacing::new(Some(0), Some(8)), None);
+        let p = Pacing::new(Some(2), None).unwrap_or_default();
+        assert_eq!(
+            (p.initial_window, p.min_window, p.max_window, p.slow_start),
+            (2, 2, 2, 2)
+        );
+        let p = Pacing::new(Some(256), Some(1)).unwrap_or_default();
+        assert_eq!((p.initial_window, p.min_window, p.slow_start), (4, 4, 256));
     }
 
-    /// Arms the timer a request's connection runs once the request is on its way.
-    fn arm_after_send(&mut self, slot: u32, now: Time) {
-        let c = &self.conns[slot as usize];
-        let wait = match c.state {
-            State::ReqSent | State::DreqSent => c.timeout_ms,
-            // A destroyed connection's one DREQ: its TimeWait starts now.
-            State::Timewait => linux_ms(c.av_timeout),
-            _ => return,
-        };
-        self.arm(slot, now.after_ms(wait));
+    /// Fills one destination's window, then the destination answers one request and
+    /// the rest time out, again and again: the window halves each time, never below the
+    /// floor, and never opens (the destination is not silent).
+    #[test]
+    fn timeouts_of_a_live_destination_halve_the_window_down_to_the_floor() {
+        let mut pacer = Pacer::new(Some(Pacing::default()));
+        let (dst, kind, mad) = (Gid::ZERO, Request::Connect, [0; MAD_LEN]);
+        // One request that stays outstanding keeps the window from being forgotten.
+        let mut keep = Pace::Idle;
+        assert!(pacer.admit(&mut keep, 999, dst, kind, mad));
+        let mut windows = Vec::new();
+        for _ in 0..8 {
+            let w = pacer.window(dst, kind).map_or(0, |w| w.window);
+            let mut paces = vec![Pace::Idle; w as usize - 1];
+            for (slot, pace) in paces.iter_mut().enumerate() {
+                assert!(pacer.admit(pace, slot as u32, dst, kind, mad));
+            }
+            pacer.answered(&mut paces[0], 0, dst);
+            for pace in &mut paces[1..] {
+                pacer.timeout(pace, dst);
+            }
+            assert!(pacer.ready().is_empty());
+            windows.push(pacer.window(dst, kind).map_or(0, |w| w.window));
+        }
+        assert_eq!(windows[..4], [16, 8, 4, 4], "{windows:?}");
+        assert_eq!(pacer.counters().opened, 0);
+        assert_eq!(pacer.counters().min_window, u64::from(MIN_WINDOW));
     }
 }

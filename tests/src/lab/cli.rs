@@ -23,7 +23,22 @@ use super::relay::Faults;
 /// `pvcm-lab`: hosts (real pvcm-backend processes), VMs (vhost-user sessions, memfd guest
 /// memory, the guest driver and its CM agent), and the seed scenarios, on one machine.
 #[derive(Debug, Parser)]
-#[command(name = "pvcm-lab", version, long_about = None)]
+#[command(
+    name = "pvcm-lab",
+    version,
+    long_about = None,
+    after_help = "Other commands (each has its own --help):\n  \
+        pvcm-lab attach --socket PATH COMMAND  run a pvcm-guest command through an \
+        in-process VM on a running backend's socket\n  \
+        pvcm-lab hostile   a neighbour VM's cmtime alone and while a hostile VM floods \
+        the same backend\n  \
+        pvcm-lab migrate   live-migrate a VM between two backends in the middle of its \
+        handshakes\n  \
+        pvcm-lab restart   kill a backend under established connections and start it \
+        again over its --state-dir\n\n\
+        Unset options take the scenario's defaults; those that differ by scenario are \
+        given as 'SCENARIO N'. See docs/lab.md."
+)]
 pub struct Cli {
     /// The scenario to run.
     #[arg(value_enum)]
@@ -36,31 +51,31 @@ pub struct Cli {
 /// Options; unset ones take the scenario's defaults.
 #[derive(Debug, Clone, Default, Args)]
 pub struct LabArgs {
-    /// Hosts (pvcm-backend processes).
+    /// Hosts (pvcm-backend processes) [default: 2; rej-timeout 3].
     #[arg(long, value_name = "N")]
     pub hosts: Option<usize>,
-    /// VMs per host.
+    /// VMs per host [default: 2; teardown 4; timewait-reuse, cmtime, rate 1].
     #[arg(long, value_name = "N")]
     pub vms_per_host: Option<usize>,
-    /// Processes (connection-owning actors) per VM.
+    /// Processes (connection-owning actors) per VM [default: 4; teardown 8].
     #[arg(long, value_name = "N")]
     pub procs: Option<usize>,
-    /// Mux policy: default, mlx4-pre2020 or mlx4-post2020.
+    /// Mux policy: default, mlx4-pre2020 or mlx4-post2020 [default: default].
     #[arg(long, value_name = "POLICY")]
     pub policy: Option<String>,
-    /// Probability that a frame between hosts is lost.
+    /// Probability that a frame between hosts is lost [default: 0].
     #[arg(long, value_name = "P")]
     pub loss: Option<f64>,
-    /// Probability that a frame between hosts is delivered twice.
+    /// Probability that a frame between hosts is delivered twice [default: 0].
     #[arg(long, value_name = "P")]
     pub dup: Option<f64>,
-    /// Probability that a frame between hosts is overtaken by later ones.
+    /// Probability that a frame between hosts is overtaken by later ones [default: 0].
     #[arg(long, value_name = "P")]
     pub reorder: Option<f64>,
-    /// Delay of every frame between hosts: MS or MS,JITTER_MS.
+    /// Delay of every frame between hosts: MS or MS,JITTER_MS [default: 0].
     #[arg(long, value_name = "MS[,JITTER]")]
     pub delay: Option<String>,
-    /// Slow guests answer DREQs this many milliseconds late.
+    /// Slow guests answer DREQs this many milliseconds late [default: 0, none slow].
     #[arg(long, value_name = "MS")]
     pub slow_guest: Option<u64>,
     /// How many VMs per host are slow (default: all, when --slow-guest is given).
@@ -70,50 +85,54 @@ pub struct LabArgs {
     /// (default: at once); with --slow-guest this shows seed 000's retry storm.
     #[arg(long)]
     pub linux_drep: bool,
-    /// CM response timeout of every connection (5-bit exponent: 4.096 us x 2^T).
+    /// CM response timeout of every connection (5-bit exponent: 4.096 us x 2^T)
+    /// [default: 14; teardown, cmtime 20].
     #[arg(long, value_name = "T")]
     pub cm_timeout: Option<u8>,
-    /// Packet lifetime of every connection's path (5-bit exponent).
+    /// Packet lifetime of every connection's path (5-bit exponent) [default: 12;
+    /// teardown 18; timewait-reuse, cmtime 16].
     #[arg(long, value_name = "T")]
     pub packet_life: Option<u8>,
-    /// Max CM retries of every connection (0 to 15).
+    /// Max CM retries of every connection (0 to 15) [default: 3; teardown, cmtime 15].
     #[arg(long, value_name = "N")]
     pub cm_retries: Option<u8>,
-    /// Rounds (churn: connections per process; rej-timeout: connect/destroy rounds).
+    /// Rounds (churn: connections per process; rej-timeout: connect/destroy rounds)
+    /// [default: 25; rej-timeout 40].
     #[arg(long, value_name = "N")]
     pub rounds: Option<usize>,
-    /// Connections (cmtime; timewait-reuse: per VM pair).
+    /// Connections (cmtime; timewait-reuse: per VM pair) [default: 500; cmtime 1000].
     #[arg(long, value_name = "N")]
     pub connections: Option<usize>,
-    /// QPNs cycled through (timewait-reuse).
+    /// QPNs cycled through (timewait-reuse) [default: 4].
     #[arg(long, value_name = "N")]
     pub qpns: Option<usize>,
-    /// MADs to send (rate).
+    /// MADs to send (rate) [default: 200000].
     #[arg(long, value_name = "N")]
     pub messages: Option<u64>,
     /// rate: also measure the MAD rate with 1,024 live connections and then with N
     /// (e.g. 1000000), LAPs spread over all of them, in one run.
     #[arg(long, value_name = "N")]
     pub live: Option<u32>,
-    /// ipoib-cm: how long survivors wait before reaping connections to a vanished peer.
+    /// ipoib-cm: how long survivors wait before reaping connections to a vanished peer
+    /// [default: 3000].
     #[arg(long, value_name = "MS")]
     pub stale_timeout: Option<u64>,
     /// rej-timeout: give the active hosts independent comm-ID sequences (no collisions).
     #[arg(long)]
     pub no_collide: bool,
-    /// Seed of everything random.
+    /// Seed of everything random [default: 1].
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
-    /// Second octet of the lab's loopback addresses (127.NET.HOST.VM).
+    /// Second octet of the lab's loopback addresses (127.NET.HOST.VM) [default: 10].
     #[arg(long, value_name = "NET")]
     pub net: Option<u8>,
-    /// Virtqueue size of every VM (power of two, up to 1024).
+    /// Virtqueue size of every VM (power of two, up to 1024) [default: 256].
     #[arg(long, value_name = "N")]
     pub queue_size: Option<u16>,
     /// Seconds to wait for quiesce after the workload (default: from the timeouts).
     #[arg(long, value_name = "S")]
     pub quiesce_timeout: Option<f64>,
-    /// Seconds any one phase may take.
+    /// Seconds any one phase may take [default: 300].
     #[arg(long, value_name = "S")]
     pub phase_timeout: Option<f64>,
     /// Capture every host's frames into DIR/hN.pcap.

@@ -251,16 +251,28 @@ impl Report {
         }
         let tx: u64 = self.backends().map(|s| s.host.io("wire_tx_frames")).sum();
         let rx: u64 = self.backends().map(|s| s.host.io("wire_rx_frames")).sum();
+        // Frames the receiving kernel dropped before the backend read them: counted by
+        // the backend that lost them.
+        let lost: u64 = self
+            .backends()
+            .map(|s| s.host.dropped("wire_rx_overflow"))
+            .sum();
         let (rin, rout) = relay.map_or((0, 0), |r| (r.received, r.forwarded));
         let down = self.frames_to_down_host.unwrap_or(0);
         let direct_tx = tx.saturating_sub(rin + down);
         self.check(
             "counters_consistent_wire",
-            rin + down <= tx && rout <= rx && direct_tx == rx - rout,
+            rin + down <= tx && rout <= rx && direct_tx == rx - rout + lost,
             format!(
-                "frames sent by hosts {tx}, received by hosts {rx}, relay took {rin} gave \
-                 {rout}, {down} to a host that is down"
+                "frames sent by hosts {tx}, received by hosts {rx}, lost in a receiving \
+                 kernel and counted {lost}, relay took {rin} gave {rout}, {down} to a host \
+                 that is down"
             ),
+        );
+        self.check(
+            "no_frame_lost",
+            lost == 0,
+            format!("{lost} frames dropped by a receiving host's kernel (wire_rx_overflow)"),
         );
         let mut bad = Vec::new();
         for h in &self.hosts {
