@@ -63,7 +63,9 @@ impl VmPort {
         rx_bytes: usize,
         host: std::sync::Arc<HostBudget>,
     ) -> std::io::Result<VmPort> {
-        let span = tracing::info_span!("vm", name = %spec.vm.name, gid = %spec.vm.gid);
+        // The field is `vm`, not `name`: a JSON log writes the span's own name as `name`
+        // beside its fields.
+        let span = tracing::info_span!("vm", vm = %spec.vm.name, gid = %spec.vm.gid);
         Ok(VmPort {
             index,
             current: Mutex::new(None),
