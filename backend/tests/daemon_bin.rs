@@ -123,21 +123,7 @@ fn serves_stat_and_stops_on_sigterm() {
     // SIGTERM: a clean exit, sockets removed.
     // SAFETY: signals our own child process.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "no exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
+    let (status, log) = wait_exit(&mut child);
     assert!(status.success(), "{status:?}\n{log}");
     assert!(log.contains("stopped"), "{log}");
     // stderr is a pipe here: plain text, no ANSI colour.

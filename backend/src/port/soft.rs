@@ -1849,6 +1849,22 @@ mod tests {
         });
     }
 
+    /// A soft port for one VM `a` at `gid`, its VmPort and the host counters.
+    fn one_vm_port(
+        gid: &str,
+        mode: RxMode,
+    ) -> (
+        SoftPort,
+        Vec<std::sync::Arc<crate::vm_port::VmPort>>,
+        crate::stats::DevCounters,
+    ) {
+        let s: crate::config::VmSpec = format!("socket=/x/a,gid={gid},name=a").parse().unwrap();
+        let vms = vec![("a".to_string(), s.addr(), None)];
+        let port = SoftPort::open(&vms, &[false], 4791, mode).unwrap();
+        let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
+        (port, ports, crate::stats::DevCounters::default())
+    }
+
     /// Raw mode: the frames the kernel drops for a VM are counted exactly, while frames
     /// to another address, dropped by the same full raw queue, are not counted as ours.
     #[test]
@@ -1858,13 +1874,8 @@ mod tests {
             return;
         }
         super::super::testnet::in_netns("soft port raw loss audit", || {
-            use crate::config::VmSpec;
             use crate::port::WirePort;
-            let s: VmSpec = "socket=/x/a,gid=127.82.0.1,name=a".parse().unwrap();
-            let vms = vec![("a".to_string(), s.addr(), None)];
-            let port = SoftPort::open(&vms, &[false], 4791, RxMode::Raw).unwrap();
-            let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
-            let host = crate::stats::DevCounters::default();
+            let (port, ports, host) = one_vm_port("127.82.0.1", RxMode::Raw);
             let ctx = PortCtx {
                 vms: &ports,
                 host: &host,
@@ -1914,13 +1925,8 @@ mod tests {
     #[test]
     fn udp_mode_audit_counts_the_last_drops_of_a_burst() {
         super::super::testnet::in_netns("soft port udp loss audit", || {
-            use crate::config::VmSpec;
             use crate::port::WirePort;
-            let s: VmSpec = "socket=/x/a,gid=127.83.0.1,name=a".parse().unwrap();
-            let vms = vec![("a".to_string(), s.addr(), None)];
-            let port = SoftPort::open(&vms, &[false], 4791, RxMode::Udp).unwrap();
-            let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
-            let host = crate::stats::DevCounters::default();
+            let (port, ports, host) = one_vm_port("127.83.0.1", RxMode::Udp);
             let ctx = PortCtx {
                 vms: &ports,
                 host: &host,
