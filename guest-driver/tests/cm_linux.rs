@@ -332,7 +332,7 @@ fn c4_an_mra_stretches_every_remaining_req_retry() {
     }
     let (_, ev) = poll_at(&mut a, ms(t + wait));
     assert_eq!(ev, vec![Event::Unreachable { id }]);
-    // Linux: 1 + 3 attempts of 66 s after the MRA (was: one 66 s wait, then 4.6 s ones).
+    // Linux: 1 + 3 attempts of 66 s each after the MRA.
     assert_eq!(t + wait, 100 + 4 * wait);
     assert_eq!(a.counters().get(Group::RxDuplicates, AttributeId::Mra), 3);
 }
