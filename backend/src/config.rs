@@ -578,6 +578,16 @@ pub struct ServeArgs {
     /// sets the level [default: text].
     #[arg(long, value_name = "FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// The path MTU a VM uses where the port cannot tell its link's (the packet port):
+    /// 256, 512, 1024, 2048 or 4096 bytes. The soft and umad ports take it from the
+    /// network device behind the VM's address, as rdma_cm does [default: 1024].
+    #[arg(long, value_name = "BYTES", value_parser = parse_path_mtu)]
+    pub path_mtu: Option<u8>,
+    /// The local CA ACK delay a VM puts in its REQs and REPs: a 5-bit exponent
+    /// (4.096 us x 2^N), the `local_ca_ack_delay` of the VM's RDMA function as
+    /// `ibv_devinfo -v` shows it. No port can read a device's value [default: 15, rdma_rxe's].
+    #[arg(long, value_name = "N", value_parser = parse_ca_ack_delay)]
+    pub ca_ack_delay: Option<u8>,
 }
 
 /// `pvcm-backend stat` options.
@@ -756,6 +766,39 @@ pub struct Config {
     pub control_access: SocketAccess,
     /// The log format.
     pub log_format: LogFormat,
+    /// The path MTU (IBTA code) where the port cannot tell the link's.
+    pub path_mtu: u8,
+    /// The local CA ACK delay VMs report (5-bit exponent).
+    pub ca_ack_delay: u8,
+}
+
+/// The path MTU (IBTA code) when neither the port nor `--path-mtu` tells: 1024 bytes,
+/// rdma_cm's RoCE default.
+pub const DEFAULT_PATH_MTU: u8 = pvcm_wire::abi::MTU_1024;
+/// The local CA ACK delay (5-bit exponent) without `--ca-ack-delay`: 15, what rdma_rxe
+/// reports (`RXE_LOCAL_CA_ACK_DELAY`).
+pub const DEFAULT_CA_ACK_DELAY: u8 = 15;
+
+/// `--path-mtu`: bytes (256 ... 4096, a power of two) to the IBTA code.
+fn parse_path_mtu(v: &str) -> Result<u8, ConfigError> {
+    match v.trim() {
+        "256" => Ok(pvcm_wire::abi::MTU_256),
+        "512" => Ok(pvcm_wire::abi::MTU_512),
+        "1024" => Ok(pvcm_wire::abi::MTU_1024),
+        "2048" => Ok(pvcm_wire::abi::MTU_2048),
+        "4096" => Ok(pvcm_wire::abi::MTU_4096),
+        _ => Err(ConfigError::Invalid(
+            "a path MTU in bytes: 256, 512, 1024, 2048 or 4096".into(),
+        )),
+    }
+}
+
+/// `--ca-ack-delay`: 0 ... 31.
+fn parse_ca_ack_delay(v: &str) -> Result<u8, ConfigError> {
+    number(v)
+        .and_then(|n| u8::try_from(n).ok())
+        .filter(|n| *n <= 31)
+        .ok_or_else(|| ConfigError::Invalid("an exponent from 0 to 31".into()))
 }
 
 impl Config {
@@ -779,6 +822,8 @@ impl Config {
             vm_sockets: SocketAccess::VM_DEFAULT,
             control_access: SocketAccess::CONTROL_DEFAULT,
             log_format: LogFormat::Text,
+            path_mtu: DEFAULT_PATH_MTU,
+            ca_ack_delay: DEFAULT_CA_ACK_DELAY,
         }
     }
 
@@ -849,6 +894,8 @@ impl Config {
         cfg.vm_sockets = vm_sockets;
         cfg.control_access = control_access;
         cfg.log_format = args.log_format.unwrap_or_default();
+        cfg.path_mtu = args.path_mtu.unwrap_or(DEFAULT_PATH_MTU);
+        cfg.ca_ack_delay = args.ca_ack_delay.unwrap_or(DEFAULT_CA_ACK_DELAY);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -1271,6 +1318,8 @@ fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
         control_group: cli.control_group.clone().or(file.control_group),
         control_mode: cli.control_mode.or(file.control_mode),
         log_format: cli.log_format.or(file.log_format),
+        path_mtu: cli.path_mtu.or(file.path_mtu),
+        ca_ack_delay: cli.ca_ack_delay.or(file.ca_ack_delay),
     }
 }
 
@@ -1800,6 +1849,7 @@ incoming = true
                 "socket-owner" | "socket-group" | "control-owner" | "control-group" => "0",
                 "socket-mode" | "control-mode" => "\"0600\"",
                 "log-format" => "\"text\"",
+                "path-mtu" => "2048",
                 _ => "7",
             };
             text.push_str(&format!("{k} = {v}\n"));
@@ -1807,6 +1857,28 @@ incoming = true
         text.push_str("[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\n");
         let (_d, f) = toml_file(&text);
         parse(&["--config", f.to_str().unwrap()]).unwrap();
+    }
+
+    #[test]
+    fn path_values_where_the_port_cannot_tell_them() {
+        let c = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1"]).unwrap();
+        assert_eq!((c.path_mtu, c.ca_ack_delay), (pvcm_wire::abi::MTU_1024, 15));
+        let c = parse(&[
+            "--vm",
+            "socket=/tmp/x,gid=127.1.0.1",
+            "--path-mtu",
+            "4096",
+            "--ca-ack-delay",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!((c.path_mtu, c.ca_ack_delay), (pvcm_wire::abi::MTU_4096, 10));
+        for (opt, bad) in [("--path-mtu", "1500"), ("--ca-ack-delay", "32")] {
+            let e = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", opt, bad])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(opt) && e.contains(bad), "{e}");
+        }
     }
 
     #[test]

@@ -542,6 +542,8 @@ impl Daemon {
             timer_wake,
             armed: AtomicU64::new(u64::MAX),
             default_quota,
+            path_mtu: cfg.path_mtu,
+            ca_ack_delay: cfg.ca_ack_delay,
             policy: cfg.policy.name().to_string(),
             port,
             port_counters: DevCounters::default(),

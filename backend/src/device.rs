@@ -69,14 +69,6 @@ const TX_ROUND: usize = 256;
 /// The largest device state accepted on load: 64-byte entries and 256-byte backlog
 /// messages, far above any VM's quota and backlog budget.
 const MAX_STATE_BYTES: u64 = 1 << 30;
-/// The active MTU PORT_INFO reports (IBTA code) when the wire port cannot tell the
-/// link's ([`WirePort::link`](crate::port::WirePort::link)): 1024 bytes, rdma_cm's
-/// RoCE default.
-pub const PORT_ACTIVE_MTU: u8 = abi::MTU_1024;
-/// The local CA ACK delay PORT_INFO reports (5-bit exponent) when the wire port cannot
-/// tell the device's: 15, what rdma_rxe reports (`RXE_LOCAL_CA_ACK_DELAY`), the
-/// software RoCE device the soft port stands in for.
-pub const PORT_CA_ACK_DELAY: u8 = 15;
 /// The `VHOST_USER_F_PROTOCOL_FEATURES` feature bit.
 const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
 /// `VHOST_F_LOG_ALL`: the device logs its writes to guest memory while the VMM
@@ -674,7 +666,8 @@ impl PvcmDevice {
     fn port_info(&self) -> RxMsg {
         let vm = &self.port.spec.vm;
         let quota = vm.quota.unwrap_or(self.shared.default_quota());
-        // The path values of the VM's own link: its MTU, the device's ACK delay.
+        // The path values of the VM's own link (its MTU) where the port can tell them,
+        // else the configured ones (--path-mtu, --ca-ack-delay).
         let link = self.shared.port.link(self.port.index);
         let info = PortInfo {
             abi_version: abi::ABI_VERSION,
@@ -687,8 +680,8 @@ impl PvcmDevice {
             qpn_count: vm.qpn_count,
             max_entries: quota,
             name: vm.name.clone(),
-            active_mtu: link.mtu.unwrap_or(PORT_ACTIVE_MTU),
-            ca_ack_delay: link.ca_ack_delay.unwrap_or(PORT_CA_ACK_DELAY),
+            active_mtu: link.mtu.unwrap_or(self.shared.path_mtu),
+            ca_ack_delay: link.ca_ack_delay.unwrap_or(self.shared.ca_ack_delay),
         };
         let mut payload = [0u8; PORT_INFO_LEN];
         // The buffer has exactly the length emit checks for.
@@ -1029,6 +1022,8 @@ mod queue_tests {
         };
         let shared = Arc::new(Shared {
             default_quota: cfg.default_quota,
+            path_mtu: abi::MTU_2048,
+            ca_ack_delay: 7,
             core: Mutex::new(Core {
                 mux: Mux::new(cfg, SystemClock::new()),
                 by_vm: HashMap::new(),
@@ -1304,6 +1299,8 @@ mod queue_tests {
         assert_eq!(rx[2].0.msg_type, MsgType::PortInfo);
         let info = PortInfo::parse(&rx[2].1).unwrap();
         assert_eq!((info.gid, info.ca_guid), (r.vm.gid, r.vm.ca_guid));
+        // A port that cannot tell the link's values: the configured ones.
+        assert_eq!((info.active_mtu, info.ca_ack_delay), (abi::MTU_2048, 7));
     }
 
     #[test]

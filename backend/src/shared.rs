@@ -54,6 +54,11 @@ pub struct Shared {
     pub(crate) timer_wake: EventFd,
     pub(crate) armed: AtomicU64,
     pub(crate) default_quota: u32,
+    /// The path MTU (IBTA code) a VM's PORT_INFO reports where the port cannot tell
+    /// its link's (`--path-mtu`).
+    pub(crate) path_mtu: u8,
+    /// The local CA ACK delay a VM's PORT_INFO reports (`--ca-ack-delay`).
+    pub(crate) ca_ack_delay: u8,
     pub(crate) policy: String,
     /// The wire port (soft or umad).
     pub(crate) port: Box<dyn WirePort>,
