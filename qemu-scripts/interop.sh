@@ -4,7 +4,7 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--workdir DIR] [--pcap FILE]
+Usage: qemu-scripts/interop.sh [--conns N] [--trials N] [--only LIST] [--mtu N] [--workdir DIR] [--pcap FILE]
        qemu-scripts/interop.sh --bench [--sizes 1000,4000] [--rounds 3] [--workdir DIR]
 
 Runs pvcm against the Linux 6.1 kernel CM over rdma_rxe in the network lab
@@ -53,6 +53,11 @@ Options:
   --conns N      connections for tests 1, 2, 5, 9a and 9b (default 1000)
   --trials N     more alternating runs of tests 1 and 2 for the medians (default 2)
   --only LIST    comma-separated test numbers (default: all; 8 always runs)
+  --mtu N        MTU of the bridge, its taps and the kernel guests' NICs (default 9000,
+                 a jumbo RoCE fabric: rxe and pvcm-backend's soft port then give paths
+                 4096 bytes; 1500 gives 1024). With --pcap, the decode checks that every
+                 REQ, pvcm's and the kernels', carries that path MTU: the kernel passive
+                 side sets its QP's path MTU from the REQ (cm_req_handler)
   --workdir DIR  keep logs here (default: a new dir under /tmp, removed on success)
   --pcap FILE    capture br0 to FILE (dumpcap) and check its tshark decode
   --bench        run the benchmark instead of the tests
@@ -69,11 +74,11 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8,9" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3
+conns=1000 only="1,2,3,4,5,6,7,8,9" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3 mtu=9000
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) bench=1 ;;
-    --conns | --only | --workdir | --pcap | --sizes | --trials | --rounds)
+    --conns | --only | --workdir | --pcap | --sizes | --trials | --rounds | --mtu)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --conns) conns="$2" ;;
@@ -83,6 +88,7 @@ while [ $# -gt 0 ]; do
         --sizes) sizes="$2" ;;
         --trials) trials="$2" ;;
         --rounds) rounds="$2" ;;
+        --mtu) mtu="$2" ;;
         esac
         shift
         ;;
@@ -95,6 +101,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$rounds" in '' | *[!0-9]* | 0) die "--rounds needs a positive number, not '$rounds'" ;; esac
+case "$mtu" in '' | *[!0-9]*) die "--mtu needs a number of bytes, not '$mtu'" ;; esac
+[ "$mtu" -ge 1280 ] && [ "$mtu" -le 9000 ] || die "--mtu must be 1280 to 9000, not $mtu"
 need_root "interop.sh (network namespace, raw socket)"
 
 keep=1
@@ -151,14 +159,14 @@ if [ "$bench" = 1 ]; then
     exit "$rc"
 fi
 
-echo "== run: kernel CM guests k, j + pvcm-backend and a pvcm VM on one bridge"
+echo "== run: kernel CM guests k, j + pvcm-backend and a pvcm VM on one bridge (MTU $mtu)"
 pcap_args=()
 [ -z "$pcap" ] || pcap_args=(--pcap "$pcap")
 rc=0
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_BACKEND="$backend" \
     IOP_RUNVM="$PVCM_SCRIPTS_DIR/run-vm.sh" IOP_GUEST_DIR="$guest_dir" IOP_CONNS="$conns" \
     IOP_ONLY="$only" IOP_TRIALS="$trials" PVCM_CACHE="$PVCM_CACHE" \
-    netlab_run 1200 10.99.0.2,fd99::2 10.99.0.3,fd99::3 "${pcap_args[@]}" \
+    netlab_run 1200 10.99.0.2,fd99::2 10.99.0.3,fd99::3 --mtu "$mtu" "${pcap_args[@]}" \
     -- bash "$PVCM_SCRIPTS_DIR/interop/host.sh" || rc=$?
 grep -E '^(==|PASS|FAIL)' "$workdir/host.out" 2>/dev/null || true
 echo "== figures (one run, $conns connections, totals in ms)"
@@ -166,7 +174,7 @@ cat "$workdir/figures.txt" 2>/dev/null || true
 
 if [ -n "$pcap" ] && [ -s "$pcap" ]; then
     echo "== tshark decode of $pcap"
-    python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" "$pcap" | tee "$workdir/decode.txt" || rc=1
+    python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" --mtu "$mtu" "$pcap" | tee "$workdir/decode.txt" || rc=1
 fi
 
 passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"
