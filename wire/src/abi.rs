@@ -316,6 +316,23 @@ pub const MTU_2048: u8 = 4;
 /// 4096 bytes.
 pub const MTU_4096: u8 = 5;
 
+/// Linux's `iboe_get_mtu()`: the IBTA MTU code for a RoCE network device's MTU, the
+/// largest IB MTU that fits with the headers RoCE adds (GRH 40, UDP 8, BTH 12, XRC ext
+/// 4, AtomicETH 28, ICRC 4: 96 bytes). `None` below 256 bytes.
+pub fn iboe_mtu(netdev_mtu: u32) -> Option<u8> {
+    let payload = netdev_mtu.checked_sub(96)?;
+    [
+        (4096, MTU_4096),
+        (2048, MTU_2048),
+        (1024, MTU_1024),
+        (512, MTU_512),
+        (256, MTU_256),
+    ]
+    .into_iter()
+    .find(|(bytes, _)| payload >= *bytes)
+    .map(|(_, code)| code)
+}
+
 /// The port as the device gives it to the guest (payload of [`MsgType::PortInfo`]).
 ///
 /// Layout (little-endian): abi_version u32 @0, flags u32 @4 (bit 0: port up),
@@ -432,6 +449,17 @@ pub fn config_space() -> [u8; CONFIG_LEN] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn iboe_mtu_is_linuxs() {
+        assert_eq!(iboe_mtu(1500), Some(MTU_1024));
+        assert_eq!(iboe_mtu(9000), Some(MTU_4096));
+        assert_eq!(iboe_mtu(65536), Some(MTU_4096));
+        assert_eq!(iboe_mtu(2144), Some(MTU_2048));
+        assert_eq!(iboe_mtu(2143), Some(MTU_1024));
+        assert_eq!(iboe_mtu(351), None);
+        assert_eq!(iboe_mtu(0), None);
+    }
 
     #[test]
     fn header_golden_and_round_trip() {

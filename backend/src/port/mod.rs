@@ -120,16 +120,7 @@ pub struct Link {
     pub ca_ack_delay: Option<u8>,
 }
 
-/// Linux's `iboe_get_mtu()`: the IBTA MTU code for a RoCE network device's MTU, the
-/// largest IB MTU that fits with the headers RoCE adds (GRH 40, UDP 8, BTH 12, XRC ext
-/// 4, AtomicETH 28, ICRC 4: 96 bytes). `None` below 256 bytes.
-pub fn iboe_mtu(netdev_mtu: u32) -> Option<u8> {
-    let payload = netdev_mtu.checked_sub(96)?;
-    [(4096, 5), (2048, 4), (1024, 3), (512, 2), (256, 1)]
-        .into_iter()
-        .find(|(bytes, _)| payload >= *bytes)
-        .map(|(_, code)| code)
-}
+pub use pvcm_wire::abi::iboe_mtu;
 
 /// The MTU of network interface `name` in this process's network namespace
 /// (`SIOCGIFMTU`; sysfs may show another namespace's).
@@ -314,17 +305,6 @@ pub(crate) mod testnet {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn iboe_mtu_is_linuxs() {
-        assert_eq!(super::iboe_mtu(1500), Some(3));
-        assert_eq!(super::iboe_mtu(9000), Some(5));
-        assert_eq!(super::iboe_mtu(65536), Some(5));
-        assert_eq!(super::iboe_mtu(2144), Some(4));
-        assert_eq!(super::iboe_mtu(2143), Some(3));
-        assert_eq!(super::iboe_mtu(351), None);
-        assert_eq!(super::iboe_mtu(0), None);
-    }
 
     #[test]
     fn the_loopback_interface_and_its_mtu_are_found() {

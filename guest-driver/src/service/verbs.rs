@@ -21,31 +21,12 @@ pub const NO_DEVICE_INDEX: u32 = u32::MAX;
 
 /// IBTA MTU codes.
 pub mod mtu {
-    /// 256 bytes.
-    pub const MTU_256: u8 = 1;
-    /// 512 bytes.
-    pub const MTU_512: u8 = 2;
-    /// 1024 bytes.
-    pub const MTU_1024: u8 = 3;
-    /// 2048 bytes.
-    pub const MTU_2048: u8 = 4;
-    /// 4096 bytes.
-    pub const MTU_4096: u8 = 5;
+    pub use pvcm_wire::abi::{MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096};
 }
 
-/// The IBTA path MTU for a RoCE netdev MTU, as Linux's `iboe_get_mtu()`: the netdev MTU
-/// less the RoCE headers (GRH 40, UDP 8, BTH 12, atomic ETH 28, ICRC 4), rounded down
-/// to an IB MTU; 0 below 256.
+/// The IBTA path MTU for a RoCE netdev MTU, as Linux's `iboe_get_mtu()`; 0 below 256.
 pub fn iboe_mtu(netdev_mtu: u32) -> u8 {
-    let room = netdev_mtu.saturating_sub(40 + 8 + 12 + 28 + 4);
-    match room {
-        4096.. => mtu::MTU_4096,
-        2048.. => mtu::MTU_2048,
-        1024.. => mtu::MTU_1024,
-        512.. => mtu::MTU_512,
-        256.. => mtu::MTU_256,
-        _ => 0,
-    }
+    pvcm_wire::abi::iboe_mtu(netdev_mtu).unwrap_or(0)
 }
 
 /// The VM's RDMA port for its pvcm GID.
