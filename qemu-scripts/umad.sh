@@ -24,6 +24,7 @@ with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
   4 the teardowns of tests 1 and 2 (all N connections at once): no CM retries or
     duplicates in the kernel's counters or pvcm-backend's, and no drops
   5 VM c, whose address is not in the GID table: refused at attach
+  5b the backend read the device's local CA ACK delay (ibv_devinfo; rxe: 15), which VMs report
   6 IPv6: the guests also have fd99::2 (a) and fd99::3 (b); pvcm VM a6 (fd99::11,
     added to a's eth0 as a /128, nodad) on the same umad port
     6a pvcm VM a6 -> kernel: pvcm-guest cmtime --dest fd99::3 (a listener bound to

@@ -583,9 +583,10 @@ pub struct ServeArgs {
     /// network device behind the VM's address, as rdma_cm does [default: 1024].
     #[arg(long, value_name = "BYTES", value_parser = parse_path_mtu)]
     pub path_mtu: Option<u8>,
-    /// The local CA ACK delay a VM puts in its REQs and REPs: a 5-bit exponent
+    /// The local CA ACK delay a VM puts in its REQs and REPs where the port cannot read
+    /// the device's (the umad port reads it with `ibv_devinfo`): a 5-bit exponent
     /// (4.096 us x 2^N), the `local_ca_ack_delay` of the VM's RDMA function as
-    /// `ibv_devinfo -v` shows it. No port can read a device's value [default: 15, rdma_rxe's].
+    /// `ibv_devinfo -v` shows it [default: 15, rdma_rxe's].
     #[arg(long, value_name = "N", value_parser = parse_ca_ack_delay)]
     pub ca_ack_delay: Option<u8>,
 }

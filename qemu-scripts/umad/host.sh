@@ -219,6 +219,14 @@ m = re.search(r"attach refused.*", log)
 if m:
     fig.write(f"test 5 log: {m.group(0)[:300]}\n")
 
+# 5b: the device's own ACK delay (rdma_rxe: RXE_LOCAL_CA_ACK_DELAY 15)
+bad = []
+m = re.search(r"ca_ack_delay=(\d+).*local CA ACK delay \(ibv_devinfo\)|local CA ACK delay \(ibv_devinfo\).*ca_ack_delay=(\d+)", log)
+got = m and (m.group(1) or m.group(2))
+if got != "15":
+    bad.append(f"the backend did not read rxe0's local CA ACK delay (15) from the device: {got!r}")
+result("5b", bad, "the backend took the ACK delay VMs report from the device (ibv_devinfo: rxe0's 15)")
+
 # 4: teardown at once, 0 retries, counters
 def counters(tag):
     c = {}

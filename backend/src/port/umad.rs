@@ -375,6 +375,32 @@ pub struct UmadPort {
     indices: Mutex<Indices>,
     pkeys: Vec<u16>,
     pkey_index: u16,
+    /// The device's local CA ACK delay (`ibv_devinfo`), if it could be read.
+    ca_ack_delay: Option<u8>,
+}
+
+/// The device's local CA ACK delay as rdma-core's `ibv_devinfo -v -d DEVICE` prints it
+/// (`local_ca_ack_delay`). Verbs is the only interface that reports it: not sysfs, not
+/// the umad ABI. `None` when the tool is missing, fails, or prints no such line.
+fn device_ca_ack_delay(device: &str) -> Option<u8> {
+    let out = std::process::Command::new("ibv_devinfo")
+        .args(["-v", "-d", device])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    parse_ca_ack_delay(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The `local_ca_ack_delay:` value of `ibv_devinfo -v` output (0 to 31).
+fn parse_ca_ack_delay(text: &str) -> Option<u8> {
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("local_ca_ack_delay:"))
+        .and_then(|v| v.trim().parse::<u8>().ok())
+        .filter(|d| *d <= 31)
 }
 
 fn ioctl(fd: RawFd, req: u64, arg: *mut libc::c_void) -> io::Result<()> {
@@ -492,7 +518,18 @@ impl UmadPort {
             }),
             pkeys,
             pkey_index,
+            ca_ack_delay: device_ca_ack_delay(device),
         };
+        match p.ca_ack_delay {
+            Some(d) => {
+                tracing::info!(port = %p.name, ca_ack_delay = d, "the device's local CA ACK delay (ibv_devinfo)")
+            }
+            None => tracing::warn!(
+                port = %p.name,
+                "could not read the device's local CA ACK delay (`ibv_devinfo -v -d {device}`, \
+                 ibverbs-utils): VMs report --ca-ack-delay"
+            ),
+        }
         let table = read_gid_table(&p.port_dir).map_err(|e| Error::Umad {
             port: p.name.clone(),
             reason: format!("GID table {}: {e}", p.port_dir.display()),
@@ -605,8 +642,7 @@ impl WirePort for UmadPort {
         let index = self.lock().of_vm.get(vm).copied().flatten();
         crate::port::Link {
             mtu: index.and_then(|i| gid_mtu(&self.port_dir, i)),
-            // Not in sysfs or the umad ABI (the device reports it through verbs only).
-            ca_ack_delay: None,
+            ca_ack_delay: self.ca_ack_delay,
         }
     }
 
@@ -891,6 +927,20 @@ mod tests {
         assert_eq!(gid_mtu(&p, 2), Some(5), "a jumbo device: 4096");
         assert_eq!(gid_mtu(&p, 4), Some(3), "1500: 1024");
         assert_eq!(gid_mtu(&p, 6), None, "no device named");
+    }
+
+    #[test]
+    fn the_ack_delay_is_read_from_ibv_devinfo_output() {
+        let out = "hca_id:\trxe0\n\ttransport:\t\t\tInfiniBand (0)\n\tmax_pkeys:\t\t\t64\n\
+                   \tlocal_ca_ack_delay:\t\t15\n\tgeneral_odp_caps:\n";
+        assert_eq!(parse_ca_ack_delay(out), Some(15));
+        assert_eq!(
+            parse_ca_ack_delay("\tlocal_ca_ack_delay:\t\t16\n"),
+            Some(16)
+        );
+        assert_eq!(parse_ca_ack_delay("\tlocal_ca_ack_delay:\t\t40\n"), None);
+        assert_eq!(parse_ca_ack_delay("hca_id:\tmlx5_0\n"), None);
+        assert_eq!(device_ca_ack_delay("no-such-device-0"), None);
     }
 
     #[test]
