@@ -450,7 +450,38 @@ pub fn run_command<T: Transport, C: Clock>(
         Cmd::ConnectDestroy { dest, port, settle } => {
             connect_destroy(dev, out, *dest, *port, *settle)
         }
-        Cmd::Cmtime {
+        Cmd::Cmtime { .. } => match CmtimePlan::of(cmd).map_err(DeviceError::Invalid)? {
+            CmtimePlan::Client {
+                opts,
+                rounds,
+                pause,
+            } => cmtime_client(dev, out, &opts, rounds, pause),
+            CmtimePlan::Server(o) => cmtime_server(dev, out, &o),
+        },
+    }
+}
+
+/// What `cmtime`'s arguments ask for, whichever way the CM is reached.
+pub(crate) enum CmtimePlan {
+    /// Connect `opts.connections` to the server, `rounds` times, `pause` apart.
+    Client {
+        /// The options of one round.
+        opts: ClientOptions,
+        /// Rounds.
+        rounds: u32,
+        /// Pause between rounds.
+        pause: Duration,
+    },
+    /// Serve every round's connections.
+    Server(ServerOptions),
+}
+
+impl CmtimePlan {
+    /// From `cmtime`'s arguments: a client with `--dest` (timeout 30 s unless given), a
+    /// server otherwise; an error when the server's total does not fit (or `cmd` is not
+    /// `cmtime`).
+    pub(crate) fn of(cmd: &Cmd) -> Result<CmtimePlan, String> {
+        let &Cmd::Cmtime {
             dest,
             connections,
             port,
@@ -459,32 +490,37 @@ pub fn run_command<T: Transport, C: Clock>(
             hold,
             rounds,
             pause,
-        } => match (dest, server) {
-            (Some(dest), false) => {
-                let o = ClientOptions {
-                    dest: *dest,
-                    port: *port,
-                    connections: *connections,
+        } = cmd
+        else {
+            return Err("not a cmtime command".into());
+        };
+        match (dest, server) {
+            (Some(dest), false) => Ok(CmtimePlan::Client {
+                opts: ClientOptions {
+                    dest,
+                    port,
+                    connections,
                     timeout: timeout.unwrap_or(Duration::from_secs(30)),
-                    hold: *hold,
-                };
-                cmtime_client(dev, out, &o, *rounds, *pause)
-            }
+                    hold,
+                },
+                rounds,
+                pause,
+            }),
             _ => {
-                let Some(total) = connections.checked_mul(*rounds) else {
-                    return Err(DeviceError::Invalid(format!(
-                        "--connections {connections} x --rounds {rounds} is more than {} connections",
+                let total = connections.checked_mul(rounds).ok_or_else(|| {
+                    format!(
+                        "--connections {connections} x --rounds {rounds} is more than {} \
+                         connections",
                         u32::MAX
-                    )));
-                };
-                let o = ServerOptions {
-                    port: *port,
+                    )
+                })?;
+                Ok(CmtimePlan::Server(ServerOptions {
+                    port,
                     connections: total,
-                    timeout: *timeout,
-                };
-                cmtime_server(dev, out, &o)
+                    timeout,
+                }))
             }
-        },
+        }
     }
 }
 

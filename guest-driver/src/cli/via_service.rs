@@ -47,8 +47,8 @@ use pvcm_wire::mad::AttributeId;
 use serde_json::{Value, json};
 
 use super::{
-    Cli, Cmd, EXIT_CM_FAILED, Out, ProcessCpu, cmtime_report_json, failure_json, ms, pd_text,
-    server_report_json, with,
+    Cli, Cmd, CmtimePlan, EXIT_CM_FAILED, Out, ProcessCpu, cmtime_report_json, failure_json, ms,
+    pd_text, server_report_json, with,
 };
 use crate::cm::rdma_cm::tcp_service_id;
 use crate::cm::{
@@ -542,36 +542,24 @@ pub fn run_command<C: Channel>(
         Cmd::ConnectDestroy { dest, port, settle } => {
             s.connect_destroy(rep, control, *dest, *port, *settle)
         }
-        Cmd::Cmtime {
-            dest,
-            connections,
-            port,
-            server,
-            timeout,
-            hold,
-            rounds,
-            pause,
-        } => match (dest, server) {
-            (Some(dest), false) => {
-                let o = ClientOptions {
-                    dest: *dest,
-                    port: *port,
-                    connections: *connections,
-                    timeout: timeout.unwrap_or(Duration::from_secs(30)),
-                    hold: *hold,
-                };
+        Cmd::Cmtime { .. } => match CmtimePlan::of(cmd).map_err(ViaError::Service)? {
+            CmtimePlan::Client {
+                opts,
+                rounds,
+                pause,
+            } => {
                 let mut ok = true;
-                for round in 1..=*rounds {
-                    if *rounds > 1 {
+                for round in 1..=rounds {
+                    if rounds > 1 {
                         if round > 1 {
-                            std::thread::sleep(*pause);
+                            std::thread::sleep(pause);
                         }
                         rep.line(
                             format!("round {round} of {rounds}"),
                             json!({"event": "round", "round": round, "rounds": rounds}),
                         );
                     }
-                    ok &= s.cmtime_client_round(rep, control, &o)?;
+                    ok &= s.cmtime_client_round(rep, control, &opts)?;
                 }
                 Ok(if ok {
                     ExitCode::SUCCESS
@@ -579,21 +567,7 @@ pub fn run_command<C: Channel>(
                     ExitCode::from(EXIT_CM_FAILED)
                 })
             }
-            _ => {
-                let Some(total) = connections.checked_mul(*rounds) else {
-                    return Err(ViaError::Service(format!(
-                        "--connections {connections} x --rounds {rounds} is more than {} \
-                         connections",
-                        u32::MAX
-                    )));
-                };
-                let o = ServerOptions {
-                    port: *port,
-                    connections: total,
-                    timeout: *timeout,
-                };
-                s.cmtime_server(rep, control, &o)
-            }
+            CmtimePlan::Server(o) => s.cmtime_server(rep, control, &o),
         },
     }
 }
