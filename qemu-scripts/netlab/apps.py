@@ -67,6 +67,17 @@ def short(text, n=400):
 UNIT = "/lib/systemd/system/pvcm-guestd.service"
 
 
+def pair_backend(lab):
+    """pvcm-backend on the packet port for VMs a and b (their sockets in the lab's workdir,
+    rxe's QPN window); returns the backend and the two sockets."""
+    sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
+    backend = lab.backend(
+        "--port", "packet:pvcm-qp1",
+        "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
+        "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+    return backend, sa, sb
+
+
 def start_guestd(vm):
     """pvcm-guestd in a pvcm VM, as the pvcm-guest package's systemd unit starts it (its
     EnvironmentFile and ExecStart; the image has no systemd); waits for the node."""
@@ -365,11 +376,7 @@ def main():
                     (lab.share / "bin").mkdir(exist_ok=True)
                     (lab.share / "bin" / name).write_bytes(Path(path).read_bytes())
                     (lab.share / "bin" / name).chmod(0o755)
-            sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
-            backend = lab.backend(
-                "--port", "packet:pvcm-qp1",
-                "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
-                "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+            backend, sa, sb = pair_backend(lab)
             k = lab.kernel_guest("k", K, wait=False)
             va = lab.pvcm_vm("a", A, socket=str(sa), wait=False)
             vb = lab.pvcm_vm("b", B, socket=str(sb), wait=False)

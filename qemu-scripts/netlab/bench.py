@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .apps import A, B, K, QPN_WINDOW, drops, quarantined, start_guestd
+from .apps import A, B, K, drops, pair_backend, quarantined, start_guestd
 from .lab import Lab, LabError
 
 K2 = "10.99.0.3"
@@ -126,11 +126,7 @@ def main():
     t0 = time.monotonic()
     try:
         with Lab(workdir) as lab:
-            sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
-            backend = lab.backend(
-                "--port", "packet:pvcm-qp1",
-                "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
-                "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+            backend, sa, sb = pair_backend(lab)
             k = lab.kernel_guest("k", K, wait=False)
             k2 = lab.kernel_guest("k2", K2, wait=False)
             va = lab.pvcm_vm("a", A, socket=str(sa), wait=False)
