@@ -47,7 +47,7 @@ use crate::pcap::Capture;
 use crate::port::packet::PacketPort;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
-use crate::port::{InMad, PortSpec, TOKEN_LIMIT, WirePort};
+use crate::port::{Arrivals, PortSpec, TOKEN_LIMIT, WirePort};
 pub use crate::rx::RxMsg;
 use crate::shared::Core;
 pub use crate::shared::Shared;
@@ -130,9 +130,7 @@ impl HostLoop {
                         let shared = &self.shared;
                         shared
                             .port
-                            .receive(&shared.port_ctx(), tok, &mut |vm, mads| {
-                                self.route(vm, mads)
-                            });
+                            .receive(&shared.port_ctx(), tok, &mut |batch| self.route(batch));
                     }
                     _ => {}
                 }
@@ -165,49 +163,60 @@ impl HostLoop {
         }
     }
 
-    /// Takes a batch of MADs the port received for VM `vm`'s address through the mux
-    /// to VMs (and replies to the wire). The MADs are rewritten where the port put them;
-    /// a delivery copies its MAD once, into the VM's rx backlog.
-    fn route(&self, vm: usize, mut frames: Vec<InMad>) {
-        let Some(port) = self.shared.ports.get(vm).cloned() else {
-            return;
-        };
-        if frames.is_empty() {
+    /// Takes one receive batch (MADs for any number of this host's VMs) through the mux
+    /// to VMs, and replies to the wire. The mux lock is taken once for the batch, each
+    /// VM it delivers to is woken once, and what goes back to the wire is sent once per
+    /// sending VM. The MADs are rewritten where the port put them; a delivery copies its
+    /// MAD once, into the VM's rx backlog.
+    fn route(&self, mut arrivals: Arrivals) {
+        arrivals.retain(|(vm, mads)| !mads.is_empty() && self.shared.ports.get(*vm).is_some());
+        if arrivals.is_empty() {
             return;
         }
-        let dst = port.spec.vm.gid;
-        let mut verdicts = vec![WireVerdict::Reply; frames.len()];
-        // Per frame: the index of the port it goes to (`usize::MAX`: none).
-        let mut to_port = vec![usize::MAX; frames.len()];
+        // Per group, per MAD: the verdict, and the index of the port it goes to
+        // (`usize::MAX`: none).
+        let mut verdicts: Vec<Vec<WireVerdict>> = Vec::with_capacity(arrivals.len());
+        let mut to_port: Vec<Vec<usize>> = Vec::with_capacity(arrivals.len());
         let out: Vec<Outgoing>;
         {
             let mut core = self.shared.lock_core();
-            // One call for the batch: the mux prefetches every entry it names first.
-            core.mux
-                .from_wire_batch(&mut frames, |_, f| (f.src, dst), &mut verdicts);
-            for ((f, verdict), target) in frames.iter().zip(&verdicts).zip(&mut to_port) {
-                match *verdict {
-                    WireVerdict::ToVm(vm) => {
-                        if let Some(&p) = core.by_vm.get(&vm) {
-                            *target = p;
+            for (vm, mads) in &mut arrivals {
+                let Some(port) = self.shared.ports.get(*vm) else {
+                    continue;
+                };
+                let dst = port.spec.vm.gid;
+                let mut v = vec![WireVerdict::Reply; mads.len()];
+                let mut t = vec![usize::MAX; mads.len()];
+                // One call per VM's group: the mux prefetches every entry it names first.
+                core.mux.from_wire_batch(mads, |_, f| (f.src, dst), &mut v);
+                for ((f, verdict), target) in mads.iter().zip(&v).zip(&mut t) {
+                    match *verdict {
+                        WireVerdict::ToVm(id) => {
+                            if let Some(&p) = core.by_vm.get(&id) {
+                                *target = p;
+                            }
+                        }
+                        WireVerdict::Reply => {}
+                        WireVerdict::Drop(r) => {
+                            tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
                         }
                     }
-                    WireVerdict::Reply => {}
-                    WireVerdict::Drop(r) => {
-                        tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
-                    }
                 }
+                verdicts.push(v);
+                to_port.push(t);
             }
             out = core.mux.drain_outbox().collect();
             core.commit();
         }
         let mut woken: Vec<usize> = Vec::new();
-        for (f, &p) in frames.iter().zip(&to_port) {
-            if let Some(vp) = self.shared.ports.get(p)
-                && vp.push_rx(RxMsg::from_wire(f, &f.mad))
-                && !woken.contains(&p)
-            {
-                woken.push(p);
+        for ((_, mads), targets) in arrivals.iter().zip(&to_port) {
+            for (f, &p) in mads.iter().zip(targets) {
+                if let Some(vp) = self.shared.ports.get(p)
+                    && vp.push_rx(RxMsg::from_wire(f, &f.mad))
+                    && !woken.contains(&p)
+                {
+                    woken.push(p);
+                }
             }
         }
         for p in woken {
@@ -215,15 +224,20 @@ impl HostLoop {
                 vp.wake_rx();
             }
         }
-        // To the sender's GID (the soft port: its RoCEv2 port; its UDP source port is
-        // entropy, as Linux rxe hashes the flow label into it).
-        let replies: Vec<_> = frames
-            .iter()
-            .zip(&verdicts)
-            .filter(|(_, v)| **v == WireVerdict::Reply)
-            .map(|(f, _)| (f.src, &f.mad))
-            .collect();
-        self.shared.send_mads(&port, &replies);
+        // To the sender's GID, from the VM's own address (the soft port: its RoCEv2
+        // port; its UDP source port is entropy, as Linux rxe hashes the flow label into
+        // it).
+        for ((vm, mads), v) in arrivals.iter().zip(&verdicts) {
+            let replies: Vec<_> = mads
+                .iter()
+                .zip(v)
+                .filter(|(_, v)| **v == WireVerdict::Reply)
+                .map(|(f, _)| (f.src, &f.mad))
+                .collect();
+            if let Some(port) = self.shared.ports.get(*vm) {
+                self.shared.send_mads(port, &replies);
+            }
+        }
         if !out.is_empty() {
             self.shared.send_outgoing(out);
         }

@@ -959,7 +959,7 @@ mod queue_tests {
     use crate::backlog::{self, HostBudget};
     use crate::config::VmSpec;
     use crate::mux::{Mux, MuxConfig, SystemClock, VmConfig};
-    use crate::port::{InMad, PortCtx, WirePort};
+    use crate::port::{PortCtx, WirePort};
     use crate::shared::Core;
 
     const QSIZE: u16 = 16;
@@ -991,7 +991,7 @@ mod queue_tests {
             &self,
             _ctx: &PortCtx<'_>,
             _token: u64,
-            _route: &mut dyn FnMut(usize, Vec<InMad>),
+            _route: &mut dyn FnMut(crate::port::Arrivals),
         ) {
         }
     }

@@ -230,9 +230,15 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     /// Sends MADs from VM `vm` to their GIDs; counts frames and drops on the VM.
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]);
     /// Reads what is waiting on `token`'s descriptor, in batches, and hands every batch
-    /// of checked MADs to `route` with the index of the VM they are addressed to.
-    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>));
+    /// of checked MADs to `route` at once, grouped by the VM they are addressed to: the
+    /// host loop then takes the mux lock, wakes each VM and sends the replies once per
+    /// batch, not once per VM, which matters when a batch spans hundreds of VMs.
+    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(Arrivals));
 }
+
+/// The checked MADs of one receive batch, grouped by the index of the VM they are
+/// addressed to (each VM at most once).
+pub type Arrivals = Vec<(usize, Vec<InMad>)>;
 
 /// Network namespaces for the ports' tests with real sockets.
 #[cfg(test)]

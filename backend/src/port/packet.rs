@@ -57,7 +57,7 @@ use pvcm_wire::roce::{
 
 use crate::error::Error;
 use crate::port::soft::{self, InFrame, RecvBatch};
-use crate::port::{InMad, OutMad, PortCtx, PortError, WirePort};
+use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 
 /// Length of an Ethernet header (no VLAN tag: the kernel hands tags to packet sockets
@@ -812,7 +812,7 @@ impl WirePort for PacketPort {
         }
     }
 
-    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(Arrivals)) {
         thread_local! {
             static RB: std::cell::RefCell<Option<RecvBatch>> = const { std::cell::RefCell::new(None) };
         }
@@ -836,8 +836,8 @@ impl WirePort for PacketPort {
                 if let Some(c) = ctx.capture {
                     c.flush();
                 }
-                for (vm, mads) in per_vm {
-                    route(vm, mads);
+                if !per_vm.is_empty() {
+                    route(per_vm);
                 }
                 if n < soft::BATCH {
                     break;

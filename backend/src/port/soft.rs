@@ -57,7 +57,7 @@ use pvcm_wire::roce::{
 use pvcm_wire::{Error as WireError, Gid};
 
 use crate::error::{Error, RAW_SOCKET_HOW};
-use crate::port::{InMad, OutMad, PortCtx, PortError};
+use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError};
 use crate::stats::{DevDrop, Io};
 
 pub use crate::config::RxMode;
@@ -1014,7 +1014,7 @@ impl SoftPort {
         ctx: &PortCtx<'_>,
         vm: usize,
         rb: &mut RecvBatch,
-        route: &mut dyn FnMut(usize, Vec<InMad>),
+        route: &mut dyn FnMut(Arrivals),
     ) -> usize {
         let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return 0;
@@ -1060,7 +1060,7 @@ impl SoftPort {
                 c.flush();
             }
             if !frames.is_empty() {
-                route(vm, frames);
+                route(vec![(vm, frames)]);
             }
             if n < BATCH {
                 return read;
@@ -1076,7 +1076,7 @@ impl SoftPort {
         &self,
         ctx: &PortCtx<'_>,
         rb: &mut RecvBatch,
-        route: &mut dyn FnMut(usize, Vec<InMad>),
+        route: &mut dyn FnMut(Arrivals),
     ) -> (usize, bool) {
         let Some(raw) = &self.raw else {
             return (0, true);
@@ -1138,8 +1138,8 @@ impl SoftPort {
             if let Some(c) = ctx.capture {
                 c.flush();
             }
-            for (p, frames) in per_vm {
-                route(p, frames);
+            if !per_vm.is_empty() {
+                route(per_vm);
             }
             if n < BATCH {
                 return (read, true);
@@ -1176,12 +1176,7 @@ impl SoftPort {
     ///   as lost (the next audit counts it right).
     ///
     /// It re-arms itself while traffic goes on.
-    fn audit(
-        &self,
-        ctx: &PortCtx<'_>,
-        rb: &mut RecvBatch,
-        route: &mut dyn FnMut(usize, Vec<InMad>),
-    ) {
+    fn audit(&self, ctx: &PortCtx<'_>, rb: &mut RecvBatch, route: &mut dyn FnMut(Arrivals)) {
         {
             let mut t = self
                 .audit_timer
@@ -1321,7 +1316,7 @@ impl crate::port::WirePort for SoftPort {
         self.send_frames(ctx, vm, &frames);
     }
 
-    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+    fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(Arrivals)) {
         thread_local! {
             static RB: std::cell::RefCell<Option<RecvBatch>> = const { std::cell::RefCell::new(None) };
         }
@@ -1813,9 +1808,11 @@ mod tests {
             let mut got: Vec<(usize, Gid, u8)> = Vec::new();
             for _ in 0..200 {
                 for tok in &toks {
-                    port.receive(&ctx, *tok, &mut |vm, mads| {
-                        for m in mads {
-                            got.push((vm, m.src, m.mad[255]));
+                    port.receive(&ctx, *tok, &mut |batch| {
+                        for (vm, mads) in batch {
+                            for m in mads {
+                                got.push((vm, m.src, m.mad[255]));
+                            }
                         }
                     });
                 }
@@ -1868,6 +1865,67 @@ mod tests {
         (port, ports, crate::stats::DevCounters::default())
     }
 
+    /// Raw mode: one receive batch that spans several VMs reaches the host loop as one
+    /// call, each VM's MADs grouped once and in arrival order, so the loop takes the mux
+    /// lock and wakes each VM once per batch.
+    #[test]
+    fn raw_mode_routes_a_batch_for_many_vms_in_one_call() {
+        if !is_root() {
+            eprintln!("skipped: needs CAP_NET_RAW");
+            return;
+        }
+        super::super::testnet::in_netns("soft port raw batch", || {
+            use crate::port::WirePort;
+            let specs: Vec<crate::config::VmSpec> = (1..=3)
+                .map(|v| {
+                    format!("socket=/x/v{v},gid=127.84.0.{v},name=v{v}")
+                        .parse()
+                        .unwrap()
+                })
+                .collect();
+            let vms: Vec<_> = specs
+                .iter()
+                .map(|s| (s.vm.name.clone(), s.addr(), None))
+                .collect();
+            let port = SoftPort::open(&vms, &[false; 3], 4791, RxMode::Raw).unwrap();
+            let ports: Vec<_> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| crate::vm_port::VmPort::for_test(i, s.clone()))
+                .collect();
+            let host = crate::stats::DevCounters::default();
+            let ctx = PortCtx {
+                vms: &ports,
+                host: &host,
+                capture: None,
+            };
+            let peer = UdpPort::bind(v4([127, 84, 0, 9]), 0, 4791).unwrap();
+            let frames: Vec<OutFrame> = (0..30u8)
+                .map(|i| {
+                    let to = sa4(Ipv4Addr::new(127, 84, 0, 1 + i % 3), 4791);
+                    peer.frame(to, &cm_mad(i)).unwrap()
+                })
+                .collect();
+            assert_eq!(peer.send_batch(&frames), 30);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let mut calls: Vec<Vec<(usize, Vec<u8>)>> = Vec::new();
+            port.receive(&ctx, TOK_RAW, &mut |b: Arrivals| {
+                calls.push(
+                    b.into_iter()
+                        .map(|(vm, m)| (vm, m.iter().map(|m| m.mad[255]).collect()))
+                        .collect(),
+                )
+            });
+            assert_eq!(calls.len(), 1, "one call for the batch: {calls:?}");
+            let mut groups = calls.remove(0);
+            groups.sort();
+            let want: Vec<(usize, Vec<u8>)> = (0..3)
+                .map(|v| (v, (0..30u8).filter(|i| usize::from(i % 3) == v).collect()))
+                .collect();
+            assert_eq!(groups, want);
+        });
+    }
+
     /// Raw mode: the frames the kernel drops for a VM are counted exactly, while frames
     /// to another address, dropped by the same full raw queue, are not counted as ours.
     #[test]
@@ -1898,7 +1956,8 @@ mod tests {
                 .collect();
             assert_eq!(peer.send_batch(&frames), 300);
             let got = std::cell::Cell::new(0usize);
-            let mut route = |_: usize, m: Vec<InMad>| got.set(got.get() + m.len());
+            let mut route =
+                |b: Arrivals| got.set(got.get() + b.iter().map(|(_, m)| m.len()).sum::<usize>());
             for _ in 0..20 {
                 port.receive(&ctx, TOK_RAW, &mut route);
             }
@@ -1949,10 +2008,10 @@ mod tests {
                 .collect();
             assert_eq!(peer.send_batch(&frames), 200);
             for _ in 0..20 {
-                port.receive(&ctx, 0, &mut |_, _| {});
+                port.receive(&ctx, 0, &mut |_| {});
             }
             std::thread::sleep(AUDIT_AFTER * 2);
-            port.receive(&ctx, TOK_AUDIT, &mut |_, _| {});
+            port.receive(&ctx, TOK_AUDIT, &mut |_| {});
             let lost = ports[0].counters.dropped(DevDrop::WireRxOverflow);
             let rx = ports[0].counters.io(Io::WireRxFrames);
             assert!(lost > 0, "the queue must have overflowed ({rx} received)");
@@ -1963,7 +2022,7 @@ mod tests {
                 1
             );
             for _ in 0..50 {
-                port.receive(&ctx, 0, &mut |_, _| {});
+                port.receive(&ctx, 0, &mut |_| {});
                 if ports[0].counters.io(Io::WireRxFrames) == rx + 1 {
                     break;
                 }

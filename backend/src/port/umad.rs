@@ -40,7 +40,7 @@ use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UDP_PORT,
 use crate::config::gid_addr;
 
 use crate::error::Error;
-use crate::port::{InMad, OutMad, PortCtx, PortError, WirePort};
+use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 
 /// `struct ib_user_mad_hdr` with the P_Key index (after `IB_USER_MAD_ENABLE_PKEY`).
@@ -702,7 +702,7 @@ impl WirePort for UmadPort {
         }
     }
 
-    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(usize, Vec<InMad>)) {
+    fn receive(&self, ctx: &PortCtx<'_>, _token: u64, route: &mut dyn FnMut(Arrivals)) {
         let mut buf = [0u8; MSG_LEN];
         let mut batches: Vec<(usize, Vec<InMad>)> = Vec::new();
         let mut pending = 0;
@@ -744,17 +744,15 @@ impl WirePort for UmadPort {
                 }
             }
             if pending >= RX_BATCH {
-                for (vm, mads) in batches.drain(..) {
-                    route(vm, mads);
-                }
+                route(std::mem::take(&mut batches));
                 pending = 0;
             }
         }
         if let Some(c) = ctx.capture {
             c.flush();
         }
-        for (vm, mads) in batches {
-            route(vm, mads);
+        if !batches.is_empty() {
+            route(batches);
         }
     }
 }

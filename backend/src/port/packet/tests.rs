@@ -409,14 +409,18 @@ impl Rig {
         let end = Instant::now() + wait;
         let mut got = Vec::new();
         while Instant::now() < end {
-            p.receive(&self.ctx(None), 0, &mut |vm, mads| {
-                got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+            p.receive(&self.ctx(None), 0, &mut |batch| {
+                for (vm, mads) in batch {
+                    got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+                }
             });
             if got.len() >= want {
                 // Anything more would be a leak: give it a moment to show.
                 std::thread::sleep(Duration::from_millis(20));
-                p.receive(&self.ctx(None), 0, &mut |vm, mads| {
-                    got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+                p.receive(&self.ctx(None), 0, &mut |batch| {
+                    for (vm, mads) in batch {
+                        got.extend(mads.iter().map(|m| (vm, m.src, m.mad[255])));
+                    }
                 });
                 break;
             }
