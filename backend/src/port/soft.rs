@@ -511,9 +511,13 @@ const BPF_JSET: u16 = 0x40;
 const BPF_K: u16 = 0x00;
 /// What an accepting filter returns: the whole datagram.
 const BPF_ACCEPT: u32 = 0xFFFF;
-/// Addresses the kernel filter checks one by one; past this the filter checks only the
-/// port and the receive path checks the address (a BPF jump reaches 255 ahead).
-const BPF_MAX_ADDRS: usize = 200;
+/// Addresses the kernel filter checks one by one (in chunks, as a classic BPF jump
+/// reaches at most 255 instructions ahead); past this the filter checks only the port
+/// and the receive path checks the address. The kernel takes up to 4,096 instructions.
+const BPF_MAX_ADDRS: usize = 2000;
+/// Addresses per chunk of compares: each chunk ends in its own accept, within reach.
+const BPF_CHUNK: usize = 250;
+const BPF_JA: u16 = 0x00;
 
 fn bpf_stmt(code: u16, k: u32) -> libc::sock_filter {
     libc::sock_filter {
@@ -549,44 +553,47 @@ fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
 
 /// The raw socket's filter: unfragmented UDP to `port` at one of `addrs` (all
 /// addresses when there are more than [`BPF_MAX_ADDRS`]). A raw socket's data starts
-/// at the IPv4 header.
+/// at the IPv4 header. Every jump is short: the drops sit next to the checks, and the
+/// address compares come in chunks of [`BPF_CHUNK`], each followed by its own accept.
 fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
     let check_addrs = !addrs.is_empty() && addrs.len() <= BPF_MAX_ADDRS;
-    let n = if check_addrs { addrs.len() } else { 0 };
-    let mut p = Vec::with_capacity(8 + n);
+    let mut p = Vec::with_capacity(10 + addrs.len() + 2 * addrs.len() / BPF_CHUNK);
     // Fragments (offset != 0) carry no UDP header: drop them. The kernel reassembles
     // before raw delivery, so this only guards the header load below.
     p.push(bpf_stmt(BPF_LD | BPF_H | BPF_ABS, 6));
-    // If any offset bit is set, jump to the final drop (n + 4 instructions ahead).
-    p.push(bpf_jump(
-        BPF_JMP | BPF_JSET | BPF_K,
-        0x1FFF,
-        (n + 4) as u8,
-        0,
-    ));
+    p.push(bpf_jump(BPF_JMP | BPF_JSET | BPF_K, 0x1FFF, 0, 1));
+    p.push(bpf_stmt(BPF_RET | BPF_K, 0));
     // X = IHL * 4; A = UDP destination port.
     p.push(bpf_stmt(BPF_LDX | BPF_B | BPF_MSH, 0));
     p.push(bpf_stmt(BPF_LD | BPF_H | BPF_IND, 2));
-    p.push(bpf_jump(
-        BPF_JMP | BPF_JEQ | BPF_K,
-        u32::from(port),
-        if check_addrs { 0 } else { 1 },
-        (n + 1) as u8,
-    ));
-    if check_addrs {
-        p.push(bpf_stmt(BPF_LD | BPF_W | BPF_ABS, 16));
-        for (i, a) in addrs.iter().enumerate() {
-            // On a match skip the remaining compares and the drop.
+    p.push(bpf_jump(BPF_JMP | BPF_JEQ | BPF_K, u32::from(port), 1, 0));
+    p.push(bpf_stmt(BPF_RET | BPF_K, 0));
+    if !check_addrs {
+        p.push(bpf_stmt(BPF_RET | BPF_K, BPF_ACCEPT));
+        return p;
+    }
+    p.push(bpf_stmt(BPF_LD | BPF_W | BPF_ABS, 16));
+    let chunks = addrs.len().div_ceil(BPF_CHUNK);
+    for (c, chunk) in addrs.chunks(BPF_CHUNK).enumerate() {
+        let m = chunk.len();
+        for (i, a) in chunk.iter().enumerate() {
+            // On a match, on to this chunk's accept (after the chunk's last compare and
+            // the instruction that follows it).
             p.push(bpf_jump(
                 BPF_JMP | BPF_JEQ | BPF_K,
                 u32::from(*a),
-                (n - i) as u8,
+                (m - i) as u8,
                 0,
             ));
         }
+        if c + 1 < chunks {
+            // No match in this chunk: over its accept, to the next chunk.
+            p.push(bpf_stmt(BPF_JMP | BPF_JA, 1));
+        } else {
+            p.push(bpf_stmt(BPF_RET | BPF_K, 0));
+        }
+        p.push(bpf_stmt(BPF_RET | BPF_K, BPF_ACCEPT));
     }
-    p.push(bpf_stmt(BPF_RET | BPF_K, 0));
-    p.push(bpf_stmt(BPF_RET | BPF_K, BPF_ACCEPT));
     p
 }
 
@@ -1863,6 +1870,84 @@ mod tests {
         let port = SoftPort::open(&vms, &[false], 4791, mode).unwrap();
         let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
         (port, ports, crate::stats::DevCounters::default())
+    }
+
+    /// Runs a classic BPF program of the instructions [`raw_filter`] uses on `pkt`;
+    /// panics on a jump out of the program or an unknown instruction.
+    fn run_bpf(prog: &[libc::sock_filter], pkt: &[u8]) -> u32 {
+        let (mut a, mut x, mut pc) = (0u32, 0u32, 0usize);
+        let h = |off: usize| u32::from(u16::from_be_bytes([pkt[off], pkt[off + 1]]));
+        loop {
+            let i = prog[pc];
+            pc += 1;
+            match i.code {
+                c if c == BPF_LD | BPF_H | BPF_ABS => a = h(i.k as usize),
+                c if c == BPF_LD | BPF_W | BPF_ABS => {
+                    let k = i.k as usize;
+                    a = u32::from_be_bytes([pkt[k], pkt[k + 1], pkt[k + 2], pkt[k + 3]]);
+                }
+                c if c == BPF_LDX | BPF_B | BPF_MSH => x = u32::from(pkt[i.k as usize] & 0xf) * 4,
+                c if c == BPF_LD | BPF_H | BPF_IND => a = h((x + i.k) as usize),
+                c if c == BPF_JMP | BPF_JSET | BPF_K => {
+                    pc += usize::from(if a & i.k != 0 { i.jt } else { i.jf })
+                }
+                c if c == BPF_JMP | BPF_JEQ | BPF_K => {
+                    pc += usize::from(if a == i.k { i.jt } else { i.jf })
+                }
+                c if c == BPF_JMP | BPF_JA => pc += i.k as usize,
+                c if c == BPF_RET | BPF_K => return i.k,
+                c => panic!("instruction {c:#x}"),
+            }
+            assert!(pc < prog.len(), "jump out of the program");
+        }
+    }
+
+    /// The raw filter takes exactly the datagrams to its port at its addresses, for any
+    /// number of addresses: the compares past one jump's reach come in chunks.
+    #[test]
+    fn the_raw_filter_takes_its_addresses_however_many() {
+        let pkt = |dst: Ipv4Addr, port: u16, frag: u16| {
+            let mut p = vec![0u8; 28];
+            p[0] = 0x45;
+            p[6..8].copy_from_slice(&frag.to_be_bytes());
+            p[16..20].copy_from_slice(&dst.octets());
+            p[22..24].copy_from_slice(&port.to_be_bytes());
+            p
+        };
+        for n in [1usize, 3, 249, 250, 251, 500, 777, BPF_MAX_ADDRS] {
+            let addrs: Vec<Ipv4Addr> = (0..n as u32)
+                .map(|i| Ipv4Addr::from(0x7f40_0000 + i * 7))
+                .collect();
+            let prog = raw_filter(4791, &addrs);
+            assert!(
+                prog.len() <= 4096,
+                "{n} addresses: {} instructions",
+                prog.len()
+            );
+            for a in &addrs {
+                assert_eq!(run_bpf(&prog, &pkt(*a, 4791, 0)), BPF_ACCEPT, "{n}: {a}");
+                assert_eq!(run_bpf(&prog, &pkt(*a, 4792, 0)), 0, "{n}: {a} other port");
+                assert_eq!(
+                    run_bpf(&prog, &pkt(*a, 4791, 0x0010)),
+                    0,
+                    "{n}: {a} fragment"
+                );
+            }
+            let stranger = Ipv4Addr::from(0x7f40_0000 + 7 * n as u32 + 1);
+            assert_eq!(
+                run_bpf(&prog, &pkt(stranger, 4791, 0)),
+                0,
+                "{n}: a stranger"
+            );
+        }
+        // Past the most it checks, the filter takes the port only.
+        let many: Vec<Ipv4Addr> = (0..=BPF_MAX_ADDRS as u32).map(Ipv4Addr::from).collect();
+        let prog = raw_filter(4791, &many);
+        assert_eq!(
+            run_bpf(&prog, &pkt(Ipv4Addr::new(10, 0, 0, 1), 4791, 0)),
+            BPF_ACCEPT
+        );
+        assert_eq!(run_bpf(&prog, &pkt(Ipv4Addr::new(10, 0, 0, 1), 4790, 0)), 0);
     }
 
     /// Raw mode: one receive batch that spans several VMs reaches the host loop as one
