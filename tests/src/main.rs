@@ -14,6 +14,8 @@
 //! handshakes (see `lab::migrate`).
 //! `pvcm-lab restart` kills a backend under established connections and starts it again
 //! (see `lab::restart`).
+//! `pvcm-lab scale` runs teardown at growing sizes and many idle VMs on one backend, and
+//! prints the cost per connection (see `lab::scale`).
 
 use std::process::ExitCode;
 
@@ -39,6 +41,9 @@ fn main() -> ExitCode {
     }
     if rest.first().is_some_and(|a| a == "restart") {
         return pvcm_lab::lab::restart::main(rest.into_iter().skip(1));
+    }
+    if rest.first().is_some_and(|a| a == "scale") {
+        return pvcm_lab::lab::scale::main(rest.into_iter().skip(1));
     }
     cli::main(Cli::parse())
 }

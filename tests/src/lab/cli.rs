@@ -35,7 +35,9 @@ use super::relay::Faults;
         pvcm-lab migrate   live-migrate a VM between two backends in the middle of its \
         handshakes\n  \
         pvcm-lab restart   kill a backend under established connections and start it \
-        again over its --state-dir\n\n\
+        again over its --state-dir\n  \
+        pvcm-lab scale     teardown at 16,384, 32,768 and 65,536 connections per host \
+        and 256 idle VMs per backend: cost per connection, memory, threads\n\n\
         Unset options take the scenario's defaults; those that differ by scenario are \
         given as 'SCENARIO N'. See docs/lab.md."
 )]

@@ -258,6 +258,33 @@ impl HostProc {
             .and_then(|v| v.parse().ok())
     }
 
+    /// The backend's threads now.
+    pub fn threads(&self) -> Option<u64> {
+        let pid = self.pid()?;
+        let n = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.count();
+        Some(n as u64)
+    }
+
+    /// CPU time the backend's threads have run so far (the sum of their
+    /// `/proc/PID/task/TID/schedstat` run times; threads that already ended are not in
+    /// it, so compare two readings only over a window in which no thread ends).
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let pid = self.pid()?;
+        let mut ns: u64 = 0;
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()?
+            .flatten()
+        {
+            let s = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            ns += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+        Some(Duration::from_nanos(ns))
+    }
+
     /// Whether the process still runs.
     pub fn running(&mut self) -> bool {
         self.child

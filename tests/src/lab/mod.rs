@@ -37,6 +37,7 @@ pub mod progress;
 pub mod relay;
 pub mod report;
 pub mod restart;
+pub mod scale;
 pub mod scenarios;
 pub mod stamp;
 pub mod standalone;

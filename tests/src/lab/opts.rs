@@ -195,6 +195,10 @@ pub struct LabOptions {
     /// The `pvcm-lab` executable, re-executed as `__backend` for each host.
     #[serde(skip)]
     pub exe: PathBuf,
+    /// After quiesce, with every VM still attached and idle, measure each backend's CPU
+    /// use over this long (`None`: not measured).
+    #[serde(skip)]
+    pub idle_window: Option<Duration>,
 }
 
 fn ser_policy<S: serde::Serializer>(p: &Policy, s: S) -> Result<S::Ok, S::Error> {
@@ -237,6 +241,7 @@ impl LabOptions {
             progress: false,
             keep_dir: false,
             exe,
+            idle_window: None,
         };
         match scenario {
             ScenarioName::Teardown => {

@@ -57,6 +57,11 @@ pub struct HostReport {
     pub guests: GuestFigures,
     /// The backend's resident memory at start and at the end (KiB).
     pub rss_kib: (Option<u64>, Option<u64>),
+    /// The backend's threads at the end, its VMs attached.
+    pub threads: Option<u64>,
+    /// The backend's CPU use with its VMs attached and idle (share of one core), when
+    /// measured.
+    pub idle_cpu: Option<f64>,
 }
 
 /// A run's summary.
@@ -193,22 +198,18 @@ impl Report {
                 }
             }
             let n = host.spec.vms.len();
-            let first = host
-                .spec
-                .vms
-                .first()
-                .map(|v| v.addr.to_string())
-                .unwrap_or_default();
             self.hosts.push(HostReport {
                 name: host.spec.name.clone(),
                 vms: n,
-                addrs: if n > 1 { format!("{first}-{n}") } else { first },
+                addrs: vm_ranges(&host.spec.vms.iter().map(|v| v.addr).collect::<Vec<_>>()),
                 backend: out.snapshots.get(h).cloned().flatten(),
                 guests,
                 rss_kib: (
                     world.rss_start.get(h).copied().flatten(),
                     out.rss_end.get(h).copied().flatten(),
                 ),
+                threads: out.threads_end.get(h).copied().flatten(),
+                idle_cpu: out.idle_cpu.get(h).copied().flatten(),
             });
         }
         for e in &out.errors {
@@ -472,11 +473,35 @@ const GROUPS: [&str; 4] = [
     "cm_rx_duplicates",
 ];
 
+/// Addresses as runs of consecutive ones: `127.10.1.1-250, 127.10.129.1-6`.
+fn vm_ranges(addrs: &[std::net::Ipv4Addr]) -> String {
+    let mut runs: Vec<(std::net::Ipv4Addr, u32)> = Vec::new();
+    for a in addrs {
+        match runs.last_mut() {
+            Some((first, n)) if u32::from(*first) + *n == u32::from(*a) => *n += 1,
+            _ => runs.push((*a, 1)),
+        }
+    }
+    runs.iter()
+        .map(|(first, n)| match n {
+            1 => first.to_string(),
+            n => format!("{first}-{}", first.octets()[3] as u32 + n - 1),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn render_host(o: &mut String, h: &HostReport, policy: &str) {
-    let rss = match h.rss_kib {
+    let mut rss = match h.rss_kib {
         (Some(a), Some(b)) => format!(", backend RSS {} -> {} MiB", a / 1024, b / 1024),
         _ => String::new(),
     };
+    if let Some(t) = h.threads {
+        rss.push_str(&format!(", {t} threads"));
+    }
+    if let Some(c) = h.idle_cpu {
+        rss.push_str(&format!(", idle CPU {:.2}% of a core", c * 100.0));
+    }
     let _ = writeln!(
         o,
         "host {} ({} VMs at {}, policy {policy}{rss})",
@@ -576,6 +601,15 @@ mod tests {
 
     use super::super::opts::{LabOptions, ScenarioName};
     use super::Report;
+
+    #[test]
+    fn vm_addresses_print_as_runs() {
+        let a: Vec<_> = (0..252)
+            .map(|v| super::super::world::vm_addr(10, 0, v))
+            .collect();
+        assert_eq!(super::vm_ranges(&a), "127.10.1.1-250, 127.10.129.1-2");
+        assert_eq!(super::vm_ranges(&a[..1]), "127.10.1.1");
+    }
 
     fn report() -> Report {
         let mut r = Report::new(&LabOptions::new(

@@ -24,9 +24,21 @@ pub const ROCE_PORT: u16 = pvcm_wire::roce::UDP_PORT;
 
 pub use super::error::{LabError, LabResult};
 
-/// VM `vm` (0-based) of host `host` (0-based) on net `net`: `127.net.(host+1).(vm+1)`.
+/// VMs per host that fit in one /24 of the lab's addresses.
+pub const VMS_PER_BLOCK: usize = 250;
+
+/// The most VMs one host can have: two blocks.
+pub const MAX_VMS_PER_HOST: usize = 2 * VMS_PER_BLOCK;
+
+/// The most hosts a run with more than [`VMS_PER_BLOCK`] VMs per host can have (their
+/// second blocks start at third octet 129, below the rate scenario's 250).
+pub const MAX_HOSTS_WITH_TWO_BLOCKS: usize = 120;
+
+/// VM `vm` (0-based) of host `host` (0-based) on net `net`: `127.net.(host+1).(vm+1)`
+/// for the first [`VMS_PER_BLOCK`] VMs, `127.net.(host+129).(vm-249)` for the rest.
 pub fn vm_addr(net: u8, host: usize, vm: usize) -> Ipv4Addr {
-    Ipv4Addr::new(127, net, (host + 1) as u8, (vm + 1) as u8)
+    let (block, v) = (vm / VMS_PER_BLOCK, vm % VMS_PER_BLOCK);
+    Ipv4Addr::new(127, net, (host + 1 + 128 * block) as u8, (v + 1) as u8)
 }
 
 /// The hosts and the relay of one run.
@@ -52,8 +64,21 @@ impl World {
     /// `h`'s mux seed (default: derived from the run's seed), and the relay if faults are
     /// asked for.
     pub fn start(o: &LabOptions, layout: &[usize], seeds: Option<&[u64]>) -> LabResult<World> {
-        if layout.is_empty() || layout.len() > 200 || layout.iter().any(|&n| n == 0 || n > 250) {
-            return Err(format!("bad layout {layout:?}: 1 to 200 hosts of 1 to 250 VMs").into());
+        let two_blocks = layout.iter().any(|&n| n > VMS_PER_BLOCK);
+        let max_hosts = if two_blocks {
+            MAX_HOSTS_WITH_TWO_BLOCKS
+        } else {
+            200
+        };
+        if layout.is_empty()
+            || layout.len() > max_hosts
+            || layout.iter().any(|&n| n == 0 || n > MAX_VMS_PER_HOST)
+        {
+            return Err(format!(
+                "bad layout {layout:?}: 1 to 200 hosts of 1 to {VMS_PER_BLOCK} VMs, or 1 to \
+                 {MAX_HOSTS_WITH_TWO_BLOCKS} hosts of up to {MAX_VMS_PER_HOST}"
+            )
+            .into());
         }
         let dir = tempfile::Builder::new()
             .prefix("pvcm-lab-")
@@ -443,6 +468,11 @@ pub struct Outcome<O> {
     pub rss_end: Vec<Option<u64>>,
     /// Each host's RSS when half the progress units were done (KiB).
     pub rss_mid: Vec<Option<u64>>,
+    /// Each backend's threads after quiesce, VMs still attached.
+    pub threads_end: Vec<Option<u64>>,
+    /// Each backend's CPU use (share of one core) over `idle_window` after quiesce,
+    /// with every VM attached and idle.
+    pub idle_cpu: Vec<Option<f64>>,
     /// From all VMs connected to all workloads done.
     pub workload: Duration,
     /// From the workloads done to quiesce (or the timeout).
@@ -510,6 +540,8 @@ where
         snapshots: Vec::new(),
         rss_end: Vec::new(),
         rss_mid: Vec::new(),
+        threads_end: Vec::new(),
+        idle_cpu: Vec::new(),
         workload: Duration::ZERO,
         quiesce: Duration::ZERO,
         quiesced: false,
@@ -584,6 +616,22 @@ where
         outcome.vms = got;
         outcome.snapshots = world.snapshots();
         outcome.rss_end = world.hosts.iter().map(HostProc::rss_kib).collect();
+        outcome.threads_end = world.hosts.iter().map(HostProc::threads).collect();
+        if let Some(w) = o.idle_window {
+            let t0: Vec<_> = world.hosts.iter().map(HostProc::cpu_time).collect();
+            let start = Instant::now();
+            std::thread::sleep(w);
+            let elapsed = start.elapsed().as_secs_f64();
+            outcome.idle_cpu = world
+                .hosts
+                .iter()
+                .zip(t0)
+                .map(|(h, t0)| {
+                    let (t0, t1) = (t0?, h.cpu_time()?);
+                    Some(t1.saturating_sub(t0).as_secs_f64() / elapsed)
+                })
+                .collect();
+        }
         ctl.release.store(true, Ordering::Release);
         bar.finish();
     });
@@ -679,4 +727,24 @@ fn vm_thread<O, F>(
         std::thread::sleep(Duration::from_millis(2));
     }
     drop(vm);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_addresses_past_one_block_take_a_second_block_of_their_own() {
+        assert_eq!(vm_addr(10, 0, 0), Ipv4Addr::new(127, 10, 1, 1));
+        assert_eq!(vm_addr(10, 1, 249), Ipv4Addr::new(127, 10, 2, 250));
+        assert_eq!(vm_addr(10, 1, 250), Ipv4Addr::new(127, 10, 130, 1));
+        assert_eq!(
+            vm_addr(10, MAX_HOSTS_WITH_TWO_BLOCKS - 1, MAX_VMS_PER_HOST - 1),
+            Ipv4Addr::new(127, 10, 248, 250)
+        );
+        let all: std::collections::HashSet<_> = (0..MAX_HOSTS_WITH_TWO_BLOCKS)
+            .flat_map(|h| (0..MAX_VMS_PER_HOST).map(move |v| vm_addr(7, h, v)))
+            .collect();
+        assert_eq!(all.len(), MAX_HOSTS_WITH_TWO_BLOCKS * MAX_VMS_PER_HOST);
+    }
 }

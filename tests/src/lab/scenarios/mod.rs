@@ -18,7 +18,7 @@ use pvcm_guest::time::Time;
 use super::opts::{LabOptions, ScenarioName};
 use super::report::Report;
 use super::stamp::Stamp;
-use super::world::{LabError, LabResult, VmEnv};
+use super::world::{self, LabError, LabResult, VmEnv};
 
 /// Runs one scenario and returns its summary.
 pub fn run(o: &LabOptions) -> LabResult<Report> {
@@ -39,8 +39,11 @@ fn validate(o: &LabOptions) -> LabResult<()> {
     if o.hosts < 1 || o.hosts > 200 {
         return bad("--hosts must be 1 to 200");
     }
-    if o.vms_per_host < 1 || o.vms_per_host > 250 {
-        return bad("--vms-per-host must be 1 to 250");
+    if o.vms_per_host < 1 || o.vms_per_host > world::MAX_VMS_PER_HOST {
+        return bad("--vms-per-host must be 1 to 500");
+    }
+    if o.vms_per_host > world::VMS_PER_BLOCK && o.hosts > world::MAX_HOSTS_WITH_TWO_BLOCKS {
+        return bad("more than 250 VMs per host: at most 120 hosts");
     }
     if o.procs < 1 || o.procs > 1000 {
         return bad("--procs must be 1 to 1000");

@@ -301,6 +301,8 @@ pub fn run(o: &LabOptions) -> LabResult<Report> {
         snapshots: world.snapshots(),
         rss_end: world.hosts.iter().map(|h| h.rss_kib()).collect(),
         rss_mid: Vec::new(),
+        threads_end: world.hosts.iter().map(|h| h.threads()).collect(),
+        idle_cpu: Vec::new(),
         workload: Duration::ZERO,
         quiesce: Duration::ZERO,
         quiesced: false,
