@@ -604,12 +604,15 @@ pub struct RawRx {
     fd: OwnedFd,
 }
 
-/// The raw socket's receive buffer (the kernel doubles it for its bookkeeping). Not
-/// larger: a deeper queue turns a burst the host loop cannot keep up with into delay
-/// past the CM's timeouts instead of loss, and every late request is retried (at
-/// 65,536 connections per host in the lab, 256 MiB lost no frame but drew ten times the
-/// DREQ retries of 16 MiB).
-const RAW_RCVBUF: libc::c_int = 16 << 20;
+/// The raw socket's receive buffer (the kernel doubles it for its bookkeeping): room
+/// for ~100,000 queued frames (a loopback datagram takes ~1.3 KiB of it), so the host
+/// loop can fall behind for a while without loss. What bounds the queue is the senders'
+/// pacing: a guest keeps at most a VM-wide window of requests of each kind outstanding
+/// (64 REQs and 64 DREQs by default), so 128 VMs behind one peer host put at most ~32 K
+/// requests and answers in flight towards it. The buffer is not sized for unpaced
+/// bursts: a queue deep enough to take hundreds of thousands of frames only turns loss
+/// into delay past the CM's timeouts, and every late request is retried.
+const RAW_RCVBUF: libc::c_int = 64 << 20;
 
 impl RawRx {
     /// Opens the raw socket for datagrams to `port` at `addrs`. Fails with

@@ -17,6 +17,10 @@
 //!   being sent, or because its connection no longer needs it (the application destroyed
 //!   a connecting id: nothing goes on the wire, the REQ never left; the peer's DREQ
 //!   crossed ours), counted in [`PacingCounters::cancelled`].
+//! - Above the destinations' windows, a VM-wide window per kind bounds the requests
+//!   outstanding to all destinations together ([`Pacing::vm_window`]): a VM that starts
+//!   connects to hundreds of peers at once sends them a window's worth at a time, and a
+//!   window held back only by it goes first, in order, when it frees a slot.
 //! - Answers grow the window (slow start, then additive); a request's timeout halves it
 //!   once per window of requests sent (requests sent before the last decrease do not
 //!   decrease it again). A destination with nothing outstanding or queued is forgotten,
@@ -36,6 +40,9 @@ pub const DEFAULT_INITIAL_WINDOW: u32 = 32;
 pub const DEFAULT_MAX_WINDOW: u32 = 1024;
 /// The window never shrinks below this (or below the ceiling, if that is smaller).
 pub const MIN_WINDOW: u32 = 4;
+/// The most requests of one kind outstanding from the VM to all destinations together,
+/// by default.
+pub const DEFAULT_VM_WINDOW: u32 = 64;
 
 /// Per-destination pacing of the requests the agent starts (REQ and DREQ): a congestion
 /// window of requests sent and not yet answered, so a burst of connects or disconnects
@@ -62,6 +69,12 @@ pub struct Pacing {
     /// Slow-start threshold a destination starts with (later: half the window at the
     /// last timeout).
     pub slow_start: u32,
+    /// The most requests of one kind (REQ, DREQ) outstanding to all destinations
+    /// together. A VM that connects to hundreds of peers at once would otherwise send a
+    /// window to each, all of them at once: the per-destination windows only bind a
+    /// burst towards few peers, while many peers usually sit behind few hosts whose
+    /// QP1 receive queues all those requests share.
+    pub vm_window: u32,
 }
 
 impl Pacing {
@@ -83,6 +96,7 @@ impl Pacing {
             min_window: min,
             max_window: max,
             slow_start: max,
+            vm_window: DEFAULT_VM_WINDOW.max(min),
         })
     }
 }
@@ -94,6 +108,7 @@ impl Default for Pacing {
             min_window: MIN_WINDOW,
             max_window: DEFAULT_MAX_WINDOW,
             slow_start: DEFAULT_MAX_WINDOW,
+            vm_window: DEFAULT_VM_WINDOW,
         }
     }
 }
@@ -283,7 +298,20 @@ pub(crate) struct Pacer {
     windows: FastMap<(Gid, Request), Window>,
     /// Windows that freed a slot since the last [`Pacer::ready`].
     dirty: Vec<(Gid, Request)>,
+    /// Requests outstanding to all destinations, per kind (index: [`kind_index`]).
+    total: [u32; 2],
+    /// Windows with requests queued only because the VM-wide window was full, in the
+    /// order they filled it, per kind: they go first when it frees a slot.
+    blocked: [VecDeque<Gid>; 2],
     counters: PacingCounters,
+}
+
+/// The index of a request kind in the pacer's per-kind arrays.
+fn kind_index(k: Request) -> usize {
+    match k {
+        Request::Connect => 0,
+        Request::Disconnect => 1,
+    }
 }
 
 impl Pacer {
@@ -292,6 +320,8 @@ impl Pacer {
             policy,
             windows: FastMap::default(),
             dirty: Vec::new(),
+            total: [0; 2],
+            blocked: [VecDeque::new(), VecDeque::new()],
             counters: PacingCounters::default(),
         }
     }
@@ -343,8 +373,11 @@ impl Pacer {
             .or_insert_with(|| Window::new(&p));
         let c = &mut self.counters;
         c.saw_window(w.cwnd);
-        if w.queue.is_empty() && w.outstanding < w.cwnd {
+        let k = kind_index(kind);
+        let vm_full = self.total[k] >= p.vm_window.max(1) || !self.blocked[k].is_empty();
+        if w.queue.is_empty() && w.outstanding < w.cwnd && !vm_full {
             w.outstanding += 1;
+            self.total[k] += 1;
             c.sent += 1;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
             *pace = Pace::Outstanding {
@@ -354,6 +387,10 @@ impl Pacer {
             };
             true
         } else {
+            if w.outstanding < w.cwnd && w.queue.is_empty() {
+                // Only the VM-wide window holds it back.
+                self.blocked[k].push_back(dst);
+            }
             w.queue.push_back(Queued { slot, mad });
             c.waited += 1;
             c.max_queued = c.max_queued.max(w.queue.len() as u64);
@@ -388,6 +425,8 @@ impl Pacer {
             return;
         }
         w.outstanding = w.outstanding.saturating_sub(1);
+        let k = kind_index(kind);
+        self.total[k] = self.total[k].saturating_sub(1);
         if w.cwnd < w.ssthresh {
             w.cwnd += 1;
         } else {
@@ -420,6 +459,8 @@ impl Pacer {
             self.counters.cancelled += (before - w.queue.len()) as u64;
         } else {
             w.outstanding = w.outstanding.saturating_sub(1);
+            let k = kind_index(kind);
+            self.total[k] = self.total[k].saturating_sub(1);
         }
         self.dirty.push((dst, kind));
     }
@@ -444,6 +485,8 @@ impl Pacer {
             return;
         };
         w.outstanding = w.outstanding.saturating_sub(1);
+        let k = kind_index(kind);
+        self.total[k] = self.total[k].saturating_sub(1);
         if heard == w.heard {
             if !w.open {
                 w.open = true;
@@ -464,17 +507,45 @@ impl Pacer {
     }
 
     /// The queued requests the freed slots let go now, in queue order per window, each
-    /// holding its slot already; forgets idle windows.
+    /// holding its slot already; forgets idle windows. Windows the VM-wide window held
+    /// back go first, in the order they were held back.
     pub(crate) fn ready(&mut self) -> Vec<Ready> {
         let mut out = Vec::new();
-        while let Some(key) = self.dirty.pop() {
+        let Some(p) = self.policy else {
+            self.dirty.clear();
+            return out;
+        };
+        let vm_window = p.vm_window.max(1);
+        loop {
+            let key = match [Request::Connect, Request::Disconnect]
+                .into_iter()
+                .find(|&k| {
+                    self.total[kind_index(k)] < vm_window && !self.blocked[kind_index(k)].is_empty()
+                }) {
+                Some(k) => match self.blocked[kind_index(k)].pop_front() {
+                    Some(dst) => (dst, k),
+                    None => continue,
+                },
+                None => match self.dirty.pop() {
+                    Some(key) => key,
+                    None => break,
+                },
+            };
             let Some(w) = self.windows.get_mut(&key) else {
                 continue;
             };
+            let k = kind_index(key.1);
             let before = out.len();
-            while w.outstanding < w.cwnd {
+            while w.outstanding < w.cwnd && !w.queue.is_empty() {
+                if self.total[k] >= vm_window {
+                    if !self.blocked[k].contains(&key.0) {
+                        self.blocked[k].push_back(key.0);
+                    }
+                    break;
+                }
                 let Some(q) = w.queue.pop_front() else { break };
                 w.outstanding += 1;
+                self.total[k] += 1;
                 out.push(Ready {
                     slot: q.slot,
                     dst: key.0,
@@ -541,5 +612,84 @@ mod tests {
         assert_eq!(windows[..4], [16, 8, 4, 4], "{windows:?}");
         assert_eq!(pacer.counters().opened, 0);
         assert_eq!(pacer.counters().min_window, u64::from(MIN_WINDOW));
+    }
+
+    fn gid(i: u32) -> Gid {
+        Gid::from_ipv4(std::net::Ipv4Addr::from(0x0a00_0000 + i))
+    }
+
+    #[test]
+    fn the_vm_window_bounds_requests_to_all_destinations_together() {
+        let p = Pacing {
+            vm_window: 4,
+            ..Pacing::default()
+        };
+        let mut pacer = Pacer::new(Some(p));
+        let mad = [0; MAD_LEN];
+        // One connect to each of ten peers: four go, six wait, each peer's own window
+        // far from full.
+        let mut paces = vec![Pace::Idle; 10];
+        let sent: Vec<bool> = paces
+            .iter_mut()
+            .enumerate()
+            .map(|(i, pace)| pacer.admit(pace, i as u32, gid(i as u32), Request::Connect, mad))
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                true, true, true, true, false, false, false, false, false, false
+            ]
+        );
+        assert_eq!(pacer.counters().outstanding, 4);
+        // Disconnects have a VM-wide window of their own.
+        let mut d = Pace::Idle;
+        assert!(pacer.admit(&mut d, 100, gid(0), Request::Disconnect, mad));
+        // Each answer lets the oldest waiting peer go, one at a time, in order.
+        for (answered, next) in [(0usize, 4u32), (1, 5)] {
+            pacer.answered(&mut paces[answered], answered as u32, gid(answered as u32));
+            let r = pacer.ready();
+            assert_eq!(r.iter().map(|r| r.slot).collect::<Vec<_>>(), [next]);
+            paces[next as usize] = r[0].pace;
+        }
+        // A timeout gives its VM-wide slot back too; a destroyed waiter never goes.
+        pacer.release(&mut paces[6], 6, gid(6));
+        pacer.timeout(&mut paces[2], gid(2));
+        let r = pacer.ready();
+        assert_eq!(r.iter().map(|r| r.slot).collect::<Vec<_>>(), [7]);
+        assert_eq!(pacer.counters().cancelled, 1);
+        assert_eq!(
+            pacer.counters().outstanding,
+            5,
+            "4 connects and the disconnect"
+        );
+    }
+
+    #[test]
+    fn the_default_vm_window_binds_only_a_burst_to_many_peers() {
+        let p = Pacing::new(None, None).unwrap_or_default();
+        assert_eq!(p.vm_window, DEFAULT_VM_WINDOW);
+        // Many connects to one peer: its window (32 to start) binds, not the VM's.
+        let mut pacer = Pacer::new(Some(p));
+        let mad = [0; MAD_LEN];
+        let mut paces = vec![Pace::Idle; 40];
+        let n = paces
+            .iter_mut()
+            .enumerate()
+            .map(|(i, pace)| pacer.admit(pace, i as u32, gid(0), Request::Connect, mad))
+            .filter(|&sent| sent)
+            .count();
+        assert_eq!(n as u32, DEFAULT_INITIAL_WINDOW);
+        // One connect to each of 100 more peers: the VM's window binds.
+        let mut more = vec![Pace::Idle; 100];
+        let n = more
+            .iter_mut()
+            .enumerate()
+            .map(|(i, pace)| {
+                let i = i as u32;
+                pacer.admit(pace, 100 + i, gid(1 + i), Request::Connect, mad)
+            })
+            .filter(|&sent| sent)
+            .count();
+        assert_eq!(n as u32 + DEFAULT_INITIAL_WINDOW, DEFAULT_VM_WINDOW);
     }
 }
