@@ -217,6 +217,7 @@ lv_attached_is() { # lv_attached_is true|false: VM lv's session on host A
 }
 dom_state_is() { [ "$(vsh domstate "$dom" 2>/dev/null)" = "$1" ]; }
 peer_exited() { ! kill -0 "$peer_pid" 2>/dev/null; }
+lv_connected_or_stopped() { ! dom_state_is running || live_is a "$conns"; }
 
 dump() {
     local f
@@ -333,12 +334,13 @@ python3 - "$PVCM_SCRIPTS_DIR/libvirt/pvcm-domain.xml" "$workdir/$dom.xml" \
     NAME="$dom" MEM_MIB=512 EMULATOR="$qemu" KERNEL="$guest_dir/vmlinuz" \
     INITRD="$guest_dir/initramfs.img" CMDLINE="$cmdline" \
     CONSOLE_LOG="$workdir/lv.console.log" SOCKET="$workdir/lv.sock" <<'PY'
-import html, sys
+import html, re, sys
 text = open(sys.argv[1]).read()
 for kv in sys.argv[3:]:
     k, v = kv.split("=", 1)
     text = text.replace(f"@{k}@", html.escape(v))
-assert "@" not in text.replace("xmlns:qemu", ""), "unfilled field in the template"
+left = re.findall(r"@[A-Z_]+@", text)
+assert not left, f"unfilled fields in the template: {left}"
 open(sys.argv[2], "w").write(text)
 PY
 if [ "$ok" = 1 ]; then
@@ -380,7 +382,14 @@ ok=1
 wait_for 60 "VM lv attached to host A" lv_attached_is True || ok=0
 [ "$ok" = 1 ] && echo "   attached after $(elapsed "$t") s"
 if [ "$ok" = 1 ]; then
-    wait_for "$timeout" "$conns live entries on host A" live_is a "$conns" || ok=0
+    # Ends early when the domain stops (the guest's command failed and it powered off).
+    wait_for "$timeout" "$conns live entries on host A" lv_connected_or_stopped || ok=0
+    if ! dom_state_is running; then
+        echo "   the domain stopped: $(vsh domstate --reason "$dom" 2>&1); the guest's output:"
+        tr -d '\r' <"$workdir/lv.console.log" | sed -n '/^PVCM-BEGIN$/,$p' | tail -n 20 | sed 's/^/   | /'
+        ok=0
+    fi
+    [ "$ok" = 1 ] && { live_is a "$conns" || ok=0; }
 fi
 if [ "$ok" = 1 ]; then
     wait_for 30 "$conns live entries on host P" live_is p "$conns" || ok=0
