@@ -1,0 +1,512 @@
+#!/usr/bin/env bash
+# A pvcm VM run by libvirt: defined, started and destroyed with virsh.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+Usage: qemu-scripts/libvirt.sh [--conns N] [--timeout SECS] [--workdir DIR]
+
+Runs libvirt's QEMU driver (libvirtd, Debian's packages, installed if missing) with a
+private configuration, state and socket, and a TCG domain made from
+qemu-scripts/libvirt/pvcm-domain.xml: the patched QEMU of build-qemu.sh as
+<emulator>, libvirt's shared memfd memory, the test guest of build-guest.sh booted
+from its kernel and initramfs, and the pvcm device through <qemu:commandline>.
+Two pvcm-backend processes ("hosts") on loopback: host A has the domain's VM lv
+($NET.1.1), host P the peer VM ($NET.2.1), attached in-process with `pvcm-lab attach`
+and running `pvcm-guest cmtime --server`. Checks:
+
+  1 libvirtd up on its private socket; `virsh define` and `virsh start` of the domain;
+    the QEMU command line libvirt built has the memfd memory with share=on and the
+    vhost-user-device-pci device
+  2 the VM attaches to host A and its `pvcm-guest cmtime` client establishes N
+    connections to the peer through pvcm (both hosts hold N live entries)
+  3 `virsh destroy` while the N connections are up: host A sees the VM detach and
+    releases every connection on its behalf (DREQs to the peer, answered); the peer's
+    cmtime server counts N disconnected; both hosts drain to 0 live entries; no drops
+    but `absorbed` (MADs the mux answers for the departed VM), no DREQ retries
+  4 `virsh undefine`: the domain is gone from `virsh list --all`
+
+Prints figures and "PASS N: ..." / "FAIL N: ..." lines; the last line reads
+"libvirt: N passed, N failed". Exit 0 when all passed. On a failure it prints the
+console, libvirt's logs and the backends' logs and counters.
+
+Needs root (apt-get, libvirt's system driver, a private mount namespace for libvirt's
+/etc, /run, /var/lib, /var/cache and /var/log directories). It creates the system user
+libvirt-qemu if it does not exist (the QEMU driver looks it up at start even when
+qemu.conf runs QEMU as root, which this test's does).
+
+Options:
+  --conns N       connections held when the domain is destroyed (default 200)
+  --timeout SECS  boot and connect deadline for the VM (default 300; TCG is slow)
+  --workdir DIR   keep logs here (default: a new dir under /tmp, removed on success)
+  -h, --help      this help
+
+Environment: PVCM_CACHE, PVCM_LIBVIRT_NET (first two octets of the loopback addresses,
+default 127.12).
+USAGE
+}
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+conns=200 timeout=300 workdir=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --conns | --timeout | --workdir)
+        [ $# -ge 2 ] || die "$1 needs a value"
+        case "$1" in
+        --conns) conns="$2" ;;
+        --timeout) timeout="$2" ;;
+        --workdir) workdir="$2" ;;
+        esac
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown option '$1' (see --help)" ;;
+    esac
+    shift
+done
+[[ "$conns" =~ ^[1-9][0-9]*$ ]] || die "--conns must be a positive number"
+[[ "$timeout" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be whole seconds"
+need_root "libvirt.sh"
+
+net="${PVCM_LIBVIRT_NET:-127.12}"
+ip_lv="$net.1.1" ip_peer="$net.2.1" port=7100 dom=pvcm-libvirt-lv
+t_start="$(now_s)"
+keep_workdir=1
+if [ -z "$workdir" ]; then
+    workdir="$(mktemp -d /tmp/pvcm-libvirt.XXXXXX)"
+    keep_workdir=0
+fi
+mkdir -p "$workdir"
+workdir="$(cd "$workdir" && pwd)"
+lv="$workdir/libvirt" # libvirtd's private directories
+virsh_uri="qemu:///system?socket=$lv/sock/libvirt-sock"
+virsh_cmd=(virsh -q -c "$virsh_uri")
+vsh() { "${virsh_cmd[@]}" "$@"; }
+
+passed=0 failed=0
+pass() {
+    passed=$((passed + 1))
+    echo "PASS $1: $2"
+}
+fail() {
+    failed=$((failed + 1))
+    echo "FAIL $1: $2"
+}
+
+# ---------------------------------------------------------------- cleanup
+
+bg_pids=() libvirtd_pid="" made_dirs=()
+cleanup() {
+    local p qpid=""
+    if [ -n "$libvirtd_pid" ] && kill -0 "$libvirtd_pid" 2>/dev/null; then
+        # libvirtd leaves running domains running when it stops: destroy first.
+        timeout 30 "${virsh_cmd[@]}" destroy "$dom" >/dev/null 2>&1 || true
+        timeout 30 "${virsh_cmd[@]}" undefine "$dom" >/dev/null 2>&1 || true
+        kill "$libvirtd_pid" 2>/dev/null || true
+        for _ in $(seq 50); do
+            kill -0 "$libvirtd_pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -9 "$libvirtd_pid" 2>/dev/null || true
+    fi
+    [ -f "$lv/run/qemu/$dom.pid" ] && qpid="$(cat "$lv/run/qemu/$dom.pid" 2>/dev/null || true)"
+    if [ -n "$qpid" ] && kill -0 "$qpid" 2>/dev/null; then
+        kill -9 "$qpid" 2>/dev/null || true
+    fi
+    for p in "${bg_pids[@]}"; do
+        kill "$p" 2>/dev/null || true
+    done
+    sleep 0.3
+    for p in "${bg_pids[@]}"; do
+        kill -9 "$p" 2>/dev/null || true
+    done
+    for p in "${made_dirs[@]}"; do
+        rmdir "$p" 2>/dev/null || true
+    done
+    if [ "$keep_workdir" = 0 ] && [ "$failed" = 0 ] && [ "$passed" -gt 0 ]; then
+        rm -rf "$workdir"
+    else
+        echo "logs kept in $workdir"
+    fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------- what it needs
+
+echo "== setup (builds cached under $PVCM_CACHE)"
+t="$(now_s)"
+apt_install libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
+if ! getent passwd libvirt-qemu >/dev/null; then
+    # What Debian's libvirt-daemon-system creates; the QEMU driver refuses to start
+    # without it. QEMU runs as root here (qemu.conf below).
+    log "creating the system user libvirt-qemu"
+    useradd --system --user-group --no-create-home --home-dir /var/lib/libvirt \
+        --shell /usr/sbin/nologin libvirt-qemu
+fi
+echo "   libvirt: $(libvirtd --version) ($(elapsed "$t") s)"
+
+t="$(now_s)"
+qemu="$("$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path)" || die "build-qemu.sh failed"
+echo "   patched QEMU: $qemu ($(elapsed "$t") s)"
+t="$(now_s)"
+guest_dir="$("$PVCM_SCRIPTS_DIR/build-guest.sh" --print-dir 2>"$workdir/build-guest.log")" || {
+    cat "$workdir/build-guest.log"
+    die "build-guest.sh failed"
+}
+echo "   guest image: $guest_dir ($(elapsed "$t") s)"
+t="$(now_s)"
+(cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend -p pvcm-lab --bin pvcm-lab) \
+    >"$workdir/cargo.log" 2>&1 || {
+    tail -n 30 "$workdir/cargo.log"
+    die "cargo build failed"
+}
+target="${CARGO_TARGET_DIR:-$PVCM_REPO_DIR/target}/release"
+backend="$target/pvcm-backend" lab="$target/pvcm-lab"
+echo "   pvcm-backend, pvcm-lab: $target ($(elapsed "$t") s)"
+
+# ---------------------------------------------------------------- helpers
+
+# start_backend HOST VM IP: pvcm-backend with one VM; socket $workdir/VM.sock, control
+# $workdir/HOST.ctl.
+start_backend() {
+    local h="$1" vm="$2" ip="$3"
+    rm -f "$workdir/$vm.sock" "$workdir/$h.ctl"
+    RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" \
+        --vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm" \
+        --control "$workdir/$h.ctl" >>"$workdir/$h.backend.log" 2>&1 &
+    bg_pids+=($!)
+    for _ in $(seq 100); do
+        [ -S "$workdir/$h.ctl" ] && [ -S "$workdir/$vm.sock" ] && return 0
+        kill -0 "$!" 2>/dev/null || break
+        sleep 0.1
+    done
+    cat "$workdir/$h.backend.log"
+    die "pvcm-backend $h did not come up"
+}
+
+stat_json() { "$backend" stat --control "$workdir/$1.ctl" --json >"$workdir/$1.stat.json"; }
+
+# figure HOST PATH: one figure of HOST's last stat_json, PATH as Python subscripts after
+# the document, e.g. '["host"]["live"]' or '["vms"][0]["attached"]'.
+figure() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))$2)" "$workdir/$1.stat.json"; }
+
+# wait_for SECS WHAT CMD...: until CMD succeeds (every 0.5 s); says what it waited for
+# when it gives up.
+wait_for() {
+    local secs="$1" what="$2" i
+    shift 2
+    for ((i = 0; i < secs * 2; i++)); do
+        "$@" && return 0
+        sleep 0.5
+    done
+    echo "   timeout: $what (after $secs s)"
+    return 1
+}
+
+live_is() { # live_is HOST N: HOST's backend holds exactly N live entries
+    stat_json "$1" 2>/dev/null && [ "$(figure "$1" '["host"]["live"]')" = "$2" ]
+}
+lv_attached_is() { # lv_attached_is true|false: VM lv's session on host A
+    stat_json a 2>/dev/null && [ "$(figure a '["vms"][0]["attached"]')" = "$1" ]
+}
+dom_state_is() { [ "$(vsh domstate "$dom" 2>/dev/null)" = "$1" ]; }
+peer_exited() { ! kill -0 "$peer_pid" 2>/dev/null; }
+lv_connected_or_stopped() { ! dom_state_is running || live_is a "$conns"; }
+
+dump() {
+    local f
+    for f in "$workdir/lv.console.log" "$lv/log/qemu/$dom.log" "$lv/libvirtd.log" \
+        "$workdir/libvirtd.out" "$workdir/peer.out" "$workdir/peer.err" \
+        "$workdir/a.backend.log" "$workdir/p.backend.log"; do
+        [ -s "$f" ] || continue
+        echo "----- $f -----"
+        tr -d '\r' <"$f" | tail -n 120
+    done
+    for f in a p; do
+        [ -s "$workdir/$f.stat.json" ] || continue
+        echo "----- host $f: non-zero figures -----"
+        python3 - "$workdir/$f.stat.json" <<'PY' || true
+import json, sys
+def walk(v, path):
+    if isinstance(v, dict):
+        for k, x in v.items(): walk(x, path + [k])
+    elif isinstance(v, list):
+        for i, x in enumerate(v): walk(x, path + [str(i)])
+    elif v not in (0, False, None, ""):
+        print(".".join(path), "=", v)
+walk(json.load(open(sys.argv[1])), [])
+PY
+    done
+}
+
+# ---------------------------------------------------------------- libvirtd
+
+# libvirt's system driver keeps its configuration, state, cache and logs in fixed
+# directories. libvirtd runs in a private mount namespace with $lv's directories bound
+# over them, so the host's own libvirt (if any) is neither read nor touched; its
+# sockets are in $lv/sock, which virsh reaches with ?socket=.
+start_libvirtd() {
+    local d
+    mkdir -p "$lv"/{etc,run,lib,cache,log,sock}
+    cat >"$lv/etc/libvirtd.conf" <<EOF
+unix_sock_dir = "$lv/sock"
+unix_sock_group = "root"
+unix_sock_rw_perms = "0700"
+auth_unix_rw = "none"
+auth_unix_ro = "none"
+log_outputs = "3:file:$lv/libvirtd.log"
+EOF
+    # QEMU as root, no security driver, no cgroups, no per-VM /dev namespace, QEMU's
+    # output in a file (no virtlogd): what a machine without systemd or AppArmor
+    # policy for libvirt needs. docs/libvirt.md says what a real host keeps instead.
+    cat >"$lv/etc/qemu.conf" <<'EOF'
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+cgroup_controllers = [ ]
+namespaces = [ ]
+stdio_handler = "file"
+EOF
+    for d in /etc/libvirt /run/libvirt /var/lib/libvirt /var/cache/libvirt /var/log/libvirt; do
+        if [ ! -d "$d" ]; then
+            mkdir -p "$d"
+            made_dirs+=("$d")
+        fi
+    done
+    unshare --mount --propagation private bash -c '
+        set -e
+        lv="$1"
+        mount --bind "$lv/etc" /etc/libvirt
+        mount --bind "$lv/run" /run/libvirt
+        mount --bind "$lv/lib" /var/lib/libvirt
+        mount --bind "$lv/cache" /var/cache/libvirt
+        mount --bind "$lv/log" /var/log/libvirt
+        exec libvirtd -f "$lv/etc/libvirtd.conf" -p "$lv/libvirtd.pid"
+    ' libvirtd "$lv" >"$workdir/libvirtd.out" 2>&1 &
+    libvirtd_pid=$!
+    for _ in $(seq 150); do
+        [ -S "$lv/sock/libvirt-sock" ] && break
+        kill -0 "$libvirtd_pid" 2>/dev/null || {
+            echo "   libvirtd exited"
+            return 1
+        }
+        sleep 0.2
+    done
+    [ -S "$lv/sock/libvirt-sock" ] || {
+        echo "   timeout: no libvirtd socket $lv/sock/libvirt-sock after 30 s"
+        return 1
+    }
+    timeout 30 "${virsh_cmd[@]}" version >"$workdir/virsh-version.txt" 2>&1
+}
+
+# ---------------------------------------------------------------- the test
+
+echo "== pvcm-backend hosts: A (VM lv, $ip_lv), P (peer, $ip_peer)"
+start_backend a lv "$ip_lv"
+start_backend p peer "$ip_peer"
+RUST_LOG=warn "$lab" attach --socket "$workdir/peer.sock" --json cmtime --server --port "$port" \
+    --connections "$conns" --timeout $((timeout + 300)) >"$workdir/peer.out" 2>"$workdir/peer.err" &
+peer_pid=$!
+bg_pids+=("$peer_pid")
+wait_for 30 "the peer's cmtime server listening" grep -sEq '"event": ?"listening"' "$workdir/peer.out" || {
+    dump
+    die "the peer did not start"
+}
+
+# 1: libvirtd, define, start.
+echo "== 1: libvirtd, virsh define, virsh start"
+t="$(now_s)"
+ok=1
+start_libvirtd || ok=0
+[ "$ok" = 1 ] && echo "   $(tr '\n' ' ' <"$workdir/virsh-version.txt")"
+guest_cmd="pvcm-guest --json cmtime --dest $ip_peer --port $port --connections $conns --hold 3600 --timeout $timeout"
+cmdline="console=ttyS0 panic=-1 hugepages=64 pvcm.cmd=$(printf '%s\n' "$guest_cmd" | base64 -w0)"
+: >"$workdir/lv.console.log"
+python3 - "$PVCM_SCRIPTS_DIR/libvirt/pvcm-domain.xml" "$workdir/$dom.xml" \
+    NAME="$dom" MEM_MIB=512 EMULATOR="$qemu" KERNEL="$guest_dir/vmlinuz" \
+    INITRD="$guest_dir/initramfs.img" CMDLINE="$cmdline" \
+    CONSOLE_LOG="$workdir/lv.console.log" SOCKET="$workdir/lv.sock" <<'PY'
+import html, re, sys
+text = open(sys.argv[1]).read()
+for kv in sys.argv[3:]:
+    k, v = kv.split("=", 1)
+    text = text.replace(f"@{k}@", html.escape(v))
+left = re.findall(r"@[A-Z_]+@", text)
+assert not left, f"unfilled fields in the template: {left}"
+open(sys.argv[2], "w").write(text)
+PY
+if [ "$ok" = 1 ]; then
+    vsh define "$workdir/$dom.xml" >"$workdir/virsh.log" 2>&1 || ok=0
+fi
+if [ "$ok" = 1 ]; then
+    # With reconnect-ms QEMU waits in device realize until the backend answers, and
+    # virsh start returns once QEMU is up: the backend is already listening here.
+    timeout 120 "${virsh_cmd[@]}" start "$dom" >>"$workdir/virsh.log" 2>&1 || {
+        echo "   virsh start failed or took over 120 s"
+        ok=0
+    }
+fi
+qemu_line="$(grep -F -- "$qemu" "$lv/log/qemu/$dom.log" 2>/dev/null | head -n1 || true)"
+if [ "$ok" = 1 ]; then
+    grep -A200 -F -- "$qemu" "$lv/log/qemu/$dom.log" | tr -d '\\' | tr -s ' \n' ' ' >"$workdir/qemu-cmdline.txt" || true
+    for want in '"qom-type":"memory-backend-memfd"' '"share":true' 'memory-backend=pc.ram' \
+        "socket,id=pvcm,path=$workdir/lv.sock" 'vhost-user-device-pci,chardev=pvcm'; do
+        grep -qF -- "$want" "$workdir/qemu-cmdline.txt" || {
+            echo "   QEMU's command line lacks $want"
+            ok=0
+        }
+    done
+fi
+sed 's/^/   virsh: /' "$workdir/virsh.log"
+if [ "$ok" = 1 ]; then
+    pass 1 "libvirtd up, domain $dom defined and started, memfd shared memory and the pvcm device on QEMU's command line ($(elapsed "$t") s)"
+else
+    fail 1 "libvirtd, define, start ($(elapsed "$t") s)${qemu_line:+; QEMU: ${qemu_line:0:200}}"
+    dump
+    echo "libvirt: $passed passed, $failed failed"
+    exit 1
+fi
+
+# 2: the VM attaches and connects through pvcm.
+echo "== 2: VM lv boots (TCG), attaches to host A and connects $conns times to the peer"
+t="$(now_s)"
+ok=1
+wait_for 60 "VM lv attached to host A" lv_attached_is True || ok=0
+[ "$ok" = 1 ] && echo "   attached after $(elapsed "$t") s"
+if [ "$ok" = 1 ]; then
+    # Ends early when the domain stops (the guest's command failed and it powered off).
+    wait_for "$timeout" "$conns live entries on host A" lv_connected_or_stopped || ok=0
+    if ! dom_state_is running; then
+        echo "   the domain stopped: $(vsh domstate --reason "$dom" 2>&1); the guest's output:"
+        tr -d '\r' <"$workdir/lv.console.log" | sed -n '/^PVCM-BEGIN$/,$p' | tail -n 20 | sed 's/^/   | /'
+        ok=0
+    fi
+    [ "$ok" = 1 ] && { live_is a "$conns" || ok=0; }
+fi
+if [ "$ok" = 1 ]; then
+    wait_for 30 "$conns live entries on host P" live_is p "$conns" || ok=0
+fi
+stat_json a || true
+stat_json p || true
+echo "   host A live $(figure a '["host"]["live"]'), VM lv live $(figure a '["vms"][0]["figures"]["live"]'), host P live $(figure p '["host"]["live"]')"
+if [ "$ok" = 1 ] && ! dom_state_is running; then
+    echo "   domain state: $(vsh domstate "$dom" 2>&1)"
+    ok=0
+fi
+if [ "$ok" = 1 ]; then
+    pass 2 "the libvirt VM holds $conns connections to the peer through pvcm ($(elapsed "$t") s after start)"
+else
+    fail 2 "the libvirt VM did not connect ($(elapsed "$t") s)"
+fi
+
+# check_release: the figures of test 3 (the peer's report, both hosts' counters).
+check_release() {
+    python3 - "$workdir" "$conns" "${peer_rc:-none}" <<'PY'
+import json, sys
+wd, conns, peer_rc = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+bad = []
+rep = None
+for line in open(f"{wd}/peer.out", errors="replace"):
+    line = line.strip()
+    if line.startswith("{") and '"accepted"' in line:
+        rep = json.loads(line)
+if rep is None:
+    bad.append("the peer printed no cmtime server report")
+else:
+    print(f"   peer: accepted {rep['accepted']} established {rep['established']} "
+          f"disconnected {rep['disconnected']} failed {rep['failed']}")
+    if rep["established"] != conns or rep["disconnected"] != conns:
+        bad.append(f"peer: {rep['established']} established, {rep['disconnected']} disconnected of {conns}")
+if peer_rc != "0":
+    bad.append(f"the peer's cmtime server exited {peer_rc}")
+for h in ("a", "p"):
+    s = json.load(open(f"{wd}/{h}.stat.json"))["host"]
+    cm = s["cm"]
+    drops = {k: v for g in ("drops", "device_drops") for k, v in s[g].items() if v}
+    print(f"   host {h.upper()}: DREQ tx {cm['cm_tx_msgs']['dreq']} rx {cm['cm_rx_msgs']['dreq']}, "
+          f"DREP tx {cm['cm_tx_msgs']['drep']} rx {cm['cm_rx_msgs']['drep']}, "
+          f"retries {sum(cm['cm_tx_retries'].values())}, drops {drops or 0}, live {s['live']}")
+    other = {k: v for k, v in drops.items() if k != "absorbed"}
+    if other:
+        bad.append(f"host {h.upper()}: drops {other}")
+    if cm["cm_tx_retries"]["dreq"]:
+        bad.append(f"host {h.upper()}: {cm['cm_tx_retries']['dreq']} DREQ retries")
+a = json.load(open(f"{wd}/a.stat.json"))["host"]
+p = json.load(open(f"{wd}/p.stat.json"))["host"]
+# The VM was killed holding every connection: each DREQ of the teardown came from host A
+# on the VM's behalf, the peer answered each, and host A's mux took each DREP for the
+# departed VM (counted as absorbed).
+got = (a["cm"]["cm_tx_msgs"]["dreq"], p["cm"]["cm_rx_msgs"]["dreq"],
+       p["cm"]["cm_tx_msgs"]["drep"], a["drops"]["absorbed"])
+if got != (conns,) * 4:
+    bad.append("DREQ sent by A, received by P, DREP sent by P, absorbed by A: "
+               f"{', '.join(map(str, got))}; want {conns} each")
+if p["drops"]["absorbed"]:
+    bad.append(f"host P: {p['drops']['absorbed']} absorbed")
+for x in bad:
+    print("   check:", x)
+sys.exit(1 if bad else 0)
+PY
+}
+
+# 3: virsh destroy releases its connections.
+echo "== 3: virsh destroy with the connections up"
+t="$(now_s)"
+ok3=1
+timeout 60 "${virsh_cmd[@]}" destroy "$dom" >"$workdir/destroy.log" 2>&1 || {
+    sed 's/^/   virsh: /' "$workdir/destroy.log"
+    ok3=0
+}
+echo "   virsh destroy returned after $(elapsed "$t") s"
+wait_for 30 "domain $dom shut off" dom_state_is "shut off" || ok3=0
+wait_for 30 "host A to see VM lv detach" lv_attached_is False || ok3=0
+echo "   detached after $(elapsed "$t") s"
+if [ "$ok" = 1 ]; then
+    peer_rc=""
+    if wait_for 90 "the peer's cmtime server to count every disconnect" peer_exited; then
+        peer_rc=0
+        wait "$peer_pid" || peer_rc=$?
+        echo "   peer's cmtime server exited $peer_rc after $(elapsed "$t") s"
+    else
+        ok3=0
+    fi
+    wait_for 90 "host A to drain to 0 live entries" live_is a 0 || ok3=0
+    wait_for 30 "host P to drain to 0 live entries" live_is p 0 || ok3=0
+    echo "   both hosts at 0 live entries after $(elapsed "$t") s"
+    stat_json a || ok3=0
+    stat_json p || ok3=0
+    check_release || ok3=0
+else
+    echo "   the VM never held its connections: nothing to release"
+    ok3=0
+fi
+if [ "$ok" = 1 ] && [ "$ok3" = 1 ]; then
+    pass 3 "virsh destroy: host A released all $conns connections on the VM's behalf, the peer saw each disconnect, both hosts at 0 live ($(elapsed "$t") s)"
+else
+    fail 3 "virsh destroy and the release of the VM's connections ($(elapsed "$t") s)"
+fi
+
+# 4: undefine.
+echo "== 4: virsh undefine"
+ok=1
+vsh undefine "$dom" >"$workdir/undefine.log" 2>&1 || {
+    sed 's/^/   virsh: /' "$workdir/undefine.log"
+    ok=0
+}
+if vsh list --all --name | grep -qx "$dom"; then
+    echo "   $dom is still listed"
+    ok=0
+fi
+if [ "$ok" = 1 ]; then pass 4 "domain undefined"; else fail 4 "virsh undefine"; fi
+
+[ "$failed" = 0 ] || dump
+echo "libvirt: $passed passed, $failed failed ($(elapsed "$t_start") s)"
+[ "$failed" = 0 ]
