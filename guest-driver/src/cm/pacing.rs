@@ -17,10 +17,11 @@
 //!   being sent, or because its connection no longer needs it (the application destroyed
 //!   a connecting id: nothing goes on the wire, the REQ never left; the peer's DREQ
 //!   crossed ours), counted in [`PacingCounters::cancelled`].
-//! - Above the destinations' windows, a VM-wide window per kind bounds the requests
-//!   outstanding to all destinations together ([`Pacing::vm_window`]): a VM that starts
-//!   connects to hundreds of peers at once sends them a window's worth at a time, and a
-//!   window held back only by it goes first, in order, when it frees a slot.
+//! - Above the destinations' windows, a VM-wide window per kind bounds what a request
+//!   may find outstanding to the other destinations ([`Pacing::vm_window`]): a VM that
+//!   starts connects to hundreds of peers at once sends them a window's worth at a time,
+//!   while a burst to one peer meets only that peer's window. A window held back only by
+//!   it goes first, in order, when it frees a slot.
 //! - Answers grow the window (slow start, then additive); a request's timeout halves it
 //!   once per window of requests sent (requests sent before the last decrease do not
 //!   decrease it again). A destination with nothing outstanding or queued is forgotten,
@@ -69,11 +70,13 @@ pub struct Pacing {
     /// Slow-start threshold a destination starts with (later: half the window at the
     /// last timeout).
     pub slow_start: u32,
-    /// The most requests of one kind (REQ, DREQ) outstanding to all destinations
-    /// together. A VM that connects to hundreds of peers at once would otherwise send a
-    /// window to each, all of them at once: the per-destination windows only bind a
-    /// burst towards few peers, while many peers usually sit behind few hosts whose
-    /// QP1 receive queues all those requests share.
+    /// A request of one kind (REQ, DREQ) goes to a destination only while fewer than
+    /// this many are outstanding to all the *other* destinations together. A VM that
+    /// connects to hundreds of peers at once would otherwise send each of them its
+    /// initial window at once, unproven, while those peers usually sit behind a few hosts
+    /// whose QP1 receive queues all the requests share. A burst to one peer meets only
+    /// that peer's window; a silent destination's opened window neither counts nor is
+    /// held back (there is no queue to protect).
     pub vm_window: u32,
 }
 
@@ -298,7 +301,8 @@ pub(crate) struct Pacer {
     windows: FastMap<(Gid, Request), Window>,
     /// Windows that freed a slot since the last [`Pacer::ready`].
     dirty: Vec<(Gid, Request)>,
-    /// Requests outstanding to all destinations, per kind (index: [`kind_index`]).
+    /// Requests outstanding to all destinations whose windows are not open (silent), per
+    /// kind (index: [`kind_index`]).
     total: [u32; 2],
     /// Windows with requests queued only because the VM-wide window was full, in the
     /// order they filled it, per kind: they go first when it frees a slot.
@@ -374,10 +378,14 @@ impl Pacer {
         let c = &mut self.counters;
         c.saw_window(w.cwnd);
         let k = kind_index(kind);
-        let vm_full = self.total[k] >= p.vm_window.max(1) || !self.blocked[k].is_empty();
+        let vm_full = !w.open
+            && (self.total[k].saturating_sub(w.outstanding) >= p.vm_window.max(1)
+                || !self.blocked[k].is_empty());
         if w.queue.is_empty() && w.outstanding < w.cwnd && !vm_full {
             w.outstanding += 1;
-            self.total[k] += 1;
+            if !w.open {
+                self.total[k] += 1;
+            }
             c.sent += 1;
             c.max_outstanding = c.max_outstanding.max(u64::from(w.outstanding));
             *pace = Pace::Outstanding {
@@ -416,16 +424,18 @@ impl Pacer {
             return;
         };
         w.heard = w.heard.wrapping_add(1);
+        let k = kind_index(kind);
         if w.open {
             w.start(&p);
             w.epoch = w.epoch.wrapping_add(1);
             self.counters.saw_window(w.cwnd);
+            // It counts towards the VM's window again.
+            self.total[k] += w.outstanding;
         }
         if !held {
             return;
         }
         w.outstanding = w.outstanding.saturating_sub(1);
-        let k = kind_index(kind);
         self.total[k] = self.total[k].saturating_sub(1);
         if w.cwnd < w.ssthresh {
             w.cwnd += 1;
@@ -459,8 +469,10 @@ impl Pacer {
             self.counters.cancelled += (before - w.queue.len()) as u64;
         } else {
             w.outstanding = w.outstanding.saturating_sub(1);
-            let k = kind_index(kind);
-            self.total[k] = self.total[k].saturating_sub(1);
+            if !w.open {
+                let k = kind_index(kind);
+                self.total[k] = self.total[k].saturating_sub(1);
+            }
         }
         self.dirty.push((dst, kind));
     }
@@ -486,9 +498,14 @@ impl Pacer {
         };
         w.outstanding = w.outstanding.saturating_sub(1);
         let k = kind_index(kind);
-        self.total[k] = self.total[k].saturating_sub(1);
+        if !w.open {
+            self.total[k] = self.total[k].saturating_sub(1);
+        }
         if heard == w.heard {
             if !w.open {
+                // Nobody's queue to protect: it no longer counts towards the VM's
+                // window, nor does the VM's window hold it back.
+                self.total[k] = self.total[k].saturating_sub(w.outstanding);
                 w.open = true;
                 w.cwnd = p.max_window.max(1);
                 w.epoch = w.epoch.wrapping_add(1);
@@ -537,7 +554,7 @@ impl Pacer {
             let k = kind_index(key.1);
             let before = out.len();
             while w.outstanding < w.cwnd && !w.queue.is_empty() {
-                if self.total[k] >= vm_window {
+                if !w.open && self.total[k].saturating_sub(w.outstanding) >= vm_window {
                     if !self.blocked[k].contains(&key.0) {
                         self.blocked[k].push_back(key.0);
                     }
@@ -545,7 +562,9 @@ impl Pacer {
                 }
                 let Some(q) = w.queue.pop_front() else { break };
                 w.outstanding += 1;
-                self.total[k] += 1;
+                if !w.open {
+                    self.total[k] += 1;
+                }
                 out.push(Ready {
                     slot: q.slot,
                     dst: key.0,
@@ -691,5 +710,44 @@ mod tests {
             .filter(|&sent| sent)
             .count();
         assert_eq!(n as u32 + DEFAULT_INITIAL_WINDOW, DEFAULT_VM_WINDOW);
+    }
+
+    #[test]
+    fn a_silent_destination_neither_counts_nor_waits_for_the_vm_window() {
+        let p = Pacing {
+            vm_window: 8,
+            ..Pacing::default()
+        };
+        let mut pacer = Pacer::new(Some(p));
+        let mad = [0; MAD_LEN];
+        let (silent, live) = (gid(1), gid(2));
+        // Eight connects to a destination that never answers fill the VM's window.
+        let mut s = vec![Pace::Idle; 8];
+        for (i, pace) in s.iter_mut().enumerate() {
+            assert!(pacer.admit(pace, i as u32, silent, Request::Connect, mad));
+        }
+        let mut l = vec![Pace::Idle; 4];
+        assert!(!pacer.admit(&mut l[0], 100, live, Request::Connect, mad));
+        // Its first timeout opens its window: its requests no longer count, so the
+        // live destination's waiting connect goes, and so do later ones.
+        pacer.timeout(&mut s[0], silent);
+        let r = pacer.ready();
+        assert!(
+            r.iter().any(|r| r.slot == 100),
+            "{:?}",
+            r.iter().map(|r| r.slot).collect::<Vec<_>>()
+        );
+        for (i, pace) in l[1..].iter_mut().enumerate() {
+            assert!(pacer.admit(pace, 101 + i as u32, live, Request::Connect, mad));
+        }
+        // And the open window takes more than the VM's window on its own.
+        let mut more = vec![Pace::Idle; 20];
+        for (i, pace) in more.iter_mut().enumerate() {
+            assert!(pacer.admit(pace, 200 + i as u32, silent, Request::Connect, mad));
+        }
+        // Its first answer starts it again: it counts once more.
+        pacer.answered(&mut s[1], 1, silent);
+        let mut late = Pace::Idle;
+        assert!(!pacer.admit(&mut late, 300, gid(3), Request::Connect, mad));
     }
 }
