@@ -577,8 +577,9 @@ impl PacketPort {
             attach_filter(rx.as_raw_fd(), &prog)
                 .map_err(|e| fail(format!("packet socket filter: {e}")))?;
         }
-        // Best effort: a large buffer absorbs bursts (FORCE passes rmem_max as root).
-        let big = 16 << 20;
+        // Best effort: a large buffer absorbs bursts (FORCE passes rmem_max as root),
+        // sized as the soft port's raw socket, for the same reasons.
+        let big = soft::RAW_RCVBUF;
         if setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, big).is_err() {
             let _ = setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, big);
         }

@@ -612,7 +612,7 @@ pub struct RawRx {
 /// requests and answers in flight towards it. The buffer is not sized for unpaced
 /// bursts: a queue deep enough to take hundreds of thousands of frames only turns loss
 /// into delay past the CM's timeouts, and every late request is retried.
-const RAW_RCVBUF: libc::c_int = 64 << 20;
+pub(crate) const RAW_RCVBUF: libc::c_int = 64 << 20;
 
 impl RawRx {
     /// Opens the raw socket for datagrams to `port` at `addrs`. Fails with
