@@ -54,7 +54,7 @@ pub use crate::shared::Shared;
 use crate::state::{Journal, Recovery};
 use crate::stats::{DevCounters, Io, Snapshot};
 pub use crate::vm_port::VmPort;
-use crate::vm_port::{Session, lock};
+use crate::vm_port::{Lifecycle, Session, lock};
 
 /// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd.
 #[derive(Debug)]
@@ -317,12 +317,9 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
         }
         port.counters.add(Io::Sessions, 1);
         // An incoming VM attaches when its state arrives (or its rings start without).
-        let vm = if port.awaiting.load(Ordering::Acquire) {
-            None
-        } else {
-            shared.attach(&port)
-        };
-        if port.restored.swap(false, Ordering::AcqRel) {
+        let attached = shared.attach_session(&port);
+        let vm = attached.map(|(vm, _)| vm);
+        if attached.is_some_and(|(_, reconnected)| reconnected) {
             tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
             // What waited in the backlog during the gap goes to the new session now.
             port.wake_rx();
@@ -384,13 +381,12 @@ fn adopt_restored(shared: &Arc<Shared>, rec: &Recovery) {
                 .find(|p| p.spec.vm.name == vcfg.name && p.spec.vm.gid == vcfg.gid);
             match port {
                 Some(p) if shared.port.attach(p.index).is_ok() => {
-                    *lock(&p.current) = Some(*id);
-                    p.restored.store(true, Ordering::Release);
-                    *lock(&p.tx_resume) = rec
+                    let tx_resume = rec
                         .tx_progress
                         .iter()
                         .find(|(n, _)| *n == vcfg.name)
                         .map(|(_, i)| *i);
+                    *p.lifecycle() = Lifecycle::Restored { vm: *id, tx_resume };
                     core.by_vm.insert(*id, p.index);
                 }
                 _ => {
@@ -428,7 +424,7 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
         std::thread::sleep(Duration::from_millis(100).min(grace));
     }
     for p in &shared.ports {
-        if p.restored.swap(false, Ordering::AcqRel) {
+        if matches!(*p.lifecycle(), Lifecycle::Restored { .. }) {
             tracing::warn!(parent: &p.span, grace_s = grace.as_secs(), "restored VM did not reconnect: releasing its connections");
             shared.detach(p);
         }

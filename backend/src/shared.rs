@@ -16,7 +16,7 @@ use crate::port::{OutMad, PortCtx, WirePort};
 use crate::rx::RxMsg;
 use crate::state::Journal;
 use crate::stats::{DevCounters, DevDrop, Figures, Snapshot, VmFigures};
-use crate::vm_port::{VmPort, lock};
+use crate::vm_port::{Lifecycle, VmPort, lock};
 
 /// The mux and the map from its VM IDs to ports, under one lock.
 #[derive(Debug)]
@@ -125,11 +125,24 @@ impl Shared {
         }
     }
 
-    /// Attaches the port's VM to the mux (a session began).
+    /// Attaches the port's VM to the mux (a session began). A restored VM keeps its
+    /// connections and becomes attached; `reconnected` says so.
     pub(crate) fn attach(&self, port: &VmPort) -> Option<VmId> {
-        let mut cur = lock(&port.current);
-        if let Some(vm) = *cur {
-            return Some(vm);
+        self.attach_session(port).map(|(vm, _)| vm)
+    }
+
+    /// [`Shared::attach`], also telling whether the VM was restored and reconnected now.
+    pub(crate) fn attach_session(&self, port: &VmPort) -> Option<(VmId, bool)> {
+        let mut life = port.lifecycle();
+        match &*life {
+            Lifecycle::Attached { vm, .. } => return Some((*vm, false)),
+            Lifecycle::Restored { vm, tx_resume } => {
+                let (vm, tx_resume) = (*vm, *tx_resume);
+                *life = Lifecycle::Attached { vm, tx_resume };
+                return Some((vm, true));
+            }
+            Lifecycle::Awaiting | Lifecycle::Departed { .. } => return None,
+            Lifecycle::Detached => {}
         }
         if let Err(e) = self.port.attach(port.index) {
             tracing::error!(parent: &port.span, error = %e, "attach refused");
@@ -140,8 +153,11 @@ impl Shared {
             Ok(vm) => {
                 core.by_vm.insert(vm, port.index);
                 core.commit();
-                *cur = Some(vm);
-                Some(vm)
+                *life = Lifecycle::Attached {
+                    vm,
+                    tx_resume: None,
+                };
+                Some((vm, false))
             }
             Err(e) => {
                 tracing::error!(parent: &port.span, error = %e, "attach failed");
@@ -153,12 +169,12 @@ impl Shared {
     /// Detaches the port's VM (its session ended): the mux releases its connections;
     /// what it sends on the VM's behalf goes out now.
     pub(crate) fn detach(&self, port: &VmPort) {
-        let mut cur = lock(&port.current);
-        let Some(vm) = cur.take() else {
+        let mut life = port.lifecycle();
+        let Some(vm) = life.vm() else {
             return;
         };
-        // A resume index belongs to the ring of the session the journal saw.
-        *lock(&port.tx_resume) = None;
+        // A resume index belongs to the ring of the session the journal saw: it goes too.
+        *life = Lifecycle::Detached;
         let (out, next) = {
             let mut core = self.lock_core();
             core.mux.detach_vm(vm);
@@ -167,7 +183,7 @@ impl Shared {
             let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
             (out, core.mux.next_deadline())
         };
-        drop(cur);
+        drop(life);
         // What waited for the old session's driver names the old session's IDs: it goes
         // with it, counted; the peers' retries reach the new session.
         let discarded = lock(&port.rx).clear();
@@ -193,7 +209,7 @@ impl Shared {
 
     /// Every figure, per VM and summed.
     pub fn snapshot(&self) -> Snapshot {
-        // Lock order: a port's `current`, then the core (as attach and detach do).
+        // Lock order: a port's lifecycle, then the core (as attach and detach do).
         let current: Vec<Option<VmId>> = self.ports.iter().map(|p| p.current_vm()).collect();
         let core = self.lock_core();
         let host_stats = core.mux.host_stats();

@@ -2,7 +2,6 @@
 //! wake eventfd and current session.
 
 use std::fmt;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use vhost_user_backend::ShutdownHandle;
@@ -29,28 +28,79 @@ impl fmt::Debug for Session {
     }
 }
 
+/// Where a VM stands with the mux. One value, so that no impossible combination (a
+/// VM both awaited and attached, a departed VM with a tx position) can be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Lifecycle {
+    /// Not attached: no session yet, or its session ended and its connections were
+    /// released. The next session attaches it.
+    Detached,
+    /// `incoming=yes` and not arrived yet: sessions do not attach the VM; a state load
+    /// (or rings starting without one, a fresh boot) does.
+    Awaiting,
+    /// Restored from the state journal and not reconnected yet: its connections are
+    /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
+    /// `tx_resume`: the tx ring's next avail index the journal recorded last.
+    Restored {
+        /// The mux's ID of the VM.
+        vm: VmId,
+        /// The tx ring position of the last committed batch, if the journal has one.
+        tx_resume: Option<u16>,
+    },
+    /// Attached to the mux: a session runs (or a state was loaded for one).
+    Attached {
+        /// The mux's ID of the VM.
+        vm: VmId,
+        /// Restored and reconnected: the first tx round returns the chains before this
+        /// avail index unsent (their MADs left before the restart). Taken once.
+        tx_resume: Option<u16>,
+    },
+    /// Left this host by migration: the state saved for it. If the VM runs here again
+    /// (the migration failed and the source resumed), it is loaded back.
+    Departed {
+        /// The saved state ([`crate::migration`]'s format).
+        state: Vec<u8>,
+    },
+}
+
+impl Lifecycle {
+    /// The lifecycle a configured VM starts in: awaited if it arrives by migration.
+    pub(crate) fn initial(incoming: bool) -> Lifecycle {
+        if incoming {
+            Lifecycle::Awaiting
+        } else {
+            Lifecycle::Detached
+        }
+    }
+
+    /// The mux's ID of the VM, while the mux holds its connections.
+    pub(crate) fn vm(&self) -> Option<VmId> {
+        match self {
+            Lifecycle::Restored { vm, .. } | Lifecycle::Attached { vm, .. } => Some(*vm),
+            Lifecycle::Detached | Lifecycle::Awaiting | Lifecycle::Departed { .. } => None,
+        }
+    }
+
+    /// The tx ring position a reconnected, restored VM resumes at (taken once).
+    pub(crate) fn take_tx_resume(&mut self) -> Option<u16> {
+        match self {
+            Lifecycle::Attached { tx_resume, .. } => tx_resume.take(),
+            _ => None,
+        }
+    }
+}
+
 /// One configured VM: its rx backlog and counters, across sessions.
 #[derive(Debug)]
 pub struct VmPort {
     pub(crate) index: usize,
     pub(crate) spec: VmSpec,
-    pub(crate) current: Mutex<Option<VmId>>,
+    /// Where the VM stands with the mux. Lock order: this, then the core.
+    pub(crate) lifecycle: Mutex<Lifecycle>,
     pub(crate) rx: Mutex<RxBacklog>,
     pub(crate) rx_wake: EventFd,
     pub(crate) counters: DevCounters,
     pub(crate) session: Mutex<Option<Session>>,
-    /// Restored from the state journal and not reconnected yet: its connections are
-    /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
-    pub(crate) restored: AtomicBool,
-    /// Restored: the tx ring's next avail index the journal recorded last. The first
-    /// session after the restart returns the chains before it unsent (their MADs left).
-    pub(crate) tx_resume: Mutex<Option<u16>>,
-    /// `incoming=yes` and not arrived yet: sessions do not attach the VM; a state load
-    /// (or rings starting without one, a fresh boot) does.
-    pub(crate) awaiting: AtomicBool,
-    /// The state this host saved when the VM left; if the VM runs here again (the
-    /// migration failed and the source resumed), it is loaded back.
-    pub(crate) migrated_out: Mutex<Option<Vec<u8>>>,
     pub(crate) span: tracing::Span,
 }
 
@@ -68,23 +118,24 @@ impl VmPort {
         let span = tracing::info_span!("vm", vm = %spec.vm.name, gid = %spec.vm.gid);
         Ok(VmPort {
             index,
-            current: Mutex::new(None),
+            lifecycle: Mutex::new(Lifecycle::initial(spec.incoming)),
             rx: Mutex::new(RxBacklog::new(rx_bytes, host)),
             rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
             counters: DevCounters::default(),
             session: Mutex::new(None),
-            restored: AtomicBool::new(false),
-            tx_resume: Mutex::new(None),
-            awaiting: AtomicBool::new(spec.incoming),
-            migrated_out: Mutex::new(None),
             span,
             spec,
         })
     }
 
-    /// The mux's ID of the VM's current session.
+    /// The VM's lifecycle, locked (before the core, never after).
+    pub(crate) fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
+        lock(&self.lifecycle)
+    }
+
+    /// The mux's ID of the VM, while the mux holds its connections.
     pub(crate) fn current_vm(&self) -> Option<VmId> {
-        *lock(&self.current)
+        self.lifecycle().vm()
     }
 
     pub(crate) fn lock_rx(&self) -> MutexGuard<'_, RxBacklog> {
