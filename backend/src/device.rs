@@ -673,7 +673,7 @@ impl PvcmDevice {
 
     fn port_info(&self) -> RxMsg {
         let vm = &self.port.spec.vm;
-        let quota = vm.quota.unwrap_or(self.shared.default_quota());
+        let quota = self.port.quota().unwrap_or(self.shared.default_quota());
         // The path values of the VM's own link (its MTU) where the port can tell them,
         // else the configured ones (--path-mtu, --ca-ack-delay).
         let link = self.shared.port.link(self.port.index);
@@ -1037,8 +1037,18 @@ mod queue_tests {
                 by_vm: HashMap::new(),
                 journal: None,
             }),
-            ports: vec![port.clone()],
-            by_gid: HashMap::from([(vm.gid, 0)]),
+            vms: crate::vm_port::VmTable::new(crate::vm_port::VmSet::new(vec![port.clone()])),
+            runtime: Mutex::new(crate::runtime::Runtime {
+                rx_backlog_bytes: backlog::DEFAULT_VM_BYTES,
+                host_budget: HostBudget::new(backlog::DEFAULT_HOST_BYTES),
+                vm_sockets: crate::config::SocketAccess::VM_DEFAULT,
+                control: None,
+                state_dir: None,
+                epoll: Arc::new(vmm_sys_util::epoll::Epoll::new().unwrap()),
+                threads: HashMap::new(),
+                file_vms: Vec::new(),
+                overlay: Default::default(),
+            }),
             capture: None,
             timer_wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             armed: AtomicU64::new(u64::MAX),
