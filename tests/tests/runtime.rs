@@ -3,7 +3,10 @@
 //! see no retry and no drop; a removed VM's connections are released on its behalf
 //! (its peer is sent DREQs and disconnects them).
 //!
-//! Loopback addresses 127.93.x.x are this test's.
+//! Run twice: with the soft port's raw receive (its filter follows the VMs) where the
+//! test may open a raw socket, and in udp mode (each VM's socket polled by the host
+//! loop from when it is added). Loopback addresses 127.93.x.x and 127.94.x.x are this
+//! test's.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use pvcm_backend::config::RxMode;
 use pvcm_backend::control;
 use pvcm_guest::cm::rdma_cm::tcp_service_id;
 use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group};
@@ -30,8 +34,8 @@ const K: u32 = 20;
 /// Rounds of adding and removing VMs.
 const ROUNDS: u8 = 3;
 
-fn ip(c: u8, d: u8) -> Ipv4Addr {
-    Ipv4Addr::new(127, 93, c, d)
+fn ip(net: u8, c: u8, d: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, net, c, d)
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -161,9 +165,9 @@ fn names(ctl: &Path) -> Vec<String> {
 /// One round: VMs `c` and `d` are added, their guests connect, `c` opens `K`
 /// connections to `d`; then `c` is removed while they are up, and `d` must see every
 /// one of them disconnected (the backend's DREQs on `c`'s behalf); then `d` goes too.
-fn round(dir: &Path, ctl: &Path, r: u8) {
+fn round(dir: &Path, ctl: &Path, net: u8, r: u8) {
     let (c, d) = (format!("c{r}"), format!("d{r}"));
-    let (gc, gd) = (ip(1, 2 * r + 1), ip(1, 2 * r + 2));
+    let (gc, gd) = (ip(net, 1, 2 * r + 1), ip(net, 1, 2 * r + 2));
     for (n, g) in [(&c, gc), (&d, gd)] {
         let a = vm_request(
             ctl,
@@ -219,12 +223,26 @@ fn round(dir: &Path, ctl: &Path, r: u8) {
 
 #[test]
 fn vms_come_and_go_while_two_others_hold_1000_connections() {
+    run(93, RxMode::Auto);
+}
+
+#[test]
+fn vms_come_and_go_in_udp_mode_while_two_others_hold_1000_connections() {
+    run(94, RxMode::Udp);
+}
+
+fn run(net: u8, mode: RxMode) {
     let dir: PathBuf =
-        std::env::temp_dir().join(format!("pvcm-runtime-test-{}", std::process::id()));
+        std::env::temp_dir().join(format!("pvcm-runtime-test-{}-{net}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (a, b) = (LabVmSpec::new("a", ip(0, 1)), LabVmSpec::new("b", ip(0, 2)));
-    let daemon = backend::start(backend::config(&dir, "h", &[&a, &b], 93));
+    let (a, b) = (
+        LabVmSpec::new("a", ip(net, 0, 1)),
+        LabVmSpec::new("b", ip(net, 0, 2)),
+    );
+    let mut cfg = backend::config(&dir, "h", &[&a, &b], u64::from(net));
+    cfg.wire_rx = mode;
+    let daemon = backend::start(cfg);
     let ctl = dir.join("h.ctl");
     let phase = Arc::new(Phase::default());
     let work = {
@@ -241,7 +259,7 @@ fn vms_come_and_go_while_two_others_hold_1000_connections() {
         if phase.get() == 0 {
             during_setup += 1;
         }
-        round(&dir, &ctl, r);
+        round(&dir, &ctl, net, r);
     }
     let until = Instant::now() + Duration::from_secs(300);
     while phase.get() < 1 {
@@ -251,7 +269,7 @@ fn vms_come_and_go_while_two_others_hold_1000_connections() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    round(&dir, &ctl, ROUNDS);
+    round(&dir, &ctl, net, ROUNDS);
     // A quota change on a VM in use: above what it holds, nothing else changes.
     let q = vm_request(&ctl, "vm quota a 5000");
     assert!(q.contains(&format!("holds {N} live")), "{q}");
@@ -259,7 +277,7 @@ fn vms_come_and_go_while_two_others_hold_1000_connections() {
     phase.set(2);
     let (ca, sb) = work.join().unwrap();
     eprintln!(
-        "client a {ca:?}, server b {sb:?}; {} of {} rounds ran while the connections were \
+        "{mode:?}: client a {ca:?}, server b {sb:?}; {} of {} rounds ran while the connections were \
          being set up",
         during_setup,
         ROUNDS + 1
