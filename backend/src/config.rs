@@ -602,7 +602,9 @@ pub struct ServeArgs {
     /// mlx4's proxy for comparison) [default: default].
     #[arg(long, value_name = "POLICY", value_parser = Policy::from_str)]
     pub policy: Option<Policy>,
-    /// Unix socket for `pvcm-backend stat` [default: none].
+    /// Unix socket for `pvcm-backend stat` and `pvcm-backend vm` (VMs added, removed and
+    /// their quotas changed at runtime); mode 0600 unless --control-mode widens it:
+    /// whoever can connect can change the VMs [default: none].
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
     /// Serve Prometheus text metrics over HTTP: a port (bound on 127.0.0.1) or an
@@ -658,8 +660,10 @@ pub struct ServeArgs {
     /// Keep the mux's state (every connection's IDs and mapping, quarantine) in a
     /// journal in this directory, so that a restart, an upgrade or a crash of the daemon
     /// loses no connection: started again with the same options, it restores the state
-    /// and the VMs reconnect (see docs/restart.md). Without it, stopping the daemon
-    /// releases every connection [default: none].
+    /// and the VMs reconnect (see docs/restart.md). The VM changes made at runtime
+    /// (`pvcm-backend vm`) are kept there too (vms.toml) and applied over the config
+    /// file at start. Without it, stopping the daemon releases every connection and
+    /// forgets the runtime changes [default: none].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
     /// With --state-dir: how long a restored VM may take to reconnect before its
@@ -797,7 +801,10 @@ pub enum VmOp {
                   SIGINT; 2 for a bad option or config file; 1 when the daemon cannot \
                   start (a socket cannot be bound, a device cannot be opened). Under \
                   systemd (Type=notify) it reports READY=1 once every socket listens. \
-                  See docs/daemon.md and docs/operations.md.",
+                  SIGHUP reads the config file again and applies the difference in its \
+                  VMs (a file that does not check changes nothing); `pvcm-backend vm` \
+                  adds, removes and changes VMs of the running daemon. See \
+                  docs/daemon.md and docs/operations.md.",
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
