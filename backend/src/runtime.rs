@@ -202,7 +202,7 @@ impl Overlay {
     }
 
     /// The file's text.
-    pub fn to_toml(&self) -> String {
+    pub fn to_toml(&self) -> Result<String, toml::ser::Error> {
         let mut t = toml::Table::new();
         if !self.removed.is_empty() {
             t.insert(
@@ -237,21 +237,22 @@ impl Overlay {
                 ),
             );
         }
-        let body = toml::to_string(&t).unwrap_or_default();
-        format!(
+        let body = toml::to_string(&t)?;
+        Ok(format!(
             "# pvcm-backend: the VM changes made through the control socket (vm add, vm \
              remove, vm quota),\n# applied over the config file at start. Written by the \
              daemon; see docs/operations.md.\n{body}"
-        )
+        ))
     }
 
     /// Writes `DIR/vms.toml` whole: to a temporary file, fsynced, renamed over it.
     pub fn save(&self, dir: &Path) -> io::Result<()> {
+        let text = self.to_toml().map_err(io::Error::other)?;
         let path = dir.join(OVERLAY_FILE);
         let tmp = dir.join(format!("{OVERLAY_FILE}.tmp"));
         let _ = std::fs::remove_file(&tmp);
         let mut f = owner_only().write(true).create_new(true).open(&tmp)?;
-        f.write_all(self.to_toml().as_bytes())?;
+        f.write_all(text.as_bytes())?;
         f.sync_data()?;
         std::fs::rename(&tmp, &path)?;
         if let Ok(d) = std::fs::File::open(dir) {
@@ -430,6 +431,9 @@ impl Runtime {
             .by_name(name)
             .cloned()
             .ok_or_else(|| RuntimeError::UnknownVm(name.to_string()))?;
+        if !shared.port.changes_vms() {
+            return Err(PortError::FixedVms(shared.port.rx_mode()).into());
+        }
         let live = port.current_vm().map_or(0, |vm| {
             let core = shared.lock_core();
             core.mux.vm_stats(vm).live

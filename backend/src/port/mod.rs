@@ -226,6 +226,11 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     fn release(&self, vm: usize) {
         let _ = vm;
     }
+    /// Whether VMs can join and leave the running port ([`WirePort::add_vm`],
+    /// [`WirePort::remove_vm`]). The default: no, its VM set is fixed when it opens.
+    fn changes_vms(&self) -> bool {
+        false
+    }
     /// VM `vm` joins the running port (added at runtime): binds its address (unless it
     /// arrives by migration, `spec.incoming`) and hands each descriptor the host loop
     /// must poll for it to `poll`. The default refuses: the port's VM set is fixed.

@@ -1351,6 +1351,10 @@ impl crate::port::WirePort for SoftPort {
         Ok(())
     }
 
+    fn changes_vms(&self) -> bool {
+        true
+    }
+
     fn add_vm(
         &self,
         vm: usize,
