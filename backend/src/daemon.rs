@@ -5,6 +5,8 @@
 //!   (QEMU restart, `reconnect=`). On connect the VM is attached to the mux; on
 //!   disconnect it is detached, which releases its connections (DREQs, REJs, DREPs on
 //!   its behalf, see `docs/mux.md`). vhost-user-backend runs the VM's vring worker.
+//!   VMs are added and removed while the daemon runs ([`crate::runtime`]): a removed
+//!   VM's thread ends its session, which releases its connections the same way.
 //! - One host thread runs an epoll loop over the wire port's descriptors (the soft
 //!   port's sockets, the umad device or the packet socket, see [`crate::port`]), a
 //!   timerfd armed at [`Mux::next_deadline`] that calls [`Mux::poll`] and sends
@@ -14,8 +16,9 @@
 //!   own worker thread.
 //!
 //! [`Daemon::start`] runs it in-process (tests); [`run`] is `main`'s entry, which also
-//! waits for SIGTERM/SIGINT and shuts down cleanly: VM sessions end, their connections
-//! are released on the wire, the capture is flushed and the sockets removed.
+//! reloads the config file's VMs on SIGHUP, waits for SIGTERM/SIGINT and shuts down
+//! cleanly: VM sessions end, their connections are released on the wire, the capture is
+//! flushed and the sockets removed.
 
 use std::collections::HashMap;
 use std::io;
@@ -439,7 +442,8 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
 pub struct Daemon {
     shared: Arc<Shared>,
     stop: Arc<EventFd>,
-    vm_threads: Vec<JoinHandle<()>>,
+    /// The thread that releases restored VMs that do not come back in time.
+    grace: Option<JoinHandle<()>>,
     host: Option<JoinHandle<()>>,
     /// Removed when the daemon stops: the control socket (the VMs' go with their
     /// threads, [`crate::runtime`]).
@@ -650,7 +654,7 @@ impl Daemon {
                 host.run();
             })
             .map_err(e("spawn".into()))?;
-        let mut vm_threads = Vec::new();
+        let mut grace_thread = None;
         if recovery.as_ref().is_some_and(|r| !r.attached.is_empty()) {
             let s = shared.clone();
             let grace = cfg.reconnect_grace;
@@ -658,7 +662,7 @@ impl Daemon {
                 .name("pvcm-grace".into())
                 .spawn(move || release_unreturned(&s, grace))
                 .map_err(e("spawn".into()))?;
-            vm_threads.push(t);
+            grace_thread = Some(t);
         }
         {
             let mut rt = lock(&shared.runtime);
@@ -676,7 +680,7 @@ impl Daemon {
         Ok(Daemon {
             shared,
             stop,
-            vm_threads,
+            grace: grace_thread,
             host: Some(host),
             socket_files,
             metrics: metrics_addr,
@@ -736,7 +740,7 @@ impl Daemon {
             }
             rt.stop_threads();
         }
-        for t in self.vm_threads.drain(..) {
+        if let Some(t) = self.grace.take() {
             let _ = t.join();
         }
         let _ = self.stop.write(1);

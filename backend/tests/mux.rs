@@ -1160,7 +1160,7 @@ fn a_quota_lowered_below_use_keeps_the_connections_and_refuses_new_ones() {
     let cfg = VmConfig::new("a", gid(1, 1));
     n.a.vms.push((n.a.mux.attach_vm(cfg.clone()).unwrap(), cfg));
     n.b.add_vm("b0", gid(2, 1));
-    let mut send = |n: &mut Net, i: u32| {
+    let send = |n: &mut Net, i: u32| {
         let mut m = req(
             n.a.cfg(0),
             100 + i,
