@@ -578,6 +578,7 @@ impl Daemon {
             policy: cfg.policy.name().to_string(),
             port,
             port_counters: DevCounters::default(),
+            retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: cfg.state_dir.is_some(),
         });

@@ -1055,6 +1055,7 @@ mod queue_tests {
             policy: "default".into(),
             port: Box::new(Recorder(sent.clone())),
             port_counters: DevCounters::default(),
+            retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: false,
         });

@@ -41,6 +41,9 @@ pub enum RuntimeError {
     /// The VM's spec, or the set it would make, breaks a rule of the configuration.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The daemon is stopping.
+    #[error("the daemon is stopping")]
+    Stopping,
     /// No VM has that name.
     #[error("no VM named {0:?}")]
     UnknownVm(String),
@@ -373,6 +376,9 @@ impl Runtime {
     /// Adds a VM: checked with the VMs served, its address taken by the wire port, its
     /// socket bound and served.
     fn add(&mut self, shared: &Arc<Shared>, spec: VmSpec) -> Result<(), RuntimeError> {
+        if shared.stopping() {
+            return Err(RuntimeError::Stopping);
+        }
         let vms = shared.vms();
         let mut all: Vec<VmSpec> = vms.iter().map(|p| p.spec()).collect();
         all.push(spec.clone());
@@ -454,6 +460,7 @@ impl Runtime {
             let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
         });
         shared.vms.update(|s| s.without(port.index));
+        shared.retired.absorb(&port.counters);
         tracing::info!(vm = %name, released = live, "VM removed");
         Ok(live)
     }

@@ -65,6 +65,8 @@ pub struct Shared {
     pub(crate) port: Box<dyn WirePort>,
     /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
     pub(crate) port_counters: DevCounters,
+    /// The device counters of VMs removed at runtime, so the host sums never go back.
+    pub(crate) retired: DevCounters,
     pub(crate) stop: AtomicBool,
     /// `--state-dir`: stopping keeps the VMs' connections (the next daemon restores
     /// them) instead of releasing them.
@@ -236,6 +238,7 @@ impl Shared {
         drop(core);
         let mut all: Vec<&DevCounters> = ports.iter().map(|p| &p.counters).collect();
         all.push(&self.port_counters);
+        all.push(&self.retired);
         Snapshot {
             policy: self.policy.clone(),
             wire_rx: self.port.rx_mode(),

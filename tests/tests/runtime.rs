@@ -288,6 +288,12 @@ fn run(net: u8, mode: RxMode) {
     }
     let s = control::query(&ctl).unwrap();
     assert_eq!(s.vms.len(), 2, "removed VMs are gone from stat");
+    // Their sessions stay in the host's sums: a and b's, and two per round.
+    let sessions = s.host.io.get("sessions").copied().unwrap_or(0);
+    assert!(
+        sessions >= 2 + 2 * u64::from(ROUNDS + 1),
+        "{sessions} sessions"
+    );
     for v in &s.vms {
         for (k, n) in v.figures.drops.iter().chain(&v.figures.device_drops) {
             assert_eq!(*n, 0, "VM {}: {k}", v.name);
