@@ -109,6 +109,18 @@ pub enum ConfigError {
         /// The shared value.
         value: String,
     },
+    /// Two VMs' ID ranges share IDs.
+    #[error("the ID ranges of VMs {a:?} ({ra}) and {b:?} ({rb}) overlap")]
+    IdRangeOverlap {
+        /// One VM.
+        a: String,
+        /// Its range.
+        ra: IdRange,
+        /// The other VM.
+        b: String,
+        /// Its range.
+        rb: IdRange,
+    },
     /// The control socket's path is a VM's socket.
     #[error("the control socket is also a VM socket")]
     ControlIsVmSocket,
@@ -426,6 +438,19 @@ impl VmSpec {
             }
             vm.quota = Some(q);
         }
+        if let (Some(q), Some(r)) = (vm.quota, id_range)
+            && u64::from(q) * 2 > r.size()
+        {
+            return Err(ConfigError::bad(
+                "quota",
+                &q.to_string(),
+                format!(
+                    "id-range {r} holds {} IDs, and a quota needs twice its connections' \
+                     IDs (freed IDs wait in quarantine)",
+                    r.size()
+                ),
+            ));
+        }
         vm.id_range = id_range;
         let incoming = incoming.unwrap_or(false);
         if incoming && id_range.is_none() {
@@ -441,6 +466,98 @@ impl VmSpec {
             iface,
         })
     }
+}
+
+impl VmSpec {
+    /// The VM's `key=value` pairs, as `--vm` and a `[[vm]]` table take them: every key
+    /// with its value, so that [`VmSpec::from_pairs`] gives this spec back.
+    pub fn to_pairs(&self) -> Vec<(&'static str, String)> {
+        let v = &self.vm;
+        let gid = match &self.iface {
+            Some(i) => format!("{}%{i}", v.gid),
+            None => v.gid.to_string(),
+        };
+        let mut p = vec![
+            ("name", v.name.clone()),
+            ("socket", self.socket.display().to_string()),
+            ("gid", gid),
+            ("qpn-base", format!("{:#x}", v.qpn_base)),
+            ("qpn-count", format!("{:#x}", v.qpn_count)),
+            ("ca-guid", format!("{:#018x}", v.ca_guid)),
+        ];
+        if let Some(q) = v.quota {
+            p.push(("quota", q.to_string()));
+        }
+        if let Some(r) = v.id_range {
+            p.push(("id-range", r.to_string()));
+        }
+        if self.incoming {
+            p.push(("incoming", "yes".into()));
+        }
+        p
+    }
+
+    /// The spec as one `--vm` argument (`name=a,socket=...,gid=...`).
+    pub fn to_arg(&self) -> String {
+        self.to_pairs()
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// This VM with another quota (`None`: the host's default), checked by the rules
+    /// every VM spec is checked by.
+    pub fn with_quota(&self, quota: Option<u32>) -> Result<VmSpec, ConfigError> {
+        let mut pairs: Vec<(&str, String)> = self
+            .to_pairs()
+            .into_iter()
+            .filter(|(k, _)| *k != "quota")
+            .collect();
+        if let Some(q) = quota {
+            pairs.push(("quota", q.to_string()));
+        }
+        VmSpec::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str())))
+    }
+
+    /// Whether `other` is the same VM but for its quota (a quota change, not a new VM).
+    pub fn same_but_quota(&self, other: &VmSpec) -> bool {
+        self.with_quota(None).ok() == other.with_quota(None).ok()
+    }
+}
+
+/// Checks a set of VMs as one daemon serves them together: no socket, GID or name
+/// twice, no two ID ranges sharing IDs, no VM socket at the control socket's path.
+/// The configuration is checked by it at start, and every runtime change to the VMs.
+pub fn check_vm_set(vms: &[VmSpec], control: Option<&Path>) -> Result<(), ConfigError> {
+    for (i, a) in vms.iter().enumerate() {
+        for b in &vms[..i] {
+            let dup = |what, value: String| Err(ConfigError::Duplicate { what, value });
+            if a.socket == b.socket {
+                return dup("socket", a.socket.display().to_string());
+            }
+            if a.vm.gid == b.vm.gid {
+                return dup("GID", a.vm.gid.to_string());
+            }
+            if a.vm.name == b.vm.name {
+                return dup("name", format!("{:?}", a.vm.name));
+            }
+            if let (Some(ra), Some(rb)) = (a.vm.id_range, b.vm.id_range)
+                && ra.overlaps(&rb)
+            {
+                return Err(ConfigError::IdRangeOverlap {
+                    a: b.vm.name.clone(),
+                    ra: rb,
+                    b: a.vm.name.clone(),
+                    rb: ra,
+                });
+            }
+        }
+        if Some(a.socket.as_path()) == control {
+            return Err(ConfigError::ControlIsVmSocket);
+        }
+    }
+    Ok(())
 }
 
 impl FromStr for VmSpec {
@@ -485,7 +602,9 @@ pub struct ServeArgs {
     /// mlx4's proxy for comparison) [default: default].
     #[arg(long, value_name = "POLICY", value_parser = Policy::from_str)]
     pub policy: Option<Policy>,
-    /// Unix socket for `pvcm-backend stat` [default: none].
+    /// Unix socket for `pvcm-backend stat` and `pvcm-backend vm` (VMs added, removed and
+    /// their quotas changed at runtime); mode 0600 unless --control-mode widens it:
+    /// whoever can connect can change the VMs [default: none].
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
     /// Serve Prometheus text metrics over HTTP: a port (bound on 127.0.0.1) or an
@@ -541,8 +660,10 @@ pub struct ServeArgs {
     /// Keep the mux's state (every connection's IDs and mapping, quarantine) in a
     /// journal in this directory, so that a restart, an upgrade or a crash of the daemon
     /// loses no connection: started again with the same options, it restores the state
-    /// and the VMs reconnect (see docs/restart.md). Without it, stopping the daemon
-    /// releases every connection [default: none].
+    /// and the VMs reconnect (see docs/restart.md). The VM changes made at runtime
+    /// (`pvcm-backend vm`) are kept there too (vms.toml) and applied over the config
+    /// file at start. Without it, stopping the daemon releases every connection and
+    /// forgets the runtime changes [default: none].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
     /// With --state-dir: how long a restored VM may take to reconnect before its
@@ -619,6 +740,53 @@ pub enum Command {
     /// print what it configures, and exit 0; or print the first error, naming the key,
     /// and exit 2.
     CheckConfig(CheckConfigArgs),
+    /// List, add or remove a running daemon's VMs, or change a VM's quota, through its
+    /// control socket (docs/operations.md). Changes last until the next restart; with
+    /// --state-dir they survive it.
+    Vm(VmArgs),
+}
+
+/// `pvcm-backend vm` options.
+#[derive(Debug, Clone, Args)]
+pub struct VmArgs {
+    /// The daemon's control socket.
+    #[arg(long, value_name = "PATH")]
+    pub control: PathBuf,
+    /// What to do.
+    #[command(subcommand)]
+    pub op: VmOp,
+}
+
+/// `pvcm-backend vm` operations.
+#[derive(Debug, Clone, Subcommand)]
+pub enum VmOp {
+    /// Print the daemon's VMs as JSON: each VM's spec, quota, whether a session is
+    /// attached, and whether it came from the config file or at runtime.
+    List,
+    /// Add a VM: `socket=PATH,gid=GID[,name=N,quota=N,id-range=BASE/LEN,...]`, the keys
+    /// of --vm. Its socket listens when this returns.
+    Add {
+        /// The VM, as --vm takes it.
+        #[arg(value_name = "SPEC")]
+        spec: String,
+    },
+    /// Remove a VM: its session ends and its connections are released on its behalf,
+    /// as when the VM dies; its socket is removed.
+    Remove {
+        /// The VM's name.
+        #[arg(value_name = "NAME")]
+        name: String,
+    },
+    /// Set a VM's quota of live connections. Below what it holds now, its connections
+    /// stay and new ones are refused (over_quota) until it is below.
+    Quota {
+        /// The VM's name.
+        #[arg(value_name = "NAME")]
+        name: String,
+        /// The quota (at least 1), or `default` for the host's default.
+        #[arg(value_name = "N")]
+        quota: String,
+    },
 }
 
 /// The `pvcm-backend` command line.
@@ -633,7 +801,10 @@ pub enum Command {
                   SIGINT; 2 for a bad option or config file; 1 when the daemon cannot \
                   start (a socket cannot be bound, a device cannot be opened). Under \
                   systemd (Type=notify) it reports READY=1 once every socket listens. \
-                  See docs/daemon.md and docs/operations.md.",
+                  SIGHUP reads the config file again and applies the difference in its \
+                  VMs (a file that does not check changes nothing); `pvcm-backend vm` \
+                  adds, removes and changes VMs of the running daemon. See \
+                  docs/daemon.md and docs/operations.md.",
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
@@ -906,23 +1077,7 @@ impl Config {
         if self.vms.is_empty() {
             return Err(ConfigError::NoVm);
         }
-        for (i, a) in self.vms.iter().enumerate() {
-            for b in &self.vms[..i] {
-                let dup = |what, value: String| Err(ConfigError::Duplicate { what, value });
-                if a.socket == b.socket {
-                    return dup("socket", a.socket.display().to_string());
-                }
-                if a.vm.gid == b.vm.gid {
-                    return dup("GID", a.vm.gid.to_string());
-                }
-                if a.vm.name == b.vm.name {
-                    return dup("name", format!("{:?}", a.vm.name));
-                }
-            }
-            if Some(&a.socket) == self.control.as_ref() {
-                return Err(ConfigError::ControlIsVmSocket);
-            }
-        }
+        check_vm_set(&self.vms, self.control.as_deref())?;
         for (which, bytes) in [
             ("per-VM", self.rx_backlog_bytes),
             ("host", self.rx_host_backlog_bytes),
@@ -1205,6 +1360,43 @@ fn toml_scalar(key: &str, v: &toml::Value) -> Result<String, ConfigError> {
     }
 }
 
+/// The VMs of a TOML array of `[[vm]]` tables, each checked as `--vm` is; an error
+/// names the table (`[[vm]] #2 (b)`) and the key.
+pub(crate) fn toml_vms(vms: &[toml::Value]) -> Result<Vec<VmSpec>, ConfigError> {
+    let mut out = Vec::new();
+    for (i, t) in vms.iter().enumerate() {
+        let label = format!("[[vm]] #{}", i + 1);
+        let toml::Value::Table(t) = t else {
+            return Err(ConfigError::WrongType {
+                key: label,
+                expected: "a table",
+                found: toml_type(t),
+            });
+        };
+        let mut pairs = Vec::new();
+        for (k, v) in t {
+            let v = toml_scalar(k, v).map_err(|e| ConfigError::vm(&label, e))?;
+            pairs.push((k.as_str(), v));
+        }
+        let label = match t.get("name").and_then(toml::Value::as_str) {
+            Some(n) => format!("{label} ({n})"),
+            None => label,
+        };
+        let spec = VmSpec::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str())))
+            .map_err(|e| ConfigError::vm(&label, e))?;
+        out.push(spec);
+    }
+    Ok(out)
+}
+
+/// A VM as a TOML `[[vm]]` table (every value a string, as [`toml_vms`] reads it).
+pub(crate) fn toml_vm(spec: &VmSpec) -> toml::Table {
+    spec.to_pairs()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), toml::Value::String(v)))
+        .collect()
+}
+
 /// The TOML format: top-level keys are the long options (`policy = "default"`,
 /// `bind-port = 4791`, `rx-backlog-bytes = "32M"`), one `[[vm]]` table per VM with the
 /// `--vm` keys (`socket`, `gid`, `name`, `qpn-base`, ...). Each value goes through the
@@ -1225,28 +1417,7 @@ fn read_toml(text: &str) -> Result<ServeArgs, ConfigError> {
                         found: toml_type(value),
                     });
                 };
-                for (i, t) in vms.iter().enumerate() {
-                    let label = format!("[[vm]] #{}", i + 1);
-                    let toml::Value::Table(t) = t else {
-                        return Err(ConfigError::WrongType {
-                            key: label,
-                            expected: "a table",
-                            found: toml_type(t),
-                        });
-                    };
-                    let mut pairs = Vec::new();
-                    for (k, v) in t {
-                        let v = toml_scalar(k, v).map_err(|e| ConfigError::vm(&label, e))?;
-                        pairs.push((k.as_str(), v));
-                    }
-                    let label = match t.get("name").and_then(toml::Value::as_str) {
-                        Some(n) => format!("{label} ({n})"),
-                        None => label,
-                    };
-                    let spec = VmSpec::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str())))
-                        .map_err(|e| ConfigError::vm(&label, e))?;
-                    args.vms.push(spec);
-                }
+                args.vms = toml_vms(vms)?;
             }
             "config" => {
                 return Err(ConfigError::bad(

@@ -7,6 +7,14 @@
 //! |---|---|
 //! | `stat` | the [`Snapshot`] as JSON |
 //! | `metrics` | Prometheus text |
+//! | `vm list` | the VMs as a JSON array ([`Shared::list_vms`]) |
+//! | `vm add SPEC` | `ok: ...` or `error: ...`; SPEC is `--vm`'s `socket=PATH,gid=GID,...` |
+//! | `vm remove NAME` | `ok: ...` (the connections released) or `error: ...` |
+//! | `vm quota NAME N` | `ok: ...` (what the VM holds against it) or `error: ...`; N may be `default` |
+//!
+//! The `vm` requests change what the daemon serves ([`crate::runtime`]). Whoever can
+//! connect to the control socket can make them: it is the owner's only (0600) unless
+//! `--control-mode`/`--control-group` open it, which is the authorization they need.
 //!
 //! `--metrics ADDR` serves the same figures as Prometheus text over plain HTTP/1.1
 //! (`GET /metrics`, or any path).
@@ -19,6 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::config::VmSpec;
 use crate::shared::Shared;
 use crate::stats::Snapshot;
 
@@ -66,7 +75,7 @@ pub(crate) fn bind_control(
 }
 
 /// Answers one control connection.
-pub(crate) fn serve_control(shared: &Shared, mut s: UnixStream) {
+pub(crate) fn serve_control(shared: &Arc<Shared>, mut s: UnixStream) {
     let _ = s.set_read_timeout(Some(IO_TIMEOUT));
     let _ = s.set_write_timeout(Some(IO_TIMEOUT));
     let req = match read_line(&mut s, 1024) {
@@ -81,9 +90,85 @@ pub(crate) fn serve_control(shared: &Shared, mut s: UnixStream) {
             serde_json::to_string(&shared.snapshot()).unwrap_or_else(|e| format!("error: {e}"))
         }
         "metrics" => shared.snapshot().prometheus(),
-        other => format!("error: unknown request {other:?} (expected stat or metrics)\n"),
+        vm if vm.starts_with("vm ") || vm == "vm" => vm_request(shared, vm),
+        other => format!(
+            "error: unknown request {other:?} (expected stat, metrics, vm list, vm add SPEC, \
+             vm remove NAME or vm quota NAME N)\n"
+        ),
     };
     write_all(&mut s, reply.as_bytes());
+}
+
+/// Answers a `vm ...` request.
+fn vm_request(shared: &Arc<Shared>, req: &str) -> String {
+    let mut words = req.split_whitespace().skip(1);
+    let op = words.next().unwrap_or("");
+    let args: Vec<&str> = words.collect();
+    let answer = match (op, args.as_slice()) {
+        ("list", []) => {
+            return serde_json::to_string(&shared.list_vms())
+                .map(|j| j + "\n")
+                .unwrap_or_else(|e| format!("error: {e}\n"));
+        }
+        ("add", [spec]) => match spec.parse::<VmSpec>() {
+            Ok(spec) => {
+                let (name, socket) = (spec.vm.name.clone(), spec.socket.clone());
+                shared
+                    .add_vm(spec)
+                    .map(|()| format!("added VM {name:?}: {} listens", socket.display()))
+                    .map_err(|e| e.to_string())
+            }
+            Err(e) => Err(e.to_string()),
+        },
+        ("remove", [name]) => shared
+            .remove_vm(name)
+            .map(|live| {
+                format!(
+                    "removed VM {name:?}: its {live} live connections were released on its \
+                     behalf"
+                )
+            })
+            .map_err(|e| e.to_string()),
+        ("quota", [name, q]) => match parse_quota(q) {
+            Ok(quota) => shared
+                .set_vm_quota(name, quota)
+                .map(|live| quota_answer(name, quota, shared.default_quota(), live))
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        },
+        _ => Err(format!(
+            "bad vm request {req:?} (expected vm list, vm add SPEC, vm remove NAME or vm \
+             quota NAME N)"
+        )),
+    };
+    match answer {
+        Ok(a) => format!("ok: {a}\n"),
+        Err(e) => format!("error: {e}\n"),
+    }
+}
+
+/// A quota as `vm quota` takes it: a number from 1, or `default`.
+fn parse_quota(q: &str) -> Result<Option<u32>, String> {
+    if q == "default" {
+        return Ok(None);
+    }
+    q.parse::<u32>()
+        .ok()
+        .filter(|&n| n > 0)
+        .map(Some)
+        .ok_or_else(|| format!("quota {q:?}: expected a number from 1 to 4294967295, or default"))
+}
+
+fn quota_answer(name: &str, quota: Option<u32>, default: u32, live: u64) -> String {
+    let q = quota.unwrap_or(default);
+    let mut a = format!("VM {name:?} quota {q}; it holds {live} live connections");
+    if live > u64::from(q) {
+        a.push_str(
+            ": above the new quota, its connections stay and new ones are refused \
+             (over_quota) until it holds fewer",
+        );
+    }
+    a
 }
 
 /// Answers one HTTP request on the metrics listener.
@@ -133,6 +218,29 @@ pub fn request(control: &Path, req: &str) -> io::Result<String> {
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     Ok(out)
+}
+
+/// `pvcm-backend vm ...`: sends the request and returns the answer; an `error: ...`
+/// answer is an error.
+pub fn vm(control: &Path, op: &crate::config::VmOp) -> io::Result<String> {
+    use crate::config::VmOp;
+    let req = match op {
+        VmOp::List => "vm list".to_string(),
+        VmOp::Add { spec } => format!("vm add {spec}"),
+        VmOp::Remove { name } => format!("vm remove {name}"),
+        VmOp::Quota { name, quota } => format!("vm quota {name} {quota}"),
+    };
+    if req.contains('\n') || req.len() >= 1024 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a request is one line of less than 1024 bytes",
+        ));
+    }
+    let a = request(control, &req)?;
+    match a.strip_prefix("error: ") {
+        Some(e) => Err(io::Error::other(e.trim_end().to_string())),
+        None => Ok(a),
+    }
 }
 
 /// `pvcm-backend stat`: prints the table (or JSON).

@@ -5,6 +5,8 @@
 //!   (QEMU restart, `reconnect=`). On connect the VM is attached to the mux; on
 //!   disconnect it is detached, which releases its connections (DREQs, REJs, DREPs on
 //!   its behalf, see `docs/mux.md`). vhost-user-backend runs the VM's vring worker.
+//!   VMs are added and removed while the daemon runs ([`crate::runtime`]): a removed
+//!   VM's thread ends its session, which releases its connections the same way.
 //! - One host thread runs an epoll loop over the wire port's descriptors (the soft
 //!   port's sockets, the umad device or the packet socket, see [`crate::port`]), a
 //!   timerfd armed at [`Mux::next_deadline`] that calls [`Mux::poll`] and sends
@@ -14,15 +16,15 @@
 //!   own worker thread.
 //!
 //! [`Daemon::start`] runs it in-process (tests); [`run`] is `main`'s entry, which also
-//! waits for SIGTERM/SIGINT and shuts down cleanly: VM sessions end, their connections
-//! are released on the wire, the capture is flushed and the sockets removed.
+//! reloads the config file's VMs on SIGHUP, waits for SIGTERM/SIGINT and shuts down
+//! cleanly: VM sessions end, their connections are released on the wire, the capture is
+//! flushed and the sockets removed.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -48,13 +50,14 @@ use crate::port::packet::PacketPort;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
 use crate::port::{Arrivals, PortSpec, TOKEN_LIMIT, WirePort};
+use crate::runtime::{Overlay, Runtime};
 pub use crate::rx::RxMsg;
 use crate::shared::Core;
 pub use crate::shared::Shared;
 use crate::state::{Journal, Recovery};
 use crate::stats::{DevCounters, Io, Snapshot};
 pub use crate::vm_port::VmPort;
-use crate::vm_port::{Session, lock};
+use crate::vm_port::{Lifecycle, Session, VmSet, VmTable, lock};
 
 /// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd.
 #[derive(Debug)]
@@ -91,7 +94,7 @@ const TOK_METRICS: u64 = TOK_STOP + 4;
 
 struct HostLoop {
     shared: Arc<Shared>,
-    epoll: Epoll,
+    epoll: Arc<Epoll>,
     timer: Timer,
     control: Option<UnixListener>,
     metrics: Option<TcpListener>,
@@ -128,9 +131,12 @@ impl HostLoop {
                     TOK_METRICS => self.accept_metrics(),
                     tok if tok < TOKEN_LIMIT => {
                         let shared = &self.shared;
+                        let vms = shared.vms();
                         shared
                             .port
-                            .receive(&shared.port_ctx(), tok, &mut |batch| self.route(batch));
+                            .receive(&shared.port_ctx(&vms), tok, &mut |batch| {
+                                self.route(&vms, batch)
+                            });
                     }
                     _ => {}
                 }
@@ -168,8 +174,8 @@ impl HostLoop {
     /// VM it delivers to is woken once, and what goes back to the wire is sent once per
     /// sending VM. The MADs are rewritten where the port put them; a delivery copies its
     /// MAD once, into the VM's rx backlog.
-    fn route(&self, mut arrivals: Arrivals) {
-        arrivals.retain(|(vm, mads)| !mads.is_empty() && self.shared.ports.get(*vm).is_some());
+    fn route(&self, vms: &VmSet, mut arrivals: Arrivals) {
+        arrivals.retain(|(vm, mads)| !mads.is_empty() && vms.get(*vm).is_some());
         if arrivals.is_empty() {
             return;
         }
@@ -181,7 +187,7 @@ impl HostLoop {
         {
             let mut core = self.shared.lock_core();
             for (vm, mads) in &mut arrivals {
-                let Some(port) = self.shared.ports.get(*vm) else {
+                let Some(port) = vms.get(*vm) else {
                     continue;
                 };
                 let dst = port.spec.vm.gid;
@@ -211,7 +217,7 @@ impl HostLoop {
         let mut woken: Vec<usize> = Vec::new();
         for ((_, mads), targets) in arrivals.iter().zip(&to_port) {
             for (f, &p) in mads.iter().zip(targets) {
-                if let Some(vp) = self.shared.ports.get(p)
+                if let Some(vp) = vms.get(p)
                     && vp.push_rx(RxMsg::from_wire(f, &f.mad))
                     && !woken.contains(&p)
                 {
@@ -220,7 +226,7 @@ impl HostLoop {
             }
         }
         for p in woken {
-            if let Some(vp) = self.shared.ports.get(p) {
+            if let Some(vp) = vms.get(p) {
                 vp.wake_rx();
             }
         }
@@ -234,7 +240,7 @@ impl HostLoop {
                 .filter(|(_, v)| **v == WireVerdict::Reply)
                 .map(|(f, _)| (f.src, &f.mad))
                 .collect();
-            if let Some(port) = self.shared.ports.get(*vm) {
+            if let Some(port) = vms.get(*vm) {
                 self.shared.send_mads(port, &replies);
             }
         }
@@ -278,12 +284,14 @@ impl HostLoop {
     }
 }
 
-/// Serves one VM's socket, one connection after another.
-fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
+/// Serves one VM's socket, one connection after another, until the daemon stops or
+/// the VM is removed.
+pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
     let span = port.span.clone();
     let _g = span.enter();
+    let done = || shared.stopping() || port.leaving.load(Ordering::Acquire);
     loop {
-        if shared.stopping() {
+        if done() {
             break;
         }
         let dev = match PvcmDevice::new(shared.clone(), port.clone()) {
@@ -317,32 +325,29 @@ fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
             }
         }
         if let Err(e) = daemon.start(&mut listener) {
-            if shared.stopping() {
+            if done() {
                 break;
             }
             tracing::warn!(error = %e, "accept failed");
             std::thread::sleep(Duration::from_millis(100));
             continue;
         }
-        if shared.stopping() {
+        if done() {
             daemon.request_shutdown();
             let _ = daemon.wait();
             break;
         }
         port.counters.add(Io::Sessions, 1);
         // An incoming VM attaches when its state arrives (or its rings start without).
-        let vm = if port.awaiting.load(Ordering::Acquire) {
-            None
-        } else {
-            shared.attach(&port)
-        };
-        if port.restored.swap(false, Ordering::AcqRel) {
+        let attached = shared.attach_session(&port);
+        let vm = attached.map(|(vm, _)| vm);
+        if attached.is_some_and(|(_, reconnected)| reconnected) {
             tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
             // What waited in the backlog during the gap goes to the new session now.
             port.wake_rx();
         }
         *lock(&port.session) = daemon.shutdown_handle().map(Session);
-        if shared.stopping() {
+        if done() {
             daemon.request_shutdown();
         }
         tracing::info!(vm = ?vm, "vhost-user session started");
@@ -392,19 +397,18 @@ fn adopt_restored(shared: &Arc<Shared>, rec: &Recovery) {
     {
         let mut core = shared.lock_core();
         for (id, vcfg) in &rec.attached {
-            let port = shared
-                .ports
+            let vms = shared.vms();
+            let port = vms
                 .iter()
                 .find(|p| p.spec.vm.name == vcfg.name && p.spec.vm.gid == vcfg.gid);
             match port {
                 Some(p) if shared.port.attach(p.index).is_ok() => {
-                    *lock(&p.current) = Some(*id);
-                    p.restored.store(true, Ordering::Release);
-                    *lock(&p.tx_resume) = rec
+                    let tx_resume = rec
                         .tx_progress
                         .iter()
                         .find(|(n, _)| *n == vcfg.name)
                         .map(|(_, i)| *i);
+                    *p.lifecycle() = Lifecycle::Restored { vm: *id, tx_resume };
                     core.by_vm.insert(*id, p.index);
                 }
                 _ => {
@@ -441,8 +445,8 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
         }
         std::thread::sleep(Duration::from_millis(100).min(grace));
     }
-    for p in &shared.ports {
-        if p.restored.swap(false, Ordering::AcqRel) {
+    for p in shared.vms().iter() {
+        if matches!(*p.lifecycle(), Lifecycle::Restored { .. }) {
             tracing::warn!(parent: &p.span, grace_s = grace.as_secs(), "restored VM did not reconnect: releasing its connections");
             shared.detach(p);
         }
@@ -454,10 +458,11 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
 pub struct Daemon {
     shared: Arc<Shared>,
     stop: Arc<EventFd>,
-    vm_threads: Vec<JoinHandle<()>>,
+    /// The thread that releases restored VMs that do not come back in time.
+    grace: Option<JoinHandle<()>>,
     host: Option<JoinHandle<()>>,
-    sockets: Vec<PathBuf>,
-    /// Removed when the daemon stops: the VMs' sockets and the control socket.
+    /// Removed when the daemon stops: the control socket (the VMs' go with their
+    /// threads, [`crate::runtime`]).
     socket_files: Vec<SocketFile>,
     metrics: Option<SocketAddr>,
 }
@@ -465,12 +470,30 @@ pub struct Daemon {
 impl Daemon {
     /// Binds everything (wire sockets, vhost-user sockets, control, metrics, capture) and
     /// starts the threads. When this returns, every socket accepts.
-    pub fn start(cfg: Config) -> Result<Daemon, Error> {
+    pub fn start(mut cfg: Config) -> Result<Daemon, Error> {
         cfg.validate()?;
+        let file_vms = cfg.vms.clone();
+        // With a state directory, the VM changes made at runtime apply over the file's.
+        let overlay = match &cfg.state_dir {
+            Some(dir) => Overlay::load(dir)?,
+            None => Overlay::default(),
+        };
+        if overlay != Overlay::default() {
+            let (vms, warnings) = overlay.apply(&cfg.vms, cfg.control.as_deref(), false)?;
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
+            tracing::info!(
+                added = overlay.added.len(),
+                removed = overlay.removed.len(),
+                quotas = overlay.quotas.len(),
+                "runtime VM changes kept in the state directory applied over the config"
+            );
+            cfg.vms = vms;
+        }
         let e = |what: String| move |source: io::Error| Error::Io { what, source };
         let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
         let mut ports = Vec::new();
-        let mut by_gid = HashMap::new();
         let host_budget = HostBudget::new(cfg.rx_host_backlog_bytes);
         let port: Box<dyn WirePort> = match &cfg.port {
             PortSpec::Soft => {
@@ -515,7 +538,6 @@ impl Daemon {
             }
         };
         for (i, spec) in cfg.vms.iter().enumerate() {
-            by_gid.insert(spec.vm.gid, i);
             let port = VmPort::new(i, spec.clone(), cfg.rx_backlog_bytes, host_budget.clone())
                 .map_err(e("eventfd".into()))?;
             ports.push(Arc::new(port));
@@ -544,14 +566,25 @@ impl Daemon {
             }
             None => (Mux::new(mux_cfg, clock), None, None),
         };
+        let epoll = Arc::new(Epoll::new().map_err(e("epoll".into()))?);
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 mux,
                 by_vm: HashMap::new(),
                 journal,
             }),
-            ports,
-            by_gid,
+            vms: VmTable::new(VmSet::new(ports)),
+            runtime: Mutex::new(Runtime {
+                rx_backlog_bytes: cfg.rx_backlog_bytes,
+                host_budget,
+                vm_sockets: cfg.vm_sockets,
+                control: cfg.control.clone(),
+                state_dir: cfg.state_dir.clone(),
+                epoll: epoll.clone(),
+                threads: HashMap::new(),
+                file_vms,
+                overlay,
+            }),
             capture,
             timer_wake,
             armed: AtomicU64::new(u64::MAX),
@@ -561,6 +594,7 @@ impl Daemon {
             policy: cfg.policy.name().to_string(),
             port,
             port_counters: DevCounters::default(),
+            retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: cfg.state_dir.is_some(),
         });
@@ -578,8 +612,7 @@ impl Daemon {
                     source: vhost::vhost_user::Error::SocketError(source),
                 }
             })?;
-            socket_files.push(SocketFile(spec.socket.clone()));
-            listeners.push(Listener::from(l));
+            listeners.push((SocketFile(spec.socket.clone()), Listener::from(l)));
         }
         let control = match &cfg.control {
             Some(p) => {
@@ -600,7 +633,6 @@ impl Daemon {
             None => None,
         };
         let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
-        let epoll = Epoll::new().map_err(e("epoll".into()))?;
         let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?);
         let timer = Timer::new().map_err(e("timerfd".into()))?;
         let add = |fd: i32, tok: u64| {
@@ -639,7 +671,7 @@ impl Daemon {
                 host.run();
             })
             .map_err(e("spawn".into()))?;
-        let mut vm_threads = Vec::new();
+        let mut grace_thread = None;
         if recovery.as_ref().is_some_and(|r| !r.attached.is_empty()) {
             let s = shared.clone();
             let grace = cfg.reconnect_grace;
@@ -647,15 +679,13 @@ impl Daemon {
                 .name("pvcm-grace".into())
                 .spawn(move || release_unreturned(&s, grace))
                 .map_err(e("spawn".into()))?;
-            vm_threads.push(t);
+            grace_thread = Some(t);
         }
-        for (port, l) in shared.ports.iter().zip(listeners) {
-            let (s, p) = (shared.clone(), port.clone());
-            let t = std::thread::Builder::new()
-                .name(format!("pvcm-vm-{}", port.index))
-                .spawn(move || vm_thread(s, p, l))
-                .map_err(e("spawn".into()))?;
-            vm_threads.push(t);
+        {
+            let mut rt = lock(&shared.runtime);
+            for (port, (file, l)) in shared.vms().iter().zip(listeners) {
+                rt.spawn(&shared, port.clone(), l, file)?;
+            }
         }
         tracing::info!(
             vms = cfg.vms.len(),
@@ -667,9 +697,8 @@ impl Daemon {
         Ok(Daemon {
             shared,
             stop,
-            vm_threads,
+            grace: grace_thread,
             host: Some(host),
-            sockets: cfg.vms.iter().map(|v| v.socket.clone()).collect(),
             socket_files,
             metrics: metrics_addr,
         })
@@ -678,6 +707,21 @@ impl Daemon {
     /// Every figure, per VM and summed.
     pub fn snapshot(&self) -> Snapshot {
         self.shared.snapshot()
+    }
+
+    /// Applies a configuration read again (SIGHUP): the VMs change by the difference
+    /// between the file's VMs before and now ([`crate::runtime::diff`]), the runtime
+    /// changes kept over them. Other options take effect at the next start only.
+    pub fn reload(&self, cfg: Config) {
+        match self.shared.reload_vms(cfg.vms) {
+            Ok(r) => tracing::info!(
+                applied = r.applied.len(),
+                failed = r.failed.len(),
+                changes = ?r.applied,
+                "reload: the VMs changed by the difference (other options apply at the next start)"
+            ),
+            Err(e) => tracing::error!(error = %e, "reload refused: nothing changed"),
+        }
     }
 
     /// The metrics listener's address (useful with port 0).
@@ -702,14 +746,18 @@ impl Daemon {
         }
         tracing::info!("shutting down");
         self.shared.stop.store(true, Ordering::Release);
-        for (port, path) in self.shared.ports.iter().zip(&self.sockets) {
-            if let Some(h) = lock(&port.session).as_ref() {
-                h.0.shutdown();
+        {
+            let mut rt = lock(&self.shared.runtime);
+            for port in self.shared.vms().iter() {
+                if let Some(h) = lock(&port.session).as_ref() {
+                    h.0.shutdown();
+                }
+                // A thread waiting in accept: connect so it wakes and sees the stop flag.
+                let _ = UnixStream::connect(&port.spec.socket);
             }
-            // A thread waiting in accept: connect so it wakes and sees the stop flag.
-            let _ = UnixStream::connect(path);
+            rt.stop_threads();
         }
-        for t in self.vm_threads.drain(..) {
+        if let Some(t) = self.grace.take() {
             let _ = t.join();
         }
         let _ = self.stop.write(1);
@@ -739,8 +787,11 @@ impl Drop for Daemon {
     }
 }
 
-/// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly.
-pub fn run(cfg: Config) -> Result<(), Error> {
+/// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly. SIGHUP reads the
+/// configuration again from `args` (the config file and the command line) and applies
+/// the difference in its VMs ([`Daemon::reload`]); a file that does not read or check
+/// is logged and changes nothing.
+pub fn run(cfg: Config, args: &crate::config::ServeArgs) -> Result<(), Error> {
     // Block the signals in this thread before any other starts (they inherit the mask),
     // then wait for them here.
     // SAFETY: sigset_t is plain data, initialised by sigemptyset before use.
@@ -750,20 +801,50 @@ pub fn run(cfg: Config) -> Result<(), Error> {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
-    let vms = cfg.vms.len();
     let daemon = Daemon::start(cfg)?;
     // Every socket listens: a VMM started after this finds its socket.
-    crate::notify::notify(&format!("READY=1\nSTATUS=serving {vms} VMs"));
-    let mut sig: libc::c_int = 0;
-    // SAFETY: `set` and `sig` are valid for the call; sigwait blocks until one of the
-    // blocked signals is pending.
-    let r = unsafe { libc::sigwait(&set, &mut sig) };
-    if r == 0 {
-        tracing::info!(signal = sig, "signal received");
+    let status = |d: &Daemon| format!("STATUS=serving {} VMs", d.shared.vms().len());
+    crate::notify::notify(&format!("READY=1\n{}", status(&daemon)));
+    loop {
+        let mut sig: libc::c_int = 0;
+        // SAFETY: `set` and `sig` are valid for the call; sigwait blocks until one of
+        // the blocked signals is pending.
+        let r = unsafe { libc::sigwait(&set, &mut sig) };
+        if r == 0 && sig == libc::SIGHUP {
+            crate::notify::notify(&format!(
+                "RELOADING=1\nMONOTONIC_USEC={}",
+                boot_clock_usec()
+            ));
+            tracing::info!("SIGHUP: reading the configuration again");
+            match Config::from_args(args) {
+                Ok(new) => daemon.reload(new),
+                Err(e) => {
+                    tracing::error!(error = %e, "reload: the configuration does not read or check: nothing changed")
+                }
+            }
+            crate::notify::notify(&format!("READY=1\n{}", status(&daemon)));
+            continue;
+        }
+        if r == 0 {
+            tracing::info!(signal = sig, "signal received");
+        }
+        break;
     }
     crate::notify::notify("STOPPING=1");
     daemon.shutdown();
     Ok(())
+}
+
+/// CLOCK_MONOTONIC in microseconds, as sd_notify's `MONOTONIC_USEC` wants it.
+fn boot_clock_usec() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec.max(0) as u64) * 1_000_000 + (ts.tv_nsec.max(0) as u64) / 1_000
 }

@@ -25,7 +25,6 @@ use std::io::{self, Read, Write};
 use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
 
 use pvcm_wire::abi::{
     self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_LEN, PortInfo, RX_BUFFER_LEN, SendStatus,
@@ -55,7 +54,7 @@ use crate::port::OutMad;
 use crate::rx::RxMsg;
 use crate::shared::Shared;
 use crate::stats::{DevCounters, DevDrop, Io};
-use crate::vm_port::{VmPort, lock};
+use crate::vm_port::{Lifecycle, VmPort, lock};
 
 /// Queues: tx and rx.
 pub const NUM_QUEUES: usize = 2;
@@ -436,27 +435,35 @@ impl PvcmDevice {
     /// never came is a fresh boot (attach it); one whose state left is back because the
     /// migration failed and the source resumed (load the saved state again).
     fn vm_runs_here(&self) {
-        if self.port.current_vm().is_some() {
-            return;
-        }
-        let saved = lock(&self.port.migrated_out).take();
-        if let Some(blob) = saved {
-            match self.shared.migrate_in(&self.port, &blob) {
-                Ok(_) => tracing::warn!("the VM runs here again after leaving: its state is back"),
-                Err(e) => {
-                    tracing::error!(error = %e, "the VM runs here again but its state cannot come back")
+        let mut life = self.port.lifecycle();
+        match &mut *life {
+            Lifecycle::Departed { state } => {
+                let blob = std::mem::take(state);
+                *life = Lifecycle::Detached;
+                drop(life);
+                match self.shared.migrate_in(&self.port, &blob) {
+                    Ok(_) => {
+                        tracing::warn!("the VM runs here again after leaving: its state is back")
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "the VM runs here again but its state cannot come back")
+                    }
                 }
             }
-        } else if self.port.awaiting.swap(false, Ordering::AcqRel) {
-            match self.shared.port.claim(self.port.index) {
-                Ok(_) => {
-                    tracing::info!("incoming VM started without a state: a fresh boot here");
-                    self.shared.attach(&self.port);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "incoming VM started but its address cannot be taken")
+            Lifecycle::Awaiting => {
+                *life = Lifecycle::Detached;
+                drop(life);
+                match self.shared.port.claim(self.port.index) {
+                    Ok(_) => {
+                        tracing::info!("incoming VM started without a state: a fresh boot here");
+                        self.shared.attach(&self.port);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "incoming VM started but its address cannot be taken")
+                    }
                 }
             }
+            Lifecycle::Detached | Lifecycle::Restored { .. } | Lifecycle::Attached { .. } => {}
         }
     }
 
@@ -466,7 +473,8 @@ impl PvcmDevice {
             return;
         };
         let mem = atomic.memory();
-        if let Some(resume) = lock(&self.port.tx_resume).take() {
+        let resume = self.port.lifecycle().take_tx_resume();
+        if let Some(resume) = resume {
             let mut st = vring.get_mut();
             let n = skip_resumed(st.get_queue_mut(), &mem, resume);
             if n > 0 {
@@ -665,7 +673,7 @@ impl PvcmDevice {
 
     fn port_info(&self) -> RxMsg {
         let vm = &self.port.spec.vm;
-        let quota = vm.quota.unwrap_or(self.shared.default_quota());
+        let quota = self.port.quota().unwrap_or(self.shared.default_quota());
         // The path values of the VM's own link (its MTU) where the port can tell them,
         // else the configured ones (--path-mtu, --ca-ack-delay).
         let link = self.shared.port.link(self.port.index);
@@ -1029,14 +1037,25 @@ mod queue_tests {
                 by_vm: HashMap::new(),
                 journal: None,
             }),
-            ports: vec![port.clone()],
-            by_gid: HashMap::from([(vm.gid, 0)]),
+            vms: crate::vm_port::VmTable::new(crate::vm_port::VmSet::new(vec![port.clone()])),
+            runtime: Mutex::new(crate::runtime::Runtime {
+                rx_backlog_bytes: backlog::DEFAULT_VM_BYTES,
+                host_budget: HostBudget::new(backlog::DEFAULT_HOST_BYTES),
+                vm_sockets: crate::config::SocketAccess::VM_DEFAULT,
+                control: None,
+                state_dir: None,
+                epoll: Arc::new(vmm_sys_util::epoll::Epoll::new().unwrap()),
+                threads: HashMap::new(),
+                file_vms: Vec::new(),
+                overlay: Default::default(),
+            }),
             capture: None,
             timer_wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             armed: AtomicU64::new(u64::MAX),
             policy: "default".into(),
             port: Box::new(Recorder(sent.clone())),
             port_counters: DevCounters::default(),
+            retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: false,
         });

@@ -15,6 +15,9 @@ pub enum Error {
     /// `--state-dir` could not be used.
     #[error(transparent)]
     State(#[from] crate::state::StateError),
+    /// The VMs changed at runtime could not be restored or served.
+    #[error(transparent)]
+    Runtime(#[from] crate::runtime::RuntimeError),
     /// An OS call failed while setting up (binding a socket, creating an fd).
     #[error("{what}: {source}")]
     Io {

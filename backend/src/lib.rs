@@ -19,10 +19,12 @@
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.
 //! - [`state`]: `--state-dir`, the mux's state journal (restart without loss).
+//! - [`runtime`]: VMs added, removed and changed while the daemon runs (control
+//!   socket, SIGHUP), kept in `--state-dir`.
 //! - [`notify`]: readiness for systemd (`sd_notify`).
 //!
-//! The binary (`src/main.rs`) only parses the command line and calls [`daemon::run`] or
-//! [`control::stat`].
+//! The binary (`src/main.rs`) only parses the command line and calls [`daemon::run`],
+//! [`control::stat`] or [`control::vm`].
 
 #![warn(missing_docs)]
 
@@ -39,6 +41,7 @@ pub mod mux;
 pub mod notify;
 pub mod pcap;
 pub mod port;
+pub mod runtime;
 pub mod rx;
 pub mod shared;
 pub mod state;
@@ -76,6 +79,16 @@ where
                 ExitCode::FAILURE
             }
         },
+        Some(config::Command::Vm(a)) => match control::vm(&a.control, &a.op) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("pvcm-backend vm: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Some(config::Command::CheckConfig(a)) => {
             let args = config::ServeArgs {
                 config: Some(a.file.clone()),
@@ -101,7 +114,7 @@ where
                 }
             };
             init_logging(cfg.log_format);
-            match daemon::run(cfg) {
+            match daemon::run(cfg, &cli.serve) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("pvcm-backend: {e}");

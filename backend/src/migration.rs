@@ -9,7 +9,6 @@
 //! takes it over, imports, and the VM goes on with the same `pv_cm_id`s.
 
 use std::io;
-use std::sync::atomic::Ordering;
 
 use pvcm_wire::Gid;
 
@@ -17,7 +16,7 @@ use crate::mux::{FIRST_FOREIGN_KIND, MigrateError, VmId, put_record, records};
 use crate::port::PortError;
 use crate::rx::RxMsg;
 use crate::shared::Shared;
-use crate::vm_port::{VmPort, lock};
+use crate::vm_port::{Lifecycle, VmPort};
 
 /// One rx backlog message (its bytes as they go into an rx buffer).
 const REC_BACKLOG: u8 = FIRST_FOREIGN_KIND;
@@ -80,8 +79,8 @@ impl Shared {
     /// Takes the port's VM out (export, backlog, address) and returns its state. The VM
     /// is no longer this host's; its vhost-user session ending later releases nothing.
     pub(crate) fn migrate_out(&self, port: &VmPort) -> Result<Vec<u8>, MigrationError> {
-        let mut cur = lock(&port.current);
-        let Some(vm) = *cur else {
+        let mut life = port.lifecycle();
+        let Some(vm) = life.vm() else {
             return Err(MigrationError::NotAttached);
         };
         let (mut blob, next) = {
@@ -91,8 +90,6 @@ impl Shared {
             core.commit();
             (blob, core.mux.next_deadline())
         };
-        *cur = None;
-        drop(cur);
         let mut rx = port.lock_rx();
         let mut queued = 0;
         while let Some(m) = rx.pop_front() {
@@ -101,7 +98,10 @@ impl Shared {
         }
         drop(rx);
         self.port.release(port.index);
-        *lock(&port.migrated_out) = Some(blob.clone());
+        *life = Lifecycle::Departed {
+            state: blob.clone(),
+        };
+        drop(life);
         self.note_deadline(next);
         tracing::info!(parent: &port.span, bytes = blob.len(), queued, "VM state saved: the VM leaves this host");
         Ok(blob)
@@ -122,8 +122,8 @@ impl Shared {
                 return Err(MigrationError::UnknownRecord(kind));
             }
         }
-        let mut cur = lock(&port.current);
-        if cur.is_some() {
+        let mut life = port.lifecycle();
+        if life.vm().is_some() {
             return Err(MigrationError::AlreadyAttached);
         }
         let bound_now = self.port.claim(port.index)?;
@@ -160,10 +160,11 @@ impl Shared {
             core.commit();
             (vm, core.mux.next_deadline())
         };
-        *cur = Some(vm);
-        drop(cur);
-        port.awaiting.store(false, Ordering::Release);
-        *lock(&port.migrated_out) = None;
+        *life = Lifecycle::Attached {
+            vm,
+            tx_resume: None,
+        };
+        drop(life);
         let queued = backlog.len();
         for m in backlog {
             port.push_rx(m);

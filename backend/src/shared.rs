@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pvcm_wire::Gid;
 use pvcm_wire::abi;
 
 use vmm_sys_util::eventfd::EventFd;
@@ -16,7 +15,7 @@ use crate::port::{OutMad, PortCtx, WirePort};
 use crate::rx::RxMsg;
 use crate::state::Journal;
 use crate::stats::{DevCounters, DevDrop, Figures, Snapshot, VmFigures};
-use crate::vm_port::{VmPort, lock};
+use crate::vm_port::{Lifecycle, VmPort, VmSet, VmTable, lock};
 
 /// The mux and the map from its VM IDs to ports, under one lock.
 #[derive(Debug)]
@@ -48,8 +47,10 @@ impl Core {
 #[derive(Debug)]
 pub struct Shared {
     pub(crate) core: Mutex<Core>,
-    pub(crate) ports: Vec<Arc<VmPort>>,
-    pub(crate) by_gid: HashMap<Gid, usize>,
+    /// The VMs served now (changed at runtime by [`crate::runtime`]).
+    pub(crate) vms: VmTable,
+    /// Adding, removing and changing VMs at runtime (one change at a time).
+    pub(crate) runtime: Mutex<crate::runtime::Runtime>,
     pub(crate) capture: Option<Capture>,
     pub(crate) timer_wake: EventFd,
     pub(crate) armed: AtomicU64,
@@ -64,6 +65,8 @@ pub struct Shared {
     pub(crate) port: Box<dyn WirePort>,
     /// Drops no VM owns (umad: a MAD for a GID index nobody has); in the host sums.
     pub(crate) port_counters: DevCounters,
+    /// The device counters of VMs removed at runtime, so the host sums never go back.
+    pub(crate) retired: DevCounters,
     pub(crate) stop: AtomicBool,
     /// `--state-dir`: stopping keeps the VMs' connections (the next daemon restores
     /// them) instead of releasing them.
@@ -92,9 +95,14 @@ impl Shared {
         }
     }
 
-    pub(crate) fn port_ctx(&self) -> PortCtx<'_> {
+    /// The VMs served now.
+    pub fn vms(&self) -> Arc<VmSet> {
+        self.vms.current()
+    }
+
+    pub(crate) fn port_ctx<'a>(&'a self, vms: &'a VmSet) -> PortCtx<'a> {
         PortCtx {
-            vms: &self.ports,
+            vms,
             host: &self.port_counters,
             capture: self.capture.as_ref(),
         }
@@ -105,43 +113,61 @@ impl Shared {
         if mads.is_empty() {
             return;
         }
-        self.port.send(&self.port_ctx(), port.index, mads);
+        let vms = self.vms();
+        self.port.send(&self.port_ctx(&vms), port.index, mads);
     }
 
     /// Sends what the mux queued itself, each from its source VM's socket.
     pub(crate) fn send_outgoing(&self, out: Vec<Outgoing>) {
+        let vms = self.vms();
         let mut per_port: HashMap<usize, Vec<OutMad<'_>>> = HashMap::new();
         for o in &out {
-            match self.by_gid.get(&o.src) {
-                Some(&p) => per_port.entry(p).or_default().push((o.dst, &o.mad)),
+            match vms.by_gid(&o.src) {
+                Some(p) => per_port.entry(p.index).or_default().push((o.dst, &o.mad)),
                 None => tracing::warn!(src = %o.src, "mux MAD from a GID with no port: not sent"),
             }
         }
         for (p, mads) in per_port {
-            if let Some(port) = self.ports.get(p) {
+            if let Some(port) = vms.get(p) {
                 tracing::debug!(parent: &port.span, n = mads.len(), "sending MADs on the VM's behalf");
                 self.send_mads(port, &mads);
             }
         }
     }
 
-    /// Attaches the port's VM to the mux (a session began).
+    /// Attaches the port's VM to the mux (a session began). A restored VM keeps its
+    /// connections and becomes attached; `reconnected` says so.
     pub(crate) fn attach(&self, port: &VmPort) -> Option<VmId> {
-        let mut cur = lock(&port.current);
-        if let Some(vm) = *cur {
-            return Some(vm);
+        self.attach_session(port).map(|(vm, _)| vm)
+    }
+
+    /// [`Shared::attach`], also telling whether the VM was restored and reconnected now.
+    pub(crate) fn attach_session(&self, port: &VmPort) -> Option<(VmId, bool)> {
+        let mut life = port.lifecycle();
+        match &*life {
+            Lifecycle::Attached { vm, .. } => return Some((*vm, false)),
+            Lifecycle::Restored { vm, tx_resume } => {
+                let (vm, tx_resume) = (*vm, *tx_resume);
+                *life = Lifecycle::Attached { vm, tx_resume };
+                return Some((vm, true));
+            }
+            Lifecycle::Awaiting | Lifecycle::Departed { .. } => return None,
+            Lifecycle::Detached => {}
         }
         if let Err(e) = self.port.attach(port.index) {
             tracing::error!(parent: &port.span, error = %e, "attach refused");
             return None;
         }
         let mut core = self.lock_core();
-        match core.mux.attach_vm(port.spec.vm.clone()) {
+        match core.mux.attach_vm(port.spec().vm) {
             Ok(vm) => {
                 core.by_vm.insert(vm, port.index);
                 core.commit();
-                *cur = Some(vm);
-                Some(vm)
+                *life = Lifecycle::Attached {
+                    vm,
+                    tx_resume: None,
+                };
+                Some((vm, false))
             }
             Err(e) => {
                 tracing::error!(parent: &port.span, error = %e, "attach failed");
@@ -153,12 +179,12 @@ impl Shared {
     /// Detaches the port's VM (its session ended): the mux releases its connections;
     /// what it sends on the VM's behalf goes out now.
     pub(crate) fn detach(&self, port: &VmPort) {
-        let mut cur = lock(&port.current);
-        let Some(vm) = cur.take() else {
+        let mut life = port.lifecycle();
+        let Some(vm) = life.vm() else {
             return;
         };
-        // A resume index belongs to the ring of the session the journal saw.
-        *lock(&port.tx_resume) = None;
+        // A resume index belongs to the ring of the session the journal saw: it goes too.
+        *life = Lifecycle::Detached;
         let (out, next) = {
             let mut core = self.lock_core();
             core.mux.detach_vm(vm);
@@ -167,7 +193,7 @@ impl Shared {
             let out: Vec<Outgoing> = core.mux.drain_outbox().collect();
             (out, core.mux.next_deadline())
         };
-        drop(cur);
+        drop(life);
         // What waited for the old session's driver names the old session's IDs: it goes
         // with it, counted; the peers' retries reach the new session.
         let discarded = lock(&port.rx).clear();
@@ -193,12 +219,13 @@ impl Shared {
 
     /// Every figure, per VM and summed.
     pub fn snapshot(&self) -> Snapshot {
-        // Lock order: a port's `current`, then the core (as attach and detach do).
-        let current: Vec<Option<VmId>> = self.ports.iter().map(|p| p.current_vm()).collect();
+        // Lock order: a port's lifecycle, then the core (as attach and detach do).
+        let ports = self.vms();
+        let current: Vec<Option<VmId>> = ports.iter().map(|p| p.current_vm()).collect();
         let core = self.lock_core();
         let host_stats = core.mux.host_stats();
         let mut vms = Vec::new();
-        for (p, &vm) in self.ports.iter().zip(&current) {
+        for (p, &vm) in ports.iter().zip(&current) {
             let s = vm.map(|v| core.mux.vm_stats(v)).unwrap_or_default();
             vms.push(VmFigures {
                 name: p.spec.vm.name.clone(),
@@ -209,8 +236,9 @@ impl Shared {
             });
         }
         drop(core);
-        let mut all: Vec<&DevCounters> = self.ports.iter().map(|p| &p.counters).collect();
+        let mut all: Vec<&DevCounters> = ports.iter().map(|p| &p.counters).collect();
         all.push(&self.port_counters);
+        all.push(&self.retired);
         Snapshot {
             policy: self.policy.clone(),
             wire_rx: self.port.rx_mode(),

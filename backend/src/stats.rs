@@ -196,6 +196,15 @@ impl DevCounters {
     pub fn io(&self, k: Io) -> u64 {
         self.io[k as usize].load(Ordering::Relaxed)
     }
+    /// Adds every count of `other` to these.
+    pub fn absorb(&self, other: &DevCounters) {
+        for (a, b) in self.drops.iter().zip(&other.drops) {
+            a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        for (a, b) in self.io.iter().zip(&other.io) {
+            a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
 }
 
 /// Figures of one VM or of the host, by name. Every counter is present (zeros too), so

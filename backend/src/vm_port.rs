@@ -1,9 +1,12 @@
 //! One configured VM as the daemon keeps it across sessions: its rx backlog, counters,
 //! wake eventfd and current session.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use pvcm_wire::Gid;
 
 use vhost_user_backend::ShutdownHandle;
 use vmm_sys_util::eventfd::EventFd;
@@ -29,28 +32,84 @@ impl fmt::Debug for Session {
     }
 }
 
+/// Where a VM stands with the mux. One value, so that no impossible combination (a
+/// VM both awaited and attached, a departed VM with a tx position) can be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Lifecycle {
+    /// Not attached: no session yet, or its session ended and its connections were
+    /// released. The next session attaches it.
+    Detached,
+    /// `incoming=yes` and not arrived yet: sessions do not attach the VM; a state load
+    /// (or rings starting without one, a fresh boot) does.
+    Awaiting,
+    /// Restored from the state journal and not reconnected yet: its connections are
+    /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
+    /// `tx_resume`: the tx ring's next avail index the journal recorded last.
+    Restored {
+        /// The mux's ID of the VM.
+        vm: VmId,
+        /// The tx ring position of the last committed batch, if the journal has one.
+        tx_resume: Option<u16>,
+    },
+    /// Attached to the mux: a session runs (or a state was loaded for one).
+    Attached {
+        /// The mux's ID of the VM.
+        vm: VmId,
+        /// Restored and reconnected: the first tx round returns the chains before this
+        /// avail index unsent (their MADs left before the restart). Taken once.
+        tx_resume: Option<u16>,
+    },
+    /// Left this host by migration: the state saved for it. If the VM runs here again
+    /// (the migration failed and the source resumed), it is loaded back.
+    Departed {
+        /// The saved state ([`crate::migration`]'s format).
+        state: Vec<u8>,
+    },
+}
+
+impl Lifecycle {
+    /// The lifecycle a configured VM starts in: awaited if it arrives by migration.
+    pub(crate) fn initial(incoming: bool) -> Lifecycle {
+        if incoming {
+            Lifecycle::Awaiting
+        } else {
+            Lifecycle::Detached
+        }
+    }
+
+    /// The mux's ID of the VM, while the mux holds its connections.
+    pub(crate) fn vm(&self) -> Option<VmId> {
+        match self {
+            Lifecycle::Restored { vm, .. } | Lifecycle::Attached { vm, .. } => Some(*vm),
+            Lifecycle::Detached | Lifecycle::Awaiting | Lifecycle::Departed { .. } => None,
+        }
+    }
+
+    /// The tx ring position a reconnected, restored VM resumes at (taken once).
+    pub(crate) fn take_tx_resume(&mut self) -> Option<u16> {
+        match self {
+            Lifecycle::Attached { tx_resume, .. } => tx_resume.take(),
+            _ => None,
+        }
+    }
+}
+
 /// One configured VM: its rx backlog and counters, across sessions.
 #[derive(Debug)]
 pub struct VmPort {
     pub(crate) index: usize,
     pub(crate) spec: VmSpec,
-    pub(crate) current: Mutex<Option<VmId>>,
+    /// Where the VM stands with the mux. Lock order: this, then the core.
+    pub(crate) lifecycle: Mutex<Lifecycle>,
     pub(crate) rx: Mutex<RxBacklog>,
     pub(crate) rx_wake: EventFd,
     pub(crate) counters: DevCounters,
     pub(crate) session: Mutex<Option<Session>>,
-    /// Restored from the state journal and not reconnected yet: its connections are
-    /// kept, and its MADs wait in the rx backlog, until it reconnects or the grace ends.
-    pub(crate) restored: AtomicBool,
-    /// Restored: the tx ring's next avail index the journal recorded last. The first
-    /// session after the restart returns the chains before it unsent (their MADs left).
-    pub(crate) tx_resume: Mutex<Option<u16>>,
-    /// `incoming=yes` and not arrived yet: sessions do not attach the VM; a state load
-    /// (or rings starting without one, a fresh boot) does.
-    pub(crate) awaiting: AtomicBool,
-    /// The state this host saved when the VM left; if the VM runs here again (the
-    /// migration failed and the source resumed), it is loaded back.
-    pub(crate) migrated_out: Mutex<Option<Vec<u8>>>,
+    /// The VM's quota of live connections now (0: the host's default); the spec's at
+    /// first, changed at runtime by `vm quota`.
+    quota: AtomicU32,
+    /// Removed at runtime: its thread serves no further session.
+    pub(crate) leaving: AtomicBool,
     pub(crate) span: tracing::Span,
 }
 
@@ -61,30 +120,51 @@ impl VmPort {
         index: usize,
         spec: VmSpec,
         rx_bytes: usize,
-        host: std::sync::Arc<HostBudget>,
+        host: Arc<HostBudget>,
     ) -> std::io::Result<VmPort> {
         // The field is `vm`, not `name`: a JSON log writes the span's own name as `name`
         // beside its fields.
         let span = tracing::info_span!("vm", vm = %spec.vm.name, gid = %spec.vm.gid);
         Ok(VmPort {
             index,
-            current: Mutex::new(None),
+            lifecycle: Mutex::new(Lifecycle::initial(spec.incoming)),
             rx: Mutex::new(RxBacklog::new(rx_bytes, host)),
             rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
             counters: DevCounters::default(),
             session: Mutex::new(None),
-            restored: AtomicBool::new(false),
-            tx_resume: Mutex::new(None),
-            awaiting: AtomicBool::new(spec.incoming),
-            migrated_out: Mutex::new(None),
+            quota: AtomicU32::new(spec.vm.quota.unwrap_or(0)),
+            leaving: AtomicBool::new(false),
             span,
             spec,
         })
     }
 
-    /// The mux's ID of the VM's current session.
+    /// The VM's quota now (`None`: the host's default).
+    pub(crate) fn quota(&self) -> Option<u32> {
+        Some(self.quota.load(Ordering::Acquire)).filter(|&q| q != 0)
+    }
+
+    /// Sets the VM's quota (`None`: the host's default); the next attach and PORT_INFO
+    /// use it.
+    pub(crate) fn set_quota(&self, quota: Option<u32>) {
+        self.quota.store(quota.unwrap_or(0), Ordering::Release);
+    }
+
+    /// The VM's spec as it is now (its quota changed at runtime included).
+    pub fn spec(&self) -> VmSpec {
+        let mut s = self.spec.clone();
+        s.vm.quota = self.quota();
+        s
+    }
+
+    /// The VM's lifecycle, locked (before the core, never after).
+    pub(crate) fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
+        lock(&self.lifecycle)
+    }
+
+    /// The mux's ID of the VM, while the mux holds its connections.
     pub(crate) fn current_vm(&self) -> Option<VmId> {
-        *lock(&self.current)
+        self.lifecycle().vm()
     }
 
     pub(crate) fn lock_rx(&self) -> MutexGuard<'_, RxBacklog> {
@@ -117,5 +197,119 @@ impl VmPort {
         std::sync::Arc::new(
             VmPort::new(index, spec, DEFAULT_VM_BYTES, host).expect("eventfd for a test VM port"),
         )
+    }
+}
+
+/// The VMs a daemon serves, by index (the wire port's and the mux map's name for a VM).
+/// Indices are never reused: a VM removed at runtime leaves a hole, so nothing still
+/// holding an old index can reach a newer VM.
+#[derive(Debug, Default, Clone)]
+pub struct VmSet {
+    ports: Vec<Option<Arc<VmPort>>>,
+    by_gid: HashMap<Gid, usize>,
+}
+
+impl VmSet {
+    /// The set of `ports`, each at its own index.
+    pub fn new(ports: Vec<Arc<VmPort>>) -> VmSet {
+        let mut set = VmSet::default();
+        for p in ports {
+            set = set.with(p);
+        }
+        set
+    }
+
+    /// The VM at `index`, if it is served.
+    pub fn get(&self, index: usize) -> Option<&Arc<VmPort>> {
+        self.ports.get(index)?.as_ref()
+    }
+
+    /// Every served VM, by index.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<VmPort>> {
+        self.ports.iter().flatten()
+    }
+
+    /// The VM with this GID.
+    pub fn by_gid(&self, gid: &Gid) -> Option<&Arc<VmPort>> {
+        self.get(*self.by_gid.get(gid)?)
+    }
+
+    /// The VM with this name.
+    pub fn by_name(&self, name: &str) -> Option<&Arc<VmPort>> {
+        self.iter().find(|p| p.spec.vm.name == name)
+    }
+
+    /// How many VMs are served.
+    pub fn len(&self) -> usize {
+        self.by_gid.len()
+    }
+
+    /// Whether no VM is served.
+    pub fn is_empty(&self) -> bool {
+        self.by_gid.is_empty()
+    }
+
+    /// The index the next VM added gets.
+    pub fn next_index(&self) -> usize {
+        self.ports.len()
+    }
+
+    /// This set with `port` at its index.
+    pub(crate) fn with(&self, port: Arc<VmPort>) -> VmSet {
+        let mut set = self.clone();
+        if set.ports.len() <= port.index {
+            set.ports.resize(port.index + 1, None);
+        }
+        let index = port.index;
+        set.by_gid.insert(port.spec.vm.gid, index);
+        set.ports[index] = Some(port);
+        set
+    }
+
+    /// This set without the VM at `index`.
+    pub(crate) fn without(&self, index: usize) -> VmSet {
+        let mut set = self.clone();
+        if let Some(p) = set.ports.get_mut(index).and_then(Option::take) {
+            set.by_gid.remove(&p.spec.vm.gid);
+        }
+        set
+    }
+}
+
+impl std::ops::Index<usize> for VmSet {
+    type Output = Arc<VmPort>;
+
+    /// The VM at `index`; panics if none is served there (as a slice's index does).
+    fn index(&self, index: usize) -> &Arc<VmPort> {
+        match self.get(index) {
+            Some(p) => p,
+            None => panic!("no VM at index {index}"),
+        }
+    }
+}
+
+/// The served VMs, copied on write: readers take the current set (one `Arc` clone) and
+/// keep it for a batch; a change publishes a new set.
+#[derive(Debug, Default)]
+pub(crate) struct VmTable(RwLock<Arc<VmSet>>);
+
+impl VmTable {
+    pub(crate) fn new(set: VmSet) -> VmTable {
+        VmTable(RwLock::new(Arc::new(set)))
+    }
+
+    /// The current set.
+    pub(crate) fn current(&self) -> Arc<VmSet> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the set with `f(current)`.
+    pub(crate) fn update(&self, f: impl FnOnce(&VmSet) -> VmSet) {
+        let mut w = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        let next = f(&w);
+        *w = Arc::new(next);
     }
 }

@@ -1153,3 +1153,38 @@ fn a_sidr_req_repeated_to_another_vm_keeps_the_peer_referenced() {
     let r = Mux::restore(n.b.mux.config().clone(), ManualClock::new(), recs).unwrap();
     n.b.mux.same_state_as(&r.mux).unwrap();
 }
+
+#[test]
+fn a_quota_lowered_below_use_keeps_the_connections_and_refuses_new_ones() {
+    let mut n = Net::new(Policy::Default);
+    let cfg = VmConfig::new("a", gid(1, 1));
+    n.a.vms.push((n.a.mux.attach_vm(cfg.clone()).unwrap(), cfg));
+    n.b.add_vm("b0", gid(2, 1));
+    let send = |n: &mut Net, i: u32| {
+        let mut m = req(
+            n.a.cfg(0),
+            100 + i,
+            0xF00 + u64::from(i),
+            n.b.gid(0),
+            n.a.qpn(0, i),
+            &LINUX,
+        );
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0))
+    };
+    for i in 0..4 {
+        assert_eq!(send(&mut n, i), GuestVerdict::ToWire);
+    }
+    let a = n.a.id(0);
+    assert_eq!(n.a.mux.set_quota(a, Some(2)), Ok(4), "4 live entries held");
+    assert_eq!(n.a.mux.vm_stats(a).live, 4, "the connections stay");
+    assert_eq!(send(&mut n, 4), GuestVerdict::Reply, "REJ(NO_RESOURCES)");
+    assert_eq!(n.a.mux.set_quota(a, None), Ok(4), "back to the default");
+    assert_eq!(send(&mut n, 5), GuestVerdict::ToWire);
+    // An ID range holds a quota twice over, or the quota is refused.
+    let mut r = VmConfig::new("r", gid(1, 2));
+    r.id_range = Some("0x80000000/24".parse().unwrap());
+    r.quota = Some(100);
+    let rid = n.a.mux.attach_vm(r).unwrap();
+    assert!(n.a.mux.set_quota(rid, Some(129)).is_err());
+    assert_eq!(n.a.mux.set_quota(rid, Some(128)), Ok(0));
+}

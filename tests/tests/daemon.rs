@@ -1,7 +1,7 @@
 //! The backend daemon driven as QEMU would: vhost-user frontends over its sockets,
 //! memfd guest memory, the guest driver's split queues; CM MADs built by hand.
 //!
-//! Each test owns its loopback addresses (127.11.x.x to 127.23.x.x, one second octet per
+//! Each test owns its loopback addresses (127.11.x.x to 127.24.x.x, one second octet per
 //! test), so the tests run in parallel with each other and with the lab (127.10.x.x).
 
 #![allow(clippy::unwrap_used)]
@@ -816,6 +816,56 @@ fn a_stop_with_state_keeps_connections_and_the_grace_releases_a_vm_that_stays_aw
         "under its old pv_cm_id"
     );
     assert!(!stats(dir.path(), "h1").vms[0].attached);
+    drop(b);
+    h1.shutdown();
+    h2.shutdown();
+}
+
+/// A VM added at runtime (`vm add` on the control socket) comes back after a restart
+/// over `--state-dir` with its connection, and `vm remove` then releases it on the VM's
+/// behalf under its old pv_cm_id.
+#[test]
+fn a_vm_added_at_runtime_keeps_its_connections_across_a_restart_with_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(24, 1, 1));
+    let sx = LabVmSpec::new("x", ip(24, 1, 2));
+    let sb = LabVmSpec::new("b", ip(24, 2, 1));
+    let state = dir.path().join("state");
+    let cfg_a = || {
+        let mut c = backend::config(dir.path(), "h1", &[&sa], 1);
+        c.state_dir = Some(state.clone());
+        c
+    };
+    let ctl = dir.path().join("h1.ctl");
+    let h1 = backend::start(cfg_a());
+    let h2 = backend::start(backend::config(dir.path(), "h2", &[&sb], 2));
+    let add = format!(
+        "vm add name=x,socket={},gid={}",
+        backend::socket(dir.path(), "x").display(),
+        sx.addr
+    );
+    let answer = control::request(&ctl, &add).unwrap();
+    assert!(answer.starts_with("ok: "), "{answer}");
+    let mut x = connect(dir.path(), "x");
+    let mut b = connect(dir.path(), "b");
+    let c1 = handshake(&mut x, &sx, &mut b, &sb, 0x31, 0x42);
+    h1.shutdown();
+    drop(x);
+    let h1 = backend::start(cfg_a());
+    let s = stats(dir.path(), "h1");
+    assert_eq!(s.host.live, 1, "{}", s.render());
+    let vx = s.vms.iter().find(|v| v.name == "x").unwrap();
+    assert!(vx.attached, "restored, waiting for its session");
+    let answer = control::request(&ctl, "vm remove x").unwrap();
+    assert!(answer.contains("its 1 live connections"), "{answer}");
+    let (_, m) = recv_mad(&mut b);
+    assert_eq!(view(&m).attr(), AttributeId::Dreq);
+    assert_eq!(view(&m).remote_comm_id(), Some(c1.b_sl));
+    assert_eq!(
+        view(&m).local_comm_id(),
+        Some(c1.a_pv),
+        "under its old pv_cm_id"
+    );
     drop(b);
     h1.shutdown();
     h2.shutdown();

@@ -100,6 +100,9 @@ pub enum AttachError {
     /// The mlx4 comparison policies keep no per-VM ID ranges.
     #[error("ID ranges (migration) need the default policy")]
     IdRangeLegacy,
+    /// The mux has no VM of that ID.
+    #[error("no VM {0:?}")]
+    NoSuchVm(VmId),
 }
 
 /// A buffer holding one MAD that the batch calls ([`Mux::from_wire_batch`],
@@ -348,6 +351,41 @@ impl<C: Clock> Mux<C> {
         let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
         self.vms.push(Vm::new(cfg, quota, true, self.tids));
         Ok(VmId(id))
+    }
+
+    /// Whether `cfg` could attach now: its GID and ID range are its own (no other VM's,
+    /// nor a departed VM's whose IDs are still in use or quarantine), and the range holds
+    /// its quota.
+    pub fn can_attach(&self, cfg: &VmConfig) -> Result<(), AttachError> {
+        self.check_attach(cfg)
+    }
+
+    /// Sets an attached VM's quota of live entries (`None`: the host's default).
+    /// Entries past a lower quota stay; new ones are refused until the VM is below it.
+    /// Returns the VM's live entries.
+    pub fn set_quota(&mut self, vm: VmId, quota: Option<u32>) -> Result<u32, AttachError> {
+        let default = self.cfg.default_quota;
+        let v = self
+            .vms
+            .get_mut(vm.0 as usize)
+            .ok_or(AttachError::NoSuchVm(vm))?;
+        let q = quota.unwrap_or(default);
+        if let Some(range) = v.cfg.id_range
+            && u64::from(q) * 2 > range.size()
+        {
+            return Err(AttachError::IdRangeTooSmall {
+                range,
+                size: range.size(),
+                quota: q,
+            });
+        }
+        v.quota = q;
+        v.cfg.quota = quota;
+        let live = v.live;
+        if let Some(c) = &mut self.changes {
+            c.vms.push(vm.0);
+        }
+        Ok(live)
     }
 
     /// Whether `cfg` could attach now: its GID and ID range are its own, and the range

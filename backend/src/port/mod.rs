@@ -24,14 +24,13 @@ use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
 
 use crate::pcap::Capture;
 use crate::stats::DevCounters;
-use crate::vm_port::VmPort;
+use crate::vm_port::VmSet;
 
 pub mod packet;
 pub mod soft;
@@ -49,7 +48,7 @@ pub type OutMad<'a> = (Gid, &'a [u8; MAD_LEN]);
 #[derive(Debug, Clone, Copy)]
 pub struct PortCtx<'a> {
     /// The VMs, by index (their counters).
-    pub vms: &'a [Arc<VmPort>],
+    pub vms: &'a VmSet,
     /// Counters for what no VM owns (a MAD for a GID index nobody has).
     pub host: &'a DevCounters,
     /// The capture, if `--pcap`.
@@ -69,6 +68,12 @@ pub enum PortError {
     /// Binding the VM's address failed.
     #[error(transparent)]
     Bind(Box<crate::error::Error>),
+    /// The port's VMs are fixed when it opens (the umad and packet ports).
+    #[error(
+        "the {0} port serves the VMs it was started with: restart the daemon to change \
+         them (runtime VM changes need the soft port)"
+    )]
+    FixedVms(String),
     /// The port knows no VM of that index.
     #[error("no VM {0}")]
     NoVm(usize),
@@ -220,6 +225,28 @@ pub trait WirePort: Send + Sync + fmt::Debug {
     /// moved to can take it. What still arrives for it is not this host's any more.
     fn release(&self, vm: usize) {
         let _ = vm;
+    }
+    /// Whether VMs can join and leave the running port ([`WirePort::add_vm`],
+    /// [`WirePort::remove_vm`]). The default: no, its VM set is fixed when it opens.
+    fn changes_vms(&self) -> bool {
+        false
+    }
+    /// VM `vm` joins the running port (added at runtime): binds its address (unless it
+    /// arrives by migration, `spec.incoming`) and hands each descriptor the host loop
+    /// must poll for it to `poll`. The default refuses: the port's VM set is fixed.
+    fn add_vm(
+        &self,
+        vm: usize,
+        spec: &crate::config::VmSpec,
+        poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
+    ) -> Result<(), PortError> {
+        let _ = (vm, spec, poll);
+        Err(PortError::FixedVms(self.rx_mode()))
+    }
+    /// VM `vm` leaves the running port (removed at runtime): hands each descriptor
+    /// polled for it to `unpoll` before closing it, and forgets its address.
+    fn remove_vm(&self, vm: usize, unpoll: &mut dyn FnMut(RawFd)) {
+        let _ = (vm, unpoll);
     }
     /// The link VM `vm`'s GID is on, as far as the port can tell (read when the VM's
     /// session starts, so a changed MTU is seen at the next one). The default: nothing.

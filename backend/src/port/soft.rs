@@ -644,6 +644,11 @@ impl RawRx {
         Ok(rx)
     }
 
+    /// Replaces the filter: datagrams to `port` at `addrs` (the VMs changed).
+    pub fn set_filter(&self, port: u16, addrs: &[Ipv4Addr]) -> io::Result<()> {
+        attach_filter(self.fd.as_raw_fd(), &raw_filter(port, addrs))
+    }
+
     /// The socket's fd, for epoll.
     pub fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
@@ -825,17 +830,47 @@ const RX_ROUNDS: usize = 16;
 /// mode, the raw receive socket for the IPv4 VMs.
 #[derive(Debug)]
 pub struct SoftPort {
-    /// Per VM: its bound socket, `None` while the address is not this host's (an
-    /// incoming VM not arrived yet, or one that left by migration).
-    socks: Vec<std::sync::RwLock<Option<std::sync::Arc<UdpPort>>>>,
-    /// Per VM: its name, address and scope (interface index of a link-local address).
-    addrs: Vec<(String, IpAddr, u32)>,
+    /// The VMs' addresses and sockets (VMs come and go at runtime).
+    vms: std::sync::RwLock<SoftVms>,
     raw: Option<RawRx>,
     port_num: u16,
-    by_addr: std::collections::HashMap<IpAddr, usize>,
     /// The loss audit: a one-shot timer armed by traffic (see [`SoftPort::audit`]).
     audit_timer: std::sync::Mutex<vmm_sys_util::timerfd::TimerFd>,
     audit_armed: std::sync::atomic::AtomicBool,
+}
+
+/// The soft port's VMs, by VM index.
+#[derive(Debug, Default)]
+struct SoftVms {
+    /// Per VM: its bound socket, `None` while the address is not this host's (an
+    /// incoming VM not arrived yet, or one that left by migration).
+    socks: Vec<Option<std::sync::Arc<UdpPort>>>,
+    /// Per VM: its name, address and scope (interface index of a link-local address);
+    /// `None` for a VM removed at runtime.
+    addrs: Vec<Option<(String, IpAddr, u32)>>,
+    by_addr: std::collections::HashMap<IpAddr, usize>,
+}
+
+impl SoftVms {
+    /// Makes room for VM index `vm`.
+    fn grow(&mut self, vm: usize) {
+        if self.addrs.len() <= vm {
+            self.addrs.resize(vm + 1, None);
+            self.socks.resize(vm + 1, None);
+        }
+    }
+
+    /// The IPv4 addresses of the VMs (the raw socket's filter).
+    fn v4(&self) -> Vec<Ipv4Addr> {
+        self.addrs
+            .iter()
+            .flatten()
+            .filter_map(|(_, a, _)| match a {
+                IpAddr::V4(a) => Some(*a),
+                IpAddr::V6(_) => None,
+            })
+            .collect()
+    }
 }
 
 /// Opens the raw receive socket the mode asks for (None: udp mode, or no IPv4 VM).
@@ -861,6 +896,20 @@ fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<Raw
             }
             Err(err) => Err(Error::RawSocket(err)),
         },
+    }
+}
+
+/// The scope a VM's address binds in: the interface index of a link-local IPv6 GID's
+/// `%IFACE`, else 0.
+fn scope_of(name: &str, a: IpAddr, iface: Option<&str>, port: u16) -> Result<u32, Error> {
+    match iface {
+        Some(i) if a.is_ipv6() => if_index(i).map_err(|source| Error::WireBind {
+            vm: name.to_string(),
+            addr: a,
+            port,
+            source,
+        }),
+        _ => Ok(0),
     }
 }
 
@@ -898,16 +947,11 @@ impl SoftPort {
         }
         let mut addrs = Vec::with_capacity(vms.len());
         for (name, a, iface) in vms {
-            let scope = match iface {
-                Some(i) if a.is_ipv6() => if_index(i).map_err(|source| Error::WireBind {
-                    vm: name.clone(),
-                    addr: *a,
-                    port: port_num,
-                    source,
-                })?,
-                _ => 0,
-            };
-            addrs.push((name.clone(), *a, scope));
+            addrs.push(Some((
+                name.clone(),
+                *a,
+                scope_of(name, *a, iface.as_deref(), port_num)?,
+            )));
         }
         let audit_timer = vmm_sys_util::timerfd::TimerFd::new()
             .map_err(|e| Error::AuditTimer(io::Error::from(e)))?;
@@ -915,18 +959,22 @@ impl SoftPort {
         // SAFETY: fcntl(2) on a descriptor the timer owns; the result is checked.
         cvt(unsafe { libc::fcntl(audit_timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) })
             .map_err(Error::AuditTimer)?;
-        let mut port = SoftPort {
-            socks: Vec::new(),
+        let mut table = SoftVms {
+            socks: vec![None; vms.len()],
             addrs,
+            by_addr: std::collections::HashMap::new(),
+        };
+        for (i, (_, a, _)) in vms.iter().enumerate() {
+            table.by_addr.insert(*a, i);
+        }
+        let port = SoftPort {
+            vms: std::sync::RwLock::new(table),
             raw,
             port_num,
-            by_addr: std::collections::HashMap::new(),
             audit_timer: std::sync::Mutex::new(audit_timer),
             audit_armed: std::sync::atomic::AtomicBool::new(false),
         };
-        for (i, (_, a, _)) in vms.iter().enumerate() {
-            port.by_addr.insert(*a, i);
-            port.socks.push(std::sync::RwLock::new(None));
+        for i in 0..vms.len() {
             if !incoming.get(i).copied().unwrap_or(false) {
                 port.bind_vm(i)?;
             }
@@ -934,15 +982,37 @@ impl SoftPort {
         Ok(port)
     }
 
+    fn table(&self) -> std::sync::RwLockReadGuard<'_, SoftVms> {
+        self.vms
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn table_mut(&self) -> std::sync::RwLockWriteGuard<'_, SoftVms> {
+        self.vms
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// VM `vm`'s name, address and scope.
+    fn addr(&self, vm: usize) -> Option<(String, IpAddr, u32)> {
+        self.table().addrs.get(vm)?.clone()
+    }
+
+    /// The indices VMs have had (removed ones included).
+    fn indices(&self) -> std::ops::Range<usize> {
+        0..self.table().addrs.len()
+    }
+
     /// Binds VM `vm`'s address (and, in raw mode, makes an IPv4 VM's socket drop what it
     /// gets: the raw socket reads for it).
     fn bind_vm(&self, vm: usize) -> Result<(), Error> {
-        let (Some((name, a, scope)), Some(slot)) = (self.addrs.get(vm), self.socks.get(vm)) else {
+        let Some((name, a, scope)) = self.addr(vm) else {
             return Ok(());
         };
-        let s = UdpPort::bind(*a, *scope, self.port_num).map_err(|source| Error::WireBind {
+        let s = UdpPort::bind(a, scope, self.port_num).map_err(|source| Error::WireBind {
             vm: name.clone(),
-            addr: *a,
+            addr: a,
             port: self.port_num,
             source,
         })?;
@@ -952,36 +1022,32 @@ impl SoftPort {
                 source,
             })?;
         }
-        *slot
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(std::sync::Arc::new(s));
+        if let Some(slot) = self.table_mut().socks.get_mut(vm) {
+            *slot = Some(std::sync::Arc::new(s));
+        }
         Ok(())
     }
 
     /// VM `vm`'s socket, if its address is this host's now.
     fn sock(&self, vm: usize) -> Option<std::sync::Arc<UdpPort>> {
-        self.socks
-            .get(vm)?
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.table().socks.get(vm)?.clone()
     }
 
     /// Whether VM `vm` is read through its own UDP socket (udp mode, or an IPv6 VM).
     fn reads_udp(&self, vm: usize) -> bool {
-        self.raw.is_none() || self.addrs.get(vm).is_some_and(|(_, a, _)| a.is_ipv6())
+        self.raw.is_none() || self.addr(vm).is_some_and(|(_, a, _)| a.is_ipv6())
     }
 
     /// Where VM `vm` sends a MAD for `dst`: the GID's address at the RoCEv2 port, in the
     /// VM's own family; a link-local IPv6 destination only from a VM whose own GID is
     /// link-local (its interface is the scope). `None`: not reachable from this VM.
     fn destination(&self, vm: usize, dst: Gid) -> Option<SocketAddr> {
-        let (_, own, scope) = self.addrs.get(vm)?;
+        let (_, own, scope) = self.addr(vm)?;
         match (own, dst.to_ipv4()) {
             (IpAddr::V4(_), Some(a)) => Some(SocketAddr::V4(SocketAddrV4::new(a, self.port_num))),
             (IpAddr::V6(_), None) => {
                 let scope = if dst.is_link_local() {
-                    (*scope != 0).then_some(*scope)?
+                    (scope != 0).then_some(scope)?
                 } else {
                     0
                 };
@@ -1111,7 +1177,12 @@ impl SoftPort {
                 let Some(dst) = dgram.get(ip_dst.range()).map(|_| ip_dst.get(dgram) as u32) else {
                     continue;
                 };
-                let Some(&p) = self.by_addr.get(&IpAddr::V4(Ipv4Addr::from(dst))) else {
+                let p = self
+                    .table()
+                    .by_addr
+                    .get(&IpAddr::V4(Ipv4Addr::from(dst)))
+                    .copied();
+                let Some(p) = p else {
                     continue;
                 };
                 // An address this host does not hold now (a VM not arrived yet, or
@@ -1199,7 +1270,8 @@ impl SoftPort {
         let mut read = 0;
         let mut drained = true;
         if self.raw.is_some() {
-            let arrivals: Vec<(usize, std::sync::Arc<UdpPort>, u32)> = (0..self.socks.len())
+            let arrivals: Vec<(usize, std::sync::Arc<UdpPort>, u32)> = self
+                .indices()
                 .filter(|&vm| !self.reads_udp(vm))
                 .filter_map(|vm| {
                     let sock = self.sock(vm)?;
@@ -1226,7 +1298,7 @@ impl SoftPort {
                 }
             }
         }
-        for vm in (0..self.socks.len()).filter(|&vm| self.reads_udp(vm)) {
+        for vm in self.indices().filter(|&vm| self.reads_udp(vm)) {
             let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
                 continue;
             };
@@ -1244,8 +1316,8 @@ impl SoftPort {
 impl crate::port::WirePort for SoftPort {
     fn link(&self, vm: usize) -> crate::port::Link {
         // rdma_cm takes a RoCE route's MTU from the network device the address is on.
-        let mtu = self.addrs.get(vm).and_then(|(_, a, _)| {
-            let iface = crate::port::iface_of(*a)?;
+        let mtu = self.addr(vm).and_then(|(_, a, _)| {
+            let iface = crate::port::iface_of(a)?;
             crate::port::iboe_mtu(crate::port::if_mtu(&iface)?)
         });
         crate::port::Link {
@@ -1273,7 +1345,7 @@ impl crate::port::WirePort for SoftPort {
             TOK_AUDIT,
         ));
         fds.extend(
-            (0..self.socks.len())
+            self.indices()
                 .filter(|&i| self.reads_udp(i))
                 .filter_map(|i| Some((self.sock(i)?.socket().as_raw_fd(), i as u64))),
         );
@@ -1282,6 +1354,93 @@ impl crate::port::WirePort for SoftPort {
 
     fn attach(&self, _vm: usize) -> Result<(), PortError> {
         Ok(())
+    }
+
+    fn changes_vms(&self) -> bool {
+        true
+    }
+
+    fn add_vm(
+        &self,
+        vm: usize,
+        spec: &crate::config::VmSpec,
+        poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
+    ) -> Result<(), PortError> {
+        let a = spec.addr();
+        let name = &spec.vm.name;
+        let bind_err = |e: Error| PortError::Bind(Box::new(e));
+        if spec.incoming && (a.is_ipv6() || self.raw.is_none()) {
+            return Err(bind_err(if a.is_ipv6() {
+                Error::IncomingIpv6(name.clone())
+            } else {
+                Error::IncomingNeedsRaw(name.clone())
+            }));
+        }
+        let scope = scope_of(name, a, spec.iface.as_deref(), self.port_num).map_err(bind_err)?;
+        {
+            let mut t = self.table_mut();
+            if t.by_addr.contains_key(&a) {
+                return Err(bind_err(Error::WireBind {
+                    vm: name.clone(),
+                    addr: a,
+                    port: self.port_num,
+                    source: io::Error::from(io::ErrorKind::AddrInUse),
+                }));
+            }
+            t.grow(vm);
+            t.addrs[vm] = Some((name.clone(), a, scope));
+            t.by_addr.insert(a, vm);
+        }
+        let undo = |e: PortError| {
+            let mut t = self.table_mut();
+            t.addrs[vm] = None;
+            t.socks[vm] = None;
+            t.by_addr.remove(&a);
+            e
+        };
+        if !spec.incoming {
+            self.bind_vm(vm).map_err(|e| undo(bind_err(e)))?;
+        }
+        if let (Some(raw), IpAddr::V4(_)) = (&self.raw, a) {
+            let v4 = self.table().v4();
+            raw.set_filter(self.port_num, &v4)
+                .map_err(|e| undo(bind_err(Error::RawSocket(e))))?;
+        }
+        if self.reads_udp(vm)
+            && let Some(sock) = self.sock(vm)
+        {
+            poll(sock.socket().as_raw_fd(), vm as u64).map_err(|source| {
+                undo(bind_err(Error::Io {
+                    what: "epoll_ctl".into(),
+                    source,
+                }))
+            })?;
+        }
+        Ok(())
+    }
+
+    fn remove_vm(&self, vm: usize, unpoll: &mut dyn FnMut(RawFd)) {
+        let udp = self.reads_udp(vm);
+        let (sock, addr) = {
+            let mut t = self.table_mut();
+            let Some(Some((_, a, _))) = t.addrs.get(vm).cloned() else {
+                return;
+            };
+            t.by_addr.remove(&a);
+            t.addrs[vm] = None;
+            (t.socks[vm].take(), a)
+        };
+        if let Some(s) = &sock
+            && udp
+        {
+            unpoll(s.socket().as_raw_fd());
+        }
+        if let (Some(raw), IpAddr::V4(_)) = (&self.raw, addr) {
+            let v4 = self.table().v4();
+            if let Err(e) = raw.set_filter(self.port_num, &v4) {
+                tracing::warn!(error = %e, "raw socket filter not narrowed after a VM left");
+            }
+        }
     }
 
     fn claim(&self, vm: usize) -> Result<bool, PortError> {
@@ -1296,10 +1455,8 @@ impl crate::port::WirePort for SoftPort {
     }
 
     fn release(&self, vm: usize) {
-        if let Some(slot) = self.socks.get(vm) {
-            *slot
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        if let Some(slot) = self.table_mut().socks.get_mut(vm) {
+            *slot = None;
         }
     }
 
@@ -1803,7 +1960,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let cap = crate::pcap::Capture::create(&dir.path().join("c.pcap")).unwrap();
             let ctx = PortCtx {
-                vms: &ports,
+                vms: &crate::vm_port::VmSet::new(ports.clone()),
                 host: &host,
                 capture: Some(&cap),
             };
@@ -1983,7 +2140,7 @@ mod tests {
                 .collect();
             let host = crate::stats::DevCounters::default();
             let ctx = PortCtx {
-                vms: &ports,
+                vms: &crate::vm_port::VmSet::new(ports.clone()),
                 host: &host,
                 capture: None,
             };
@@ -2026,7 +2183,7 @@ mod tests {
             use crate::port::WirePort;
             let (port, ports, host) = one_vm_port("127.82.0.1", RxMode::Raw);
             let ctx = PortCtx {
-                vms: &ports,
+                vms: &crate::vm_port::VmSet::new(ports.clone()),
                 host: &host,
                 capture: None,
             };
@@ -2078,7 +2235,7 @@ mod tests {
             use crate::port::WirePort;
             let (port, ports, host) = one_vm_port("127.83.0.1", RxMode::Udp);
             let ctx = PortCtx {
-                vms: &ports,
+                vms: &crate::vm_port::VmSet::new(ports.clone()),
                 host: &host,
                 capture: None,
             };

@@ -999,7 +999,7 @@ mod tests {
         let cap = crate::pcap::Capture::create(&dir.path().join("u.pcap")).unwrap();
         let host = crate::stats::DevCounters::default();
         let ctx = PortCtx {
-            vms: &[],
+            vms: &crate::vm_port::VmSet::default(),
             host: &host,
             capture: Some(&cap),
         };

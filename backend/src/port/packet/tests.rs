@@ -3,7 +3,6 @@
 //! and routed; frames sent leave through the IP stack with the VM's address as source
 //! and a valid ICRC, read at the far end of another.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pvcm_wire::mad::{self, MGMT_CLASS_CM};
@@ -371,7 +370,7 @@ fn check_udp_port(f: &[u8]) -> bool {
 }
 
 struct Rig {
-    vms: Vec<Arc<VmPort>>,
+    vms: crate::vm_port::VmSet,
     host: DevCounters,
 }
 
@@ -385,7 +384,7 @@ fn rig(specs: &[(&str, &str)]) -> Rig {
         })
         .collect();
     Rig {
-        vms,
+        vms: crate::vm_port::VmSet::new(vms),
         host: DevCounters::default(),
     }
 }

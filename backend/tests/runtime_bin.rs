@@ -1,0 +1,306 @@
+//! The real `pvcm-backend` binary with VMs that come and go: `pvcm-backend vm ...`
+//! against a running daemon, SIGHUP reloading its config file, and the runtime changes
+//! kept in `--state-dir` across a restart.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pvcm-backend");
+
+/// `pvcm-backend vm --control CTL ARGS...`: (success, stdout, stderr).
+fn vm(ctl: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN)
+        .arg("vm")
+        .arg("--control")
+        .arg(ctl)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(ctl: &Path, args: &[&str]) -> String {
+    let (good, out, err) = vm(ctl, args);
+    assert!(good, "vm {args:?}: {err}");
+    assert!(out.starts_with("ok: ") || out.starts_with('['), "{out}");
+    out
+}
+
+fn refused(ctl: &Path, args: &[&str], want: &str) {
+    let (good, _, err) = vm(ctl, args);
+    assert!(!good, "vm {args:?} was accepted");
+    assert!(err.contains(want), "vm {args:?}: {err}");
+}
+
+/// `vm list`: (name, quota, origin) per VM, in index order.
+fn list(ctl: &Path) -> Vec<(String, u64, String)> {
+    let v: serde_json::Value = serde_json::from_str(&ok(ctl, &["list"])).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["name"].as_str().unwrap().to_string(),
+                x["quota"].as_u64().unwrap(),
+                x["origin"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn names(ctl: &Path) -> Vec<String> {
+    list(ctl).into_iter().map(|(n, _, _)| n).collect()
+}
+
+fn spawn(args: &[&std::ffi::OsStr], ctl: &Path) -> Child {
+    let child = Command::new(BIN)
+        .args(args)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ctl.exists() {
+        assert!(Instant::now() < deadline, "daemon did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+}
+
+/// SIGTERM, then the exit status and the log.
+fn stop(mut child: Child) -> String {
+    use std::io::Read;
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    let mut log = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut log);
+    }
+    assert!(status.success(), "{status:?}\n{log}");
+    log
+}
+
+fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn toml_vm(dir: &Path, name: &str, gid: &str, extra: &str) -> String {
+    format!(
+        "[[vm]]\nname = \"{name}\"\nsocket = \"{}\"\ngid = \"{gid}\"\n{extra}\n",
+        dir.join(format!("{name}.sock")).display()
+    )
+}
+
+#[test]
+fn sighup_applies_the_config_files_difference_and_a_bad_file_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let conf = d.join("backend.toml");
+    let head = format!("control = \"{}\"\n", ctl.display());
+    std::fs::write(
+        &conf,
+        head.clone()
+            + &toml_vm(d, "a", "127.31.1.1", "")
+            + &toml_vm(d, "b", "127.31.1.2", "quota = 100")
+            + &toml_vm(d, "r", "127.31.1.4", ""),
+    )
+    .unwrap();
+    let child = spawn(&["--config".as_ref(), conf.as_os_str()], &ctl);
+    assert_eq!(names(&ctl), ["a", "b", "r"]);
+    // A VM added through the control socket is not the file's: a reload leaves it be.
+    let e_spec = format!(
+        "name=e,socket={},gid=127.31.1.5",
+        d.join("e.sock").display()
+    );
+    ok(&ctl, &["add", &e_spec]);
+    assert!(d.join("e.sock").exists());
+    // The file now: a gone, b's quota changed, r's GID changed (removed and added
+    // anew), c new.
+    std::fs::write(
+        &conf,
+        head.clone()
+            + &toml_vm(d, "b", "127.31.1.2", "quota = 200")
+            + &toml_vm(d, "r", "127.31.1.14", "")
+            + &toml_vm(d, "c", "127.31.1.3", ""),
+    )
+    .unwrap();
+    signal(&child, libc::SIGHUP);
+    until("the reload", || {
+        let l = list(&ctl);
+        l.iter().map(|(n, _, _)| n.as_str()).collect::<Vec<_>>() == ["b", "e", "r", "c"]
+            && l[0].1 == 200
+    });
+    let l = list(&ctl);
+    assert_eq!(l[1].2, "runtime");
+    assert_eq!(l[3].2, "config");
+    assert!(!d.join("a.sock").exists(), "a's socket is removed");
+    assert!(d.join("c.sock").exists() && d.join("r.sock").exists());
+    let v: serde_json::Value = serde_json::from_str(&ok(&ctl, &["list"])).unwrap();
+    assert_eq!(v[2]["gid"], "::ffff:127.31.1.14", "{v}");
+    // A file that does not parse, and one whose VMs clash (two with one GID): logged,
+    // nothing changes, the daemon goes on.
+    for bad in [
+        "[[vm]]\nname = \n".to_string(),
+        head.clone() + &toml_vm(d, "b", "127.31.1.2", "") + &toml_vm(d, "x", "127.31.1.2", ""),
+    ] {
+        std::fs::write(&conf, bad).unwrap();
+        signal(&child, libc::SIGHUP);
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(list(&ctl), l);
+    }
+    let log = stop(child);
+    assert!(log.contains("nothing changed"), "{log}");
+    assert!(log.contains("removed and added anew"), "{log}");
+}
+
+#[test]
+fn runtime_changes_are_checked_and_survive_a_restart_with_a_state_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let state = d.join("state");
+    let sock = |n: &str| d.join(format!("{n}.sock")).display().to_string();
+    let args: Vec<std::ffi::OsString> = vec![
+        "--vm".into(),
+        format!("name=a,socket={},gid=127.31.2.1", sock("a")).into(),
+        "--vm".into(),
+        format!("name=b,socket={},gid=127.31.2.2", sock("b")).into(),
+        "--control".into(),
+        ctl.clone().into(),
+        "--state-dir".into(),
+        state.clone().into(),
+    ];
+    let argv: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let child = spawn(&argv, &ctl);
+    ok(
+        &ctl,
+        &[
+            "add",
+            &format!("name=c,socket={},gid=127.31.2.3,quota=50", sock("c")),
+        ],
+    );
+    ok(
+        &ctl,
+        &[
+            "add",
+            &format!(
+                "name=x,socket={},gid=127.31.2.9,id-range=0x80000000/16,quota=1000",
+                sock("x")
+            ),
+        ],
+    );
+    // What the config is checked by is what a runtime change is checked by.
+    for (args, want) in [
+        (
+            vec![
+                "add".to_string(),
+                format!("name=d,socket={},gid=127.31.2.2", sock("d")),
+            ],
+            "two VMs use GID",
+        ),
+        (
+            vec![
+                "add".to_string(),
+                format!("name=c,socket={},gid=127.31.2.4", sock("d")),
+            ],
+            "two VMs use name",
+        ),
+        (
+            vec![
+                "add".to_string(),
+                format!("name=d,socket={},gid=127.31.2.4", sock("a")),
+            ],
+            "two VMs use socket",
+        ),
+        (
+            vec![
+                "add".to_string(),
+                format!(
+                    "name=y,socket={},gid=127.31.2.10,id-range=0x80008000/17",
+                    sock("y")
+                ),
+            ],
+            "overlap",
+        ),
+        (
+            vec!["add".to_string(), format!("name=d,socket={}", sock("d"))],
+            "gid=GID is required",
+        ),
+        (
+            vec![
+                "add".to_string(),
+                format!("socket={},gid=127.31.2.4,quota=0", sock("d")),
+            ],
+            "quota",
+        ),
+        (
+            vec!["remove".to_string(), "zz".to_string()],
+            "no VM named \"zz\"",
+        ),
+        (
+            vec!["quota".to_string(), "b".to_string(), "0".to_string()],
+            "expected a number",
+        ),
+        (
+            vec!["quota".to_string(), "zz".to_string(), "5".to_string()],
+            "no VM named",
+        ),
+        (
+            vec!["quota".to_string(), "x".to_string(), "40000".to_string()],
+            "65536 IDs",
+        ),
+    ] {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        refused(&ctl, &a, want);
+    }
+    let out = ok(&ctl, &["remove", "a"]);
+    assert!(out.contains("released on its behalf"), "{out}");
+    let out = ok(&ctl, &["quota", "b", "77"]);
+    assert!(out.contains("quota 77"), "{out}");
+    assert!(!d.join("a.sock").exists());
+    let before = list(&ctl);
+    assert_eq!(
+        before,
+        [
+            ("b".to_string(), 77, "config".to_string()),
+            ("c".to_string(), 50, "runtime".to_string()),
+            ("x".to_string(), 1000, "runtime".to_string()),
+        ]
+    );
+    stop(child);
+    let kept = std::fs::read_to_string(state.join("vms.toml")).unwrap();
+    assert!(kept.contains("removed = [\"a\"]"), "{kept}");
+    // The restart applies them over the same command line.
+    let child = spawn(&argv, &ctl);
+    assert_eq!(list(&ctl), before);
+    assert!(!d.join("a.sock").exists() && d.join("c.sock").exists());
+    // Back to the host's default quota; the removal of a runtime VM is kept too.
+    ok(&ctl, &["quota", "b", "default"]);
+    ok(&ctl, &["remove", "x"]);
+    stop(child);
+    let child = spawn(&argv, &ctl);
+    assert_eq!(
+        list(&ctl),
+        [
+            ("b".to_string(), 65536, "config".to_string()),
+            ("c".to_string(), 50, "runtime".to_string()),
+        ]
+    );
+    stop(child);
+}
