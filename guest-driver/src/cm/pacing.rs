@@ -647,7 +647,7 @@ mod tests {
         let mad = [0; MAD_LEN];
         // One connect to each of ten peers: four go, six wait, each peer's own window
         // far from full.
-        let mut paces = vec![Pace::Idle; 10];
+        let mut paces = [Pace::Idle; 10];
         let sent: Vec<bool> = paces
             .iter_mut()
             .enumerate()
@@ -722,11 +722,11 @@ mod tests {
         let mad = [0; MAD_LEN];
         let (silent, live) = (gid(1), gid(2));
         // Eight connects to a destination that never answers fill the VM's window.
-        let mut s = vec![Pace::Idle; 8];
+        let mut s = [Pace::Idle; 8];
         for (i, pace) in s.iter_mut().enumerate() {
             assert!(pacer.admit(pace, i as u32, silent, Request::Connect, mad));
         }
-        let mut l = vec![Pace::Idle; 4];
+        let mut l = [Pace::Idle; 4];
         assert!(!pacer.admit(&mut l[0], 100, live, Request::Connect, mad));
         // Its first timeout opens its window: its requests no longer count, so the
         // live destination's waiting connect goes, and so do later ones.
