@@ -1,6 +1,11 @@
 # shellcheck shell=bash disable=SC2154 # the settings and helpers of e2e.sh, e2e/lib.sh
 # Test 2: rdma_connect/destroy. VM A connects and destroys at once; VM B's half-open
 # connection must be rejected by the routed REJ(TIMEOUT) and never established.
+#
+# B's `listen --count 1` ends by itself once that connection is rejected; its timeout
+# only ends a run where the REJ never comes. It must outlast A's boot (B listens before
+# A starts, and a TCG boot on a loaded machine can take tens of seconds), and stay
+# within run-vm.sh's limit for B's VM (PVCM_E2E_VM_TIMEOUT, 150 s).
 
 connect_destroy() {
     local n=2 a=t2a b=t2b ha=t2h1 hb=t2h2 ok=1
@@ -10,7 +15,7 @@ connect_destroy() {
         dump "$ha" "$hb"
         return
     }
-    start_vm "$b" generic "timeout 20 pvcm-guest --json listen --port 7002 --count 1; rc=\$?; if [ \$rc = 143 ]; then echo 'listen stopped after 20 s'; rc=0; fi; exit \$rc"
+    start_vm "$b" generic "timeout 100 pvcm-guest --json listen --port 7002 --count 1; rc=\$?; if [ \$rc = 143 ]; then echo 'listen stopped after 100 s'; rc=0; fi; exit \$rc"
     if ! wait_console "$b" '"event": ?"listening"' 90; then
         wait_vm "$b" || true
         result "$n" fail "VM B never listened"
