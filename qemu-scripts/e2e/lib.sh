@@ -1,12 +1,12 @@
 # shellcheck shell=bash disable=SC2154 # e2e.sh sets what the list below names
-# Helpers for the tests of qemu-scripts/e2e.sh (e2e/NN-*.sh). e2e.sh sources this after
-# its build step; it relies on what that step sets:
+# Helpers for the tests of qemu-scripts/e2e.sh (e2e/NN-*.sh). e2e.sh sources this, and
+# sets before the first test runs:
 #
 #   workdir         the run's work directory (sockets, logs, stat JSON, guest output)
 #   backend         the pvcm-backend binary; guest_dir the guest image
 #   missing_backend missing_guest missing_qemu   why a piece is missing ("" if present)
 #   guest_cmds      the guest's pvcm-guest subcommands, space-separated
-#   net vm_timeout budget end_at   see e2e.sh
+#   vm_timeout budget end_at   see e2e.sh
 #
 # A test is a function that starts with test_begin, records its outcome with result,
 # and may call fail to note a reason; see 01-connect.sh for the shape.
