@@ -175,12 +175,12 @@ echo "== figures (one run, $conns connections, totals in ms)"
 cat "$workdir/figures.txt" 2>/dev/null || true
 
 results="$workdir/results.txt"
+results_run "$results" "$rc" "netlab run" "$(netlab_exit "$rc")"
 if [ -n "$pcap" ] && [ -s "$pcap" ]; then
     echo "== tshark decode of $pcap"
     python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" --mtu "$mtu" "$pcap" | tee "$workdir/decode.txt" ||
         echo "FAIL  decode: the tshark decode of $pcap found faults (above)" >>"$results"
 fi
-results_run "$results" "$rc" "netlab run"
 
 if grep -q '^FAIL' "$results"; then
     echo "== logs: $workdir (netlab run exit $rc)"

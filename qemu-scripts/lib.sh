@@ -176,16 +176,25 @@ results_report() {
     results_skipped="$(grep -c '^SKIP' <<<"$lines" || true)"
 }
 
-# results_run FILE RC WHAT: makes a run that failed outside its tests show in FILE: adds
-# "FAIL  WHAT: exit RC" when RC is not 0 and FILE has no FAIL line, and "FAIL  WHAT: no
-# test passed" when FILE has no PASS line either.
+# results_run FILE RC WHAT [WHY]: makes a run that failed outside its tests show in
+# FILE: adds "FAIL  WHAT: WHY" (default "exit RC") when RC is not 0 and FILE has no FAIL
+# line, and "FAIL  WHAT: no test passed" when FILE has no PASS line either.
 results_run() {
-    local file="$1" rc="$2" what="$3"
+    local file="$1" rc="$2" what="$3" why="${4:-exit $2}"
     touch "$file"
     grep -q '^FAIL' "$file" && return 0
     if [ "$rc" != 0 ]; then
-        echo "FAIL  $what: exit $rc" >>"$file"
+        echo "FAIL  $what: $why" >>"$file"
     elif ! grep -q '^PASS' "$file"; then
         echo "FAIL  $what: no test passed" >>"$file"
     fi
+}
+
+# netlab_exit RC: what the exit status of `python3 -m netlab run` means.
+netlab_exit() {
+    case "$1" in
+    124) echo "timed out (exit 124)" ;;
+    125) echo "a guest did not boot (exit 125)" ;;
+    *) echo "exit $1" ;;
+    esac
 }

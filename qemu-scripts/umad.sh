@@ -130,7 +130,7 @@ results="$workdir/results.txt"
     echo "no results; host side:"
     tail -n 40 "$workdir/host.out" 2>/dev/null || true
 }
-results_run "$results" "$rc" "netlab run"
+results_run "$results" "$rc" "netlab run" "$(netlab_exit "$rc")"
 echo "== summary"
 results_report "$results"
 if [ "$results_failed" = 0 ] && [ "$keep" = 0 ]; then
