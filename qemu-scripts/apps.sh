@@ -29,7 +29,10 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
-VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. The last line reads "apps: N passed, N failed".
+VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. It ends with a
+summary, a line per check (PASS or FAIL, the check, what it found), written to the file
+PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
+("cli_via_service: ..." with --cli).
 
 --cli runs qemu-scripts/netlab/cli_via_service.py instead (python3 -m
 netlab.cli_via_service): pvcm-guest's own commands in a pvcm VM going through
@@ -102,4 +105,17 @@ gcc -O2 -Wall -Wextra -Werror -pthread -o "$ucflood" "$PVCM_SCRIPTS_DIR/interop/
     die "building ucflood failed"
 [ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood")
 [ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
-PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m "$module" "${args[@]}"
+export PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}"
+# The benchmark prints figures and asserts none: no summary.
+[ "$module" = netlab.bench ] && exec python3 -m "$module" "${args[@]}"
+lines="$(mktemp /tmp/pvcm-apps-results.XXXXXX)"
+rc=0
+PVCM_RESULT_LINES="$lines" python3 -m "$module" "${args[@]}" || rc=$?
+results_run "$lines" "$rc" "$module"
+echo "== summary"
+results_report "$lines"
+rm -f "$lines"
+suite=apps
+[ "$module" = netlab.cli_via_service ] && suite=cli_via_service
+echo "$suite: $results_passed passed, $results_failed failed"
+[ "$results_failed" = 0 ]

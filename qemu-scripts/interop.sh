@@ -38,7 +38,9 @@ Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run, then
 tests 1 and 2's cmtime --trials more times each, alternating, and prints the medians of
 kernel -> kernel and pvcm VM -> kernel and their ratio (figures, not asserted; one
 sample each is noise on a shared machine). The last line reads "interop: N passed, N
-failed". Exit 0 when all selected tests passed.
+failed", after a summary of a line per test (PASS or FAIL, the test, what failed),
+written to the file PVCM_RESULTS names if it is set. Exit 0 when all selected tests
+passed.
 
 --bench runs the benchmark instead (interop/bench.sh): at each size, all in one run,
 kernel CM <-> kernel CM (cmtime between k and j) next to pvcm VM <-> pvcm VM (two TCG
@@ -172,24 +174,23 @@ grep -E '^(==|PASS|FAIL)' "$workdir/host.out" 2>/dev/null || true
 echo "== figures (one run, $conns connections, totals in ms)"
 cat "$workdir/figures.txt" 2>/dev/null || true
 
+results="$workdir/results.txt"
+results_run "$results" "$rc" "netlab run" "$(netlab_exit "$rc")"
 if [ -n "$pcap" ] && [ -s "$pcap" ]; then
     echo "== tshark decode of $pcap"
-    python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" --mtu "$mtu" "$pcap" | tee "$workdir/decode.txt" || rc=1
+    python3 "$PVCM_SCRIPTS_DIR/interop/decode.py" --mtu "$mtu" "$pcap" | tee "$workdir/decode.txt" ||
+        echo "FAIL  decode: the tshark decode of $pcap found faults (above)" >>"$results"
 fi
 
-passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"
-failed="$(grep -c '^FAIL' "$workdir/results.txt" 2>/dev/null || true)"
-[ -n "$passed" ] || passed=0
-[ -n "$failed" ] || failed=0
-[ "$passed" -gt 0 ] || failed=$((failed + 1))
-if [ "$failed" != 0 ] || [ "$rc" != 0 ]; then
+if grep -q '^FAIL' "$results"; then
     echo "== logs: $workdir (netlab run exit $rc)"
     for f in "$workdir"/backend.log "$workdir"/host.out "$workdir"/*.err; do
         [ -s "$f" ] && { echo "----- $f"; tail -n 60 "$f"; }
     done
-    [ "$failed" != 0 ] || failed=1
     keep=1
 fi
-echo "interop: $passed passed, $failed failed"
+echo "== summary"
+results_report "$results"
+echo "interop: $results_passed passed, $results_failed failed"
 [ "$keep" = 1 ] || rm -rf "$workdir"
-[ "$failed" = 0 ]
+[ "$results_failed" = 0 ]

@@ -149,3 +149,52 @@ debian_qemu10() {
     fi
     echo "$qemu"
 }
+
+# Test results. Every real-VM suite (e2e.sh, interop.sh, umad.sh, netlab-smoke.sh,
+# apps.sh) ends with a summary of one line per test,
+#
+#   PASS  NAME: what it showed
+#   FAIL  NAME: what it checked: why it failed
+#   SKIP  NAME: why it did not run
+#
+# and, when PVCM_RESULTS names a file, writes those lines to it (.ci/run reads it to say
+# which tests failed before it retries a suite).
+
+# results_report FILE...: prints the result lines of FILEs (their other lines are
+# skipped) and writes them to $PVCM_RESULTS; sets results_passed, results_failed and
+# results_skipped.
+# shellcheck disable=SC2034 # the counts are read by the scripts
+results_report() {
+    local lines
+    lines="$(cat "$@" 2>/dev/null | grep -E '^(PASS|FAIL|SKIP) ' || true)"
+    [ -z "$lines" ] || printf '%s\n' "$lines"
+    if [ -n "${PVCM_RESULTS:-}" ]; then
+        if [ -n "$lines" ]; then printf '%s\n' "$lines"; fi >"$PVCM_RESULTS"
+    fi
+    results_passed="$(grep -c '^PASS' <<<"$lines" || true)"
+    results_failed="$(grep -c '^FAIL' <<<"$lines" || true)"
+    results_skipped="$(grep -c '^SKIP' <<<"$lines" || true)"
+}
+
+# results_run FILE RC WHAT [WHY]: makes a run that failed outside its tests show in
+# FILE: adds "FAIL  WHAT: WHY" (default "exit RC") when RC is not 0 and FILE has no FAIL
+# line, and "FAIL  WHAT: no test passed" when FILE has no PASS line either.
+results_run() {
+    local file="$1" rc="$2" what="$3" why="${4:-exit $2}"
+    touch "$file"
+    grep -q '^FAIL' "$file" && return 0
+    if [ "$rc" != 0 ]; then
+        echo "FAIL  $what: $why" >>"$file"
+    elif ! grep -q '^PASS' "$file"; then
+        echo "FAIL  $what: no test passed" >>"$file"
+    fi
+}
+
+# netlab_exit RC: what the exit status of `python3 -m netlab run` means.
+netlab_exit() {
+    case "$1" in
+    124) echo "timed out (exit 124)" ;;
+    125) echo "a guest did not boot (exit 125)" ;;
+    *) echo "exit $1" ;;
+    esac
+}

@@ -26,7 +26,7 @@ and running `pvcm-guest cmtime --server`. Checks:
     but `absorbed` (MADs the mux answers for the departed VM), no DREQ retries
   4 `virsh undefine`: the domain is gone from `virsh list --all`
 
-Prints figures and "PASS N: ..." / "FAIL N: ..." lines; the last line reads
+Prints figures and "PASS  N: ..." / "FAIL  N: ..." lines; the last line reads
 "libvirt: N passed, N failed". Exit 0 when all passed. On a failure it prints the
 console, libvirt's logs and the backends' logs and counters.
 
@@ -88,14 +88,20 @@ virsh_uri="qemu:///system?socket=$lv/sock/libvirt-sock"
 virsh_cmd=(virsh -q -c "$virsh_uri")
 vsh() { "${virsh_cmd[@]}" "$@"; }
 
+# Each result line also goes to $PVCM_RESULTS (CI's summary), as the other suites'.
 passed=0 failed=0
+[ -z "${PVCM_RESULTS:-}" ] || : >"$PVCM_RESULTS"
+result() {
+    echo "$1  $2: $3"
+    [ -z "${PVCM_RESULTS:-}" ] || echo "$1  $2: $3" >>"$PVCM_RESULTS"
+}
 pass() {
     passed=$((passed + 1))
-    echo "PASS $1: $2"
+    result PASS "$1" "$2"
 }
 fail() {
     failed=$((failed + 1))
-    echo "FAIL $1: $2"
+    result FAIL "$1" "$2"
 }
 
 # ---------------------------------------------------------------- cleanup

@@ -16,7 +16,9 @@ Runs qemu-scripts/netlab/smoke.py (python3 -m netlab.smoke) as root:
     loaded; /dev/cuse; pvcm-guest info; ibv_rc_pingpong with a kernel guest in both
     roles; a CM REQ to the VM lands on pvcm-qp1 and the VM never answers it
 Builds what it needs first (cached): the patched QEMU, the RDMA image, pvcm-backend.
-The last line reads "netlab-smoke: N passed, N failed"; exit 0 when all passed.
+It ends with a summary, a line per check (PASS or FAIL, the check, what it found),
+written to the file PVCM_RESULTS names if it is set. The last line reads
+"netlab-smoke: N passed, N failed"; exit 0 when all passed.
 
 Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
@@ -53,4 +55,13 @@ echo "== build (cached)"
 (cd "$PVCM_REPO_DIR" && cargo build --release -q -p pvcm-backend --bin pvcm-backend) ||
     die "cargo build -p pvcm-backend failed"
 cd "$PVCM_SCRIPTS_DIR"
-PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m netlab.smoke "${args[@]}"
+lines="$(mktemp /tmp/pvcm-netlab-smoke-results.XXXXXX)"
+rc=0
+PVCM_RESULT_LINES="$lines" PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m netlab.smoke ${args[@]+"${args[@]}"} || rc=$?
+results_run "$lines" "$rc" "netlab.smoke"
+echo "== summary"
+results_report "$lines"
+rm -f "$lines"
+echo "netlab-smoke: $results_passed passed, $results_failed failed"
+[ "$results_failed" = 0 ]

@@ -35,8 +35,9 @@ with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
        capture (dumpcap) holds only IPv6 RoCEv2 CM MADs between fd99::11 and fd99::3,
        as many each way as the umad port sent and received for VM a6
 
-Prints figures (cmtime connect/disconnect totals, counters). The last line reads
-"umad: N passed, N failed". Exit 0 when all passed.
+Prints figures (cmtime connect/disconnect totals, counters), then a summary of a line
+per test (PASS or FAIL, the test, what failed), written to the file PVCM_RESULTS names
+if it is set. The last line reads "umad: N passed, N failed". Exit 0 when all passed.
 
 Options:
   --conns N      connections for tests 1 and 2 (default 500)
@@ -124,19 +125,18 @@ echo "   run took $(elapsed "$t") s (netlab run exit $rc)"
 
 echo "== figures"
 cat "$workdir/figures.txt" 2>/dev/null || true
-echo "== results"
-[ -s "$workdir/results.txt" ] || {
+results="$workdir/results.txt"
+[ -s "$results" ] || {
     echo "no results; host side:"
     tail -n 40 "$workdir/host.out" 2>/dev/null || true
 }
-cat "$workdir/results.txt" 2>/dev/null || true
-passed="$(grep -c '^PASS' "$workdir/results.txt" 2>/dev/null || true)"
-failed="$(grep -c '^FAIL' "$workdir/results.txt" 2>/dev/null || true)"
-[ "${passed:-0}" -gt 0 ] || failed=$((${failed:-0} + 1))
-if [ "$rc" = 0 ] && [ "${failed:-0}" = 0 ] && [ "$keep" = 0 ]; then
+results_run "$results" "$rc" "netlab run" "$(netlab_exit "$rc")"
+echo "== summary"
+results_report "$results"
+if [ "$results_failed" = 0 ] && [ "$keep" = 0 ]; then
     rm -rf "$workdir"
-elif [ "${failed:-0}" != 0 ] || [ "$rc" != 0 ]; then
+elif [ "$results_failed" != 0 ]; then
     echo "logs in $workdir"
 fi
-echo "umad: ${passed:-0} passed, ${failed:-0} failed"
-[ "${failed:-0}" = 0 ] && [ "$rc" = 0 ]
+echo "umad: $results_passed passed, $results_failed failed"
+[ "$results_failed" = 0 ]

@@ -45,18 +45,10 @@ import time
 from pathlib import Path
 
 from .lab import Lab, LabError
+from .results import counts, result
 
 K, A, B = "10.99.0.2", "10.99.0.11", "10.99.0.12"
 QPN_WINDOW = "qpn-base=16,qpn-count=0x20000"  # rdma_rxe's QPNs
-
-results = []
-
-
-def result(name, ok, detail=""):
-    """Record and print one check."""
-    results.append(bool(ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
-    return ok
 
 
 def short(text, n=400):
@@ -441,7 +433,7 @@ def main():
             ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6")
         except LabError as e:
             result("IPv6 lab", False, str(e))
-    passed, failed = results.count(True), results.count(False)
+    passed, failed = counts()
     print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
     print(f"apps: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

@@ -39,8 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .apps import A, K, guestd_stat, result, results, short, start_guestd
+from .apps import A, K, guestd_stat, short, start_guestd
 from .lab import Lab, LabError
+from .results import counts, result
 
 QPN_BASE, QPN_COUNT = 16, 0x20000  # rdma_rxe's QPNs, as netlab.apps gives its VMs
 
@@ -266,7 +267,7 @@ def main():
                 counters(va, backend)
     except LabError as e:
         result("lab", False, str(e))
-    passed, failed = results.count(True), results.count(False)
+    passed, failed = counts()
     print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
     print(f"cli_via_service: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

@@ -26,16 +26,9 @@ from pathlib import Path
 
 from . import divert_test
 from .lab import DIVERT_DEV, Lab, LabError, gid_of
+from .results import counts, result
 
 K1, K2, VM, SPARE = "10.99.0.2", "10.99.0.3", "10.99.0.11", "10.99.0.250"
-
-results = []
-
-
-def result(name, ok, detail=""):
-    """Record and print one check."""
-    results.append(ok)
-    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
 
 
 def retry_connect(guest, cmd, timeout=60):
@@ -205,7 +198,7 @@ def main():
             pvcm_vm_checks(lab, k1)
     except LabError as e:
         result("lab", False, str(e))
-    passed, failed = results.count(True), results.count(False)
+    passed, failed = counts()
     print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
     print(f"netlab-smoke: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1
