@@ -83,6 +83,10 @@ pub struct LabArgs {
     /// How many VMs per host are slow (default: all, when --slow-guest is given).
     #[arg(long, value_name = "N")]
     pub slow_vms: Option<usize>,
+    /// teardown: each VM connects to about N VMs of each other host instead of all of
+    /// them (VMs `a` and `b` are peers when `(a + b) % (VMs / N) == 0`).
+    #[arg(long, value_name = "N")]
+    pub peers: Option<usize>,
     /// Guests send the DREP only when the application disconnects, as Linux's rdma_cm
     /// (default: at once); with --slow-guest this shows seed 000's retry storm.
     #[arg(long)]
@@ -195,6 +199,7 @@ impl LabArgs {
             o.slow_guest = Duration::from_millis(ms);
         }
         o.slow_vms = self.slow_vms;
+        o.peers = self.peers;
         o.linux_drep = self.linux_drep;
         if let Some(t) = self.cm_timeout {
             o.cm.response = t;

@@ -144,6 +144,9 @@ pub struct LabOptions {
     pub slow_guest: Duration,
     /// How many VMs per host are slow (`None`: all, when `slow_guest` is set).
     pub slow_vms: Option<usize>,
+    /// teardown: each VM connects to about this many VMs of each other host (`None`: to
+    /// all of them); see [`LabOptions::peered`].
+    pub peers: Option<usize>,
     /// Guests answer a DREQ only when the application disconnects, as Linux's rdma_cm
     /// does (`AgentConfig::auto_drep = false`), instead of at once: with `slow_guest`
     /// this brings back seed 000's retry storm under the mlx4 policies.
@@ -221,6 +224,7 @@ impl LabOptions {
             faults: Faults::default(),
             slow_guest: Duration::ZERO,
             slow_vms: None,
+            peers: None,
             linux_drep: false,
             cm: CmTimeouts::SHORT,
             rounds: 25,
@@ -278,6 +282,16 @@ impl LabOptions {
             }
         }
         o
+    }
+
+    /// Whether VMs `a` and `b` (0-based within their hosts) of two different hosts
+    /// connect (teardown): all pairs, or with `peers` set, the pairs whose indices sum to
+    /// a multiple of `VMs / peers`, about `peers` per VM (symmetric, so both ends agree).
+    pub fn peered(&self, a: usize, b: usize) -> bool {
+        self.peers.is_none_or(|p| {
+            let stride = (self.vms_per_host / p.max(1)).max(1);
+            (a + b) % stride == 0
+        })
     }
 
     /// Whether VM `vm` (0-based within its host) is a slow guest.

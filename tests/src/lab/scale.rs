@@ -2,8 +2,8 @@
 //!
 //! The teardown scenario (seed 000) at 128 VMs per host with 1, 2 and 4 processes per VM
 //! (16,384, 32,768 and 65,536 connections per host), then 256 VMs on each backend with
-//! one process (65,536 connections per host) and those 256 VMs left attached and idle
-//! for a few seconds. Per size it prints setup and teardown time per connection and
+//! one process and 16 peers each (4,096 connections per host) and those 256 VMs left
+//! attached and idle for a few seconds. Per size it prints setup and teardown time per connection and
 //! their ratio to the smallest size, the retries, duplicates and lost frames, the
 //! backend's resident memory per connection and its threads per VM; for the idle VMs,
 //! the backend's threads, memory and CPU.
@@ -49,6 +49,9 @@ pub struct ScaleCli {
     /// VMs per backend of the many-VMs run (one process each; 0: not run).
     #[arg(long, default_value_t = 256)]
     pub many_vms: usize,
+    /// Peers of each VM on the other host in the many-VMs run.
+    #[arg(long, default_value_t = 16)]
+    pub many_peers: usize,
     /// Seconds the many VMs stay attached and idle while the backends' CPU is measured.
     #[arg(long, default_value_t = 3.0)]
     pub idle_secs: f64,
@@ -257,17 +260,19 @@ pub fn run(exe: &Path, a: &ScaleCli) -> LabResult<ScaleReport> {
             "pvcm-lab scale: {} VMs per host x {p} processes",
             a.vms_per_host
         );
-        sizes.push(one(exe, a, a.vms_per_host, p, None)?);
+        sizes.push(one(exe, a, (a.vms_per_host, p, None), None)?);
     }
     let many = match a.many_vms {
         0 => None,
         n => {
-            eprintln!("pvcm-lab scale: {n} VMs per host x 1 process, then idle");
+            eprintln!(
+                "pvcm-lab scale: {n} VMs per host x 1 process, {} peers each, then idle",
+                a.many_peers
+            );
             Some(one(
                 exe,
                 a,
-                n,
-                1,
+                (n, 1, Some(a.many_peers)),
                 Some(Duration::from_secs_f64(a.idle_secs)),
             )?)
         }
@@ -279,16 +284,17 @@ pub fn run(exe: &Path, a: &ScaleCli) -> LabResult<ScaleReport> {
     })
 }
 
+/// One teardown run of (VMs per host, processes per VM, peers per VM).
 fn one(
     exe: &Path,
     a: &ScaleCli,
-    vms: usize,
-    procs: usize,
+    (vms, procs, peers): (usize, usize, Option<usize>),
     idle: Option<Duration>,
 ) -> LabResult<Size> {
     let mut o = LabOptions::new(ScenarioName::Teardown, exe.to_path_buf());
     o.vms_per_host = vms;
     o.procs = procs;
+    o.peers = peers;
     o.net = a.net;
     o.idle_window = idle;
     let r = scenarios::run(&o)?;
@@ -378,5 +384,21 @@ mod tests {
         r.sizes[1].dreq_retries = 1;
         assert!(!r.checks().iter().all(|c| c.1));
         assert!(r.render().contains("FAIL no_retries"));
+    }
+
+    #[test]
+    fn peers_pick_pairs_both_ends_agree_on() {
+        let mut o = LabOptions::new(ScenarioName::Teardown, "pvcm-lab".into());
+        o.vms_per_host = 256;
+        o.procs = 1;
+        o.peers = Some(16);
+        for a in 0..256 {
+            let mine: Vec<usize> = (0..256).filter(|&b| o.peered(a, b)).collect();
+            assert_eq!(mine.len(), 16, "VM {a}: {mine:?}");
+            assert!(mine.iter().all(|&b| o.peered(b, a)));
+        }
+        assert_eq!(scenarios::teardown::total_connections(&o), 4096);
+        o.peers = None;
+        assert_eq!(scenarios::teardown::total_connections(&o), 65_536);
     }
 }
