@@ -1,4 +1,4 @@
-//! The device's descriptor-chain handling (`backend/src/device.rs`) on arbitrary
+//! The device's descriptor-chain handling (`backend/src/device/queue.rs`) on arbitrary
 //! descriptor tables, avail rings and indirect tables, through virtio-queue's
 //! `MockSplitQueue` and a `Queue` over real guest memory (two regions with a hole).
 //!
