@@ -5,6 +5,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 Usage: qemu-scripts/e2e.sh [--allow-missing] [--only LIST] [--workdir DIR] [--budget SECS]
+                           [--scale N]
 
 Builds what it needs (cached: build-qemu.sh, build-guest.sh, cargo build of
 pvcm-backend), then runs, each with fresh pvcm-backend processes ("hosts") on
@@ -18,9 +19,9 @@ loopback addresses 127.10.H.V (PVCM_E2E_NET=127.10), control sockets, and TCG VM
   2 rdma_connect/destroy: A connects and destroys at once; B's half-open
     connection is rejected by the routed REJ(TIMEOUT).
   3 seed 000 at full scale: 2 hosts x 2 VMs, cmtime with PVCM_E2E_CONNS (default
-    8192) connections per client pair (16,384 per host), set up and torn down all at
-    once on default options: 0 drops, 0 retries, every connection up and down, 0 live
-    entries after quiesce.
+    8192 x --scale) connections per client pair (16,384 per host; --scale 2: 32,768),
+    set up and torn down all at once on default options: 0 drops, 0 retries, every
+    connection up and down, 0 live entries after quiesce.
   4 test 1 through Debian's stock QEMU 10 and vhost-user-gpio-pci (ID 41).
   5 burst: one backend, two VMs, PVCM_E2E_BURST (default 4000) connections set up at
     once and torn down at once with cmtime, on default options: 0 drops, 0 retries,
@@ -56,6 +57,8 @@ Options:
   --only LIST      comma-separated test numbers (default 1-10), e.g. --only 5
   --workdir DIR    keep logs here (default: a new dir under /tmp, removed on success)
   --budget SECS    overall deadline (default 900); tests not started by then fail
+  --scale N        test 3 at N times the seed's size (default 1; its cmtime
+                   timeouts grow with it), e.g. --scale 2 --only 3
   -h, --help       this help
 
 Environment: PVCM_CACHE, PVCM_RESULTS (the summary's file), PVCM_E2E_CONNS (test 3), PVCM_E2E_BURST (tests 5, 6),
@@ -71,16 +74,17 @@ EOF
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-allow_missing=0 only="1,2,3,4,5,6,7,8,9,10" workdir="" budget=900
+allow_missing=0 only="1,2,3,4,5,6,7,8,9,10" workdir="" budget=900 scale=1
 while [ $# -gt 0 ]; do
     case "$1" in
     --allow-missing) allow_missing=1 ;;
-    --only | --workdir | --budget)
+    --only | --workdir | --budget | --scale)
         [ $# -ge 2 ] || die "$1 needs a value"
         case "$1" in
         --only) only="$2" ;;
         --workdir) workdir="$2" ;;
         --budget) budget="$2" ;;
+        --scale) scale="$2" ;;
         esac
         shift
         ;;
@@ -92,6 +96,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+[[ "$scale" =~ ^[1-9][0-9]*$ ]] || die "--scale: a whole number from 1 ('$scale')"
 all_tests=(1 2 3 4 5 6 7 8 9 10)
 selected() { [[ ",$only," == *",$1,"* ]]; }
 for n in ${only//,/ }; do
@@ -101,12 +106,12 @@ done
 # The settings the tests (e2e/NN-*.sh) and their helpers (e2e/lib.sh) read.
 # shellcheck disable=SC2034
 {
-    conns="${PVCM_E2E_CONNS:-8192}"
+    conns="${PVCM_E2E_CONNS:-$((8192 * scale))}"
     burst="${PVCM_E2E_BURST:-4000}"
     restart_conns="${PVCM_E2E_RESTART:-400}"
     migrate_conns="${PVCM_E2E_MIGRATE:-100}"
     net="${PVCM_E2E_NET:-127.10}" # host H's VM V is at $net.H.V (loopback)
-    vm_timeout="${PVCM_E2E_VM_TIMEOUT:-150}"
+    vm_timeout="${PVCM_E2E_VM_TIMEOUT:-$((150 * scale))}"
 }
 t_start="$(now_s)"
 end_at=$((SECONDS + budget))

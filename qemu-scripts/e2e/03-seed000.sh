@@ -14,8 +14,10 @@ seed000() {
         dump "$h1" "$h2"
         return
     }
-    start_vm t3b1 generic "pvcm-guest --json cmtime --server --port 7471 --connections $conns --timeout 120"
-    start_vm t3b2 generic "pvcm-guest --json cmtime --server --port 7471 --connections $conns --timeout 120"
+    # The cmtime timeouts grow with --scale (the seed's size took ~20 s of them).
+    local srv_timeout=$((120 * scale)) cli_timeout=$((60 * scale))
+    start_vm t3b1 generic "pvcm-guest --json cmtime --server --port 7471 --connections $conns --timeout $srv_timeout"
+    start_vm t3b2 generic "pvcm-guest --json cmtime --server --port 7471 --connections $conns --timeout $srv_timeout"
     for vm in t3b1 t3b2; do
         wait_console "$vm" '"event": ?"listening"' 120 || {
             fail "$vm never listened"
@@ -23,8 +25,8 @@ seed000() {
         }
     done
     if [ "$ok" = 1 ]; then
-        start_vm t3a1 generic "pvcm-guest --json cmtime --dest $net.2.1 --port 7471 --connections $conns --timeout 60"
-        start_vm t3a2 generic "pvcm-guest --json cmtime --dest $net.2.2 --port 7471 --connections $conns --timeout 60"
+        start_vm t3a1 generic "pvcm-guest --json cmtime --dest $net.2.1 --port 7471 --connections $conns --timeout $cli_timeout"
+        start_vm t3a2 generic "pvcm-guest --json cmtime --dest $net.2.2 --port 7471 --connections $conns --timeout $cli_timeout"
     fi
     wait_vms "${vms[@]}" || ok=0
     local drained=1

@@ -6,7 +6,7 @@
 #   backend         the pvcm-backend binary; guest_dir the guest image
 #   missing_backend missing_guest missing_qemu   why a piece is missing ("" if present)
 #   guest_cmds      the guest's pvcm-guest subcommands, space-separated
-#   vm_timeout budget end_at   see e2e.sh
+#   vm_timeout budget end_at scale   see e2e.sh
 #
 # A test is a function that starts with test_begin, records its outcome with result,
 # and may call fail to note a reason; see 01-connect.sh for the shape.
