@@ -2,7 +2,7 @@
 //!
 //! `getrandom(2)` without flags blocks until the kernel's random pool is initialised.
 //! A VM booted from a small initramfs with no entropy source (the test guests, the
-//! rxe-peer guests that run pvcm-backend on a umad port) can wait minutes for that, and
+//! network lab's guests that run pvcm-backend on a umad port) can wait minutes for that, and
 //! a driver or daemon that asks for a seed at start would hang. The standard library's
 //! hash keys come from the same OS source but without blocking (`GRND_INSECURE`, then
 //! `GRND_NONBLOCK`, then `/dev/urandom`), which is what a seed for comm IDs, TIDs, PSNs
