@@ -810,9 +810,8 @@ proptest! {
 }
 
 /// A real RoCEv2-over-IPv6 CM REQ from Linux 6.1's rdma_rxe (rdma_cm, ucmatose), as it
-/// crossed the wire. Captured between two TCG guests (Debian 12,
-/// kernel 6.1.0-57, rdma-core 44) on one bridge, IPv6 kept (`run.sh --ipv6 --pcap`),
-/// `ip -6 addr add fd99::2/64` and `fd99::3/64` on their eth0, `ucmatose -b fd99::2 -c
+/// crossed the wire. Captured between two TCG guests (Debian 12, kernel 6.1.0-57,
+/// rdma-core 44) on one bridge with IPv6 on, `ip -6 addr add fd99::2/64` and `fd99::3/64` on their eth0, `ucmatose -b fd99::2 -c
 /// 1 -C 2` on one and `ucmatose -s fd99::2 -b fd99::3 -c 1 -C 2` on the other; this is
 /// the IPv6 datagram of the capture's first UDP 4791 frame (Ethernet header removed).
 /// rxe sends traffic class 0, flow label 0, hop limit 64, UDP checksum 0 (which only a
