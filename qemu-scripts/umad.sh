@@ -34,6 +34,9 @@ with in-process pvcm VMs attached by `pvcm-lab attach` (VM a 10.99.0.11 and VM b
        pvcm-backend's, no drops, every pvcm MAD taken by the kernel CM, and br0's
        capture (dumpcap) holds only IPv6 RoCEv2 CM MADs between fd99::11 and fd99::3,
        as many each way as the umad port sent and received for VM a6
+  7 a VM added at runtime: 10.99.0.14 added to a's eth0, `pvcm-backend vm add`
+    (listed by `vm list`), 100 connections to the kernel (cmtime --port 7477) set up
+    and torn down through it, then `vm remove` (gone from `vm list`)
 
 Prints figures (cmtime connect/disconnect totals, counters), then a summary of a line
 per test (PASS or FAIL, the test, what failed), written to the file PVCM_RESULTS names

@@ -17,7 +17,7 @@ cap_pid=""
 trap '[ -z "$cap_pid" ] || kill "$cap_pid" 2>/dev/null; touch "$IOP_SHARE/flag.stop"' EXIT
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" conns6="$IOP_CONNS6"
-b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13
+b_ip=10.99.0.3 vm_a=10.99.0.11 vm_b=10.99.0.12 vm_c=10.99.0.13 vm_d=10.99.0.14
 b_ip6=fd99::3 vm_a6=fd99::11
 results="$work/results.txt"
 figures="$work/figures.txt"
@@ -109,6 +109,19 @@ wait "$cap_pid" 2>/dev/null
 cap_pid=""
 kcounters b v6after
 kexec a stat6 20 "/host/bin/pvcm-backend stat --control /tmp/h.ctl --json >/host/v6after.stat.json"
+
+say "7. a VM added at runtime (pvcm-backend vm add) to the umad port: $vm_d on eth0, 100 connections to kernel b, then vm remove"
+start_listener b "$b_ip" 7477 || echo "b: $(cat "$work/b.listener7477.out")"
+ctl="/host/bin/pvcm-backend vm --control /tmp/h.ctl"
+kexec a t7add 60 "ip addr add $vm_d/24 dev eth0
+i=0
+until grep -qs 0000:0000:0000:0000:0000:ffff:$(echo "$vm_d" | awk -F. '{ printf "%02x%02x:%02x%02x", $1, $2, $3, $4 }') /sys/class/infiniband/rxe0/ports/1/gids/*; do
+    i=\$((i + 1)); [ \$i -lt 100 ] || { echo 'no GID for $vm_d'; break; }; sleep 0.1
+done
+$ctl add socket=/tmp/d.sock,gid=$vm_d,name=d; echo add_rc=\$?
+$ctl list"
+kexec a t7 300 "$lab attach --socket /tmp/d.sock cmtime --dest $b_ip --port 7477 --connections 100 --timeout 120; echo rc=\$?"
+kexec a t7rm 60 "$ctl remove d; echo remove_rc=\$?; $ctl list"
 
 for f in t2srv.log t2srv.rc t3a.log t3a.rc t3b.log t3b.rc t3la.log t3lb.log final.stat.json \
     t6srv.log t6srv.rc v6before.stat.json v6after.stat.json; do
@@ -397,6 +410,17 @@ else:
         fig.write(f"IPv6: br0 capture: {out6} CM MADs {A6} -> {B6}, {in6} {B6} -> {A6}, "
                   f"{len(fr) - out6 - in6} other RoCEv2 frames\n")
 result("6c", bad, "IPv6 (tests 6a, 6b): 0 retries and 0 duplicates on both sides, no drops, every pvcm MAD taken by the kernel CM, every frame on br0 an IPv6 RoCEv2 CM MAD between the VM and the kernel")
+
+# 7: a VM added and removed at runtime
+add, run, rm = read("a.t7add.out"), read("a.t7.out"), read("a.t7rm.out")
+bad = []
+if "add_rc=0" not in add or '"name":"d"' not in add.replace(" ", ""):
+    bad.append(f"vm add failed or d not listed: {add[-300:]!r}")
+if "rc=0" not in run or "established 100" not in run or "failed 0" not in run:
+    bad.append(f"the runtime VM's cmtime: {run[-300:]!r}")
+if "remove_rc=0" not in rm or '"name":"d"' in rm.replace(" ", ""):
+    bad.append(f"vm remove failed or d still listed: {rm[-300:]!r}")
+result("7", bad, "a VM added at runtime to the umad port (vm add) set up and tore down 100 connections with the kernel CM, then left (vm remove)")
 
 for t, b, text in sorted(res, key=lambda x: x[0]):
     print(("FAIL  " if b else "PASS  ") + t + ": " + ("; ".join(b) if b else text))

@@ -68,10 +68,10 @@ pub enum PortError {
     /// Binding the VM's address failed.
     #[error(transparent)]
     Bind(Box<crate::error::Error>),
-    /// The port's VMs are fixed when it opens (the umad and packet ports).
+    /// The port's VMs are fixed when it opens (the packet port).
     #[error(
         "the {0} port serves the VMs it was started with: restart the daemon to change \
-         them (runtime VM changes need the soft port)"
+         them (runtime VM changes need the soft or the umad port)"
     )]
     FixedVms(String),
     /// The port knows no VM of that index.

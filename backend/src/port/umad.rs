@@ -357,11 +357,22 @@ pub fn find_umad(sysfs: &Path, device: &str, port: u8) -> io::Result<String> {
     ))
 }
 
-/// Which VM has which GID index.
+/// The port's VMs (their names and GIDs, by VM index; `None`: removed) and which VM has
+/// which GID index.
 #[derive(Debug)]
 struct Indices {
+    vms: Vec<Option<(String, Gid)>>,
     of_vm: Vec<Option<u8>>,
     vm_of: [Option<usize>; 256],
+}
+
+impl Indices {
+    /// Forgets VM `vm`'s GID index.
+    fn unmap(&mut self, vm: usize) {
+        if let Some(old) = self.of_vm.get_mut(vm).and_then(Option::take) {
+            self.vm_of[usize::from(old)] = None;
+        }
+    }
 }
 
 /// The umad port (see the module docs).
@@ -371,7 +382,6 @@ pub struct UmadPort {
     fd: OwnedFd,
     agent: u32,
     port_dir: PathBuf,
-    vms: Vec<(String, Gid)>,
     indices: Mutex<Indices>,
     pkeys: Vec<u16>,
     pkey_index: u16,
@@ -511,8 +521,8 @@ impl UmadPort {
             fd,
             agent: req.id,
             port_dir,
-            vms: vms.to_vec(),
             indices: Mutex::new(Indices {
+                vms: vms.iter().cloned().map(Some).collect(),
                 of_vm: vec![None; vms.len()],
                 vm_of: [None; 256],
             }),
@@ -549,21 +559,19 @@ impl UmadPort {
 
     /// Finds VM `vm`'s GID in `table` and records its index.
     fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<u8, PortError> {
-        let Some((name, gid)) = self.vms.get(vm) else {
+        let mut ix = self.lock();
+        let Some((name, gid)) = ix.vms.get(vm).cloned().flatten() else {
             return Err(PortError::NoVm(vm));
         };
-        let Some(e) = table.iter().find(|e| e.gid == *gid && e.roce_v2) else {
+        let Some(e) = table.iter().find(|e| e.gid == gid && e.roce_v2) else {
             return Err(PortError::GidNotInTable {
-                vm: name.clone(),
-                gid: *gid,
+                vm: name,
+                gid,
                 port: self.name.clone(),
                 table: self.port_dir.join("gids"),
             });
         };
-        let mut ix = self.lock();
-        if let Some(old) = ix.of_vm.get(vm).copied().flatten() {
-            ix.vm_of[usize::from(old)] = None;
-        }
+        ix.unmap(vm);
         // An index another VM had (its entry went and came back elsewhere) is ours now.
         if let Some(other) = ix.vm_of[usize::from(e.index)] {
             if let Some(o) = ix.of_vm.get_mut(other) {
@@ -660,6 +668,43 @@ impl WirePort for UmadPort {
             source,
         })?;
         self.resolve(vm, &table).map(|_| ())
+    }
+
+    fn changes_vms(&self) -> bool {
+        true
+    }
+
+    /// A VM added at runtime: nothing to bind (the device has the one CM agent for every
+    /// GID); its GID index is looked up now if the GID is in the table already, and again
+    /// when its session attaches (the address may be added to the netdev later).
+    fn add_vm(
+        &self,
+        vm: usize,
+        spec: &crate::config::VmSpec,
+        _poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
+    ) -> Result<(), PortError> {
+        {
+            let mut ix = self.lock();
+            if ix.vms.len() <= vm {
+                ix.vms.resize(vm + 1, None);
+                ix.of_vm.resize(vm + 1, None);
+            }
+            ix.vms[vm] = Some((spec.vm.name.clone(), spec.vm.gid));
+        }
+        if let Ok(table) = read_gid_table(&self.port_dir) {
+            if let Err(e) = self.resolve(vm, &table) {
+                tracing::warn!("{e} (the VM will be refused until it is)");
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_vm(&self, vm: usize, _unpoll: &mut dyn FnMut(RawFd)) {
+        let mut ix = self.lock();
+        ix.unmap(vm);
+        if let Some(v) = ix.vms.get_mut(vm) {
+            *v = None;
+        }
     }
 
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
