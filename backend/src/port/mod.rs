@@ -68,11 +68,9 @@ pub enum PortError {
     /// Binding the VM's address failed.
     #[error(transparent)]
     Bind(Box<crate::error::Error>),
-    /// The port's VMs are fixed when it opens (the packet port).
-    #[error(
-        "the {0} port serves the VMs it was started with: restart the daemon to change \
-         them (runtime VM changes need the soft or the umad port)"
-    )]
+    /// The port's VMs are fixed when it opens (a port that does not implement
+    /// [`WirePort::add_vm`]).
+    #[error("the {0} port serves the VMs it was started with: restart the daemon to change them")]
     FixedVms(String),
     /// The port knows no VM of that index.
     #[error("no VM {0}")]

@@ -47,6 +47,7 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+use std::sync::{PoisonError, RwLock};
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
@@ -493,10 +494,25 @@ pub struct PacketPort {
     /// The scope of link-local destinations (IFACE's index), 0 without IFACE.
     scope: u32,
     port_num: u16,
-    vms: Vec<(String, IpAddr)>,
+    /// The receive filter it was opened with (rebuilt when VMs come and go).
+    filter: RxFilter,
+    table: RwLock<VmTable>,
+    ident: AtomicU16,
+}
+
+/// The port's VMs by index (`None`: removed at runtime), by address, and each one's
+/// next PSN.
+#[derive(Debug, Default)]
+struct VmTable {
+    vms: Vec<Option<(String, IpAddr)>>,
     by_addr: HashMap<IpAddr, usize>,
     psn: Vec<AtomicU32>,
-    ident: AtomicU16,
+}
+
+impl VmTable {
+    fn addrs(&self) -> Vec<IpAddr> {
+        self.vms.iter().flatten().map(|(_, a)| *a).collect()
+    }
 }
 
 impl PacketPort {
@@ -603,7 +619,11 @@ impl PacketPort {
             .map_err(|e| privilege("raw IPv6 socket", e))?;
         let _ = setsockopt_int(tx4.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
         let _ = setsockopt_int(tx6.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
-        let by_addr = vms.iter().enumerate().map(|(i, (_, a))| (*a, i)).collect();
+        let table = VmTable {
+            vms: vms.iter().cloned().map(Some).collect(),
+            by_addr: vms.iter().enumerate().map(|(i, (_, a))| (*a, i)).collect(),
+            psn: vms.iter().map(|_| AtomicU32::new(0)).collect(),
+        };
         let seed = pvcm_wire::seed::os_seed();
         let p = PacketPort {
             name,
@@ -612,9 +632,8 @@ impl PacketPort {
             tx6,
             scope,
             port_num,
-            vms: vms.to_vec(),
-            by_addr,
-            psn: vms.iter().map(|_| AtomicU32::new(0)).collect(),
+            filter,
+            table: RwLock::new(table),
             ident: AtomicU16::new(seed as u16),
         };
         // Whatever queued before the bind is not ours to count.
@@ -643,8 +662,14 @@ impl PacketPort {
         mad: &[u8; MAD_LEN],
         buf: &mut [u8; IPV6_DATAGRAM_LEN],
     ) -> Option<(usize, SocketAddr)> {
-        let (_, own) = self.vms.get(vm)?;
-        let psn = self.psn.get(vm)?.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+        let (own, psn) = {
+            let t = self.table();
+            let (_, own) = t.vms.get(vm)?.as_ref()?;
+            (
+                *own,
+                t.psn.get(vm)?.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF,
+            )
+        };
         let udp = UdpRepr {
             dst_port: self.port_num,
             ..UdpRepr::new(self.port_num)
@@ -653,7 +678,7 @@ impl PacketPort {
             (IpAddr::V4(s), Some(d)) => (
                 IpRepr::V4(Ipv4Repr {
                     identification: self.next_ident(),
-                    ..Ipv4Repr::new(*s, d)
+                    ..Ipv4Repr::new(s, d)
                 }),
                 SocketAddr::new(IpAddr::V4(d), 0),
             ),
@@ -665,7 +690,7 @@ impl PacketPort {
                     0
                 };
                 (
-                    IpRepr::V6(Ipv6Repr::new(*s, d)),
+                    IpRepr::V6(Ipv6Repr::new(s, d)),
                     SocketAddr::V6(SocketAddrV6::new(d, 0, 0, scope)),
                 )
             }
@@ -743,7 +768,29 @@ impl PacketPort {
 
     /// The VM owning `dst`, if any.
     fn vm_of(&self, dst: &IpAddr) -> Option<usize> {
-        self.by_addr.get(dst).copied()
+        self.table().by_addr.get(dst).copied()
+    }
+
+    fn table(&self) -> std::sync::RwLockReadGuard<'_, VmTable> {
+        self.table.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn table_mut(&self) -> std::sync::RwLockWriteGuard<'_, VmTable> {
+        self.table.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Puts the receive filter for the current VM set on (when opened with addresses).
+    fn refilter(&self) {
+        if self.filter != RxFilter::Addresses {
+            return;
+        }
+        let addrs = self.table().addrs();
+        if let Err(e) = attach_filter(
+            self.rx.as_raw_fd(),
+            &packet_filter(self.port_num, Some(&addrs)),
+        ) {
+            tracing::warn!(port = %self.name, error = %e, "packet socket filter not updated for the VMs now served");
+        }
     }
 }
 
@@ -786,6 +833,51 @@ impl WirePort for PacketPort {
     }
 
     fn release(&self, _vm: usize) {}
+
+    fn changes_vms(&self) -> bool {
+        true
+    }
+
+    /// A VM added at runtime: its address joins the table and the receive filter
+    /// (nothing to bind: the address is the VM's NIC's).
+    fn add_vm(
+        &self,
+        vm: usize,
+        spec: &crate::config::VmSpec,
+        _poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
+    ) -> Result<(), PortError> {
+        let a = spec.addr();
+        {
+            let mut t = self.table_mut();
+            if t.by_addr.contains_key(&a) {
+                return Err(PortError::Bind(Box::new(Error::WireBind {
+                    vm: spec.vm.name.clone(),
+                    addr: a,
+                    port: self.port_num,
+                    source: io::Error::from(io::ErrorKind::AddrInUse),
+                })));
+            }
+            while t.vms.len() <= vm {
+                t.vms.push(None);
+                t.psn.push(AtomicU32::new(0));
+            }
+            t.vms[vm] = Some((spec.vm.name.clone(), a));
+            t.by_addr.insert(a, vm);
+        }
+        self.refilter();
+        Ok(())
+    }
+
+    fn remove_vm(&self, vm: usize, _unpoll: &mut dyn FnMut(RawFd)) {
+        {
+            let mut t = self.table_mut();
+            let Some(Some((_, a))) = t.vms.get_mut(vm).map(Option::take) else {
+                return;
+            };
+            t.by_addr.remove(&a);
+        }
+        self.refilter();
+    }
 
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
         let Some(p) = ctx.vms.get(vm) else { return };

@@ -477,6 +477,47 @@ fn receives_and_routes_by_gid() {
     });
 }
 
+/// A VM added at runtime joins the receive filter and the routing table, and one
+/// removed leaves both; an address already served is refused.
+#[test]
+fn vms_added_and_removed_at_runtime_join_and_leave_the_filter() {
+    in_netns("packet port runtime VMs", || {
+        topology();
+        let mut specs = VMS.to_vec();
+        specs.push(("d4", "10.50.0.12"));
+        let r = rig(&specs);
+        let addrs = r.addrs();
+        let port = PacketPort::open("pa", None, &addrs[..3], PORT).unwrap();
+        assert!(port.changes_vms());
+        let pb = packet_socket("pb");
+        let to_d = |tag| write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.12", tag)));
+        let mut buf = [0u8; IPV6_DATAGRAM_LEN];
+        let mad = [0u8; MAD_LEN];
+        to_d(1);
+        assert_eq!(r.receive(&port, 1, Duration::from_millis(300)), vec![]);
+        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_none());
+        port.add_vm(3, &r.vms[3].spec, &mut |_, _| Ok(())).unwrap();
+        to_d(2);
+        assert_eq!(
+            r.receive(&port, 1, Duration::from_secs(2)),
+            vec![(3, gid("10.50.0.2"), 2)]
+        );
+        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_some());
+        let again = port.add_vm(4, &r.vms[3].spec, &mut |_, _| Ok(()));
+        assert!(matches!(again, Err(PortError::Bind(_))), "{again:?}");
+        port.remove_vm(3, &mut |_| {});
+        to_d(3);
+        assert_eq!(r.receive(&port, 1, Duration::from_millis(300)), vec![]);
+        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_none());
+        // The VMs it opened with are served throughout.
+        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.11", 4)));
+        assert_eq!(
+            r.receive(&port, 1, Duration::from_secs(2)),
+            vec![(0, gid("10.50.0.2"), 4)]
+        );
+    });
+}
+
 /// Bad frames that reach the port are dropped with their reasons, on the VM's counters
 /// when the destination is a VM's, else on the host's; nothing is routed.
 #[test]
