@@ -59,30 +59,46 @@ use crate::stats::{DevCounters, Io, Snapshot};
 pub use crate::vm_port::VmPort;
 use crate::vm_port::{Lifecycle, Session, VmSet, VmTable, lock};
 
-/// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd.
+/// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd, and the deadline it
+/// is armed for, so that the loop, which asks for the mux's next deadline after every
+/// batch, makes the `timerfd_settime` call only when that deadline changed.
 #[derive(Debug)]
-struct Timer(TimerFd);
+struct Timer {
+    fd: TimerFd,
+    /// The mux time it is armed for (`u64::MAX`: disarmed); `None` when unknown (new,
+    /// or it fired).
+    armed: Option<u64>,
+}
 
 impl Timer {
     fn new() -> io::Result<Timer> {
-        TimerFd::new().map(Timer).map_err(io::Error::from)
+        let fd = TimerFd::new().map_err(io::Error::from)?;
+        Ok(Timer { fd, armed: None })
     }
 
-    /// Arms the timer `d` from now (at least 1 µs: a zero duration would disarm it);
-    /// `None` disarms it.
-    fn set(&mut self, d: Option<Duration>) -> io::Result<()> {
-        match d {
-            Some(d) => self.0.reset(d.max(Duration::from_micros(1)), None),
-            None => self.0.clear(),
+    /// Arms the timer for mux time `at` (`u64::MAX`: never), which is `d` from now (at
+    /// least 1 µs: a zero duration would disarm it). Nothing to do when it is armed for
+    /// `at` already.
+    fn set(&mut self, at: u64, d: Option<Duration>) -> io::Result<()> {
+        if self.armed == Some(at) {
+            return Ok(());
         }
-        .map_err(io::Error::from)
+        self.armed = None;
+        match d {
+            Some(d) => self.fd.reset(d.max(Duration::from_micros(1)), None),
+            None => self.fd.clear(),
+        }
+        .map_err(io::Error::from)?;
+        self.armed = Some(at);
+        Ok(())
     }
 
     /// Consumes the expiry. Called only when epoll reported the timer readable, and only
     /// this thread re-arms it (at the top of the loop, after this), so the read returns
     /// at once.
     fn clear(&mut self) {
-        let _ = self.0.wait();
+        let _ = self.fd.wait();
+        self.armed = None;
     }
 }
 
@@ -152,7 +168,7 @@ impl HostLoop {
         let at = next.map_or(u64::MAX, |t| t.0);
         self.shared.armed.store(at, Ordering::Relaxed);
         let d = next.map(|t| t.since(now));
-        if let Err(e) = self.timer.set(d) {
+        if let Err(e) = self.timer.set(at, d) {
             tracing::error!(error = %e, "timerfd");
         }
     }
@@ -648,7 +664,7 @@ impl Daemon {
             add(fd, tok)?;
         }
         add(stop.as_raw_fd(), TOK_STOP)?;
-        add(timer.0.as_raw_fd(), TOK_TIMER)?;
+        add(timer.fd.as_raw_fd(), TOK_TIMER)?;
         add(shared.timer_wake.as_raw_fd(), TOK_WAKE)?;
         if let Some(l) = &control {
             add(l.as_raw_fd(), TOK_CONTROL)?;
