@@ -195,23 +195,26 @@ impl HostLoop {
         if arrivals.is_empty() {
             return;
         }
-        // Per group, per MAD: the verdict, and the index of the port it goes to
-        // (`usize::MAX`: none).
-        let mut verdicts: Vec<Vec<WireVerdict>> = Vec::with_capacity(arrivals.len());
-        let mut to_port: Vec<Vec<usize>> = Vec::with_capacity(arrivals.len());
+        // Per MAD of the batch, group after group: the verdict, and the index of the
+        // port it goes to (`usize::MAX`: none). One allocation each for the whole batch.
+        let total = arrivals.iter().map(|(_, m)| m.len()).sum();
+        let mut verdicts = vec![WireVerdict::Reply; total];
+        let mut to_port = vec![usize::MAX; total];
         let out: Vec<Outgoing>;
         {
             let mut core = self.shared.lock_core();
+            let mut at = 0;
             for (vm, mads) in &mut arrivals {
+                let n = mads.len();
+                let (v, t) = (&mut verdicts[at..at + n], &mut to_port[at..at + n]);
+                at += n;
                 let Some(port) = vms.get(*vm) else {
                     continue;
                 };
                 let dst = port.spec.vm.gid;
-                let mut v = vec![WireVerdict::Reply; mads.len()];
-                let mut t = vec![usize::MAX; mads.len()];
                 // One call per VM's group: the mux prefetches every entry it names first.
-                core.mux.from_wire_batch(mads, |_, f| (f.src, dst), &mut v);
-                for ((f, verdict), target) in mads.iter().zip(&v).zip(&mut t) {
+                core.mux.from_wire_batch(mads, |_, f| (f.src, dst), v);
+                for ((f, verdict), target) in mads.iter().zip(v.iter()).zip(t) {
                     match *verdict {
                         WireVerdict::ToVm(id) => {
                             if let Some(&p) = core.by_vm.get(&id) {
@@ -224,21 +227,22 @@ impl HostLoop {
                         }
                     }
                 }
-                verdicts.push(v);
-                to_port.push(t);
             }
             out = core.mux.drain_outbox().collect();
             core.commit();
         }
+        let all = || {
+            arrivals
+                .iter()
+                .flat_map(|(vm, mads)| mads.iter().map(move |f| (*vm, f)))
+        };
         let mut woken: Vec<usize> = Vec::new();
-        for ((_, mads), targets) in arrivals.iter().zip(&to_port) {
-            for (f, &p) in mads.iter().zip(targets) {
-                if let Some(vp) = vms.get(p)
-                    && vp.push_rx(RxMsg::from_wire(f, &f.mad))
-                    && !woken.contains(&p)
-                {
-                    woken.push(p);
-                }
+        for ((_, f), &p) in all().zip(&to_port) {
+            if let Some(vp) = vms.get(p)
+                && vp.push_rx(RxMsg::from_wire(f, &f.mad))
+                && !woken.contains(&p)
+            {
+                woken.push(p);
             }
         }
         for p in woken {
@@ -248,8 +252,15 @@ impl HostLoop {
         }
         // To the sender's GID, from the VM's own address (the soft port: its RoCEv2
         // port; its UDP source port is entropy, as Linux rxe hashes the flow label into
-        // it).
-        for ((vm, mads), v) in arrivals.iter().zip(&verdicts) {
+        // it). Replies are rare (the mux answers for the VM): only a group that has one
+        // collects them.
+        let mut at = 0;
+        for (vm, mads) in &arrivals {
+            let v = &verdicts[at..at + mads.len()];
+            at += mads.len();
+            if !v.contains(&WireVerdict::Reply) {
+                continue;
+            }
             let replies: Vec<_> = mads
                 .iter()
                 .zip(v)
