@@ -14,13 +14,10 @@ use std::time::{Duration, Instant};
 use pvcm_backend::config::{Config, VmSpec};
 use pvcm_backend::control;
 use pvcm_backend::stats::Snapshot;
-use pvcm_guest::cm::rdma_cm::tcp_service_id;
-use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group};
-use pvcm_guest::device::Notice;
 use pvcm_lab::backend;
 use pvcm_lab::lab::guest::{GuestOpts, GuestVm};
+use pvcm_lab::lab::standalone::{PairSide, pair_connections};
 use pvcm_wire::Gid;
-use pvcm_wire::mad::AttributeId;
 
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().unwrap();
@@ -104,81 +101,25 @@ fn guest(dir: &Path, name: &str, seed: u64) -> GuestVm {
     GuestVm::connect(&backend::socket(dir, name), &opts).unwrap()
 }
 
-#[derive(Debug, Default)]
-struct Side {
-    established: u32,
-    disconnected: u32,
-    failed: u32,
-    retries: u64,
-}
-
 /// `n` connections from `client` to `server`, each established, then torn down from
 /// the client; both guests are pumped in this thread.
-fn connections(client: &mut GuestVm, server: &mut GuestVm, to: Gid, n: u32) -> (Side, Side) {
-    const PORT: u16 = 7471;
-    let listen = server.dev.listen(tcp_service_id(PORT)).unwrap();
-    let opts = ConnectOptions::default();
-    for _ in 0..n {
-        client
-            .dev
-            .connect(to, tcp_service_id(PORT), b"v6", &opts)
-            .unwrap();
-    }
-    let (mut c, mut s) = (Side::default(), Side::default());
-    let mut up: Vec<CmId> = Vec::new();
-    let mut torn = false;
-    let until = Instant::now() + Duration::from_secs(60);
-    while c.disconnected < n || s.disconnected < n {
-        assert!(
-            Instant::now() < until,
-            "timed out: client {c:?}, server {s:?}"
-        );
-        for (g, side, is_server) in [(&mut *server, &mut s, true), (&mut *client, &mut c, false)] {
-            g.dev
-                .run_until(Duration::from_millis(2), |_| false)
-                .unwrap();
-            while let Some(nt) = g.dev.pop_notice() {
-                match nt {
-                    Notice::Cm(Event::ConnectRequest { id, listen_id, .. })
-                        if is_server && listen_id == listen =>
-                    {
-                        g.dev.accept(id, &[]).unwrap();
-                    }
-                    Notice::Cm(Event::Established { id, .. }) => {
-                        side.established += 1;
-                        if !is_server {
-                            up.push(id);
-                        }
-                    }
-                    Notice::Cm(Event::Disconnected { id }) => {
-                        side.disconnected += 1;
-                        let _ = g.dev.destroy(id);
-                    }
-                    Notice::Cm(Event::Rejected { id, .. } | Event::Unreachable { id }) => {
-                        side.failed += 1;
-                        let _ = g.dev.destroy(id);
-                    }
-                    _ => {}
-                }
-            }
-        }
-        assert_eq!((c.failed, s.failed), (0, 0), "client {c:?}, server {s:?}");
-        if !torn && c.established == n && s.established == n {
-            for id in up.drain(..) {
-                client.dev.disconnect(id).unwrap();
-            }
-            torn = true;
-        }
-    }
-    for (g, side) in [(client, &mut c), (server, &mut s)] {
-        let _ = g.dev.flush(Duration::from_millis(200));
-        let k = g.dev.agent().counters();
-        side.retries = [AttributeId::Req, AttributeId::Rep, AttributeId::Dreq]
-            .iter()
-            .map(|a| k.get(Group::TxRetries, *a))
-            .sum();
-    }
-    (c, s)
+fn connections(
+    client: &mut GuestVm,
+    server: &mut GuestVm,
+    to: Gid,
+    n: u32,
+) -> (PairSide, PairSide) {
+    pair_connections(
+        client,
+        server,
+        to,
+        7471,
+        b"v6",
+        n,
+        Duration::from_secs(60),
+        |all_up| all_up,
+    )
+    .unwrap()
 }
 
 fn no_drops(host: &str, s: &Snapshot) {

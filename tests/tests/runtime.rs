@@ -18,14 +18,12 @@ use std::time::{Duration, Instant};
 
 use pvcm_backend::config::RxMode;
 use pvcm_backend::control;
+use pvcm_guest::cm::ConnectOptions;
 use pvcm_guest::cm::rdma_cm::tcp_service_id;
-use pvcm_guest::cm::{CmId, ConnectOptions, Event, Group};
-use pvcm_guest::device::Notice;
 use pvcm_lab::backend::{self, LabVmSpec};
 use pvcm_lab::lab::guest::{GuestOpts, GuestVm};
-use pvcm_lab::lab::standalone::big_guest;
+use pvcm_lab::lab::standalone::{PairSide, big_guest, pair_connections, pump_pair_side};
 use pvcm_wire::Gid;
-use pvcm_wire::mad::AttributeId;
 
 /// Connections the steady VMs hold.
 const N: u32 = 1000;
@@ -36,14 +34,6 @@ const ROUNDS: u8 = 3;
 
 fn ip(net: u8, c: u8, d: u8) -> Ipv4Addr {
     Ipv4Addr::new(127, net, c, d)
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct Side {
-    established: u32,
-    disconnected: u32,
-    failed: u32,
-    retries: u64,
 }
 
 /// The workload's phases: 1 = every connection up, 2 = tear them down (the main thread
@@ -60,47 +50,6 @@ impl Phase {
     }
 }
 
-/// Pumps `g` once and handles its notices: accepts requests on `listen`, counts events;
-/// established client connections go to `up`.
-fn pump(g: &mut GuestVm, side: &mut Side, listen: Option<CmId>, up: &mut Vec<CmId>) {
-    g.dev
-        .run_until(Duration::from_millis(2), |_| false)
-        .unwrap();
-    while let Some(nt) = g.dev.pop_notice() {
-        match nt {
-            Notice::Cm(Event::ConnectRequest { id, listen_id, .. })
-                if Some(listen_id) == listen =>
-            {
-                g.dev.accept(id, &[]).unwrap();
-            }
-            Notice::Cm(Event::Established { id, .. }) => {
-                side.established += 1;
-                if listen.is_none() {
-                    up.push(id);
-                }
-            }
-            Notice::Cm(Event::Disconnected { id }) => {
-                side.disconnected += 1;
-                let _ = g.dev.destroy(id);
-            }
-            Notice::Cm(Event::Rejected { id, .. } | Event::Unreachable { id }) => {
-                side.failed += 1;
-                let _ = g.dev.destroy(id);
-            }
-            _ => {}
-        }
-    }
-}
-
-fn retries(g: &mut GuestVm) -> u64 {
-    let _ = g.dev.flush(Duration::from_millis(200));
-    let k = g.dev.agent().counters();
-    [AttributeId::Req, AttributeId::Rep, AttributeId::Dreq]
-        .iter()
-        .map(|a| k.get(Group::TxRetries, *a))
-        .sum()
-}
-
 /// `n` connections from `client` to `server` (at `to`), all set up, held until `phase`
 /// reaches 2, then torn down from the client. Both guests are pumped in this thread.
 fn cmtime(
@@ -110,41 +59,25 @@ fn cmtime(
     n: u32,
     port: u16,
     phase: &Phase,
-) -> (Side, Side) {
-    let listen = server.dev.listen(tcp_service_id(port)).unwrap();
-    let opts = ConnectOptions::default();
-    for _ in 0..n {
-        client
-            .dev
-            .connect(to, tcp_service_id(port), b"rt", &opts)
-            .unwrap();
-    }
-    let (mut c, mut s) = (Side::default(), Side::default());
-    let mut up: Vec<CmId> = Vec::new();
-    let mut torn = false;
-    let until = Instant::now() + Duration::from_secs(300);
-    while c.disconnected < n || s.disconnected < n {
-        assert!(
-            Instant::now() < until,
-            "timed out: client {c:?}, server {s:?}"
-        );
-        pump(server, &mut s, Some(listen), &mut Vec::new());
-        pump(client, &mut c, None, &mut up);
-        assert_eq!((c.failed, s.failed), (0, 0), "client {c:?}, server {s:?}");
-        if c.established == n && s.established == n && phase.get() == 0 {
-            phase.set(1);
-        }
-        if !torn && phase.get() >= 2 {
-            for id in up.drain(..) {
-                client.dev.disconnect(id).unwrap();
+) -> (PairSide, PairSide) {
+    let r = pair_connections(
+        client,
+        server,
+        to,
+        port,
+        b"rt",
+        n,
+        Duration::from_secs(300),
+        |all_up| {
+            if all_up && phase.get() == 0 {
+                phase.set(1);
             }
-            torn = true;
-        }
-    }
-    c.retries = retries(client);
-    s.retries = retries(server);
+            phase.get() >= 2
+        },
+    )
+    .unwrap();
     phase.set(3);
-    (c, s)
+    r
 }
 
 fn vm_request(ctl: &Path, req: &str) -> String {
@@ -195,13 +128,13 @@ fn round(dir: &Path, ctl: &Path, net: u8, r: u8) {
             )
             .unwrap();
     }
-    let (mut sc, mut sd) = (Side::default(), Side::default());
+    let (mut sc, mut sd) = (PairSide::default(), PairSide::default());
     let mut up = Vec::new();
     let until = Instant::now() + Duration::from_secs(60);
     while sc.established < K || sd.established < K {
         assert!(Instant::now() < until, "round {r}: c {sc:?}, d {sd:?}");
-        pump(&mut vd, &mut sd, Some(listen), &mut Vec::new());
-        pump(&mut vc, &mut sc, None, &mut up);
+        pump_pair_side(&mut vd, &mut sd, Some(listen), &mut Vec::new()).unwrap();
+        pump_pair_side(&mut vc, &mut sc, None, &mut up).unwrap();
     }
     // c goes away with its K connections up: its guest is left unpumped (the VM is
     // gone), the backend releases them on its behalf.
@@ -214,7 +147,7 @@ fn round(dir: &Path, ctl: &Path, net: u8, r: u8) {
             Instant::now() < until,
             "round {r}: d saw {sd:?} after c left"
         );
-        pump(&mut vd, &mut sd, Some(listen), &mut Vec::new());
+        pump_pair_side(&mut vd, &mut sd, Some(listen), &mut Vec::new()).unwrap();
     }
     drop(vc);
     vm_request(ctl, &format!("vm remove {d}"));
