@@ -59,7 +59,7 @@ impl Bits {
     /// Whole loads for the word sizes the CM uses (1, 2, 3, 4 and 8 bytes): no per-byte
     /// loop, and a constant `Bits` folds to a single load and shift. Under an emulating
     /// VMM (TCG) a byte loop costs a translated block per byte.
-    #[inline]
+    #[inline(always)]
     fn word(&self, buf: &[u8]) -> u64 {
         let b = &buf[self.range()];
         match *b {
@@ -73,7 +73,7 @@ impl Bits {
     }
 
     /// Stores `word` as the big-endian word of [`Bits::range`].
-    #[inline]
+    #[inline(always)]
     fn put_word(&self, buf: &mut [u8], word: u64) {
         let b = &mut buf[self.range()];
         let all = word.to_be_bytes();
@@ -86,14 +86,14 @@ impl Bits {
     }
 
     /// Reads the field. `buf` must cover [`Bits::range`] (views guarantee this).
-    #[inline]
+    #[inline(always)]
     pub fn get(&self, buf: &[u8]) -> u64 {
         (self.word(buf) >> self.shift) & self.mask()
     }
 
     /// Writes the field, leaving the other bits of the word untouched. Bits of `value`
     /// above the field's width are discarded.
-    #[inline]
+    #[inline(always)]
     pub fn set(&self, buf: &mut [u8], value: u64) {
         let mask = self.mask() << self.shift;
         let word = if mask == u64::MAX >> (64 - 8 * self.len.clamp(1, 8)) {

@@ -31,6 +31,12 @@ impl<C: Clock> Mux<C> {
 
     /// A CM MAD from VM `vm`, to be sent to `dst`. Rewrites it in place.
     pub fn from_guest(&mut self, vm: VmId, buf: &mut [u8], dst: Gid) -> GuestVerdict {
+        let now = self.clock.now().0;
+        self.guest_mad_at(vm, buf, dst, now)
+    }
+
+    /// [`Mux::from_guest`] at time `now` (a batch reads the clock once).
+    fn guest_mad_at(&mut self, vm: VmId, buf: &mut [u8], dst: Gid, now: u64) -> GuestVerdict {
         if !self.vms.get(vm.0 as usize).is_some_and(|v| v.attached) {
             self.host_drops.bump(DropReason::UnknownConnection);
             return GuestVerdict::Drop(DropReason::UnknownConnection);
@@ -38,7 +44,6 @@ impl<C: Clock> Mux<C> {
         let verdict = match CmMad::new_checked(&mut *buf) {
             Err(_) => GuestVerdict::Drop(DropReason::Malformed),
             Ok(mut m) => {
-                let now = self.clock.now().0;
                 if now >= self.timers.peek().map_or(u64::MAX, |Reverse((t, _, _))| *t) {
                     self.poll();
                 }
@@ -585,9 +590,9 @@ impl<C: Clock> Mux<C> {
 
     /// [`Mux::from_guest`] for a batch of MADs from one VM (as a virtqueue delivers
     /// them): `dst(i, &mads[i])` is where `mads[i]` goes, `verdicts[i]` receives its
-    /// verdict. The MADs are rewritten where they are (any [`MadSlot`]: no copy). Looks
-    /// up the VM's comm-ID map and prefetches the entries first, like
-    /// [`Mux::from_wire_batch`].
+    /// verdict. The MADs are rewritten where they are (any [`MadSlot`]: no copy). Like
+    /// [`Mux::from_wire_batch`]: one reading of the clock, and the VM's comm-ID map
+    /// looked up and the entries prefetched first.
     pub fn from_guest_batch<B: MadSlot>(
         &mut self,
         vm: VmId,
@@ -606,9 +611,10 @@ impl<C: Clock> Mux<C> {
                 }
             }
         }
+        let now = self.clock.now().0;
         for i in 0..n {
             let d = dst(i, &mads[i]);
-            verdicts[i] = self.from_guest(vm, mads[i].mad_mut(), d);
+            verdicts[i] = self.guest_mad_at(vm, mads[i].mad_mut(), d, now);
         }
     }
 }
