@@ -321,16 +321,35 @@ impl UdpPort {
     /// the header the kernel writes: see `pvcm_wire::roce`); `None` when `dst` is of the
     /// other IP family.
     pub fn frame(&self, dst: SocketAddr, mad: &[u8; MAD_LEN]) -> Option<OutFrame> {
-        let ip = IpRepr::from_addrs(self.local.ip(), dst.ip())?;
+        let mut v = Vec::with_capacity(1);
+        self.frame_into(&mut v, dst, mad).then(|| v.pop())?
+    }
+
+    /// [`UdpPort::frame`], built where it is kept: at the end of `frames`. Returns
+    /// whether it was (false: `dst` is of the other IP family).
+    pub fn frame_into(
+        &self,
+        frames: &mut Vec<OutFrame>,
+        dst: SocketAddr,
+        mad: &[u8; MAD_LEN],
+    ) -> bool {
+        let Some(ip) = IpRepr::from_addrs(self.local.ip(), dst.ip()) else {
+            return false;
+        };
         let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
-        let mut frame = [0u8; FRAME_LEN];
         let udp = UdpRepr {
             dst_port: dst.port(),
             ..UdpRepr::new(self.local.port())
         };
-        // The buffer is exactly a frame and the MAD exactly 256 bytes: emit cannot fail.
-        let _ = FrameRepr::gsi(psn, mad).emit(&mut frame, &ip, &udp);
-        Some(OutFrame { dst, frame })
+        frames.push(OutFrame {
+            dst,
+            frame: [0u8; FRAME_LEN],
+        });
+        if let Some(f) = frames.last_mut() {
+            // The buffer is exactly a frame and the MAD exactly 256 bytes: emit cannot fail.
+            let _ = FrameRepr::gsi(psn, mad).emit(&mut f.frame, &ip, &udp);
+        }
+        true
     }
 
     /// Sends frames with `sendmmsg`; returns how many the kernel took (a full socket
@@ -873,6 +892,30 @@ impl SoftVms {
     }
 }
 
+/// Where a frame to `dst` goes from a VM whose address is `own` (in `scope`, the
+/// interface of a link-local GID): its IPv4 or IPv6 address and the RoCEv2 port `port`;
+/// `None` for a GID of the other family, or a link-local one a VM without a scope
+/// cannot reach.
+fn destination(own: IpAddr, scope: u32, port: u16, dst: Gid) -> Option<SocketAddr> {
+    match (own, dst.to_ipv4()) {
+        (IpAddr::V4(_), Some(a)) => Some(SocketAddr::V4(SocketAddrV4::new(a, port))),
+        (IpAddr::V6(_), None) => {
+            let scope = if dst.is_link_local() {
+                (scope != 0).then_some(scope)?
+            } else {
+                0
+            };
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                dst.into(),
+                port,
+                0,
+                scope,
+            )))
+        }
+        _ => None,
+    }
+}
+
 /// Opens the raw receive socket the mode asks for (None: udp mode, or no IPv4 VM).
 fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<RawRx>, Error> {
     if addrs.is_empty() {
@@ -1041,27 +1084,6 @@ impl SoftPort {
     /// Where VM `vm` sends a MAD for `dst`: the GID's address at the RoCEv2 port, in the
     /// VM's own family; a link-local IPv6 destination only from a VM whose own GID is
     /// link-local (its interface is the scope). `None`: not reachable from this VM.
-    fn destination(&self, vm: usize, dst: Gid) -> Option<SocketAddr> {
-        let (_, own, scope) = self.addr(vm)?;
-        match (own, dst.to_ipv4()) {
-            (IpAddr::V4(_), Some(a)) => Some(SocketAddr::V4(SocketAddrV4::new(a, self.port_num))),
-            (IpAddr::V6(_), None) => {
-                let scope = if dst.is_link_local() {
-                    (scope != 0).then_some(scope)?
-                } else {
-                    0
-                };
-                Some(SocketAddr::V6(SocketAddrV6::new(
-                    dst.into(),
-                    self.port_num,
-                    0,
-                    scope,
-                )))
-            }
-            _ => None,
-        }
-    }
-
     fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
         let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
@@ -1169,6 +1191,10 @@ impl SoftPort {
             };
             read += n;
             let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
+            // One look at the table for the batch (the lock is a read lock; VMs added
+            // or removed meanwhile count from the next batch on).
+            let table = self.table();
+            let mut last: Option<(u32, usize)> = None;
             for i in 0..n {
                 let (_, dgram, truncated) = rb.get(i);
                 // The destination decides whose counters a drop lands on; datagrams to
@@ -1177,17 +1203,20 @@ impl SoftPort {
                 let Some(dst) = dgram.get(ip_dst.range()).map(|_| ip_dst.get(dgram) as u32) else {
                     continue;
                 };
-                let p = self
-                    .table()
-                    .by_addr
-                    .get(&IpAddr::V4(Ipv4Addr::from(dst)))
-                    .copied();
-                let Some(p) = p else {
-                    continue;
+                // Datagrams of a batch mostly go to one VM: its index is remembered.
+                let p = match last {
+                    Some((a, p)) if a == dst => p,
+                    _ => {
+                        let Some(&p) = table.by_addr.get(&IpAddr::V4(Ipv4Addr::from(dst))) else {
+                            continue;
+                        };
+                        last = Some((dst, p));
+                        p
+                    }
                 };
                 // An address this host does not hold now (a VM not arrived yet, or
                 // gone by migration) is not ours either: its frames are another host's.
-                let Some(sock) = self.sock(p) else {
+                let Some(Some(sock)) = table.socks.get(p) else {
                     continue;
                 };
                 let Some(port) = ctx.vms.get(p) else {
@@ -1206,7 +1235,11 @@ impl SoftPort {
                     Ok((to, f)) if to.port() == self.port_num => {
                         match per_vm.iter_mut().find(|(q, _)| *q == p) {
                             Some((_, v)) => v.push(InMad::from(f)),
-                            None => per_vm.push((p, vec![InMad::from(f)])),
+                            None => {
+                                let mut v = Vec::with_capacity(n - i);
+                                v.push(InMad::from(f));
+                                per_vm.push((p, v));
+                            }
                         }
                     }
                     Ok(_) => {}
@@ -1216,6 +1249,7 @@ impl SoftPort {
                     }
                 }
             }
+            drop(table);
             if let Some(c) = ctx.capture {
                 c.flush();
             }
@@ -1464,22 +1498,18 @@ impl crate::port::WirePort for SoftPort {
         let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
         };
-        let frames: Vec<OutFrame> = mads
-            .iter()
-            .filter_map(|(dst, mad)| {
-                match self
-                    .destination(vm, *dst)
-                    .and_then(|to| sock.frame(to, mad))
-                {
-                    Some(f) => Some(f),
-                    None => {
-                        tracing::debug!(parent: &port.span, %dst, "no route from this VM's address to the GID: dropped");
-                        port.counters.drop(DevDrop::BadRemoteGid);
-                        None
-                    }
-                }
-            })
-            .collect();
+        let Some((_, own, scope)) = self.addr(vm) else {
+            return;
+        };
+        let mut frames: Vec<OutFrame> = Vec::with_capacity(mads.len());
+        for (dst, mad) in mads {
+            let built = destination(own, scope, self.port_num, *dst)
+                .is_some_and(|to| sock.frame_into(&mut frames, to, mad));
+            if !built {
+                tracing::debug!(parent: &port.span, %dst, "no route from this VM's address to the GID: dropped");
+                port.counters.drop(DevDrop::BadRemoteGid);
+            }
+        }
         self.send_frames(ctx, vm, &frames);
     }
 
