@@ -187,9 +187,10 @@ impl HostLoop {
 
     /// Takes one receive batch (MADs for any number of this host's VMs) through the mux
     /// to VMs, and replies to the wire. The mux lock is taken once for the batch, each
-    /// VM it delivers to is woken once, and what goes back to the wire is sent once per
-    /// sending VM. The MADs are rewritten where the port put them; a delivery copies its
-    /// MAD once, into the VM's rx backlog.
+    /// VM's share is written into its rx ring once (by this thread, or by the VM's
+    /// worker before its session has a ring), and what goes back to the wire is sent
+    /// once per sending VM. The MADs are rewritten where the port put them; a delivery
+    /// copies its MAD once, into the VM's rx backlog.
     fn route(&self, vms: &VmSet, mut arrivals: Arrivals) {
         arrivals.retain(|(vm, mads)| !mads.is_empty() && vms.get(*vm).is_some());
         if arrivals.is_empty() {
@@ -247,7 +248,7 @@ impl HostLoop {
         }
         for p in woken {
             if let Some(vp) = vms.get(p) {
-                vp.wake_rx();
+                vp.deliver_rx();
             }
         }
         // To the sender's GID, from the VM's own address (the soft port: its RoCEv2
@@ -383,6 +384,7 @@ pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Li
             Err(e) => tracing::warn!(error = %e, "vhost-user session ended with an error"),
         }
         *lock(&port.session) = None;
+        port.publish_rx_ring(None);
         if shared.stopping() && shared.keeps_state {
             // A clean stop with --state-dir: the next daemon restores the VM's
             // connections, so they are not released.

@@ -23,6 +23,13 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// A running session's rx queue, filled by whichever thread calls it (the device's
+/// `RxRing`): it writes the VM port's backlogged messages into the driver's buffers and
+/// returns how many it wrote.
+pub(crate) trait RxRingFill: fmt::Debug + Send + Sync {
+    fn deliver(&self, port: &VmPort) -> u64;
+}
+
 /// The handle that ends a VM's vhost-user session.
 pub(crate) struct Session(pub(crate) ShutdownHandle);
 
@@ -103,6 +110,8 @@ pub struct VmPort {
     pub(crate) lifecycle: Mutex<Lifecycle>,
     pub(crate) rx: Mutex<RxBacklog>,
     pub(crate) rx_wake: EventFd,
+    /// The running session's rx queue, once its device has one.
+    rx_ring: Mutex<Option<Arc<dyn RxRingFill>>>,
     pub(crate) counters: DevCounters,
     pub(crate) session: Mutex<Option<Session>>,
     /// The VM's quota of live connections now (0: the host's default); the spec's at
@@ -130,6 +139,7 @@ impl VmPort {
             lifecycle: Mutex::new(Lifecycle::initial(spec.incoming)),
             rx: Mutex::new(RxBacklog::new(rx_bytes, host)),
             rx_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
+            rx_ring: Mutex::new(None),
             counters: DevCounters::default(),
             session: Mutex::new(None),
             quota: AtomicU32::new(spec.vm.quota.unwrap_or(0)),
@@ -187,6 +197,25 @@ impl VmPort {
     /// Wakes the VM's worker to deliver its backlog.
     pub(crate) fn wake_rx(&self) {
         let _ = self.rx_wake.write(1);
+    }
+
+    /// Sets (or, `None`, forgets) the running session's rx queue.
+    pub(crate) fn publish_rx_ring(&self, ring: Option<Arc<dyn RxRingFill>>) {
+        *lock(&self.rx_ring) = ring;
+    }
+
+    /// Delivers the backlog now, on the calling thread, into the running session's rx
+    /// queue; without one, wakes the VM's worker to do it. The caller holds no other
+    /// lock: this takes the backlog, then the vring. What finds no buffer waits in the
+    /// backlog for the driver's next kick, as it would for the worker.
+    pub(crate) fn deliver_rx(&self) {
+        let ring = lock(&self.rx_ring).clone();
+        match ring {
+            Some(r) => {
+                r.deliver(self);
+            }
+            None => self.wake_rx(),
+        }
     }
 
     /// A VM port without a session and the default budgets, for tests.

@@ -9,10 +9,13 @@
 //!   SEND_ERROR back on rx carrying the MAD as sent, with a [`SendStatus`]);
 //! - PORT_INFO_REQUEST -> PORT_INFO on rx.
 //!
-//! Everything for rx goes through the VM's bounded backlog (`--rx-backlog`) and is
-//! written into rx buffers by this VM's own vring worker thread, woken by an eventfd, so
-//! a VM that posts no buffers only loses its own messages (counted) and never delays
-//! another VM or the wire.
+//! Everything for rx goes through the VM's bounded backlog (`--rx-backlog`). The host
+//! loop writes what it routes from the wire straight into the session's rx buffers (the
+//! ring the device publishes on its VM port), one batch at a time; what finds no buffer
+//! waits in the backlog and is written by this VM's own vring worker thread when the
+//! driver posts buffers (it kicks only then), or when woken by an eventfd. A VM that
+//! posts no buffers only loses its own messages (counted) and never delays another VM
+//! or the wire.
 //!
 //! Outside this module the device is [`PvcmDevice::new`] and vhost-user-backend's
 //! [`VhostUserBackendMut`], here. Inside, one file per job:
@@ -120,6 +123,9 @@ pub struct PvcmDevice {
     exit_notifier: EventNotifier,
     throttle: TxThrottle,
     transfer: Mutex<Option<Transfer>>,
+    /// Whether this session's rx ring is published on the VM port (see
+    /// [`PvcmDevice::publish_rx_ring`]).
+    rx_published: bool,
 }
 
 impl PvcmDevice {
@@ -135,7 +141,28 @@ impl PvcmDevice {
             exit_notifier,
             throttle: TxThrottle::default(),
             transfer: Mutex::new(None),
+            rx_published: false,
         })
+    }
+}
+
+impl PvcmDevice {
+    /// Publishes this session's rx ring on the VM port, so the host loop writes what it
+    /// routes to the VM straight into the ring. Done at the session's first event, once
+    /// memory and features are set; undone when either changes and on a reset (the next
+    /// event publishes again), and by the VM's thread when the session ends.
+    fn publish_rx_ring(&mut self, rx: &Vring) {
+        if let Some(ring) = self.rx_ring(rx) {
+            self.port.publish_rx_ring(Some(Arc::new(ring)));
+            self.rx_published = true;
+        }
+    }
+
+    fn unpublish_rx_ring(&mut self) {
+        if self.rx_published {
+            self.port.publish_rx_ring(None);
+            self.rx_published = false;
+        }
     }
 }
 
@@ -161,6 +188,7 @@ impl VhostUserBackendMut for PvcmDevice {
 
     fn set_event_idx(&mut self, enabled: bool) {
         self.event_idx = enabled;
+        self.unpublish_rx_ring();
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
@@ -169,6 +197,7 @@ impl VhostUserBackendMut for PvcmDevice {
 
     fn update_memory(&mut self, mem: GuestMemoryAtomic<Mem>) -> io::Result<()> {
         self.mem = Some(mem);
+        self.unpublish_rx_ring();
         Ok(())
     }
 
@@ -188,6 +217,7 @@ impl VhostUserBackendMut for PvcmDevice {
 
     fn reset_device(&mut self) {
         tracing::info!("device reset: releasing the VM's connections");
+        self.unpublish_rx_ring();
         self.shared.reset_vm(&self.port);
     }
 
@@ -212,6 +242,9 @@ impl VhostUserBackendMut for PvcmDevice {
         };
         if device_event <= 1 {
             self.vm_runs_here();
+        }
+        if !self.rx_published {
+            self.publish_rx_ring(rx);
         }
         match device_event {
             0 => self.process_tx(tx, rx),

@@ -9,12 +9,15 @@ use pvcm_wire::abi::{HEADER_LEN, RX_BUFFER_LEN};
 use pvcm_wire::mad::MAD_LEN;
 use vhost_user_backend::VringT;
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Address, Bytes, GuestAddressSpace, GuestMemory};
+use vm_memory::{Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemory, GuestMemoryBackend};
+
+use vm_memory::GuestMemoryAtomic;
 
 use super::{Mem, PvcmDevice, Vring};
 use crate::backlog::RxBacklog;
 use crate::mux::MadSlot;
 use crate::stats::{DevCounters, DevDrop, Io};
+use crate::vm_port::VmPort;
 
 /// Chains taken from the tx queue per round (then the used ring is published).
 pub(super) const TX_ROUND: usize = 256;
@@ -59,6 +62,45 @@ impl MadSlot for TxMsg {
     }
 }
 
+/// Copies guest memory at `addr` into `buf`: one region lookup for a buffer within one
+/// region (every buffer of a VM with one memory region), vm-memory's general path for
+/// one that crosses regions. Either way an address outside guest memory is an error.
+fn read_guest(
+    mem: &Mem,
+    buf: &mut [u8],
+    addr: GuestAddress,
+) -> Result<(), vm_memory::GuestMemoryError> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    match GuestMemoryBackend::get_slice(mem, addr, buf.len()) {
+        Ok(s) => {
+            s.copy_to(buf);
+            Ok(())
+        }
+        Err(_) => mem.read_slice(buf, addr),
+    }
+}
+
+/// [`read_guest`]'s counterpart: copies `buf` into guest memory at `addr` (the page is
+/// marked in the dirty log, as every write of vm-memory's).
+fn write_guest(
+    mem: &Mem,
+    buf: &[u8],
+    addr: GuestAddress,
+) -> Result<(), vm_memory::GuestMemoryError> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    match GuestMemoryBackend::get_slice(mem, addr, buf.len()) {
+        Ok(s) => {
+            s.copy_from(buf);
+            Ok(())
+        }
+        Err(_) => mem.write_slice(buf, addr),
+    }
+}
+
 /// Reads one tx chain into a buffer, checking it on the way.
 pub(super) fn read_chain<M>(mem: &Mem, chain: DescriptorChain<M>) -> Result<TxMsg, DevDrop>
 where
@@ -84,14 +126,14 @@ where
         let at = msg.len;
         let (head, payload) = msg.parts_mut(at, dl);
         let in_head = head.len() as u64;
-        mem.read_slice(head, desc.addr())
-            .map_err(|_| DevDrop::BadAddress)?;
-        let addr = desc
-            .addr()
-            .checked_add(in_head)
-            .ok_or(DevDrop::BadAddress)?;
-        mem.read_slice(payload, addr)
-            .map_err(|_| DevDrop::BadAddress)?;
+        read_guest(mem, head, desc.addr()).map_err(|_| DevDrop::BadAddress)?;
+        if !payload.is_empty() {
+            let addr = desc
+                .addr()
+                .checked_add(in_head)
+                .ok_or(DevDrop::BadAddress)?;
+            read_guest(mem, payload, addr).map_err(|_| DevDrop::BadAddress)?;
+        }
         msg.len += dl;
         last_has_next = desc.has_next();
     }
@@ -123,7 +165,7 @@ where
         }
         let take = (desc.len() as usize).min(bytes.len() - off);
         if take > 0 {
-            mem.write_slice(&bytes[off..off + take], desc.addr())
+            write_guest(mem, &bytes[off..off + take], desc.addr())
                 .map_err(|_| DevDrop::RxBadBuffer)?;
             off += take;
         }
@@ -150,11 +192,17 @@ pub(super) fn take_tx_round<M>(
 where
     M: Deref<Target = Mem> + Clone,
 {
-    let mut msgs = Vec::new();
     if event_idx {
         let _ = q.disable_notification(&**mem);
     }
-    let mut heads = Vec::new();
+    // Room for what the driver has made available (a capacity only: the walk below
+    // stops where the ring does), so the round's messages are not moved as it grows.
+    let ready = q
+        .avail_idx(&**mem, std::sync::atomic::Ordering::Acquire)
+        .map_or(0, |a| usize::from(a.0.wrapping_sub(q.next_avail())))
+        .min(TX_ROUND);
+    let mut msgs = Vec::with_capacity(ready);
+    let mut heads = Vec::with_capacity(ready);
     match q.iter(mem.clone()) {
         Ok(iter) => {
             for chain in iter {
@@ -248,44 +296,86 @@ where
     delivered
 }
 
-/// After [`fill_rx`]: with EVENT_IDX, asks for a kick when the driver posts buffers (the
-/// backlog may refill). Returns whether the driver wants a used-buffer notification.
-pub(super) fn finish_rx<M>(q: &mut Queue, mem: &M, event_idx: bool) -> bool
+/// After [`fill_rx`]: whether the driver wants a used-buffer notification. A fill that
+/// ran out of buffers has already asked for a kick when the driver posts more
+/// ([`fill_rx`] with EVENT_IDX); one that emptied the backlog asks for none, so a driver
+/// refilling its rx ring does not kick a device that has nothing to write.
+pub(super) fn finish_rx<M>(q: &mut Queue, mem: &M) -> bool
 where
     M: Deref<Target = Mem>,
 {
-    if event_idx {
-        let _ = q.enable_notification(&**mem);
-    }
     q.needs_notification(&**mem).unwrap_or(true)
 }
 
-impl PvcmDevice {
-    /// Writes backlogged messages into the driver's rx buffers.
-    pub(super) fn deliver_rx(&mut self, vring: &Vring) {
-        let Some(atomic) = self.mem.clone() else {
-            return;
-        };
-        let mem = atomic.memory();
-        let mut backlog = self.port.lock_rx();
+/// A session's rx queue as any thread can fill it: the vring, the guest memory and
+/// whether EVENT_IDX was negotiated. The device publishes it on its VM port
+/// ([`VmPort::publish_rx_ring`]) once the session runs, so the host loop writes the MADs
+/// it routes straight into the driver's buffers instead of waking the VM's worker for
+/// each batch.
+#[derive(Clone)]
+pub(crate) struct RxRing {
+    pub(super) vring: Vring,
+    pub(super) mem: GuestMemoryAtomic<Mem>,
+    pub(super) event_idx: bool,
+}
+
+impl std::fmt::Debug for RxRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RxRing")
+            .field("event_idx", &self.event_idx)
+            .finish_non_exhaustive()
+    }
+}
+
+impl crate::vm_port::RxRingFill for RxRing {
+    fn deliver(&self, port: &VmPort) -> u64 {
+        RxRing::deliver(self, port)
+    }
+}
+
+impl RxRing {
+    /// Writes `port`'s backlogged messages into the driver's rx buffers (lock order: the
+    /// backlog, then the vring), and signals the driver if it asks. A queue that is not
+    /// running (stopped for a migration, reset) is left alone: the backlog keeps its
+    /// messages. Returns how many were written.
+    pub(crate) fn deliver(&self, port: &VmPort) -> u64 {
+        let mem = self.mem.memory();
+        let mut backlog = port.lock_rx();
         if backlog.is_empty() {
-            return;
+            return 0;
         }
-        let mut st = vring.get_mut();
+        let mut st = self.vring.get_mut();
         if !st.is_enabled() || !st.get_queue().ready() {
-            return;
+            return 0;
         }
         let q = st.get_queue_mut();
-        let delivered = fill_rx(q, &mem, self.event_idx, &mut backlog, &self.port.counters);
+        let delivered = fill_rx(q, &mem, self.event_idx, &mut backlog, &port.counters);
         drop(backlog);
-        let notify = finish_rx(q, &mem, self.event_idx);
+        let notify = finish_rx(q, &mem);
         if delivered > 0 {
-            self.port.counters.add(Io::RxMessages, delivered);
+            port.counters.add(Io::RxMessages, delivered);
         }
-        if notify {
-            if let Err(e) = st.signal_used_queue() {
-                tracing::debug!(error = %e, "rx used signal failed");
-            }
+        if notify && let Err(e) = st.signal_used_queue() {
+            tracing::debug!(error = %e, "rx used signal failed");
+        }
+        delivered
+    }
+}
+
+impl PvcmDevice {
+    /// This session's rx ring (`None` before the guest memory is mapped).
+    pub(super) fn rx_ring(&self, vring: &Vring) -> Option<RxRing> {
+        Some(RxRing {
+            vring: vring.clone(),
+            mem: self.mem.clone()?,
+            event_idx: self.event_idx,
+        })
+    }
+
+    /// Writes backlogged messages into the driver's rx buffers.
+    pub(super) fn deliver_rx(&mut self, vring: &Vring) {
+        if let Some(ring) = self.rx_ring(vring) {
+            ring.deliver(&self.port);
         }
     }
 }

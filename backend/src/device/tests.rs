@@ -77,6 +77,7 @@ mod queue_tests {
     use pvcm_wire::Gid;
     use pvcm_wire::mad::AttributeId;
     use pvcm_wire::testing;
+    use vhost_user_backend::VringT;
     use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use virtio_queue::desc::RawDescriptor;
     use virtio_queue::desc::split::Descriptor as SplitDescriptor;
@@ -197,6 +198,13 @@ mod queue_tests {
 
     /// Posts `chains` (descriptor table from index 0, one avail entry per chain).
     fn post(mock: &MockSplitQueue<'_, Mem>, chains: &[Vec<D>]) -> Queue {
+        add_chains(mock, chains, 0);
+        mock.create_queue::<Queue>().unwrap()
+    }
+
+    /// Writes `chains` into the mock's descriptor table from index `first` and makes
+    /// them available.
+    fn add_chains(mock: &MockSplitQueue<'_, Mem>, chains: &[Vec<D>], first: u16) {
         let mut raw = Vec::new();
         for chain in chains {
             for (i, &D(addr, len, write)) in chain.iter().enumerate() {
@@ -209,14 +217,13 @@ mod queue_tests {
                 if !last {
                     flags |= VRING_DESC_F_NEXT as u16;
                 }
-                let next = if last { 0 } else { idx + 1 };
+                let next = if last { 0 } else { first + idx + 1 };
                 raw.push(RawDescriptor::from(SplitDescriptor::new(
                     addr, len, flags, next,
                 )));
             }
         }
-        mock.add_desc_chains(&raw, 0).unwrap();
-        mock.create_queue::<Queue>().unwrap()
+        mock.add_desc_chains(&raw, first).unwrap();
     }
 
     /// Writes a tx message (header + payload) at `addr`; returns its length.
@@ -465,7 +472,7 @@ mod queue_tests {
         let mut backlog = r.port.lock_rx();
         let n = fill_rx(&mut q, &&r.mem, false, &mut backlog, &r.port.counters);
         drop(backlog);
-        assert!(finish_rx(&mut q, &&r.mem, false));
+        assert!(finish_rx(&mut q, &&r.mem));
         n
     }
 
@@ -524,5 +531,124 @@ mod queue_tests {
         assert_eq!(lens, [0, 0, RX_BUFFER_LEN as u32]);
         // The first message went into the good buffer; two wait for more.
         assert_eq!(r.port.lock_rx().len(), 2);
+    }
+
+    /// A running rx queue over the mock's rings, as a vhost-user session sets one up:
+    /// the vring, its call eventfd, and the ring to publish.
+    fn running_rx(
+        r: &Rig,
+        mock: &MockSplitQueue<'_, Mem>,
+        event_idx: bool,
+    ) -> (Vring, EventFd, RxRing) {
+        use std::os::fd::{FromRawFd, IntoRawFd};
+        let mem = vm_memory::GuestMemoryAtomic::new(r.mem.clone());
+        let vring = Vring::new(mem.clone(), QSIZE).unwrap();
+        vring.set_queue_size(QSIZE);
+        vring
+            .set_queue_info(
+                mock.desc_table_addr().0,
+                mock.avail_addr().0,
+                mock.used_addr().0,
+            )
+            .unwrap();
+        vring.set_queue_event_idx(event_idx);
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        let call = EventFd::new(EFD_NONBLOCK).unwrap();
+        let fd = call.try_clone().unwrap().into_raw_fd();
+        // SAFETY: `fd` was just duplicated for this File, which becomes its only owner.
+        vring.set_call(Some(unsafe { std::fs::File::from_raw_fd(fd) }));
+        let ring = RxRing {
+            vring: vring.clone(),
+            mem,
+            event_idx,
+        };
+        (vring, call, ring)
+    }
+
+    fn push_mads(r: &Rig, n: u64) {
+        for tid in 0..n {
+            let mad = testing::req(r.vm.gid, r.vm.ca_guid, 1, tid, remote(), 0x10001);
+            assert!(r.port.push_rx(RxMsg::mad(remote(), &mad)));
+        }
+    }
+
+    fn buffers(n: u64) -> Vec<Vec<D>> {
+        (0..n)
+            .map(|i| vec![D(DATA + i * 0x200, RX_BUFFER_LEN as u32, true)])
+            .collect()
+    }
+
+    #[test]
+    fn routed_mads_go_straight_into_a_published_ring_and_wait_while_it_stops() {
+        let r = rig();
+        let mock = MockSplitQueue::new(&r.mem, QSIZE);
+        add_chains(&mock, &buffers(4), 0);
+        let (vring, call, ring) = running_rx(&r, &mock, false);
+        let _ = r.port.rx_wake.read();
+        // No ring published (no session running yet): the VM's worker is woken.
+        push_mads(&r, 2);
+        r.port.deliver_rx();
+        assert_eq!(r.port.rx_wake.read().unwrap(), 1);
+        assert_eq!(r.port.lock_rx().len(), 2);
+        assert_eq!(mock.used().idx().load(), 0);
+        // Published: written on the calling thread, the driver signalled, no wakeup.
+        r.port.publish_rx_ring(Some(Arc::new(ring)));
+        r.port.deliver_rx();
+        assert!(r.port.lock_rx().is_empty());
+        assert_eq!(mock.used().idx().load(), 2);
+        assert_eq!(call.read().unwrap(), 1);
+        assert_eq!(r.port.counters.io(Io::RxMessages), 2);
+        assert!(r.port.rx_wake.read().is_err(), "the worker was woken");
+        // A queue stopped (GET_VRING_BASE, reset) is not written: the MAD waits.
+        vring.set_enabled(false);
+        push_mads(&r, 1);
+        r.port.deliver_rx();
+        assert_eq!((r.port.lock_rx().len(), mock.used().idx().load()), (1, 2));
+        vring.set_enabled(true);
+        vring.set_queue_ready(false);
+        r.port.deliver_rx();
+        assert_eq!((r.port.lock_rx().len(), mock.used().idx().load()), (1, 2));
+        // Unpublished (the session ended): back to waking the worker.
+        r.port.publish_rx_ring(None);
+        r.port.deliver_rx();
+        assert_eq!(r.port.rx_wake.read().unwrap(), 1);
+        assert_eq!(r.port.lock_rx().len(), 1);
+    }
+
+    /// The used ring's avail_event (EVENT_IDX): after the ring's entries.
+    fn avail_event(r: &Rig, mock: &MockSplitQueue<'_, Mem>) -> u16 {
+        let at = mock.used_addr().0 + 4 + 8 * u64::from(QSIZE);
+        r.mem.read_obj::<u16>(GuestAddress(at)).unwrap()
+    }
+
+    #[test]
+    fn with_event_idx_only_a_fill_that_runs_out_of_buffers_asks_for_a_kick() {
+        let r = rig();
+        let mock = MockSplitQueue::new(&r.mem, QSIZE);
+        add_chains(&mock, &buffers(2), 0);
+        let (_vring, _call, ring) = running_rx(&r, &mock, true);
+        // Sentinel: a value no fill below would write.
+        r.mem
+            .write_obj(
+                0xBEEFu16,
+                GuestAddress(mock.used_addr().0 + 4 + 8 * u64::from(QSIZE)),
+            )
+            .unwrap();
+        // Two buffers for one MAD: the backlog empties, no kick is asked for.
+        push_mads(&r, 1);
+        assert_eq!(ring.deliver(&r.port), 1);
+        assert_eq!(avail_event(&r, &mock), 0xBEEF);
+        // Three MADs for the one buffer left: the fill runs out and asks to be kicked
+        // when the driver makes the next buffer available (avail index 2).
+        push_mads(&r, 3);
+        assert_eq!(ring.deliver(&r.port), 1);
+        assert_eq!(r.port.lock_rx().len(), 2);
+        assert_eq!(avail_event(&r, &mock), 2);
+        // The driver posts two more: both waiting MADs go in.
+        add_chains(&mock, &buffers(2), 2);
+        assert_eq!(ring.deliver(&r.port), 2);
+        assert!(r.port.lock_rx().is_empty());
+        assert_eq!(mock.used().idx().load(), 4);
     }
 }
