@@ -54,7 +54,7 @@ pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Durat
     let frames: Vec<_> = (0..BATCH)
         .filter_map(|_| a.frame(b.local(), &mad))
         .collect();
-    let got = Arc::new(AtomicU64::new(0));
+    let got = Arc::new(Progress::new());
     let g = got.clone();
     let t0 = Instant::now();
     let rx = std::thread::spawn(move || {
@@ -75,16 +75,15 @@ pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Durat
                 continue;
             }
             total += k;
-            g.store(total, Ordering::Release);
+            g.advance(total);
         }
         total
     });
     let mut sent = 0u64;
     let give_up = Instant::now() + Duration::from_secs(60);
     while sent < n && Instant::now() < give_up {
-        while sent - got.load(Ordering::Acquire) > WINDOW && Instant::now() < give_up {
-            // As the VM's sender below: yield, do not spin (2 cores are shared).
-            std::thread::yield_now();
+        while sent - got.get() > WINDOW && Instant::now() < give_up {
+            got.wait();
         }
         let k = (n - sent).min(BATCH as u64) as usize;
         sent += a.send_batch(&frames[..k]) as u64;
@@ -97,6 +96,42 @@ pub fn raw_udp_baseline(from: Ipv4Addr, to: Ipv4Addr, n: u64) -> LabResult<Durat
         return Err(format!("baseline lost frames: {total}/{n}").into());
     }
     Ok(dt)
+}
+
+/// How many messages the receiving thread has counted, and the sending thread that
+/// waits for it when its window is full. The sender sleeps (`park`) instead of yielding
+/// in a loop: a spinning sender stays runnable and takes CPU time from the backends it
+/// measures on a machine with few cores, as a guest driver waiting for its interrupt
+/// does not.
+struct Progress {
+    got: AtomicU64,
+    sender: std::thread::Thread,
+}
+
+impl Progress {
+    /// Counted on the calling (sending) thread's behalf.
+    fn new() -> Self {
+        Progress {
+            got: AtomicU64::new(0),
+            sender: std::thread::current(),
+        }
+    }
+
+    fn get(&self) -> u64 {
+        self.got.load(Ordering::Acquire)
+    }
+
+    /// On the receiver: `total` counted so far; wakes the sender if it sleeps.
+    fn advance(&self, total: u64) {
+        self.got.store(total, Ordering::Release);
+        self.sender.unpark();
+    }
+
+    /// On the sender: sleeps until the receiver advances (or 10 ms pass, so that a
+    /// receiver that gave up is noticed).
+    fn wait(&self) {
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
 }
 
 fn recv_mad(vm: &mut LabVm) -> LabResult<Mad> {
@@ -183,7 +218,7 @@ fn through(
     dst: pvcm_wire::Gid,
     n: u64,
 ) -> LabResult<(f64, u64, LabVm)> {
-    let got = Arc::new(AtomicU64::new(0));
+    let got = Arc::new(Progress::new());
     let g = got.clone();
     let t0 = Instant::now();
     let rx = std::thread::spawn(move || {
@@ -195,18 +230,18 @@ fn through(
                 break;
             }
             total += k;
-            g.store(total, Ordering::Release);
+            g.advance(total);
         }
         (total, b)
     });
     let mut sent = 0u64;
     let give_up = Instant::now() + Duration::from_secs(120);
     while sent < n {
-        while sent - got.load(Ordering::Acquire) > WINDOW {
+        while sent - got.get() > WINDOW {
             if rx.is_finished() || Instant::now() > give_up {
                 break;
             }
-            std::thread::yield_now();
+            got.wait();
         }
         if rx.is_finished() || Instant::now() > give_up {
             break;
