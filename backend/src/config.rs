@@ -710,6 +710,13 @@ pub struct ServeArgs {
     /// `ibv_devinfo -v` shows it [default: 15, rdma_rxe's].
     #[arg(long, value_name = "N", value_parser = parse_ca_ack_delay)]
     pub ca_ack_delay: Option<u8>,
+    /// Receive coalescing, as a NIC's interrupt moderation: after a wakeup that read a
+    /// batch of MADs (8 or more) from the wire, the host loop sleeps this long before
+    /// it waits again, so that it reads fuller batches and the senders do not pay a
+    /// wakeup every few frames. A wakeup that read fewer waits at once: a lone MAD is
+    /// never delayed. 0 turns it off; at most 1000 [default: 50].
+    #[arg(long, value_name = "USECS", value_parser = parse_rx_coalesce)]
+    pub rx_coalesce_us: Option<u64>,
 }
 
 /// `pvcm-backend stat` options.
@@ -942,6 +949,8 @@ pub struct Config {
     pub path_mtu: u8,
     /// The local CA ACK delay VMs report (5-bit exponent).
     pub ca_ack_delay: u8,
+    /// How long the host loop sleeps after a busy wakeup (zero: never).
+    pub rx_coalesce: std::time::Duration,
 }
 
 /// The path MTU (IBTA code) when neither the port nor `--path-mtu` tells: 1024 bytes,
@@ -963,6 +972,16 @@ fn parse_path_mtu(v: &str) -> Result<u8, ConfigError> {
             "a path MTU in bytes: 256, 512, 1024, 2048 or 4096".into(),
         )),
     }
+}
+
+/// The host loop's receive coalescing without `--rx-coalesce-us`.
+pub const DEFAULT_RX_COALESCE: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// `--rx-coalesce-us`: 0 ... 1000 microseconds.
+fn parse_rx_coalesce(v: &str) -> Result<u64, ConfigError> {
+    number(v)
+        .filter(|n| *n <= 1000)
+        .ok_or_else(|| ConfigError::Invalid("microseconds from 0 to 1000".into()))
 }
 
 /// `--ca-ack-delay`: 0 ... 31.
@@ -996,6 +1015,7 @@ impl Config {
             log_format: LogFormat::Text,
             path_mtu: DEFAULT_PATH_MTU,
             ca_ack_delay: DEFAULT_CA_ACK_DELAY,
+            rx_coalesce: DEFAULT_RX_COALESCE,
         }
     }
 
@@ -1068,6 +1088,9 @@ impl Config {
         cfg.log_format = args.log_format.unwrap_or_default();
         cfg.path_mtu = args.path_mtu.unwrap_or(DEFAULT_PATH_MTU);
         cfg.ca_ack_delay = args.ca_ack_delay.unwrap_or(DEFAULT_CA_ACK_DELAY);
+        cfg.rx_coalesce = args
+            .rx_coalesce_us
+            .map_or(DEFAULT_RX_COALESCE, std::time::Duration::from_micros);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -1127,11 +1150,12 @@ impl Config {
         };
         let _ = writeln!(
             s,
-            "port {}, policy {}, wire rx {}, RoCEv2 UDP port {}",
+            "port {}, policy {}, wire rx {}, RoCEv2 UDP port {}, rx coalescing {} us",
             self.port,
             self.policy.name(),
             self.wire_rx.name(),
-            self.bind_port
+            self.bind_port,
+            self.rx_coalesce.as_micros()
         );
         for v in &self.vms {
             let _ = writeln!(
@@ -1492,6 +1516,7 @@ fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
         log_format: cli.log_format.or(file.log_format),
         path_mtu: cli.path_mtu.or(file.path_mtu),
         ca_ack_delay: cli.ca_ack_delay.or(file.ca_ack_delay),
+        rx_coalesce_us: cli.rx_coalesce_us.or(file.rx_coalesce_us),
     }
 }
 
@@ -2035,6 +2060,11 @@ incoming = true
     fn path_values_where_the_port_cannot_tell_them() {
         let c = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1"]).unwrap();
         assert_eq!((c.path_mtu, c.ca_ack_delay), (pvcm_wire::abi::MTU_1024, 15));
+        assert_eq!(c.rx_coalesce, std::time::Duration::from_micros(50));
+        for (v, us) in [("0", 0), ("1000", 1000), ("20", 20)] {
+            let c = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", "--rx-coalesce-us", v]).unwrap();
+            assert_eq!(c.rx_coalesce, std::time::Duration::from_micros(us));
+        }
         let c = parse(&[
             "--vm",
             "socket=/tmp/x,gid=127.1.0.1",
@@ -2045,7 +2075,12 @@ incoming = true
         ])
         .unwrap();
         assert_eq!((c.path_mtu, c.ca_ack_delay), (pvcm_wire::abi::MTU_4096, 10));
-        for (opt, bad) in [("--path-mtu", "1500"), ("--ca-ack-delay", "32")] {
+        for (opt, bad) in [
+            ("--path-mtu", "1500"),
+            ("--ca-ack-delay", "32"),
+            ("--rx-coalesce-us", "1001"),
+            ("--rx-coalesce-us", "2ms"),
+        ] {
             let e = parse(&["--vm", "socket=/tmp/x,gid=127.1.0.1", opt, bad])
                 .unwrap_err()
                 .to_string();

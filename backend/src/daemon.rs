@@ -102,6 +102,46 @@ impl Timer {
     }
 }
 
+/// Receive coalescing, the host loop's interrupt moderation (`--rx-coalesce-us`).
+///
+/// A reader that waits in `epoll_wait` as soon as its socket is empty is woken for
+/// every few datagrams under load, and each wakeup costs the thread that queues the
+/// datagram (on loopback, the peer backend's sender itself) a cross-CPU wakeup; the
+/// woken loop may also be placed on that sender's CPU. After a wakeup that read a batch
+/// ([`RxCoalesce::BUSY`] MADs or more) the loop sleeps `delay` first instead: frames
+/// queue meanwhile with no reader waiting, the senders pay no wakeup, and the next read
+/// takes a fuller batch. A wakeup that read fewer (an idle or lightly loaded wire)
+/// waits at once, so a lone MAD is never delayed. The socket buffers hold far more than
+/// a delay's worth of frames (at most 1 ms of them).
+#[derive(Debug)]
+struct RxCoalesce {
+    delay: Duration,
+}
+
+impl RxCoalesce {
+    /// MADs read in one wakeup that make it a busy one.
+    const BUSY: usize = 8;
+
+    /// On the host loop's thread: also lowers the thread's timer slack to 1 us, so that
+    /// a sleep of tens of microseconds is not stretched by the default 50 us slack.
+    fn new(delay: Duration) -> RxCoalesce {
+        if !delay.is_zero() {
+            // SAFETY: PR_SET_TIMERSLACK takes an integer argument and changes only the
+            // calling thread's timer slack.
+            let r = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+            if r != 0 {
+                tracing::debug!(error = %io::Error::last_os_error(), "timer slack unchanged");
+            }
+        }
+        RxCoalesce { delay }
+    }
+
+    /// How long to sleep after a wakeup that read `mads` MADs from the wire.
+    fn pause_after(&self, mads: usize) -> Option<Duration> {
+        (mads >= Self::BUSY && !self.delay.is_zero()).then_some(self.delay)
+    }
+}
+
 const TOK_STOP: u64 = TOKEN_LIMIT;
 const TOK_TIMER: u64 = TOK_STOP + 1;
 const TOK_WAKE: u64 = TOK_STOP + 2;
@@ -115,12 +155,20 @@ struct HostLoop {
     control: Option<UnixListener>,
     metrics: Option<TcpListener>,
     serving: Arc<crate::control::Serving>,
+    rx_coalesce: Duration,
 }
 
 impl HostLoop {
     fn run(mut self) {
         let mut events = vec![EpollEvent::default(); 64];
+        let coalesce = RxCoalesce::new(self.rx_coalesce);
+        // MADs read from the wire since the last wait.
+        let mut read = 0;
         loop {
+            if let Some(d) = coalesce.pause_after(read) {
+                std::thread::sleep(d);
+            }
+            read = 0;
             self.arm_timer();
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
@@ -151,6 +199,7 @@ impl HostLoop {
                         shared
                             .port
                             .receive(&shared.port_ctx(&vms), tok, &mut |batch| {
+                                read += batch.iter().map(|(_, m)| m.len()).sum::<usize>();
                                 self.route(&vms, batch)
                             });
                     }
@@ -692,6 +741,7 @@ impl Daemon {
             control,
             metrics,
             serving: Arc::default(),
+            rx_coalesce: cfg.rx_coalesce,
         };
         let host = std::thread::Builder::new()
             .name("pvcm-host".into())
@@ -876,4 +926,22 @@ fn boot_clock_usec() -> u64 {
     // SAFETY: `ts` is a valid timespec for the call to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     (ts.tv_sec.max(0) as u64) * 1_000_000 + (ts.tv_nsec.max(0) as u64) / 1_000
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_busy_wakeup_pauses_the_host_loop() {
+        let c = RxCoalesce::new(Duration::from_micros(50));
+        for mads in [0, 1, RxCoalesce::BUSY - 1] {
+            assert_eq!(c.pause_after(mads), None, "{mads} MADs");
+        }
+        for mads in [RxCoalesce::BUSY, 64, 10_000] {
+            assert_eq!(c.pause_after(mads), Some(Duration::from_micros(50)));
+        }
+        let off = RxCoalesce::new(Duration::ZERO);
+        assert_eq!(off.pause_after(64), None);
+    }
 }
