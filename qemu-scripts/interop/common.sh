@@ -41,6 +41,37 @@ wait_kernel_peers() {
     done
 }
 
+# prime_neighbors ADDR...: resolves each address's link-layer neighbor on the host (one
+# datagram to the discard port, then until the entry is usable, at most 5 s each). A host
+# that has not talked to a peer yet queues what it sends there while it resolves it, and
+# drops what overflows that queue (net.ipv*.neigh.DEV.unres_qlen_bytes): a passive
+# side's burst of REPs to a peer whose REQs came in faster than its neighbor solicitation
+# was answered loses some, which reach no counter of pvcm's (only the kernel's
+# unresolved_discards, see below), and the CM's retries recover them seconds later.
+prime_neighbors() {
+    local a
+    for a in "$@"; do
+        echo >"/dev/udp/$a/9" 2>/dev/null || true
+        for _ in $(seq 50); do
+            ip neigh show to "$a" | grep -Eq 'REACHABLE|STALE|DELAY|PROBE' && break
+            sleep 0.1
+        done
+    done
+}
+
+# unresolved_discards: the frames the kernel has dropped while resolving neighbors, ARP
+# and NDP together (the sum over CPUs of /proc/net/stat/*_cache's unresolved_discards).
+unresolved_discards() {
+    local f n=0 cols
+    for f in /proc/net/stat/arp_cache /proc/net/stat/ndisc_cache; do
+        [ -r "$f" ] || continue
+        while read -r -a cols; do
+            [[ ${cols[11]:-} =~ ^[0-9a-f]+$ ]] && n=$((n + 16#${cols[11]}))
+        done <"$f"
+    done
+    echo "$n"
+}
+
 # start_listener PEER [ADDR PORT]: rdma-core's cmtime listening in PEER, in the
 # background (it never exits): on 0.0.0.0 port 7471, or bound to ADDR (cmtime -b, an
 # IPv6 address too) on PORT; returns once the kernel lists its listening cm_id. The

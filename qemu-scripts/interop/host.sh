@@ -14,7 +14,7 @@
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
-vm_ip=10.99.0.1 k_ip=10.99.0.2
+vm_ip=10.99.0.1 k_ip=10.99.0.2 j_ip=10.99.0.3
 vm_ip6=fd99::21 k_ip6=fd99::2 j_ip6=fd99::3
 results="$work/results.txt"
 figures="$work/figures.txt"
@@ -33,6 +33,7 @@ selected() { [[ ",$only," == *",$1,"* ]]; }
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start_backend "vm:$vm_ip" "vm6:$vm_ip6"
 wait_kernel_peers
+prime_neighbors "$k_ip" "$j_ip"
 start_listener k || echo "k: $(cat "$work/k.listener.out")"
 kcounters k before
 kcounters j before
@@ -262,9 +263,11 @@ PY
 if selected 9; then
     say "9. IPv6, soft port: pvcm VM $vm_ip6 -> kernel k $k_ip6, kernel j $j_ip6 -> pvcm VM, $conns connections each"
     start_listener k "$k_ip6" 7476 || echo "k: $(cat "$work/k.listener7476.out")"
+    prime_neighbors "$k_ip6" "$j_ip6"
     kcounters k v6before
     kcounters j v6before
     stat_json v6before
+    unresolved_discards >"$work/unresolved.v6before"
     vm_start v6 "
 echo '@@ cmtime'; pvcm-guest cmtime --dest $k_ip6 --port 7476 --connections $conns --timeout 120; echo \"@@ rc \$?\"
 echo '@@ server'; pvcm-guest cmtime --server --connections $conns --timeout 200; echo \"@@ rc \$?\"
@@ -279,6 +282,7 @@ true" vm6
     kcounters j v6after
     sleep 0.5
     stat_json v6after
+    unresolved_discards >"$work/unresolved.v6after"
     python3 - "$work" "$conns" "$figures" <<'PY' | tee -a "$results"
 import json, re, sys
 wd, conns, figures = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -328,6 +332,10 @@ for p in peers:
         d = v - kb[p].get(k, 0)
         if d and (k.startswith("cm_tx_retries/") or k.startswith("cm_rx_duplicates/")):
             bad["9c"].append(f"kernel {p}: {k} +{d}")
+unres = [read(f"unresolved.{t}").strip() for t in ("v6before", "v6after")]
+if all(u.isdigit() for u in unres) and int(unres[1]) > int(unres[0]):
+    bad["9c"].append(f"the host dropped {int(unres[1]) - int(unres[0])} frames while resolving "
+                     "a neighbor (unresolved_discards)")
 s0, s1 = stat("v6before"), stat("v6after")
 fig = open(figures, "a")
 if not s0 or not s1:
