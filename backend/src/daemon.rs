@@ -273,7 +273,16 @@ impl HostLoop {
                         }
                         WireVerdict::Reply => {}
                         WireVerdict::Drop(r) => {
-                            tracing::debug!(parent: &port.span, src = %f.src, reason = r.name(), "wire MAD dropped by the mux");
+                            let attr = pvcm_wire::mad::field::ATTR_ID.get(&f.mad) as u16;
+                            tracing::debug!(
+                                parent: &port.span,
+                                src = %f.src,
+                                attr = %pvcm_wire::mad::AttributeId::from_u16(attr)
+                                    .map_or_else(|| format!("{attr:#06x}"), |a| a.to_string()),
+                                tid = format_args!("{:#x}", pvcm_wire::mad::field::TID.get(&f.mad)),
+                                reason = r.name(),
+                                "wire MAD dropped by the mux"
+                            );
                         }
                     }
                 }

@@ -38,6 +38,7 @@ The last line reads "apps: N passed, N failed"; exit 0 when all passed.
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -66,7 +67,8 @@ def pair_backend(lab):
     backend = lab.backend(
         "--port", "packet:pvcm-qp1",
         "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
-        "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}")
+        "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}",
+        env={"RUST_LOG": os.environ.get("RUST_LOG", BACKEND_LOG)})
     return backend, sa, sb
 
 
@@ -285,14 +287,39 @@ def live_entries(st):
     return st.get("host", {}).get("live")
 
 
-def drops(st):
-    """The backend's drops, host-wide, the mux's and the devices', but for
+# The backends' log level: info, and debug for the modules that log each MAD they drop
+# (with its reason and source), so that a drop in a run explains itself.
+BACKEND_LOG = "info,pvcm_backend::daemon=debug,pvcm_backend::device=debug"
+
+
+def drop_reasons(st):
+    """The backend's drops by reason, host-wide, the mux's and the devices', but for
     `quarantined`: late answers to connections that had ended, which the peer sent
     before our REJ or DREQ reached it (a process killed mid-handshake), dropped as the
     kernel CM drops a message for a cm_id it destroyed."""
     h = st.get("host", {})
-    mux = {k: v for k, v in h.get("drops", {}).items() if k != "quarantined"}
-    return sum(mux.values()) + sum(h.get("device_drops", {}).values())
+    out = {k: v for k, v in h.get("drops", {}).items() if v and k != "quarantined"}
+    out.update({k: v for k, v in h.get("device_drops", {}).items() if v})
+    return out
+
+
+def drops(st):
+    """How many MADs the backend dropped (the sum of drop_reasons)."""
+    return sum(drop_reasons(st).values())
+
+
+def drop_report(st, backend):
+    """The drops by reason and the backend's last log lines about dropped MADs."""
+    text = f"drops {drops(st)} {drop_reasons(st)}"
+    if drops(st):
+        try:
+            log = backend.log.read_text(errors="replace").splitlines()
+        except OSError:
+            log = []
+        lines = [l for l in log if "dropped" in l][-5:]
+        if lines:
+            text += "; backend log: " + " | ".join(lines)
+    return text
 
 
 def quarantined(st):
@@ -318,7 +345,8 @@ def ipv6_lab(workdir, pcap):
             "--port", "packet:pvcm-qp1",
             "--vm", f"socket={sa},gid={A6},name=a6,{QPN_WINDOW}",
             "--vm", f"socket={sb},gid={B6},name=b6,{QPN_WINDOW}",
-            "--vm", f"socket={sc},gid=::ffff:{C4},name=c4,{QPN_WINDOW}", name="backend6")
+            "--vm", f"socket={sc},gid=::ffff:{C4},name=c4,{QPN_WINDOW}", name="backend6",
+            env={"RUST_LOG": os.environ.get("RUST_LOG", BACKEND_LOG)})
         k = lab.kernel_guest("k6", K, K6, wait=False)
         a = lab.pvcm_vm("a6", A, A6, socket=str(sa), wait=False)
         b = lab.pvcm_vm("b6", B, B6, socket=str(sb), wait=False)
@@ -345,8 +373,7 @@ def ipv6_lab(workdir, pcap):
         mads = {n: wire_mads(st, n) for n in ("a6", "b6", "c4")}
         result("IPv6 and IPv4 VMs of one backend carried MADs",
                all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
-        d = drops(st)
-        result("IPv6 lab: pvcm-backend 0 drops", d == 0, f"drops {d}")
+        result("IPv6 lab: pvcm-backend 0 drops", drops(st) == 0, drop_report(st, backend))
 
 
 def main():
@@ -422,9 +449,9 @@ def main():
                 if traffic:
                     result("pvcm-backend carried the VMs' MADs (wire frames sent, received)",
                            all(t > 0 and r > 0 for t, r in mads.values()), str(mads))
-                d = drops(st)
-                result("pvcm-backend: 0 drops", d == 0,
-                       f"drops {d}; late answers to ended connections {quarantined(st)}")
+                result("pvcm-backend: 0 drops", drops(st) == 0,
+                       f"{drop_report(st, backend)}; late answers to ended connections "
+                       f"{quarantined(st)}")
     except LabError as e:
         result("lab", False, str(e))
     if "6" in only:
