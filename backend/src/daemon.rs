@@ -273,13 +273,10 @@ impl HostLoop {
                         }
                         WireVerdict::Reply => {}
                         WireVerdict::Drop(r) => {
-                            let attr = pvcm_wire::mad::field::ATTR_ID.get(&f.mad) as u16;
                             tracing::debug!(
                                 parent: &port.span,
                                 src = %f.src,
-                                attr = %pvcm_wire::mad::AttributeId::from_u16(attr)
-                                    .map_or_else(|| format!("{attr:#06x}"), |a| a.to_string()),
-                                tid = format_args!("{:#x}", pvcm_wire::mad::field::TID.get(&f.mad)),
+                                mad = %crate::rx::describe_mad(&f.mad),
                                 reason = r.name(),
                                 "wire MAD dropped by the mux"
                             );

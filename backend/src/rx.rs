@@ -6,6 +6,19 @@ use pvcm_wire::Gid;
 use pvcm_wire::abi::{self, HEADER_LEN, MsgHeader, MsgType, RX_BUFFER_LEN, SendStatus};
 use pvcm_wire::mad::MAD_LEN;
 
+/// A MAD for a log line: its CM header (attribute, method, TID), or its raw attribute
+/// ID when the header does not parse.
+pub(crate) fn describe_mad(mad: &[u8]) -> String {
+    use pvcm_wire::mad::{Header, Packet, field};
+    match Packet::new_checked(mad).and_then(|p| Header::parse(&p)) {
+        Ok(h) => h.to_string(),
+        Err(_) if mad.len() >= MAD_LEN => {
+            format!("attr_id={:#06x} (no CM header)", field::ATTR_ID.get(mad))
+        }
+        Err(_) => format!("{} bytes (no MAD)", mad.len()),
+    }
+}
+
 /// A MAD received from the wire that passed the port's checks, with its addressing.
 #[derive(Debug, Clone)]
 pub struct InMad {
@@ -137,5 +150,23 @@ impl RxMsg {
     /// The message type.
     pub fn msg_type(&self) -> Option<MsgType> {
         MsgType::from_u16(u16::from_le_bytes([self.buf[0], self.buf[1]]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pvcm_wire::mad::AttributeId;
+
+    #[test]
+    fn a_dropped_mad_is_described_by_its_header_or_its_attribute() {
+        let rep = pvcm_wire::testing::ids(AttributeId::Rep, 0x1234, 1, 2);
+        let d = describe_mad(&rep);
+        assert!(d.contains(&AttributeId::Rep.to_string()), "{d}");
+        assert!(d.contains("tid=0x0000000000001234"), "{d}");
+        let mut junk = [0u8; MAD_LEN];
+        junk[16..18].copy_from_slice(&0x0013u16.to_be_bytes());
+        assert_eq!(describe_mad(&junk), "attr_id=0x0013 (no CM header)");
+        assert_eq!(describe_mad(&junk[..10]), "10 bytes (no MAD)");
     }
 }

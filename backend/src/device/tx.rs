@@ -235,7 +235,12 @@ impl PvcmDevice {
                 GuestVerdict::Reply => own_rx.push(RxMsg::mad(h.remote_gid, &m.mad)),
                 GuestVerdict::Drop(r) => {
                     bad += 1;
-                    tracing::debug!(reason = r.name(), "tx MAD dropped by the mux");
+                    tracing::debug!(
+                        dst = %h.remote_gid,
+                        mad = %crate::rx::describe_mad(&m.mad),
+                        reason = r.name(),
+                        "tx MAD dropped by the mux"
+                    );
                     // The mux leaves a MAD it refuses untouched: echoed as the VM sent it.
                     own_rx.push(RxMsg::send_error(h, send_status(r), &m.mad));
                 }
