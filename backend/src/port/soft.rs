@@ -321,8 +321,11 @@ impl UdpPort {
     /// the header the kernel writes: see `pvcm_wire::roce`); `None` when `dst` is of the
     /// other IP family.
     pub fn frame(&self, dst: SocketAddr, mad: &[u8; MAD_LEN]) -> Option<OutFrame> {
-        let mut v = Vec::with_capacity(1);
-        self.frame_into(&mut v, dst, mad).then(|| v.pop())?
+        let mut f = OutFrame {
+            dst,
+            frame: [0u8; FRAME_LEN],
+        };
+        self.emit(&mut f, mad).then_some(f)
     }
 
     /// [`UdpPort::frame`], built where it is kept: at the end of `frames`. Returns
@@ -333,22 +336,30 @@ impl UdpPort {
         dst: SocketAddr,
         mad: &[u8; MAD_LEN],
     ) -> bool {
-        let Some(ip) = IpRepr::from_addrs(self.local.ip(), dst.ip()) else {
-            return false;
-        };
-        let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
-        let udp = UdpRepr {
-            dst_port: dst.port(),
-            ..UdpRepr::new(self.local.port())
-        };
         frames.push(OutFrame {
             dst,
             frame: [0u8; FRAME_LEN],
         });
-        if let Some(f) = frames.last_mut() {
-            // The buffer is exactly a frame and the MAD exactly 256 bytes: emit cannot fail.
-            let _ = FrameRepr::gsi(psn, mad).emit(&mut f.frame, &ip, &udp);
+        let built = frames.last_mut().is_some_and(|f| self.emit(f, mad));
+        if !built {
+            frames.pop();
         }
+        built
+    }
+
+    /// Writes the frame carrying `mad` to `f.dst` into `f.frame`; false (nothing
+    /// written, no PSN taken) when `f.dst` is of the other IP family.
+    fn emit(&self, f: &mut OutFrame, mad: &[u8; MAD_LEN]) -> bool {
+        let Some(ip) = IpRepr::from_addrs(self.local.ip(), f.dst.ip()) else {
+            return false;
+        };
+        let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+        let udp = UdpRepr {
+            dst_port: f.dst.port(),
+            ..UdpRepr::new(self.local.port())
+        };
+        // The buffer is exactly a frame and the MAD exactly 256 bytes: emit cannot fail.
+        let _ = FrameRepr::gsi(psn, mad).emit(&mut f.frame, &ip, &udp);
         true
     }
 
@@ -1081,9 +1092,8 @@ impl SoftPort {
         self.raw.is_none() || self.addr(vm).is_some_and(|(_, a, _)| a.is_ipv6())
     }
 
-    /// Where VM `vm` sends a MAD for `dst`: the GID's address at the RoCEv2 port, in the
-    /// VM's own family; a link-local IPv6 destination only from a VM whose own GID is
-    /// link-local (its interface is the scope). `None`: not reachable from this VM.
+    /// Sends `frames` from VM `vm`'s socket in one batch, captured first; what the
+    /// kernel does not take is counted as `wire_send_error`.
     fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
         let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
             return;
