@@ -127,7 +127,7 @@ expected_sha="$(apt-cache showsrc qemu 2>/dev/null | awk -v v="$PVCM_QEMU_DEB_VE
     /^Version:/ { ver = $2 }
     /^Checksums-Sha256:/ { on = 1; next }
     /^[^ ]/ { on = 0 }
-    on && ver == v && $3 ~ /orig\.tar\.xz$/ { print $1; exit }')"
+    on && ver == v && $3 ~ /orig\.tar\.xz$/ && !found { print $1; found = 1 }')"
 [ -n "$expected_sha" ] || die "apt does not know qemu $PVCM_QEMU_DEB_VERSION in $PVCM_DEB_SUITE (apt-get update? sources?)"
 if [ ! -f "$orig" ] || [ "$(sha256sum "$orig" | cut -d' ' -f1)" != "$expected_sha" ]; then
     log "apt-get source --download-only qemu/$PVCM_DEB_SUITE"
