@@ -220,6 +220,10 @@ pub struct Figures {
     pub device_drops: BTreeMap<String, u64>,
     /// Message and frame counts.
     pub io: BTreeMap<String, u64>,
+    /// MADs the mux sent itself on the VM's behalf (counted in `cm` too): answers from
+    /// what it holds after the VM's side is gone, and a detached VM's cleanup.
+    #[serde(default)]
+    pub on_behalf: u64,
     /// Live entries.
     pub live: u64,
     /// Quarantined entries.
@@ -257,6 +261,7 @@ impl Figures {
             drops,
             device_drops,
             io,
+            on_behalf: s.on_behalf,
             live: s.live,
             quarantined: s.quarantined,
         }
@@ -304,6 +309,9 @@ impl Figures {
         let _ = writeln!(out, "  io:");
         for (k, v) in &self.io {
             let _ = writeln!(out, "    {k:<20} {v}");
+        }
+        if self.on_behalf != 0 {
+            let _ = writeln!(out, "  sent on the VM's behalf: {}", self.on_behalf);
         }
         let _ = writeln!(
             out,
@@ -422,6 +430,19 @@ impl Snapshot {
             for (k, v) in &f.io {
                 let _ = writeln!(out, "pvcm_io_total{{vm=\"{}\",kind=\"{k}\"}} {v}", esc(vm));
             }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP pvcm_on_behalf_total CM MADs the mux sent itself on a VM's behalf."
+        );
+        let _ = writeln!(out, "# TYPE pvcm_on_behalf_total counter");
+        for (vm, f) in &all {
+            let _ = writeln!(
+                out,
+                "pvcm_on_behalf_total{{vm=\"{}\"}} {}",
+                esc(vm),
+                f.on_behalf
+            );
         }
         let _ = writeln!(out, "# HELP pvcm_entries Connection entries at the mux.");
         let _ = writeln!(out, "# TYPE pvcm_entries gauge");

@@ -411,9 +411,16 @@ fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
             GuestVerdict::ToWire
         );
         // (dropped by the wire)
-        // 3. Duplicate REP: delivered, counted, no second entry.
+        // 3. Duplicate REP: counted, no second entry. The default answers it with the
+        //    RTU itself (`rep_retry_after_the_rtu_gets_the_rtu_again`), and the wire
+        //    drops that RTU too; mlx4 delivers it to the VM.
         let mut m = rep(n.b.cfg(1), view(&got).tid(), 8, a_pv, n.b.qpn(1, 1));
-        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+        let answer = if policy == Policy::Default {
+            WireVerdict::Reply
+        } else {
+            WireVerdict::ToVm(n.a.id(0))
+        };
+        assert_eq!(n.b_to_a(1, 0, &mut m).1, Some(answer));
         let a = n.a.mux.vm_stats(n.a.id(0)).counters;
         assert_eq!(a.get(Group::RxDuplicates, AttributeId::Rep), 1);
         assert_eq!(a.get(Group::TxRetries, AttributeId::Rep), 0);
@@ -479,26 +486,38 @@ fn mra_extends_the_wait() {
 }
 
 /// Seed 001 for the proxy: the peer's DREQ retry after our DREP (which it lost) must
-/// still reach the VM so that it re-sends the DREP.
-fn dreq_retry_after_drep(policy: Policy) -> WireVerdict {
+/// get the DREP again. Returns the verdict and the MAD as it leaves.
+fn dreq_retry_after_drep(policy: Policy, vm_gone: bool) -> (WireVerdict, Mad) {
     let mut n = net2(policy);
     let c = n.connect(0, 0, 1, 2, 0);
     n.disconnect_from_a(&c);
+    if vm_gone {
+        n.b.mux.detach_vm(n.b.id(0));
+    }
     n.advance(Duration::from_millis(500));
     let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
-    n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0))
+    (n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)), m)
 }
 
 #[test]
-fn late_dreq_in_timewait_reaches_the_vm() {
-    let n = net2(Policy::Default);
+fn late_dreq_in_timewait_gets_the_drep_again_from_the_mux() {
+    for vm_gone in [false, true] {
+        let (v, m) = dreq_retry_after_drep(Policy::Default, vm_gone);
+        assert_eq!(v, WireVerdict::Reply, "VM gone: {vm_gone}");
+        let r = view(&m);
+        assert_eq!(r.attr(), AttributeId::Drep);
+        assert_eq!(r.tid(), 0xD, "the DREQ's TID");
+        assert_eq!(r.remote_comm_id(), Some(1), "the peer's comm ID");
+    }
+    // mlx4 delivers it to the VM (whose CM may be gone) ...
+    let n = net2(Policy::Mlx4Post2020);
     assert_eq!(
-        dreq_retry_after_drep(Policy::Default),
+        dreq_retry_after_drep(Policy::Mlx4Post2020, false).0,
         WireVerdict::ToVm(n.b.id(0))
     );
-    // mlx4 before 2020 deleted the entry on DREP: the retry is lost.
+    // ... and before 2020 deleted the entry on DREP: the retry is lost.
     assert_eq!(
-        dreq_retry_after_drep(Policy::Mlx4Pre2020),
+        dreq_retry_after_drep(Policy::Mlx4Pre2020, false).0,
         WireVerdict::Drop(DropReason::NoRoute)
     );
 }
@@ -535,7 +554,9 @@ fn late_mad_for_a_quarantined_id_is_dropped_never_rerouted() {
         (r.local_comm_id(), r.remote_comm_id()),
         (Some(c.b_pv), Some(1))
     );
-    assert_eq!(n.b.mux.host_stats().drops.get(DropReason::Quarantined), 2);
+    // Counted as sent on the VM's behalf, not as a drop.
+    assert_eq!(n.b.mux.host_stats().drops.get(DropReason::Quarantined), 1);
+    assert_eq!(n.b.mux.host_stats().on_behalf, 1);
     // After the quarantine the ID is free; its slot comes back with a new generation.
     n.advance(S(31));
     assert_eq!(n.b.mux.lookup(c.b_pv), None);
@@ -1187,4 +1208,180 @@ fn a_quota_lowered_below_use_keeps_the_connections_and_refuses_new_ones() {
     let rid = n.a.mux.attach_vm(r).unwrap();
     assert!(n.a.mux.set_quota(rid, Some(129)).is_err());
     assert_eq!(n.a.mux.set_quota(rid, Some(128)), Ok(0));
+}
+
+/// A REP retry after the active VM's RTU (lost on the wire) gets that RTU again from
+/// the mux, as `cm_dup_rep_handler()` answers it: the passive side establishes without
+/// waiting for the VM's CM, which may be gone. Returns A's verdict on the retry.
+fn rep_retry_after_rtu(policy: Policy) -> (WireVerdict, Net, Mad, u32, u32) {
+    let mut n = net2(policy);
+    let got = n.send_req(0, 0, 4, 0, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let rep_tid = view(&got).tid();
+    let mut m = rep(n.b.cfg(0), rep_tid, 8, a_pv, n.b.qpn(0, 0));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+    let b_pv = view(&m).local_comm_id().unwrap();
+    let mut m = ids(AttributeId::Rtu, view(&m).tid(), 4, b_pv);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        GuestVerdict::ToWire
+    );
+    // (the RTU is lost) B's CM retries its REP.
+    let mut m = rep(n.b.cfg(0), rep_tid, 8, a_pv, n.b.qpn(0, 0));
+    let (v, w) = n.b_to_a(0, 0, &mut m);
+    assert_eq!(v, GuestVerdict::ToWire);
+    (w.unwrap(), n, m, a_pv, b_pv)
+}
+
+#[test]
+fn rep_retry_after_the_rtu_gets_the_rtu_again() {
+    let (v, mut n, mut m, a_pv, b_pv) = rep_retry_after_rtu(Policy::Default);
+    assert_eq!(v, WireVerdict::Reply);
+    let r = view(&m);
+    assert_eq!(r.attr(), AttributeId::Rtu);
+    assert_eq!(
+        (r.local_comm_id(), r.remote_comm_id()),
+        (Some(a_pv), Some(b_pv))
+    );
+    let host_req_tid = r.tid();
+    assert_ne!(
+        host_req_tid >> 32,
+        0xAAAA_0000,
+        "the host REQ TID, not the VM's"
+    );
+    // The answer reaches B's VM as its RTU: established.
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+        WireVerdict::ToVm(n.b.id(0))
+    );
+    assert_eq!(n.b.mux.lookup(b_pv).unwrap().0, State::Established);
+    let a = n.a.mux.vm_stats(n.a.id(0));
+    assert_eq!(a.on_behalf, 1);
+    assert_eq!(a.counters.get(Group::RxDuplicates, AttributeId::Rep), 1);
+    assert_eq!(a.counters.get(Group::TxRetries, AttributeId::Rtu), 1);
+    assert_eq!(a.drops.total(), 0);
+    // mlx4 hands the retry to the VM, whose CM has to answer it.
+    let (v, n, ..) = rep_retry_after_rtu(Policy::Mlx4Post2020);
+    assert_eq!(v, WireVerdict::ToVm(n.a.id(0)));
+}
+
+#[test]
+fn detached_vm_answers_a_crossing_dreq_and_stops_its_own() {
+    let mut n = net2(Policy::Default);
+    let c = n.connect(0, 0, 1, 2, 0);
+    n.b.mux.detach_vm(n.b.id(0));
+    let out: Vec<_> = n.b.mux.drain_outbox().collect();
+    assert_eq!(out.len(), 1, "one DREQ on the VM's behalf");
+    // A's VM disconnects at the same moment: its DREQ crosses B's.
+    let mut m = dreq(0xD1, c.a_sl, c.b_pv, c.b_qpn);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        GuestVerdict::ToWire
+    );
+    assert_eq!(
+        n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+        WireVerdict::Reply
+    );
+    assert_eq!(view(&m).attr(), AttributeId::Drep);
+    assert_eq!(view(&m).local_comm_id(), Some(c.b_pv));
+    assert_eq!(n.b.mux.lookup(c.b_pv).unwrap().0, State::TimeWait);
+    // The DREP answers A's DREQ (A's VM gets it with its own TID back).
+    assert_eq!(
+        n.a.mux.from_wire(&mut m, n.b.gid(0), n.a.gid(0)),
+        WireVerdict::ToVm(n.a.id(0))
+    );
+    assert_eq!(view(&m).tid(), 0xD1);
+    // B retries no DREQ now: the peer has answered.
+    for _ in 0..10 {
+        n.advance(S(1));
+        assert_eq!(n.b.mux.drain_outbox().count(), 0);
+    }
+    assert_eq!(n.b.mux.host_stats().on_behalf, 2, "the DREQ and the DREP");
+    n.quiesce();
+    assert_eq!(n.live(), (0, 0));
+}
+
+#[test]
+fn req_retry_for_a_detached_vms_half_open_connection_gets_its_rej_again() {
+    for replied in [false, true] {
+        let mut n = net2(Policy::Default);
+        let got = n.send_req(0, 0, 3, 0, &LINUX);
+        let a_pv = view(&got).local_comm_id().unwrap();
+        if replied {
+            // B's VM sent its REP, which the wire lost.
+            let mut m = rep(n.b.cfg(0), view(&got).tid(), 8, a_pv, n.b.qpn(0, 0));
+            assert_eq!(
+                n.b.mux.from_guest(n.b.id(0), &mut m, n.a.gid(0)),
+                GuestVerdict::ToWire
+            );
+        }
+        n.b.mux.detach_vm(n.b.id(0));
+        let out: Vec<_> = n.b.mux.drain_outbox().collect();
+        assert_eq!(out.len(), 1);
+        let first = view(&out[0].mad);
+        assert_eq!(first.attr(), AttributeId::Rej);
+        let b_pv = first.local_comm_id().unwrap();
+        // The VM comes back (a reset): a new session under the same GID.
+        let cfg = n.b.cfg(0).clone();
+        n.b.vms[0].0 = n.b.mux.attach_vm(cfg).unwrap();
+        // That REJ was lost: A's CM retries its REQ, which gets the REJ again, and the
+        // new session never sees the old REQ.
+        let mut m = req(
+            n.a.cfg(0),
+            3,
+            0xAAAA_0000_0000_0003,
+            n.b.gid(0),
+            n.a.qpn(0, 0),
+            &LINUX,
+        );
+        let (v, w) = n.a_to_b(0, 0, &mut m);
+        assert_eq!(v, GuestVerdict::ToWire);
+        assert_eq!(w, Some(WireVerdict::Reply), "replied: {replied}");
+        let r = view(&m);
+        assert_eq!(r.attr(), AttributeId::Rej);
+        assert_eq!(
+            (r.local_comm_id(), r.remote_comm_id()),
+            (Some(b_pv), Some(a_pv))
+        );
+        assert_eq!(r.rej_reason(), Some(RejReason::ConsumerDefined.code()));
+        // A's VM gets the REJ: its connection ends.
+        assert_eq!(
+            n.a.mux.from_wire(&mut m, n.b.gid(0), n.a.gid(0)),
+            WireVerdict::ToVm(n.a.id(0))
+        );
+        // The new session's connections meet nothing of the old ones, its same comm
+        // ID included (A takes a new one: its own 3 is quarantined after the REJ).
+        let c = n.connect(0, 0, 5, 8, 0);
+        assert_ne!(c.b_pv, b_pv);
+        n.disconnect_from_a(&c);
+        let b = n.b.mux.host_stats();
+        assert_eq!(b.on_behalf, 2, "the REJ and its re-send");
+        assert_eq!(b.drops.total(), 0);
+        n.quiesce();
+        assert_eq!(n.live(), (0, 0), "replied: {replied}");
+    }
+}
+
+#[test]
+fn a_program_gone_without_a_reset_still_gets_its_peers_drep() {
+    // The VM stays attached, but nothing in it answers any more (the program that owned
+    // the device was killed): the retry is answered by the mux, not queued for it.
+    let mut n = net2(Policy::Default);
+    let c = n.connect(0, 0, 1, 2, 0);
+    n.disconnect_from_a(&c);
+    for k in 0..15u64 {
+        n.advance(Duration::from_millis(300));
+        let mut m = dreq(0xD, 1, c.b_pv, c.b_qpn);
+        assert_eq!(
+            n.b.mux.from_wire(&mut m, n.a.gid(0), n.b.gid(0)),
+            WireVerdict::Reply,
+            "retry {k}"
+        );
+    }
+    let b = n.b.mux.vm_stats(n.b.id(0));
+    assert_eq!(b.on_behalf, 15);
+    assert_eq!(b.counters.get(Group::RxDuplicates, AttributeId::Dreq), 15);
+    assert_eq!(b.counters.get(Group::TxRetries, AttributeId::Drep), 15);
+    n.quiesce();
+    assert_eq!(n.live(), (0, 0));
 }

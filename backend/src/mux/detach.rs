@@ -1,16 +1,26 @@
 //! Orphans: when a VM detaches, the mux finishes its connections on its behalf (DREQ,
-//! REJ, DREP) so that peers stop waiting, and absorbs the answers.
+//! REJ, DREP) so that peers stop waiting, answers what the peers retry from what it
+//! holds, and absorbs the rest.
+//!
+//! The Linux CM answers some MADs without its application, from the state it keeps
+//! after the application is gone: a DREQ in TimeWait gets its DREP again
+//! (`cm_dreq_handler()`), a DREQ for no connection a stateless DREP (`cm_issue_drep()`),
+//! a REP retry of an established connection its RTU again (`cm_dup_rep_handler()`). The
+//! mux does the same for every VM (its CM may be gone without the mux knowing: a program
+//! that owned the device exited), and for a detached VM's half-open passive connections
+//! it also answers a REQ retry with the REJ it sent at detach, so no peer waits for its
+//! retries to run out because the VM's side let go.
 
-use foldhash::fast::RandomState;
 use pvcm_wire::Gid;
-use pvcm_wire::cm::{MsgResponse, RejReason, field as cmf};
+use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as cmf};
 use pvcm_wire::mad::{self, AttributeId};
 
 use super::table::{State, flag};
 use super::{
-    Clock, CmCounters, DropCounters, FastMap, Group, Mux, Outgoing, TidKind, Time, VmId,
+    Clock, CmCounters, DropReason, FastMap, Group, Mux, Outgoing, TidKind, Time, VmId, WireVerdict,
     write_cm_ids, write_rej,
 };
+use foldhash::fast::RandomState;
 
 impl<C: Clock> Mux<C> {
     /// Detaches a VM (it died, reset, or its vhost-user session ended). With the default
@@ -30,17 +40,9 @@ impl<C: Clock> Mux<C> {
         }
         let v = &mut self.vms[vm.0 as usize];
         let gid = v.cfg.gid;
-        let ca_guid = v.cfg.ca_guid;
         v.sl_map = FastMap::with_hasher(RandomState::default());
         self.gid_to_vm.remove(&gid);
-        // Fold the VM's figures into the host's so host totals never go backwards.
-        let v = &self.vms[vm.0 as usize];
-        self.host_counters += &v.counters;
-        self.host_drops += &v.drops;
-        let (c, d) = (CmCounters::default(), DropCounters::default());
-        let v = &mut self.vms[vm.0 as usize];
-        v.counters = c;
-        v.drops = d;
+        self.fold_figures(vm.0);
         if !self.policy().cleans_up_detached_vms() {
             return;
         }
@@ -52,7 +54,7 @@ impl<C: Clock> Mux<C> {
             }
             // The VM's comm-ID map is gone already.
             self.ent(slot).flags &= !flag::IN_SL_MAP;
-            self.orphan(slot, gid, ca_guid, now);
+            self.orphan(slot, gid, now);
         }
         if let Some(v) = self.vms.get_mut(vm.0 as usize) {
             v.live = 0;
@@ -60,7 +62,7 @@ impl<C: Clock> Mux<C> {
     }
 
     /// Finishes one connection of a detached VM.
-    pub(super) fn orphan(&mut self, slot: u32, vm_gid: Gid, vm_ca_guid: u64, now: u64) {
+    pub(super) fn orphan(&mut self, slot: u32, vm_gid: Gid, now: u64) {
         let e = self.slab[slot as usize];
         let peer_gid = self.peers.get(e.peer).map(|p| p.gid);
         match (e.state, peer_gid) {
@@ -75,60 +77,27 @@ impl<C: Clock> Mux<C> {
             }
             (State::ReqSent | State::RepRcvd | State::ReqRcvd | State::RepSent, Some(dst)) => {
                 // Half open: reject, as the Linux CM does when such an ID is destroyed.
+                if e.pv_cm_id == 0 {
+                    self.assign_pv(slot);
+                }
                 let mut m = [0u8; mad::MAD_LEN];
-                let active_waiting = e.state == State::ReqSent;
-                let pv = if e.pv_cm_id != 0 {
-                    e.pv_cm_id
-                } else {
-                    self.assign_pv(slot)
-                };
-                let (reason, msg, remote, tid) = match e.state {
-                    State::ReqSent => (
-                        RejReason::Timeout,
-                        MsgResponse::Other,
-                        0,
-                        self.tids_of(e.vm).tid(TidKind::Req, pv),
-                    ),
-                    State::RepRcvd => (
-                        RejReason::ConsumerDefined,
-                        MsgResponse::Rep,
-                        e.remote_comm_id,
-                        self.tids_of(e.vm).tid(TidKind::Req, pv),
-                    ),
-                    State::ReqRcvd => (
-                        RejReason::ConsumerDefined,
-                        MsgResponse::Req,
-                        e.remote_comm_id,
-                        e.vm_tid_req,
-                    ),
-                    _ => (
-                        RejReason::ConsumerDefined,
-                        MsgResponse::Other,
-                        e.remote_comm_id,
-                        e.vm_tid_req,
-                    ),
-                };
-                let ari = if active_waiting {
-                    vm_ca_guid.to_be_bytes()
-                } else {
-                    [0; 8]
-                };
-                write_rej(
-                    &mut m,
-                    tid,
-                    pv,
-                    remote,
-                    msg,
-                    reason,
-                    if active_waiting { &ari } else { &[] },
-                );
+                self.write_orphan_rej(slot, &mut m, None);
                 self.outbox.push(Outgoing {
                     src: vm_gid,
                     dst,
                     mad: m,
                 });
-                self.host_counters.bump(Group::TxMsgs, AttributeId::Rej);
-                self.retire(slot, now);
+                self.count_on_behalf(None, AttributeId::Rej, false);
+                if matches!(e.state, State::ReqRcvd | State::RepSent) {
+                    // The peer may retry its REQ until its window closes (the REJ can be
+                    // lost): the entry stays, found by the peer's ID, and answers each
+                    // retry with the REJ again.
+                    self.mark_orphan(slot, e.state);
+                    let w = self.window(e.vm_resp, e.ack, e.retries);
+                    self.set_deadline(slot, Time(now).after(w).0);
+                } else {
+                    self.retire(slot, now);
+                }
             }
             (State::DreqRcvd, Some(dst)) if e.pv_cm_id != 0 => {
                 // The VM owed a DREP: answer so the peer stops retrying its DREQ.
@@ -145,7 +114,7 @@ impl<C: Clock> Mux<C> {
                     dst,
                     mad: m,
                 });
-                self.host_counters.bump(Group::TxMsgs, AttributeId::Drep);
+                self.count_on_behalf(None, AttributeId::Drep, false);
                 self.mark_orphan(slot, State::TimeWait);
                 let t = self.timewait(&e);
                 self.set_deadline(slot, Time(now).after(t).0);
@@ -153,6 +122,54 @@ impl<C: Clock> Mux<C> {
             (State::TimeWait, _) => self.mark_orphan(slot, State::TimeWait),
             _ => self.retire(slot, now),
         }
+    }
+
+    /// Writes into `buf` the REJ that ends a detached VM's half-open connection in
+    /// `slot`, with `tid` (default: the REQ's): REJ(TIMEOUT) with the VM's CA GUID in the
+    /// ARI where the VM was waiting for a REP (as the Linux CM's destroy in REQ_SENT), a
+    /// consumer-defined REJ otherwise, naming the message it answers as `cm_format_rej()`.
+    fn write_orphan_rej(&self, slot: u32, buf: &mut [u8], tid: Option<u64>) {
+        let e = self.slab[slot as usize];
+        let host_req_tid = self.tids_of(e.vm).tid(TidKind::Req, e.pv_cm_id);
+        let (reason, msg, remote, req_tid) = match e.state {
+            State::ReqSent => (RejReason::Timeout, MsgResponse::Other, 0, host_req_tid),
+            State::RepRcvd => (
+                RejReason::ConsumerDefined,
+                MsgResponse::Rep,
+                e.remote_comm_id,
+                host_req_tid,
+            ),
+            State::ReqRcvd => (
+                RejReason::ConsumerDefined,
+                MsgResponse::Req,
+                e.remote_comm_id,
+                e.vm_tid_req,
+            ),
+            _ => (
+                RejReason::ConsumerDefined,
+                MsgResponse::Other,
+                e.remote_comm_id,
+                e.vm_tid_req,
+            ),
+        };
+        let guid = self
+            .vms
+            .get(e.vm as usize)
+            .map_or([0; 8], |v| v.cfg.ca_guid.to_be_bytes());
+        let ari: &[u8] = if reason == RejReason::Timeout {
+            &guid
+        } else {
+            &[]
+        };
+        write_rej(
+            buf,
+            tid.unwrap_or(req_tid),
+            e.pv_cm_id,
+            remote,
+            msg,
+            reason,
+            ari,
+        );
     }
 
     pub(super) fn mark_orphan(&mut self, slot: u32, state: State) {
@@ -178,6 +195,122 @@ impl<C: Clock> Mux<C> {
         );
         cmf::DREQ_REMOTE_QPN.set(&mut m, e.remote_qpn.into());
         self.outbox.push(Outgoing { src, dst, mad: m });
-        self.host_counters.bump(Group::TxMsgs, AttributeId::Dreq);
+        self.count_on_behalf(None, AttributeId::Dreq, false);
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Answers from what the mux holds
+
+    /// The figures a MAD answered on `vm`'s behalf goes into: the VM's while it is
+    /// attached (`vm` is `None` for a detached VM's connection or none), else the host's.
+    fn answer_figures(&mut self, vm: Option<u32>) -> (&mut CmCounters, &mut u64) {
+        match vm.and_then(|vm| self.vms.get_mut(vm as usize)) {
+            Some(v) if v.attached => (&mut v.counters, &mut v.on_behalf),
+            _ => (&mut self.host_counters, &mut self.host_on_behalf),
+        }
+    }
+
+    /// Counts a MAD the mux sent on `vm`'s behalf (a re-send of one sent before when
+    /// `resent`).
+    pub(super) fn count_on_behalf(&mut self, vm: Option<u32>, tx: AttributeId, resent: bool) {
+        let (c, n) = self.answer_figures(vm);
+        c.bump(Group::TxMsgs, tx);
+        if resent {
+            c.bump(Group::TxRetries, tx);
+        }
+        *n += 1;
+    }
+
+    /// Counts a MAD from the wire that the mux answered itself on `vm`'s behalf, as a
+    /// duplicate of one received before when `dup`.
+    fn count_answered(&mut self, vm: Option<u32>, rx: AttributeId, dup: bool) {
+        let (c, _) = self.answer_figures(vm);
+        c.bump(Group::RxMsgs, rx);
+        if dup {
+            c.bump(Group::RxDuplicates, rx);
+        }
+    }
+
+    /// The VM of `slot`'s entry for the figures, `None` for an orphan.
+    fn owner(&self, slot: u32) -> Option<u32> {
+        let e = &self.slab[slot as usize];
+        (!e.has(flag::ORPHAN)).then_some(e.vm)
+    }
+
+    /// A DREQ for the connection in `slot` answered with a DREP in place (the DREQ's TID,
+    /// the entry's IDs), as `cm_dreq_handler()` does in TIMEWAIT.
+    pub(super) fn answer_dreq(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
+        let e = self.slab[slot as usize];
+        let (tid, remote) = (m.tid(), m.local_comm_id().unwrap_or(e.remote_comm_id));
+        write_cm_ids(m.as_bytes_mut(), AttributeId::Drep, tid, e.pv_cm_id, remote);
+        let vm = self.owner(slot);
+        self.count_answered(vm, AttributeId::Dreq, true);
+        self.count_on_behalf(vm, AttributeId::Drep, true);
+        WireVerdict::Reply
+    }
+
+    /// A REP retry for the established connection in `slot` (the VM's RTU was lost)
+    /// answered with the RTU in place (the REP's TID, the host REQ TID), as
+    /// `cm_dup_rep_handler()` does in ESTABLISHED.
+    pub(super) fn answer_rep(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
+        let e = self.slab[slot as usize];
+        let (tid, remote) = (m.tid(), m.local_comm_id().unwrap_or(e.remote_comm_id));
+        write_cm_ids(m.as_bytes_mut(), AttributeId::Rtu, tid, e.pv_cm_id, remote);
+        let vm = self.owner(slot);
+        self.count_answered(vm, AttributeId::Rep, true);
+        self.count_on_behalf(vm, AttributeId::Rtu, true);
+        WireVerdict::Reply
+    }
+
+    /// A DREQ for no connection (or one in quarantine) answered with a stateless DREP,
+    /// as Linux's `cm_issue_drep()` does, so that the peer stops retrying.
+    pub(super) fn stateless_drep(&mut self, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
+        let tid = m.tid();
+        let (local, remote) = (
+            m.remote_comm_id().unwrap_or(0),
+            m.local_comm_id().unwrap_or(0),
+        );
+        write_cm_ids(m.as_bytes_mut(), AttributeId::Drep, tid, local, remote);
+        self.count_answered(None, AttributeId::Dreq, true);
+        self.count_on_behalf(None, AttributeId::Drep, false);
+        WireVerdict::Reply
+    }
+
+    /// A MAD from the wire naming a detached VM's connection: a DREQ gets its DREP (the
+    /// entry goes to TimeWait, so the mux stops its own DREQs), a DREP ends the DREQs the
+    /// mux sent, a REJ ends the entry; everything else is absorbed, and no state moves
+    /// towards a connection the VM no longer has.
+    pub(super) fn wire_orphan(
+        &mut self,
+        slot: u32,
+        m: &mut CmMad<&mut [u8]>,
+        now: u64,
+    ) -> WireVerdict {
+        let e = self.slab[slot as usize];
+        match m.attr() {
+            AttributeId::Dreq => {
+                if e.state != State::TimeWait {
+                    self.enter_timewait(slot, now);
+                } else {
+                    let a = self.attempt(e.vm_resp.max(e.peer_resp), e.ack) + self.cfg.grace;
+                    self.extend_deadline(slot, now, a);
+                }
+                return self.answer_dreq(slot, m);
+            }
+            AttributeId::Drep if e.state == State::DreqSent => self.enter_timewait(slot, now),
+            AttributeId::Rej => self.retire(slot, now),
+            _ => {}
+        }
+        WireVerdict::Drop(DropReason::Absorbed)
+    }
+
+    /// A REQ retry for a detached VM's half-open passive connection in `slot` (found by
+    /// the peer's ID): answered with the REJ sent at detach, in place.
+    pub(super) fn answer_orphan_req(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
+        let tid = m.tid();
+        self.write_orphan_rej(slot, m.as_bytes_mut(), Some(tid));
+        self.count_answered(None, AttributeId::Req, true);
+        self.count_on_behalf(None, AttributeId::Rej, true);
+        WireVerdict::Reply
     }
 }

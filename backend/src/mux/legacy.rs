@@ -68,6 +68,15 @@ impl Policy {
         self == Policy::Default
     }
 
+    /// The mux answers from what it holds where the Linux CM answers without its
+    /// application: a DREQ retry in TimeWait gets the DREP again, a REP retry of an
+    /// established connection the RTU again, a REQ retry of a detached VM's half-open
+    /// connection its REJ again (`detach.rs`). mlx4 forwards them to the VM, whose CM may
+    /// be gone, and the peer retries until it gives up.
+    pub(crate) fn answers_from_held_state(self) -> bool {
+        self == Policy::Default
+    }
+
     /// A detached VM's connections are finished on its behalf (DREQs, REJs, DREPs).
     /// mlx4 leaves them to the delayed delete, and the peers to their timeouts.
     pub(crate) fn cleans_up_detached_vms(self) -> bool {

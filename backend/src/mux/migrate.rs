@@ -19,8 +19,7 @@ use pvcm_wire::Gid;
 use super::persist::{REC_VM, Rd, decode_entry, decode_vm, encode_vm, entry_payload, records};
 use super::table::{Entry, NO_PEER, State, flag};
 use super::{
-    AttachError, Clock, CmCounters, DropCounters, FastMap, Mux, RemoteId, Time, Vm, VmId,
-    put_record, put_record_parts,
+    AttachError, Clock, FastMap, Mux, RemoteId, Time, Vm, VmId, put_record, put_record_parts,
 };
 
 /// The first record of an exported VM: the format version.
@@ -138,12 +137,9 @@ impl<C: Clock> Mux<C> {
         v.live = 0;
         v.quarantined = 0;
         v.sl_map = FastMap::default();
-        let (gid, counters, drops) = (v.cfg.gid, v.counters, v.drops);
-        v.counters = CmCounters::default();
-        v.drops = DropCounters::default();
+        let gid = v.cfg.gid;
         self.gid_to_vm.remove(&gid);
-        self.host_counters += &counters;
-        self.host_drops += &drops;
+        self.fold_figures(vm.0);
         if let Some(c) = &mut self.changes {
             c.vms.push(vm.0);
         }

@@ -186,6 +186,8 @@ struct Vm {
     quarantined: u32,
     counters: CmCounters,
     drops: DropCounters,
+    /// MADs the mux sent on the VM's behalf while it was attached.
+    on_behalf: u64,
     attached: bool,
     /// The TIDs of the transactions its entries start: the host's, or for a VM with an
     /// ID range its own (derived from the range, the same on every host).
@@ -216,6 +218,7 @@ impl Vm {
             quarantined: 0,
             counters: CmCounters::default(),
             drops: DropCounters::default(),
+            on_behalf: 0,
             attached,
         }
     }
@@ -236,6 +239,11 @@ pub struct Stats {
     pub counters: CmCounters,
     /// Drops by reason.
     pub drops: DropCounters,
+    /// MADs the mux sent itself on the VM's behalf (included in `counters`): answers
+    /// from what it holds where the Linux CM answers without its application (a DREQ in
+    /// TimeWait or for no connection, a REP retry of an established connection, a REQ
+    /// retry of a detached VM's connection), and the cleanup of a detached VM.
+    pub on_behalf: u64,
     /// Live entries (every state but Free and Quarantined).
     pub live: u64,
     /// Entries in quarantine.
@@ -274,6 +282,8 @@ pub struct Mux<C: Clock> {
     /// Counters of MADs the proxy itself sent or absorbed, and of VMs that left.
     host_counters: CmCounters,
     host_drops: DropCounters,
+    /// MADs sent on behalf of detached VMs' connections, of unknown ones, and of VMs that left.
+    host_on_behalf: u64,
     live: u64,
     quarantined: u64,
     /// With the journal on: what changed since [`Mux::journal_changes`] last ran.
@@ -315,6 +325,7 @@ impl<C: Clock> Mux<C> {
             ranged: FastMap::with_hasher(hasher()),
             host_counters: CmCounters::default(),
             host_drops: DropCounters::default(),
+            host_on_behalf: 0,
             live: 0,
             quarantined: 0,
             changes: None,
@@ -427,6 +438,15 @@ impl<C: Clock> Mux<C> {
         Ok(())
     }
 
+    /// Moves a departing VM's figures into the host's, so host totals never go backwards.
+    fn fold_figures(&mut self, vm: u32) {
+        if let Some(v) = self.vms.get_mut(vm as usize) {
+            self.host_counters += &std::mem::take(&mut v.counters);
+            self.host_drops += &std::mem::take(&mut v.drops);
+            self.host_on_behalf += std::mem::take(&mut v.on_behalf);
+        }
+    }
+
     /// The TID space of the transactions `vm`'s entries start.
     pub(super) fn tids_of(&self, vm: u32) -> TidSpace {
         self.vms.get(vm as usize).map_or(self.tids, |v| v.tids)
@@ -456,6 +476,7 @@ impl<C: Clock> Mux<C> {
         Stats {
             counters: v.counters,
             drops: v.drops,
+            on_behalf: v.on_behalf,
             live: u64::from(v.live),
             quarantined: u64::from(v.quarantined),
         }
@@ -466,12 +487,14 @@ impl<C: Clock> Mux<C> {
         let mut s = Stats {
             counters: self.host_counters,
             drops: self.host_drops,
+            on_behalf: self.host_on_behalf,
             live: self.live,
             quarantined: self.quarantined,
         };
         for v in &self.vms {
             s.counters += &v.counters;
             s.drops += &v.drops;
+            s.on_behalf += v.on_behalf;
         }
         s
     }

@@ -12,7 +12,7 @@ use pvcm_wire::timeout::exponent_to_duration;
 use super::table::{State, flag};
 use super::{
     Clock, DropReason, Group, MadSlot, Mux, RemoteId, TidKind, Time, VmId, WireVerdict, prefetch,
-    write_cm_ids, write_rej,
+    write_rej,
 };
 
 impl<C: Clock> Mux<C> {
@@ -43,11 +43,8 @@ impl<C: Clock> Mux<C> {
                     v.counters.bump(Group::RxMsgs, a);
                 }
             }
-            WireVerdict::Reply => {
-                if let Some(a) = attr {
-                    self.host_counters.bump(Group::RxMsgs, a);
-                }
-            }
+            // A MAD the mux answered itself was counted by its handler.
+            WireVerdict::Reply => {}
         }
         verdict
     }
@@ -108,8 +105,7 @@ impl<C: Clock> Mux<C> {
         }
     }
 
-    /// Delivers to the owner of `slot` with the remote comm ID restored, or absorbs it
-    /// for an orphan.
+    /// Delivers to the owner of `slot` with the remote comm ID restored.
     pub(super) fn deliver(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
         let e = self.slab[slot as usize];
         let _ = m.set_remote_comm_id(e.sl_cm_id);
@@ -120,11 +116,7 @@ impl<C: Clock> Mux<C> {
             };
             m.set_tid(tid);
         }
-        if e.has(flag::ORPHAN) {
-            WireVerdict::Drop(DropReason::Absorbed)
-        } else {
-            WireVerdict::ToVm(VmId(e.vm))
-        }
+        WireVerdict::ToVm(VmId(e.vm))
     }
 
     /// Dispatches a wire MAD: REQ, REJ(TIMEOUT) without our ID, SIDR and ClassPortInfo
@@ -149,8 +141,10 @@ impl<C: Clock> Mux<C> {
             AttributeId::ClassPortInfo => self.wire_class_port_info(m, dst),
             _ => match self.wire_entry(m, dst) {
                 Ok(slot) => self.wire_connected(slot, m, now),
-                Err(r) if m.attr() == AttributeId::Dreq && self.policy().stateless_drep() => {
-                    Ok(self.stateless_drep(m, r))
+                Err(DropReason::NoRoute | DropReason::Quarantined)
+                    if m.attr() == AttributeId::Dreq && self.policy().stateless_drep() =>
+                {
+                    Ok(self.stateless_drep(m))
                 }
                 Err(r) => Err(r),
             },
@@ -158,34 +152,32 @@ impl<C: Clock> Mux<C> {
         r.unwrap_or_else(WireVerdict::Drop)
     }
 
-    /// Linux answers a DREQ for an unknown connection with a DREP (`cm_issue_drep`); the
-    /// mux does it here so that the peer stops retrying. The drop is still counted.
-    fn stateless_drep(&mut self, m: &mut CmMad<&mut [u8]>, r: DropReason) -> WireVerdict {
-        self.host_drops.bump(r);
-        let tid = m.tid();
-        let (local, remote) = (
-            m.remote_comm_id().unwrap_or(0),
-            m.local_comm_id().unwrap_or(0),
-        );
-        write_cm_ids(m.as_bytes_mut(), AttributeId::Drep, tid, local, remote);
-        self.host_counters.bump(Group::TxMsgs, AttributeId::Drep);
-        WireVerdict::Reply
-    }
-
     /// A MAD naming a live entry: its attribute's handler, then delivery (REJ and DREP
-    /// deliver before their entry changes).
+    /// deliver before their entry changes). A detached VM's entry answers or absorbs it
+    /// (`detach.rs`).
     fn wire_connected(
         &mut self,
         slot: u32,
         m: &mut CmMad<&mut [u8]>,
         now: u64,
     ) -> Result<WireVerdict, DropReason> {
+        if self.slab[slot as usize].has(flag::ORPHAN) {
+            return Ok(self.wire_orphan(slot, m, now));
+        }
         match m.attr() {
-            AttributeId::Rep => self.wire_rep(slot, m, now)?,
+            AttributeId::Rep => {
+                if let Some(answer) = self.wire_rep(slot, m, now)? {
+                    return Ok(answer);
+                }
+            }
             AttributeId::Mra => self.wire_mra(slot, m, now),
             AttributeId::Rtu => self.wire_rtu(slot)?,
             AttributeId::Rej => return Ok(self.wire_rej(slot, m, now)),
-            AttributeId::Dreq => self.wire_dreq(slot, now),
+            AttributeId::Dreq => {
+                if let Some(answer) = self.wire_dreq(slot, m, now) {
+                    return Ok(answer);
+                }
+            }
             AttributeId::Drep => return self.wire_drep(slot, m, now),
             _ => {} // LAP, APR: route only
         }
@@ -193,8 +185,15 @@ impl<C: Clock> Mux<C> {
     }
 
     /// REP: learns the peer's comm ID, CA GUID and QPN; the VM's RTU is due within its
-    /// response window. A repeat is counted as a duplicate.
-    fn wire_rep(&mut self, slot: u32, m: &CmMad<&mut [u8]>, now: u64) -> Result<(), DropReason> {
+    /// response window. A repeat while the VM has not answered is counted as a duplicate
+    /// and delivered; a repeat after the VM's RTU (which the peer lost) gets the RTU
+    /// again from the mux, as `cm_dup_rep_handler()` answers it.
+    fn wire_rep(
+        &mut self,
+        slot: u32,
+        m: &mut CmMad<&mut [u8]>,
+        now: u64,
+    ) -> Result<Option<WireVerdict>, DropReason> {
         let e = self.slab[slot as usize];
         match e.state {
             State::ReqSent => {
@@ -212,11 +211,14 @@ impl<C: Clock> Mux<C> {
                     self.set_deadline(slot, Time(now).after(w).0);
                 }
             }
+            State::Established if self.policy().answers_from_held_state() => {
+                return Ok(Some(self.answer_rep(slot, m)));
+            }
             State::RepRcvd | State::Established => self.rx_dup(e.vm, AttributeId::Rep),
             _ if !self.policy().drops_unexpected() => {}
             _ => return Err(DropReason::BadState),
         }
-        Ok(())
+        Ok(None)
     }
 
     /// MRA: the VM now waits the service timeout on top of the peer's window.
@@ -260,10 +262,17 @@ impl<C: Clock> Mux<C> {
     }
 
     /// DREQ: the entry lives until the VM answers or the peer's retries run out; each
-    /// retry extends it.
-    fn wire_dreq(&mut self, slot: u32, now: u64) {
+    /// retry extends it. A retry after the VM's DREP (which the peer lost) gets the DREP
+    /// again from the mux, as `cm_dreq_handler()` answers it in TIMEWAIT: the VM's CM
+    /// may be gone by then.
+    fn wire_dreq(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>, now: u64) -> Option<WireVerdict> {
         let e = self.slab[slot as usize];
         match e.state {
+            State::TimeWait if self.policy().answers_from_held_state() => {
+                let a = self.attempt(e.vm_resp, e.ack) + self.cfg.grace;
+                self.extend_deadline(slot, now, a);
+                return Some(self.answer_dreq(slot, m));
+            }
             State::DreqRcvd | State::TimeWait => {
                 self.rx_dup(e.vm, AttributeId::Dreq);
                 if self.policy().protocol_deadlines() {
@@ -285,6 +294,7 @@ impl<C: Clock> Mux<C> {
                 }
             }
         }
+        None
     }
 
     /// DREP: delivered with the DREQ's TID back, then TimeWait.
@@ -405,18 +415,25 @@ impl<C: Clock> Mux<C> {
         now: u64,
     ) -> Result<WireVerdict, DropReason> {
         let gid = m.req_primary_remote_gid().ok_or(DropReason::Malformed)?;
-        let &vm = self.gid_to_vm.get(&gid).ok_or(DropReason::UnknownGid)?;
         let p = req::Packet::new_unchecked(m.as_bytes());
         let key = RemoteId {
             ca_guid: p.local_ca_guid(),
             comm_id: p.local_comm_id(),
         };
+        let earlier = self.remote_ids.get(&key);
+        if let Some(s) = earlier
+            && self.slab[s as usize].has(flag::ORPHAN)
+        {
+            // A retry of a REQ whose VM detached before it answered: the REJ sent then.
+            return Ok(self.answer_orphan_req(s, m));
+        }
+        let &vm = self.gid_to_vm.get(&gid).ok_or(DropReason::UnknownGid)?;
         if !self.policy().tracks_received_reqs() {
             return Ok(self.legacy_wire_req(key.comm_id, vm, now));
         }
-        if let Some(s) = self.remote_ids.get(&key) {
+        if let Some(s) = earlier {
             let e = self.slab[s as usize];
-            if e.vm == vm && !e.has(flag::ORPHAN) {
+            if e.vm == vm {
                 // Duplicate REQ: refresh, and let the VM's CM decide (MRA again,
                 // REJ STALE_CONN, or ignore).
                 self.rx_dup(vm, AttributeId::Req);
@@ -438,6 +455,7 @@ impl<C: Clock> Mux<C> {
                 RejReason::NoResources,
                 &[],
             );
+            self.host_counters.bump(Group::RxMsgs, AttributeId::Req);
             self.host_counters.bump(Group::TxMsgs, AttributeId::Rej);
             self.vms[vm as usize].drops.bump(DropReason::VmOverQuota);
             return Ok(WireVerdict::Reply);

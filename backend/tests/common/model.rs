@@ -452,7 +452,21 @@ impl World {
                         assert_eq!(r.local_comm_id(), b.remote_comm_id());
                         assert_eq!(r.remote_comm_id(), b.local_comm_id());
                     }
-                    AttributeId::Req | AttributeId::SidrReq if self.small_quota => {
+                    AttributeId::Rep => {
+                        // A REP retry of an established connection: its RTU again.
+                        assert_eq!(r.attr(), AttributeId::Rtu);
+                        assert_eq!(r.local_comm_id(), b.remote_comm_id());
+                        assert_eq!(r.remote_comm_id(), b.local_comm_id());
+                        assert_eq!(r.tid(), b.tid());
+                    }
+                    AttributeId::Req => {
+                        // A VM at quota (NO_RESOURCES), or a retry of a REQ whose VM
+                        // detached before answering (the REJ sent then, again).
+                        assert_eq!(r.attr(), AttributeId::Rej);
+                        assert_eq!(r.remote_comm_id(), b.local_comm_id());
+                        assert_eq!(r.tid(), b.tid());
+                    }
+                    AttributeId::SidrReq if self.small_quota => {
                         assert_eq!(r.attr(), AttributeId::Rej);
                     }
                     _ => panic!("Reply to a wire {attr:?}"),
