@@ -502,6 +502,7 @@ impl CmtimePlan {
                     connections,
                     timeout: timeout.unwrap_or(Duration::from_secs(30)),
                     hold,
+                    connect: crate::cm::ConnectOptions::default(),
                 },
                 rounds,
                 pause,

@@ -943,6 +943,7 @@ fn cmtime_client_and_server_on_two_threads() {
             connections: N,
             timeout: Duration::from_secs(30),
             hold: Duration::ZERO,
+            connect: ConnectOptions::default(),
         },
     )
     .unwrap();
@@ -990,6 +991,7 @@ fn cmtime_counts_timeouts_as_failures_and_never_reports_failed_0() {
             connections: 40,
             timeout: Duration::from_secs(10),
             hold: Duration::ZERO,
+            connect: ConnectOptions::default(),
         },
     )
     .unwrap();
@@ -1055,6 +1057,7 @@ fn cmtime_counts_rejects_with_their_reason() {
             connections: N,
             timeout: Duration::from_secs(30),
             hold: Duration::ZERO,
+            connect: ConnectOptions::default(),
         },
     )
     .unwrap();

@@ -207,6 +207,7 @@ fn lab_transport_handshake_connect_and_cmtime() {
             connections: N,
             timeout: Duration::from_secs(20),
             hold: Duration::ZERO,
+            connect: ConnectOptions::default(),
         },
     )
     .unwrap();

@@ -241,6 +241,37 @@ fn cmtime_small() {
     assert!(r.table.as_deref().unwrap_or("").contains("establish"));
 }
 
+/// Servers that exit right after their last DREP (their device reset) while the wire
+/// loses a fifth of the DREPs: under the default every client DREQ still gets its DREP,
+/// answered by the server host's mux; under mlx4's policy each lost DREP costs its
+/// client the whole DREQ retry budget.
+#[test]
+fn server_exit_gets_every_drep() {
+    let mut o = opts(ScenarioName::ServerExit, 79);
+    o.connections = 100;
+    let d = run(&o);
+    assert_ok(&d);
+    let lost = d.num("dreps_lost_on_the_wire");
+    assert!(lost > 0.0, "{}", d.render());
+    // Each lost DREP (the VM's or the mux's) costs one DREQ retry, and is answered.
+    assert_eq!(d.num("dreq_retries_guests"), lost, "{}", d.render());
+    assert_eq!(d.num("answered_on_behalf_backends"), lost, "{}", d.render());
+
+    let mut o = opts(ScenarioName::ServerExit, 80);
+    o.connections = 100;
+    o.policy = Policy::Mlx4Post2020;
+    let l = run(&o);
+    assert!(!l.ok, "{}", l.render());
+    assert!(!l.held("no_dreq_timeout"), "{}", l.render());
+    let (lost, retries) = (
+        l.num("dreps_lost_on_the_wire"),
+        l.num("dreq_retries_guests"),
+    );
+    assert!(lost > 0.0);
+    assert_eq!(retries, lost * f64::from(o.cm.retries), "{}", l.render());
+    assert_eq!(l.num("answered_on_behalf_backends"), 0.0);
+}
+
 #[test]
 fn rate_small() {
     let mut o = opts(ScenarioName::Rate, 73);

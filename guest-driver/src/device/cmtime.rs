@@ -285,6 +285,9 @@ pub struct ClientOptions {
     pub timeout: Duration,
     /// Time to stay connected between the phases (the device keeps being served).
     pub hold: Duration,
+    /// CM timeouts and path of every connection (rdma_cm's defaults, as rdma-core's
+    /// cmtime, unless a test asks for others).
+    pub connect: ConnectOptions,
 }
 
 /// Options of a server run.
@@ -344,7 +347,7 @@ pub fn client<T: Transport, C: Clock>(
     // rdma_cm binds each unbound id to an ephemeral source port (the flow label the
     // agent derives hashes it); past the range's size ports are shared.
     let mut ports = EphemeralPorts::new(dev.options().seed ^ 0x636d_7469_6d65);
-    let opts = ConnectOptions::default();
+    let opts = o.connect;
     let mut steps = [StepTimes::default(); 4];
     let mut ids: Vec<CmId> = Vec::with_capacity(n);
     let mut started: Vec<Time> = Vec::with_capacity(n);

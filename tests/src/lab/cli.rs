@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser};
 use pvcm_backend::mux::Policy;
+use pvcm_wire::mad::AttributeId;
 
 use super::opts::{LabOptions, ScenarioName};
 use super::progress;
@@ -65,9 +66,13 @@ pub struct LabArgs {
     /// Mux policy: default, mlx4-pre2020 or mlx4-post2020 [default: default].
     #[arg(long, value_name = "POLICY")]
     pub policy: Option<String>,
-    /// Probability that a frame between hosts is lost [default: 0].
+    /// Probability that a frame between hosts is lost [default: 0; server-exit 0.2].
     #[arg(long, value_name = "P")]
     pub loss: Option<f64>,
+    /// --loss only loses MADs of this message type (REQ, REP, DREQ, DREP, ...; `any`:
+    /// every frame) [default: any; server-exit DREP].
+    #[arg(long, value_name = "MSG")]
+    pub loss_only: Option<String>,
     /// Probability that a frame between hosts is delivered twice [default: 0].
     #[arg(long, value_name = "P")]
     pub dup: Option<f64>,
@@ -152,6 +157,21 @@ pub struct LabArgs {
     pub keep_dir: bool,
 }
 
+/// A CM message type by name (`DREP`, case-insensitive) as its attribute ID; `any`: none.
+fn parse_message(s: &str) -> Result<Option<u16>, String> {
+    if s.eq_ignore_ascii_case("any") {
+        return Ok(None);
+    }
+    AttributeId::CM_MESSAGES
+        .iter()
+        .find(|a| a.name().eq_ignore_ascii_case(s))
+        .map(|a| Some(*a as u16))
+        .ok_or_else(|| {
+            let names: Vec<&str> = AttributeId::CM_MESSAGES.iter().map(|a| a.name()).collect();
+            format!("--loss-only {s:?}: one of {} or any", names.join(", "))
+        })
+}
+
 fn parse_delay(s: &str) -> Result<(Duration, Duration), String> {
     let (d, j) = match s.split_once(',') {
         Some((d, j)) => (d, Some(j)),
@@ -184,11 +204,14 @@ impl LabArgs {
             o.policy = Policy::from_str(p).map_err(|e| format!("--policy: {e}"))?;
         }
         let mut f = Faults {
-            loss: self.loss.unwrap_or(0.0),
-            dup: self.dup.unwrap_or(0.0),
-            reorder: self.reorder.unwrap_or(0.0),
-            ..Faults::default()
+            loss: self.loss.unwrap_or(o.faults.loss),
+            dup: self.dup.unwrap_or(o.faults.dup),
+            reorder: self.reorder.unwrap_or(o.faults.reorder),
+            ..o.faults
         };
+        if let Some(m) = &self.loss_only {
+            f.loss_only = parse_message(m)?;
+        }
         if let Some(d) = &self.delay {
             let (d, j) = parse_delay(d)?;
             f.delay = d;

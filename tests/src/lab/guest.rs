@@ -23,6 +23,13 @@ use vhost::vhost_user::Frontend;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
+/// The vhost-user protocol features a lab VM asks for: its config space, queues, device
+/// state (migration) and device reset (its program exits), as QEMU does.
+const LAB_PROTOCOL: VhostUserProtocolFeatures = VhostUserProtocolFeatures::CONFIG
+    .union(VhostUserProtocolFeatures::MQ)
+    .union(VhostUserProtocolFeatures::DEVICE_STATE)
+    .union(VhostUserProtocolFeatures::RESET_DEVICE);
+
 use crate::vmm::{
     GUEST_BASE, GuestMem, PROTOCOL_FEATURES, negotiate, setup_vring, setup_vring_at, transfer_state,
 };
@@ -90,9 +97,7 @@ impl GuestVm {
             &mut frontend,
             &mem,
             features::VERSION_1 | features::EVENT_IDX,
-            VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::DEVICE_STATE,
+            LAB_PROTOCOL,
         )?;
 
         // The driver's DMA window: page-aligned, inside the shared memory.
@@ -192,9 +197,7 @@ impl GuestVm {
             &mut frontend,
             &self.mem,
             self.features & !PROTOCOL_FEATURES,
-            VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::DEVICE_STATE,
+            LAB_PROTOCOL,
         )?;
         if negotiated != self.features {
             return Err(other(
@@ -230,6 +233,13 @@ impl GuestVm {
     /// when QEMU is killed). The backend detaches the VM.
     pub fn vanish(self) {
         drop(self);
+    }
+
+    /// The program that drove the device exits: its driver resets the device
+    /// (`VHOST_USER_RESET_DEVICE`), and the backend releases what the VM held.
+    pub fn reset_device(&mut self) -> io::Result<()> {
+        vhost::vhost_user::VhostUserFrontend::reset_device(&mut self.frontend)
+            .map_err(io::Error::other)
     }
 
     /// The vhost-user session (for callers that want to poke it).

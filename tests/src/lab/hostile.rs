@@ -254,6 +254,7 @@ fn run_in(exe: &Path, a: &HostileCli, dir: &Path) -> LabResult<HostileReport> {
                 connections: n,
                 timeout,
                 hold: Duration::ZERO,
+                connect: pvcm_guest::cm::ConnectOptions::default(),
             },
         )
         .map_err(|e| format!("neighbour: {e}"))?;

@@ -28,11 +28,14 @@ pub enum ScenarioName {
     Cmtime,
     /// MAD forwarding throughput through the backends next to raw UDP.
     Rate,
+    /// cmtime whose servers exit right after their last DREP (their device reset) while
+    /// the wire loses DREPs: every client DREQ must still get its DREP.
+    ServerExit,
 }
 
 impl ScenarioName {
     /// Every scenario.
-    pub const ALL: [ScenarioName; 7] = [
+    pub const ALL: [ScenarioName; 8] = [
         ScenarioName::Teardown,
         ScenarioName::RejTimeout,
         ScenarioName::Churn,
@@ -40,6 +43,7 @@ impl ScenarioName {
         ScenarioName::IpoibCm,
         ScenarioName::Cmtime,
         ScenarioName::Rate,
+        ScenarioName::ServerExit,
     ];
 
     /// The command-line name.
@@ -52,6 +56,7 @@ impl ScenarioName {
             ScenarioName::IpoibCm => "ipoib-cm",
             ScenarioName::Cmtime => "cmtime",
             ScenarioName::Rate => "rate",
+            ScenarioName::ServerExit => "server-exit",
         }
     }
 
@@ -279,6 +284,17 @@ impl LabOptions {
             }
             ScenarioName::Rate => {
                 o.vms_per_host = 1;
+            }
+            ScenarioName::ServerExit => {
+                o.connections = 200;
+                // A fifth of the DREPs lost; DREQ attempts of ~0.3 s, 15 retries.
+                o.faults.loss = 0.2;
+                o.faults.loss_only = Some(pvcm_wire::mad::AttributeId::Drep as u16);
+                o.cm = CmTimeouts {
+                    response: 16,
+                    packet_life: 14,
+                    retries: 15,
+                };
             }
         }
         o

@@ -11,7 +11,8 @@
 //! ports. Answers that the mux sends to the frame's source address (its stateless DREP
 //! or REJ(NO_RESOURCES)) land on `y:port(H)` and travel back the same way.
 //!
-//! Faults: `loss` drops a frame, `dup` forwards it twice, `reorder` holds it back by
+//! Faults: `loss` drops a frame (only MADs of one attribute with `loss_only`), `dup`
+//! forwards it twice, `reorder` holds it back by
 //! [`REORDER_HOLD`] so later frames overtake it, `delay` holds every frame that long
 //! (plus up to `jitter`). Each is a per-frame probability drawn from a seeded generator.
 
@@ -37,6 +38,8 @@ pub const REORDER_HOLD: Duration = Duration::from_millis(3);
 pub struct Faults {
     /// Probability that a frame is lost.
     pub loss: f64,
+    /// Only MADs of this attribute (its ID) are lost (`None`: any frame).
+    pub loss_only: Option<u16>,
     /// Probability that a frame is delivered twice.
     pub dup: f64,
     /// Probability that a frame is held back so later ones overtake it.
@@ -339,7 +342,11 @@ impl Runner {
             return;
         };
         let dst = SocketAddr::new(local.ip(), port_h);
-        if self.chance(self.faults.loss) {
+        let lossy = self
+            .faults
+            .loss_only
+            .is_none_or(|a| a == pvcm_wire::mad::Packet::new_unchecked(&f.mad[..]).attr_id());
+        if lossy && self.chance(self.faults.loss) {
             self.c.lost.fetch_add(1, Ordering::Relaxed);
             return;
         }

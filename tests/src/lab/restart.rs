@@ -660,6 +660,7 @@ fn cost(exe: &Path, dir: &Path, a: &RestartCli) -> LabResult<(Vec<f64>, Vec<f64>
                 connections: n,
                 timeout,
                 hold: Duration::ZERO,
+                connect: ConnectOptions::default(),
             },
         )?;
         if r.disconnected != n {

@@ -2,6 +2,11 @@
 //! cmtime ([`pvcm_guest::device::cmtime`], modelled on rdma-core's `cmtime`): VM `i` of
 //! host 1 serves, VM `i` of host 2 opens `--connections` connections to it at once,
 //! then tears them all down.
+//!
+//! `server-exit` is the same run with each server exiting right after its last DREP,
+//! as `pvcm-guest cmtime --server` does (its device is reset), while the wire loses
+//! DREPs: a client whose DREP was lost retries its DREQ towards a VM whose CM is gone,
+//! and must still get its DREP (from the server host's mux) instead of timing out.
 
 use std::time::Duration;
 
@@ -10,7 +15,7 @@ use pvcm_guest::device::cmtime::{
 };
 
 use crate::lab::guest::GuestVm;
-use crate::lab::opts::LabOptions;
+use crate::lab::opts::{LabOptions, ScenarioName};
 use crate::lab::report::Report;
 use crate::lab::world::{LabResult, VmEnv, World, dev_err, run_vms};
 
@@ -47,6 +52,11 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<Side> {
             )
             .map_err(dev_err)?;
             env.ctl.tick(u64::from(r.disconnected));
+            if o.scenario == ScenarioName::ServerExit {
+                // The program exits: its device is reset (the backend releases what the
+                // VM held, and nothing in the VM answers any more).
+                g.reset_device().map_err(|e| format!("device reset: {e}"))?;
+            }
             Ok(Side::Server(r))
         }
         1 => {
@@ -67,6 +77,7 @@ fn program(vm: &mut Option<GuestVm>, env: &VmEnv<'_>) -> LabResult<Side> {
                     connections: n,
                     timeout: o.phase_timeout,
                     hold: Duration::ZERO,
+                    connect: o.cm.connect_options(),
                 },
             )
             .map_err(dev_err)?;
@@ -147,7 +158,45 @@ pub fn run(o: &LabOptions) -> LabResult<Report> {
         est == total && dis == total && failed == 0 && accepted == total,
         format!("{est}/{total} established, {dis} torn down, {failed} failed, {accepted} accepted"),
     );
+    if o.scenario == ScenarioName::ServerExit {
+        server_exit_checks(o, &mut rep, &clients);
+    }
     rep.check_leaks(&out);
     world.shutdown();
     Ok(rep)
+}
+
+/// server-exit: every client's DREQ got its DREP before its retries ran out, though the
+/// servers were gone when the retries of the lost DREPs came.
+fn server_exit_checks(o: &LabOptions, rep: &mut Report, clients: &[&CmtimeReport]) {
+    let lost = rep.relay.map_or(0, |r| r.lost);
+    let retries = rep.guest_sum("cm_tx_retries", "dreq");
+    let answered: u64 = rep
+        .hosts
+        .iter()
+        .filter_map(|h| h.backend.as_ref())
+        .map(|s| s.host.on_behalf)
+        .sum();
+    let slowest = clients
+        .iter()
+        .map(|c| c.step(Step::Disconnect).max)
+        .max()
+        .unwrap_or_default();
+    // A DREQ that nobody answers ends after (retries + 1) attempts: one that took half
+    // of that was answered late or not at all.
+    let budget = o.cm.attempt() * (u32::from(o.cm.retries) + 1);
+    rep.figure("dreps_lost_on_the_wire", lost);
+    rep.figure("dreq_retries_guests", retries);
+    rep.figure("answered_on_behalf_backends", answered);
+    rep.figure("slowest_disconnect_ms", slowest.as_secs_f64() * 1e3);
+    rep.figure("dreq_budget_ms", budget.as_secs_f64() * 1e3);
+    rep.check(
+        "no_dreq_timeout",
+        slowest < budget / 2,
+        format!(
+            "slowest disconnect {:.0} ms of a {:.0} ms DREQ budget; {lost} DREPs lost, {retries} DREQ retries, {answered} MADs answered on the VMs' behalf",
+            slowest.as_secs_f64() * 1e3,
+            budget.as_secs_f64() * 1e3
+        ),
+    );
 }

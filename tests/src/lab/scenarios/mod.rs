@@ -31,6 +31,7 @@ pub fn run(o: &LabOptions) -> LabResult<Report> {
         ScenarioName::IpoibCm => ipoib::run(o),
         ScenarioName::Cmtime => cmtime::run(o),
         ScenarioName::Rate => rate::run(o),
+        ScenarioName::ServerExit => cmtime::run(o),
     }
 }
 
