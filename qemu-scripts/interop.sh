@@ -33,6 +33,11 @@ vm6) with a pvcm QEMU VM (TCG, patched QEMU) on one of them at a time. Tests:
     9c over 9a and 9b: no retries or duplicates in the kernels' counters, 0 drops and
        0 retries in pvcm-backend, every pvcm MAD taken by a kernel CM, every frame
        through the IPv6 VM
+ 10 DREQs under loss: 5% of the RoCE frames lost each way on the bridge (nftables),
+    kernel j -> kernel k next to kernel j -> a pvcm VM whose cmtime server exits right
+    after its last DREP (the backend answers the DREQ retries of lost DREPs), 200
+    connections (IOP_LOSS_CONNS), two rounds each, alternating: every connection up
+    and down, and the pvcm side's disconnect at most 1.5x the kernel's
 
 Prints the connect/disconnect totals of tests 1, 2 and 5 from this one run, then runs
 tests 1 and 2's cmtime --trials more times each, alternating, and prints the medians of
@@ -76,7 +81,7 @@ USAGE
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-conns=1000 only="1,2,3,4,5,6,7,8,9" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3 mtu=9000
+conns=1000 only="1,2,3,4,5,6,7,8,9,10" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3 mtu=9000
 while [ $# -gt 0 ]; do
     case "$1" in
     --bench) bench=1 ;;
@@ -120,7 +125,7 @@ mkdir -p "$share/q" "$share/bin"
 
 echo "== build (cached)"
 t="$(now_s)"
-apt_install iproute2 util-linux python3 gcc librdmacm-dev
+apt_install iproute2 util-linux python3 gcc librdmacm-dev nftables
 [ -z "$pcap" ] || apt_install tshark
 "$PVCM_SCRIPTS_DIR/build-guest.sh" --rdma --print-dir >/dev/null 2>"$workdir/build-rdma-guest.log" || {
     cat "$workdir/build-rdma-guest.log"

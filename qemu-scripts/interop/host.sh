@@ -10,7 +10,7 @@
 # cmtime listener bound to fd99::2 port 7476.
 #
 # Environment (set by interop.sh): IOP_WORK, IOP_SHARE, IOP_BACKEND, IOP_RUNVM,
-# IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY, IOP_TRIALS.
+# IOP_GUEST_DIR, IOP_CONNS, IOP_ONLY, IOP_TRIALS, IOP_LOSS_CONNS (test 10).
 set -uo pipefail
 
 work="$IOP_WORK" share="$IOP_SHARE" conns="$IOP_CONNS" only="$IOP_ONLY"
@@ -379,6 +379,42 @@ names = {"9a": f"IPv6, soft port: pvcm VM fd99::21 -> kernel fd99::2, {conns} co
 for t in ("9a", "9b", "9c"):
     print(("FAIL  " if bad[t] else "PASS  ") + t + ": " + (names[t] if not bad[t] else "; ".join(bad[t])))
 PY
+fi
+
+# ---- 10. DREQs under loss: 5% of the RoCE frames lost each way on the bridge
+# (nftables numgen drops in its prerouting and output hooks; this kernel has no netem),
+# kernel j -> kernel k next to kernel j -> a pvcm VM whose cmtime server exits right
+# after its last DREP, two rounds each, alternating. A DREQ retry for a DREP lost after
+# the server exited is answered by the backend, as the kernel CM answers it in TimeWait.
+if selected 10; then
+    lc="${IOP_LOSS_CONNS:-200}"
+    say "10. 5% loss each way: kernel -> kernel and kernel -> pvcm VM (server exits at once), $lc connections, 2 rounds each"
+    prime_neighbors "$k_ip" "$j_ip"
+    stat_json lossbefore
+    kcounters j lossbefore
+    nft -f - <<'NFT'
+table bridge pvcm_loss {
+    chain pre { type filter hook prerouting priority -200; udp dport 4791 numgen random mod 100 < 5 counter drop; }
+    chain out { type filter hook output priority -200; udp dport 4791 numgen random mod 100 < 5 counter drop; }
+}
+NFT
+    for r in 1 2; do
+        kexec j "kk-loss$r" 300 "cmtime -s $k_ip -c $lc"
+        echo $? >"$work/j.kk-loss$r.rc"
+        vm_start "srvloss$r" "pvcm-guest cmtime --server --connections $lc --timeout 240"
+        if vm_console "srvloss$r" 'cmtime server on' 240; then
+            sleep 1
+            kexec j "kp-loss$r" 300 "cmtime -s $vm_ip -c $lc"
+            echo $? >"$work/j.kp-loss$r.rc"
+        fi
+        vm_wait "srvloss$r"
+    done
+    nft list table bridge pvcm_loss >"$work/loss.nft" 2>&1
+    nft delete table bridge pvcm_loss
+    sleep 0.5
+    stat_json lossafter
+    kcounters j lossafter
+    python3 "$(dirname "${BASH_SOURCE[0]}")/lossy.py" "$work" "$lc" 2 "$figures" | tee -a "$results"
 fi
 
 # ---- speed: more alternating trials of tests 1 and 2, for medians from this one run
