@@ -25,6 +25,12 @@
 //!   of its own choosing (a counter). IFACE is the interface link-local IPv6
 //!   destinations are reached through (their scope); without it a link-local
 //!   destination is `bad_remote_gid`.
+//! - **A VM's own frames**: the divert also stops what a VM sends to QP1 itself (root
+//!   in the VM can load the kernel CM) and forwards it to DEV, where it is transmitted:
+//!   a frame the socket sees as outgoing is never routed, only counted on the VM whose
+//!   address is its source ([`check_egress_frame`]: `vm_qp1_egress`,
+//!   `vm_egress_unclassified`), or on the host's counters when no VM's address is its
+//!   source (`wire_egress_unknown_source`).
 //! - **Migration**: there is nothing to bind (the addresses belong to the VMs' NICs):
 //!   claim and release are accepted as they are.
 //! - **Privileges**: `CAP_NET_RAW` for the packet and raw sockets; without it the port
