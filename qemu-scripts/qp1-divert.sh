@@ -36,6 +36,8 @@ host takes the VM's CM traffic both ways:
         port is unknown), an IPv6 extension-header chain the kernel cannot walk or that
         ends in a header it does not know (mobility, HIP, shim6, experimental), a frame
         with a second VLAN tag, a RoCEv1 frame (EtherType 0x8915);
+      - at most 1000 stopped frames a second (burst 1000) go to DEV; past that they
+        are dropped on TAP, counted "over_rate";
       - everything else passes (frames to other QPs, ARP, ND, the VM's other traffic).
     A RoCEv2 frame's first fragment is classified like a whole frame; the fragments
     after it never reach the fabric, so a split QP1 frame cannot be reassembled there.
@@ -138,6 +140,9 @@ if [ -n "$dev" ]; then
 fi
 
 PREF4=4791 PREF6=4792
+# Stopped frames forwarded to DEV per second and tap, at most (the rest dropped): a VM
+# flooding its own QP1 frames costs the backend no more than this.
+RATE=1000
 # nft identifiers are letters, digits and _ - . / only.
 TABLE="pvcm-${tap//[^A-Za-z0-9_.-]/_}"
 
@@ -197,10 +202,15 @@ table netdev $TABLE {
     counter spoofed {}
     counter qp1 {}
     counter unclassified {}
+    counter over_rate {}
 EOF_NFT
     [ -z "$set4" ] || printf '    set own4 { type ipv4_addr; flags interval; elements = { %s } }\n' "$set4"
     [ -z "$set6" ] || printf '    set own6 { type ipv6_addr; flags interval; elements = { %s } }\n' "$set6"
     cat <<EOF_NFT
+    chain stop {
+        limit rate over $RATE/second burst $RATE packets counter name over_rate drop
+        fwd to $q$dev$q
+    }
     chain egress {
         type filter hook ingress device $q$tap$q priority -500; policy accept;
         ether saddr != $mac counter name spoofed drop
@@ -223,13 +233,13 @@ EOF_NFT
         echo "        meta protocol ip6 counter name spoofed drop"
     fi
     cat <<EOF_NFT
-        meta protocol { 8021q, 8021ad, 0x8915 } counter name unclassified fwd to $q$dev$q
-        udp dport 4791 @th,104,24 1 counter name qp1 fwd to $q$dev$q
-        ip frag-off & 0x1fff != 0 ip protocol udp counter name unclassified fwd to $q$dev$q
-        meta protocol ip6 frag frag-off != 0 meta l4proto udp counter name unclassified fwd to $q$dev$q
-        meta protocol ip6 meta l4proto { 135, 139, 140, 253, 254 } counter name unclassified fwd to $q$dev$q
+        meta protocol { 8021q, 8021ad, 0x8915 } counter name unclassified goto stop
+        udp dport 4791 @th,104,24 1 counter name qp1 goto stop
+        ip frag-off & 0x1fff != 0 ip protocol udp counter name unclassified goto stop
+        meta protocol ip6 frag frag-off != 0 meta l4proto udp counter name unclassified goto stop
+        meta protocol ip6 meta l4proto { 135, 139, 140, 253, 254 } counter name unclassified goto stop
         meta protocol ip6 ip6 nexthdr { 0, 43, 44, 51, 60 } meta l4proto != { 0, 43, 44, 51, 60 } @th,0,8 0-255 accept
-        meta protocol ip6 ip6 nexthdr { 0, 43, 44, 51, 60 } counter name unclassified fwd to $q$dev$q
+        meta protocol ip6 ip6 nexthdr { 0, 43, 44, 51, 60 } counter name unclassified goto stop
     }
 }
 EOF_NFT

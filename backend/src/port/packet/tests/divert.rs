@@ -199,7 +199,8 @@ fn divert(args: &[&str]) -> std::process::Output {
 /// cannot walk, a second VLAN tag, RoCEv1) land on the divert device only, where the
 /// packet port counts them on the VM's counters (or the host's, without an IP source);
 /// frames from another MAC or address land nowhere; the rest (data QPs, ARP, DAD,
-/// later fragments of TCP) reach the fabric. After `del`, everything passes.
+/// later fragments of TCP) reach the fabric. A flood of QP1 frames reaches DEV at the
+/// table's rate at most. After `del`, everything passes.
 #[test]
 fn a_vms_own_qp1_frames_and_spoofs_never_reach_the_fabric() {
     if Command::new("nft").arg("--version").output().is_err() {
@@ -433,6 +434,32 @@ fn a_vms_own_qp1_frames_and_spoofs_never_reach_the_fabric() {
             let want = format!("counter {name} {{\n\t\tpackets {n} ");
             assert!(show.contains(&want), "counter {name}: want {n}:\n{show}");
         }
+
+        // A flood of its own QP1 frames: past the table's rate (1000 a second, burst
+        // 1000) they are dropped on the tap, counted over_rate, and never reach DEV.
+        let before = count(Some(0), DevDrop::VmQp1Egress);
+        let flood = v4(A4, 5, 0x4000, 17, &roce(1));
+        let start = Instant::now();
+        for _ in 0..40 {
+            for _ in 0..100 {
+                write_frame(&vm, &flood);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let secs = start.elapsed().as_secs_f64();
+        std::thread::sleep(Duration::from_millis(100));
+        r.receive(&port, 0, Duration::from_millis(100));
+        let through = count(Some(0), DevDrop::VmQp1Egress) - before;
+        let most = 1000 + (1000.0 * secs) as u64 + 50;
+        assert!(
+            through <= most,
+            "{through} of 4000 reached DEV in {secs:.3} s (at most {most})"
+        );
+        let show = String::from_utf8_lossy(&divert(&["show", "tapx"]).stdout).into_owned();
+        assert!(
+            !show.contains("counter over_rate {\n\t\tpackets 0 "),
+            "nothing over the rate:\n{show}"
+        );
 
         // del removes it all: everything passes again, and the table is gone.
         divert(&["del", "tapx", "pvcm-qp1"]);
