@@ -125,16 +125,26 @@ fn bad_source_v6(a: Ipv6Addr) -> bool {
 /// A frame's destination address, as far as its headers can be read (for whose
 /// counters a drop lands on).
 pub fn frame_destination(frame: &[u8]) -> Option<IpAddr> {
+    frame_address(frame, 16, 24)
+}
+
+/// A frame's IP source address, as far as its headers can be read.
+fn frame_source(frame: &[u8]) -> Option<IpAddr> {
+    frame_address(frame, 12, 8)
+}
+
+/// The address `v4` bytes into the frame's IPv4 header, or `v6` into its IPv6 header.
+fn frame_address(frame: &[u8], v4: usize, v6: usize) -> Option<IpAddr> {
     let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
     let ip = frame.get(ETH_HLEN..)?;
     match ethertype {
         ETH_P_IP => {
-            let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
-            Some(IpAddr::V4(Ipv4Addr::from(d)))
+            let a: [u8; 4] = ip.get(v4..v4 + 4)?.try_into().ok()?;
+            Some(IpAddr::V4(Ipv4Addr::from(a)))
         }
         ETH_P_IPV6 => {
-            let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
-            Some(IpAddr::V6(Ipv6Addr::from(d)))
+            let a: [u8; 16] = ip.get(v6..v6 + 16)?.try_into().ok()?;
+            Some(IpAddr::V6(Ipv6Addr::from(a)))
         }
         _ => None,
     }
@@ -261,23 +271,6 @@ pub fn check_egress_frame(frame: &[u8], port: u16) -> (Option<IpAddr>, DevDrop) 
         DevDrop::VmEgressUnclassified
     };
     (src, reason)
-}
-
-/// A frame's IP source address, as far as its headers can be read.
-fn frame_source(frame: &[u8]) -> Option<IpAddr> {
-    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
-    let ip = frame.get(ETH_HLEN..)?;
-    match ethertype {
-        ETH_P_IP => {
-            let s: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
-            Some(IpAddr::V4(Ipv4Addr::from(s)))
-        }
-        ETH_P_IPV6 => {
-            let s: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
-            Some(IpAddr::V6(Ipv6Addr::from(s)))
-        }
-        _ => None,
-    }
 }
 
 /// The UDP header and what follows it in an IPv4 or IPv6 frame that is not a fragment

@@ -53,10 +53,7 @@ fn v4(src: &str, ihl: u8, frag: u16, proto: u8, l4: &[u8]) -> Vec<u8> {
     h.extend_from_slice(&src.parse::<Ipv4Addr>().unwrap().octets());
     h.extend_from_slice(&[10, 50, 0, 2]);
     h.resize(hl, 1);
-    let sum = !h.chunks(2).fold(0u32, |s, w| {
-        let s = s + u32::from(u16::from_be_bytes([w[0], w[1]]));
-        (s & 0xFFFF) + (s >> 16)
-    }) as u16;
+    let sum = roce::internet_checksum(&h);
     h[10..12].copy_from_slice(&sum.to_be_bytes());
     h.extend_from_slice(l4);
     ether(VM_MAC, ETH_P_IP, &h)
