@@ -174,6 +174,8 @@ deb "$g"
 h="$stage/pvcm-backend"
 install -D -m 755 "$target/pvcm-backend" "$h/usr/sbin/pvcm-backend"
 strip --strip-debug "$h/usr/sbin/pvcm-backend"
+install -D -m 755 "$repo/qemu-scripts/qp1-divert.sh" "$h/usr/sbin/pvcm-qp1-divert"
+install -D -m 755 "$here/host/pvcm-libvirt-hook" "$h/etc/libvirt/hooks/qemu.d/pvcm"
 install -D -m 644 "$here/host/pvcm-backend.service" "$h/lib/systemd/system/pvcm-backend.service"
 install -D -m 644 "$here/host/backend.toml" "$h/etc/pvcm/backend.toml"
 install -D -m 644 "$here/host/backend.example.toml" \
@@ -194,13 +196,16 @@ Maintainer: pvcm developers <pvcm@example.invalid>
 Section: net
 Priority: optional
 Depends: libc6 (>= 2.36)
+Recommends: iproute2, nftables, python3
 Description: pvcm host daemon: para-virtual InfiniBand CM endpoints for VMs
  pvcm-backend serves one vhost-user socket per VM and multiplexes the VMs' CM MADs
  onto the host's RoCEv2 port (its own soft port, a device's QP1 through umad, or QP1
  frames diverted from the VMs' own NICs), rewriting their comm IDs and keeping each
- ID exactly as long as the protocol needs it.
+ ID exactly as long as the protocol needs it. pvcm-qp1-divert and the libvirt hook
+ divert the QP1 frames of VMs with their own RDMA NIC both ways (iproute2's tc and
+ nftables, recommended).
 EOF
-printf '%s\n' /etc/pvcm/backend.toml >"$h/DEBIAN/conffiles"
+printf '%s\n' /etc/pvcm/backend.toml /etc/libvirt/hooks/qemu.d/pvcm >"$h/DEBIAN/conffiles"
 cat >"$h/DEBIAN/postinst" <<'EOF'
 #!/bin/sh
 set -e

@@ -38,6 +38,9 @@ check "pvcm-backend ships the daemon, its unit, its config and an example, a man
              dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/doc/pvcm-backend/examples/backend.toml &&
              dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/doc/pvcm-backend/deploy.md &&
              dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/share/man/man8/pvcm-backend.8.gz"
+check "pvcm-backend ships the QP1 divert tool and its libvirt hook" \
+    bash -c "dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./usr/sbin/pvcm-qp1-divert &&
+             dpkg-deb -c '$out'/pvcm-backend_*.deb | grep -q ./etc/libvirt/hooks/qemu.d/pvcm"
 check "both packages install (dpkg -i)" dpkg -i "$out"/pvcm-guest_*.deb "$out"/pvcm-backend_*.deb
 check "systemd-analyze verify pvcm-guestd.service" \
     systemd-analyze verify /lib/systemd/system/pvcm-guestd.service
@@ -58,6 +61,11 @@ check "pvcm-backend starts on the shipped config plus one VM and answers stat" \
                --state-dir $out/state >$out/backend.log 2>&1 & pid=\$!
              for i in \$(seq 100); do [ -S $out/ctl ] && break; sleep 0.1; done
              /usr/sbin/pvcm-backend stat --control $out/ctl; rc=\$?; kill \$pid; exit \$rc"
+check "the installed pvcm-qp1-divert runs on its own (--help, and a usage error)" \
+    bash -c "/usr/sbin/pvcm-qp1-divert --help | grep -q 'pvcm-qp1-divert add TAP DEV MAC' &&
+             { /usr/sbin/pvcm-qp1-divert add tap0 dev0 >/dev/null 2>&1; [ \$? = 2 ]; }"
+check "the libvirt hook adds the divert on started and removes it on release, by MAC" \
+    bash "$here/hook-check.sh" /etc/libvirt/hooks/qemu.d/pvcm "$out"
 check "dpkg -r removes both" dpkg -r pvcm-guest pvcm-backend
 echo "packages: $([ $fail = 0 ] && echo ok || echo FAILED)"
 exit $fail

@@ -105,6 +105,19 @@ dev_drops! {
     /// counters). The peers' retries recover them; a growing count means the host loop
     /// falls behind.
     WireRxOverflow => "wire_rx_overflow",
+    /// egress (packet port): a frame a VM transmitted to QP1 from its own NIC, stopped
+    /// on the host (its tap's divert forwards it to DEV instead of the fabric) and
+    /// counted here on the VM whose address is its source.
+    VmQp1Egress => "vm_qp1_egress",
+    /// egress (packet port): a frame a VM transmitted that its tap's divert could not
+    /// classify and stopped (a UDP fragment other than the first, an IPv6
+    /// extension-header chain it cannot walk, a second VLAN tag), counted on the VM
+    /// whose address is its source.
+    VmEgressUnclassified => "vm_egress_unclassified",
+    /// egress (packet port): a frame transmitted on DEV whose source is no VM's address
+    /// (host counters): not something a VM's divert stops (its source is the VM's),
+    /// or a frame without an IP source (RoCEv1, a second VLAN tag).
+    WireEgressUnknownSource => "wire_egress_unknown_source",
 }
 
 /// Message and frame counts of the I/O paths.

@@ -2,7 +2,9 @@
 //! packet.rs`): its check (Ethernet, IPv4 or IPv6, UDP, BTH, DETH, the ICRC over the
 //! headers as received) must never panic, and a frame it accepts must be what it says:
 //! its destination is the frame's, its ICRC verifies, its MAD is the frame's MAD and its
-//! source GID the IP source.
+//! source GID the IP source. The same bytes as a frame transmitted on the device (a VM's
+//! own, `check_egress_frame`) never panic either, and a whole RoCEv2 frame to QP1 from
+//! a VM's address is `vm_qp1_egress` of that address.
 //!
 //! The first input byte picks how the rest is used: as it is, or written over a valid
 //! IPv4 or IPv6 RoCEv2 frame (byte edits at fuzzer-chosen offsets), so the fuzzer gets
@@ -11,7 +13,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvcm_backend::port::packet::{ETH_HLEN, check_ether_frame, frame_destination};
+use pvcm_backend::port::packet::{
+    ETH_HLEN, check_egress_frame, check_ether_frame, frame_destination,
+};
+use pvcm_backend::stats::DevDrop;
 use pvcm_wire::roce::{self, BthRepr, DethRepr, FrameRepr, IpRepr, Ipv4Repr, Ipv6Repr, UdpRepr};
 
 const PORT: u16 = 4791;
@@ -67,6 +72,7 @@ fuzz_target!(|data: &[u8]| {
         }
     };
     let _ = frame_destination(&frame);
+    let (egress_src, egress) = check_egress_frame(&frame, PORT);
     let Ok((dst, f)) = check_ether_frame(&frame, PORT) else {
         return;
     };
@@ -80,4 +86,5 @@ fuzz_target!(|data: &[u8]| {
     let len = h.datagram_len();
     assert_eq!(roce::check_datagram_icrc(&ip[..len]), Ok(()));
     assert_eq!((f.src_qp, f.qkey), (1, roce::GSI_QKEY));
+    assert_eq!((egress_src, egress), (Some(h.src()), DevDrop::VmQp1Egress));
 });

@@ -119,7 +119,7 @@ def run():
         for d in ("lo", TAP, FAR):
             nsx("ip", "link", "set", d, "up", check=True)
         div = ["bash", str(SCRIPTS / "qp1-divert.sh")]
-        nsx(*div, "add", TAP, DEV, check=True)
+        nsx(*div, "add", TAP, DEV, "52:54:00:99:00:11", "10.99.0.11", "fd99::11", check=True)
         here = str(SCRIPTS)
         env = dict(os.environ, PYTHONPATH=here)
         ok = nsx(sys.executable, "-m", "netlab.divert_test", "--inside", env=env).returncode == 0

@@ -504,7 +504,11 @@ class Lab:
         ip6 = ip6.split("/")[0] if ip6 else None
         tap = self._tap()
         if divert:
-            self.host(f"bash {SCRIPTS / 'qp1-divert.sh'} add {tap} {DIVERT_DEV}", check=True)
+            # Both directions: its QP1 frames to pvcm-qp1, and what it sends checked
+            # (its MAC and addresses only; its own QP1 frames stopped).
+            own = " ".join([ip] + ([ip6] if ip6 else []) + ["fe80::/64"])
+            self.host(f"bash {SCRIPTS / 'qp1-divert.sh'} add {tap} {DIVERT_DEV} "
+                      f"{mac_of(ip)} {own}", check=True)
         console = self.workdir / f"{name}.console.log"
         console.unlink(missing_ok=True)
         g = Guest(self, name, ip, ip6, tap, console, cm)

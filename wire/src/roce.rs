@@ -819,7 +819,7 @@ pub struct Ipv4Repr {
 }
 
 /// The Internet checksum (RFC 1071) of a header whose checksum field reads zero.
-fn internet_checksum(bytes: &[u8]) -> u16 {
+pub fn internet_checksum(bytes: &[u8]) -> u16 {
     let mut sum: u32 = 0;
     for c in bytes.chunks(2) {
         let hi = c.first().copied().unwrap_or(0);

@@ -25,6 +25,12 @@
 //!   of its own choosing (a counter). IFACE is the interface link-local IPv6
 //!   destinations are reached through (their scope); without it a link-local
 //!   destination is `bad_remote_gid`.
+//! - **A VM's own frames**: the divert also stops what a VM sends to QP1 itself (root
+//!   in the VM can load the kernel CM) and forwards it to DEV, where it is transmitted:
+//!   a frame the socket sees as outgoing is never routed, only counted on the VM whose
+//!   address is its source ([`check_egress_frame`]: `vm_qp1_egress`,
+//!   `vm_egress_unclassified`), or on the host's counters when no VM's address is its
+//!   source (`wire_egress_unknown_source`).
 //! - **Migration**: there is nothing to bind (the addresses belong to the VMs' NICs):
 //!   claim and release are accepted as they are.
 //! - **Privileges**: `CAP_NET_RAW` for the packet and raw sockets; without it the port
@@ -119,16 +125,26 @@ fn bad_source_v6(a: Ipv6Addr) -> bool {
 /// A frame's destination address, as far as its headers can be read (for whose
 /// counters a drop lands on).
 pub fn frame_destination(frame: &[u8]) -> Option<IpAddr> {
+    frame_address(frame, 16, 24)
+}
+
+/// A frame's IP source address, as far as its headers can be read.
+fn frame_source(frame: &[u8]) -> Option<IpAddr> {
+    frame_address(frame, 12, 8)
+}
+
+/// The address `v4` bytes into the frame's IPv4 header, or `v6` into its IPv6 header.
+fn frame_address(frame: &[u8], v4: usize, v6: usize) -> Option<IpAddr> {
     let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
     let ip = frame.get(ETH_HLEN..)?;
     match ethertype {
         ETH_P_IP => {
-            let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
-            Some(IpAddr::V4(Ipv4Addr::from(d)))
+            let a: [u8; 4] = ip.get(v4..v4 + 4)?.try_into().ok()?;
+            Some(IpAddr::V4(Ipv4Addr::from(a)))
         }
         ETH_P_IPV6 => {
-            let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
-            Some(IpAddr::V6(Ipv6Addr::from(d)))
+            let a: [u8; 16] = ip.get(v6..v6 + 16)?.try_into().ok()?;
+            Some(IpAddr::V6(Ipv6Addr::from(a)))
         }
         _ => None,
     }
@@ -230,6 +246,75 @@ pub fn check_ether_frame(
     Ok((dst, soft::in_frame(from, &f, &bth, &deth)))
 }
 
+/// `PACKET_OUTGOING` (linux/if_packet.h): a frame transmitted on the device.
+pub const PACKET_OUTGOING: u8 = 4;
+/// Classic BPF's ancillary load of the packet type (`SKF_AD_OFF + SKF_AD_PKTTYPE`).
+const SKF_AD_PKTTYPE: u32 = 0xFFFF_F000 + 4;
+
+/// A frame transmitted on DEV: what a VM's tap divert forwards there from the VM
+/// (`qp1-divert.sh`'s nftables table), never a frame for a VM. Its IP source (the VM
+/// it came from, when its headers show one) and its reason: `vm_qp1_egress` when its
+/// UDP header is to `port` and its BTH to QP 1 (IPv4 with or without options, IPv6
+/// after hop-by-hop, routing, destination options, AH and first-fragment headers),
+/// else `vm_egress_unclassified`.
+pub fn check_egress_frame(frame: &[u8], port: u16) -> (Option<IpAddr>, DevDrop) {
+    let src = frame_source(frame);
+    let qp1 = egress_udp(frame).is_some_and(|udp| {
+        udp.get(2..4) == Some(&port.to_be_bytes()[..])
+            && udp
+                .get(UDP_HEADER_LEN + 5..UDP_HEADER_LEN + 8)
+                .is_some_and(|qp| qp == [0, 0, 1])
+    });
+    let reason = if qp1 {
+        DevDrop::VmQp1Egress
+    } else {
+        DevDrop::VmEgressUnclassified
+    };
+    (src, reason)
+}
+
+/// The UDP header and what follows it in an IPv4 or IPv6 frame that is not a fragment
+/// after the first: past IPv4 options, and past the IPv6 extension headers a receiver
+/// walks (at most 8 of them).
+fn egress_udp(frame: &[u8]) -> Option<&[u8]> {
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    let ip = frame.get(ETH_HLEN..)?;
+    match ethertype {
+        ETH_P_IP => {
+            let ihl = usize::from(ip.first()? & 0x0f) * 4;
+            let frag = u16::from_be_bytes([*ip.get(6)?, *ip.get(7)?]) & 0x1FFF;
+            (*ip.get(9)? == IP_PROTOCOL_UDP && frag == 0 && ihl >= IPV4_HEADER_LEN)
+                .then(|| ip.get(ihl..))?
+        }
+        ETH_P_IPV6 => {
+            let mut next = *ip.get(6)?;
+            let mut at = IPV6_HEADER_LEN;
+            for _ in 0..8 {
+                let len = match next {
+                    IP_PROTOCOL_UDP => return ip.get(at..),
+                    // Hop-by-hop, routing, destination options: 8-byte units after 8.
+                    0 | 43 | 60 => (usize::from(*ip.get(at + 1)?) + 1) * 8,
+                    // Fragment: the first only (offset 0).
+                    44 => {
+                        let off = u16::from_be_bytes([*ip.get(at + 2)?, *ip.get(at + 3)?]);
+                        if off & 0xFFF8 != 0 {
+                            return None;
+                        }
+                        8
+                    }
+                    // AH: 4-byte units after 8.
+                    51 => (usize::from(*ip.get(at + 1)?) + 2) * 4,
+                    _ => return None,
+                };
+                next = *ip.get(at)?;
+                at += len;
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
 /// A small classic-BPF assembler: instructions with symbolic jump targets.
 #[derive(Debug, Default)]
 struct Asm {
@@ -241,6 +326,7 @@ struct Asm {
 enum Label {
     Accept,
     Drop,
+    Received,
     V4,
     V6,
     Next(usize),
@@ -318,9 +404,10 @@ impl Asm {
     }
 }
 
-/// The packet socket's filter (see the module docs): Ethernet frames of IPv4 (no
-/// fragment) or IPv6 (next header UDP), UDP to `port`, BTH destination QP 1, and, if
-/// `addrs` is given and not empty, a destination among them.
+/// The packet socket's filter (see the module docs): every frame transmitted on the
+/// device (a VM's own frame, see [`check_egress_frame`]); of those received, Ethernet
+/// frames of IPv4 (no fragment) or IPv6 (next header UDP), UDP to `port`, BTH
+/// destination QP 1, and, if `addrs` is given and not empty, a destination among them.
 pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filter> {
     let build = |addrs: Option<&[IpAddr]>| -> Option<Vec<libc::sock_filter>> {
         let addrs = addrs.filter(|a| !a.is_empty());
@@ -347,6 +434,16 @@ pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filt
             .collect();
         let e = ETH_HLEN as u32;
         let mut a = Asm::default();
+        // Transmitted on DEV: a VM's own frame its divert stopped, counted by the port.
+        a.stmt(BPF_LD | BPF_B | BPF_ABS, SKF_AD_PKTTYPE);
+        a.jump(
+            BPF_JEQ,
+            PACKET_OUTGOING.into(),
+            Target::Fall,
+            Target::To(Label::Received),
+        );
+        a.stmt(BPF_RET | BPF_K, 0xFFFF);
+        a.label(Label::Received);
         a.stmt(BPF_LD | BPF_H | BPF_ABS, 12);
         a.jump(
             BPF_JEQ,
@@ -924,6 +1021,10 @@ impl WirePort for PacketPort {
                 let mut per_vm: Vec<(usize, Vec<InMad>)> = Vec::new();
                 for i in 0..n {
                     let (_, frame, truncated) = rb.get(i);
+                    if rb.packet_type(i) == Some(PACKET_OUTGOING) {
+                        self.on_egress(ctx, frame);
+                        continue;
+                    }
                     self.on_frame(ctx, frame, truncated, &mut per_vm);
                 }
                 if let Some(c) = ctx.capture {
@@ -943,6 +1044,25 @@ impl WirePort for PacketPort {
 }
 
 impl PacketPort {
+    /// One frame transmitted on DEV: a VM's own frame its divert stopped, never routed;
+    /// counted on the VM whose address is its source, else on the host's counters.
+    fn on_egress(&self, ctx: &PortCtx<'_>, frame: &[u8]) {
+        let (src, reason) = check_egress_frame(frame, self.port_num);
+        let vm = src
+            .and_then(|s| self.vm_of(&s))
+            .and_then(|vm| ctx.vms.get(vm));
+        match vm {
+            Some(p) => {
+                p.counters.drop(reason);
+                tracing::debug!(parent: &p.span, src = ?src, dst = ?frame_destination(frame), reason = reason.name(), "the VM's own frame, stopped by its divert: dropped");
+            }
+            None => {
+                ctx.host.drop(DevDrop::WireEgressUnknownSource);
+                tracing::debug!(port = %self.name, src = ?src, "a frame transmitted on the divert device from no VM's address: dropped");
+            }
+        }
+    }
+
     /// One frame from DEV: checked, counted, and queued for its VM.
     fn on_frame(
         &self,

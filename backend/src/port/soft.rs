@@ -183,6 +183,19 @@ pub(crate) fn sockaddr_of(a: &SocketAddr) -> (libc::sockaddr_storage, libc::sock
 }
 
 /// The IPv4 or IPv6 socket address in `ss` (`None` for another family).
+/// The packet type (`PACKET_HOST`, `PACKET_OUTGOING`, ...) of a packet socket's source
+/// address; `None` for another family.
+pub(crate) fn packet_type_from(ss: &libc::sockaddr_storage) -> Option<u8> {
+    if libc::c_int::from(ss.ss_family) != libc::AF_PACKET {
+        return None;
+    }
+    // SAFETY: the family says the storage holds a sockaddr_ll; the storage is larger
+    // than and aligned for it.
+    let a: libc::sockaddr_ll =
+        unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
+    Some(a.sll_pkttype)
+}
+
 pub(crate) fn socket_addr_from(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
     match libc::c_int::from(ss.ss_family) {
         libc::AF_INET => {
@@ -733,6 +746,12 @@ impl RecvBatch {
         let src = socket_addr_from(&self.addrs[i]);
         let len = self.lens[i].min(RECV_BUF);
         (src, &self.bufs[i][..len], self.truncated[i])
+    }
+
+    /// Frame `i`'s packet type when it came from a packet socket (`PACKET_OUTGOING`:
+    /// transmitted on the device, not received).
+    pub fn packet_type(&self, i: usize) -> Option<u8> {
+        packet_type_from(&self.addrs[i])
     }
 }
 

@@ -477,6 +477,41 @@ fn receives_and_routes_by_gid() {
     });
 }
 
+/// A frame transmitted on DEV (what a VM's divert forwards there from the VM) is never
+/// routed, even a good QP1 frame to another VM's address: it is counted on the VM of
+/// its source (`vm_qp1_egress`, `vm_egress_unclassified`), or on the host's counters
+/// when no VM owns its source; frames received on DEV are routed as before.
+#[test]
+fn frames_transmitted_on_dev_are_counted_never_routed() {
+    in_netns("packet port egress", || {
+        topology();
+        let r = rig(&VMS);
+        let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
+        let pa = packet_socket("pa");
+        let pb = packet_socket("pb");
+        // a6 to b6's address, a4 to a peer, a later IPv4 fragment, a stranger's frame.
+        write_frame(&pa, &eth(&good("fd50::11", "fd50::12", 1)));
+        write_frame(&pa, &eth(&good("10.50.0.11", "10.50.0.2", 2)));
+        let mut frag = eth(&good("10.50.0.11", "10.50.0.2", 3));
+        frag[14 + 6..14 + 8].copy_from_slice(&0x0009u16.to_be_bytes());
+        write_frame(&pa, &frag);
+        write_frame(&pa, &eth(&good("10.50.0.99", "10.50.0.11", 4)));
+        // Received on DEV: routed.
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::12", 5)));
+        let got = r.receive(&port, 1, Duration::from_secs(2));
+        assert_eq!(got, vec![(2, gid("fd50::2"), 5)]);
+        std::thread::sleep(Duration::from_millis(50));
+        r.receive(&port, 0, Duration::from_millis(50));
+        assert_eq!(r.drops(Some(1), DevDrop::VmQp1Egress), 1);
+        assert_eq!(r.drops(Some(0), DevDrop::VmQp1Egress), 1);
+        assert_eq!(r.drops(Some(0), DevDrop::VmEgressUnclassified), 1);
+        assert_eq!(r.drops(None, DevDrop::WireEgressUnknownSource), 1);
+        assert_eq!(r.drops(None, DevDrop::WireUnknownGid), 0);
+        assert_eq!(r.vms[2].counters.io(Io::WireRxFrames), 1);
+        assert_eq!(r.vms[0].counters.io(Io::WireRxFrames), 0);
+    });
+}
+
 /// A VM added at runtime joins the receive filter and the routing table, and one
 /// removed leaves both; an address already served is refused.
 #[test]
@@ -731,3 +766,5 @@ fn drop_net_raw() {
     let r = unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()) };
     assert_eq!(r, 0, "capset: {}", io::Error::last_os_error());
 }
+
+mod divert;
