@@ -15,7 +15,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -317,7 +316,6 @@ pub fn diff(current: &[VmSpec], wanted: &[VmSpec]) -> Vec<Change> {
 #[derive(Debug)]
 pub(crate) struct VmThread {
     handle: JoinHandle<()>,
-    socket: PathBuf,
     _file: SocketFile,
 }
 
@@ -356,7 +354,6 @@ impl Runtime {
         listener: Listener,
         file: SocketFile,
     ) -> Result<(), RuntimeError> {
-        let socket = port.spec.socket.clone();
         let (s, p) = (shared.clone(), port.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pvcm-vm-{}", port.index))
@@ -366,7 +363,6 @@ impl Runtime {
             port.index,
             VmThread {
                 handle,
-                socket,
                 _file: file,
             },
         );
@@ -448,9 +444,10 @@ impl Runtime {
         if let Some(h) = lock(&port.session).as_ref() {
             h.0.shutdown();
         }
+        port.wake_accept();
         if let Some(t) = self.threads.remove(&port.index) {
-            // A thread waiting in accept: connect so it wakes and sees it is leaving.
-            let _ = UnixStream::connect(&t.socket);
+            // Its session was told to end and its wait for a connection woken: the
+            // join waits for neither a VMM nor the socket's path.
             let _ = t.handle.join();
         }
         // A VM with no session (restored and not back yet) is released here.
@@ -498,12 +495,10 @@ impl Runtime {
         Ok(live)
     }
 
-    /// Joins every VM thread (the daemon stops; their sessions were told to end) and
-    /// removes their sockets.
-    pub(crate) fn stop_threads(&mut self) {
-        for (_, t) in self.threads.drain() {
-            let _ = t.handle.join();
-        }
+    /// Every VM thread, taken out to be joined ([`join_threads`]) once the daemon
+    /// stops.
+    pub(crate) fn take_threads(&mut self) -> Vec<VmThread> {
+        self.threads.drain().map(|(_, t)| t).collect()
     }
 
     fn persist(&self) {
@@ -553,6 +548,14 @@ impl Runtime {
             }
         }
         r
+    }
+}
+
+/// Joins VM threads whose sessions were told to end and whose accept waits were woken,
+/// then removes their sockets.
+pub(crate) fn join_threads(threads: Vec<VmThread>) {
+    for t in threads {
+        let _ = t.handle.join();
     }
 }
 
