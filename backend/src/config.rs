@@ -124,6 +124,21 @@ pub enum ConfigError {
     /// The control socket's path is a VM's socket.
     #[error("the control socket is also a VM socket")]
     ControlIsVmSocket,
+    /// A socket's path is a file of the state directory.
+    #[error(
+        "socket {}: that is the state directory's file {file} (--state-dir {}): choose \
+         another path for the socket",
+        path.display(),
+        dir.display()
+    )]
+    SocketInStateDir {
+        /// The socket's path.
+        path: PathBuf,
+        /// The state directory.
+        dir: PathBuf,
+        /// The state file it names.
+        file: &'static str,
+    },
     /// An rx backlog budget outside its range.
     #[error("{which} rx backlog budget {bytes}: must be {min} bytes to 64G")]
     BacklogBudget {
@@ -568,6 +583,27 @@ pub fn check_vm_set(vms: &[VmSpec], control: Option<&Path>) -> Result<(), Config
         }
         if Some(a.socket.as_path()) == control {
             return Err(ConfigError::ControlIsVmSocket);
+        }
+    }
+    Ok(())
+}
+
+/// Checks that no socket path (a VM's, the control socket's) is one of the state
+/// directory's files ([`crate::state::STATE_FILES`]).
+pub fn check_sockets_outside_state<'a>(
+    sockets: impl IntoIterator<Item = &'a Path>,
+    state_dir: Option<&Path>,
+) -> Result<(), ConfigError> {
+    let Some(dir) = state_dir else {
+        return Ok(());
+    };
+    for path in sockets {
+        if let Some(file) = crate::state::state_file_at(dir, path) {
+            return Err(ConfigError::SocketInStateDir {
+                path: path.to_path_buf(),
+                dir: dir.to_path_buf(),
+                file,
+            });
         }
     }
     Ok(())
@@ -1129,6 +1165,7 @@ impl Config {
             return Err(ConfigError::NoVm);
         }
         check_vm_set(&self.vms, self.control.as_deref())?;
+        check_sockets_outside_state(self.socket_paths(), self.state_dir.as_deref())?;
         for (which, bytes) in [
             ("per-VM", self.rx_backlog_bytes),
             ("host", self.rx_host_backlog_bytes),
@@ -1165,6 +1202,14 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// Every socket the daemon listens on: the VMs', then the control socket.
+    pub fn socket_paths(&self) -> impl Iterator<Item = &Path> {
+        self.vms
+            .iter()
+            .map(|v| v.socket.as_path())
+            .chain(self.control.as_deref())
     }
 
     /// What the configuration sets up, in a few lines (`pvcm-backend check-config`).

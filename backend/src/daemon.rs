@@ -748,20 +748,25 @@ impl Daemon {
         let mut socket_files = Vec::new();
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
-            let l = crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
-                Error::VhostSocket {
-                    vm: spec.vm.name.clone(),
-                    path: spec.socket.clone(),
-                    source: vhost::vhost_user::Error::SocketError(source),
-                }
-            })?;
-            listeners.push((SocketFile(spec.socket.clone()), Listener::from(l)));
+            let (l, file) =
+                crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
+                    Error::Socket {
+                        what: format!("VM {}: vhost-user socket", spec.vm.name),
+                        source,
+                    }
+                })?;
+            listeners.push((file, Listener::from(l)));
         }
         let control = match &cfg.control {
             Some(p) => {
-                let l = crate::control::bind_control(p, &cfg.control_access)
-                    .map_err(e(format!("--control {}", p.display())))?;
-                socket_files.push(SocketFile(p.clone()));
+                let (l, file) =
+                    crate::control::bind_control(p, &cfg.control_access).map_err(|source| {
+                        Error::Socket {
+                            what: "--control".into(),
+                            source,
+                        }
+                    })?;
+                socket_files.push(file);
                 l.set_nonblocking(true).map_err(e("control".into()))?;
                 Some(l)
             }

@@ -24,15 +24,16 @@ use vhost::vhost_user::Listener;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::backlog::HostBudget;
-use crate::config::{ConfigError, SocketAccess, VmSpec, check_vm_set, toml_vm, toml_vms};
+use crate::config::{
+    ConfigError, SocketAccess, VmSpec, check_sockets_outside_state, check_vm_set, toml_vm, toml_vms,
+};
 use crate::files::{SocketFile, owner_only};
 use crate::mux::AttachError;
 use crate::port::PortError;
 use crate::shared::Shared;
 use crate::vm_port::{VmPort, lock};
 
-/// The file in `--state-dir` that keeps the runtime changes.
-pub const OVERLAY_FILE: &str = "vms.toml";
+pub use crate::state::OVERLAY_FILE;
 
 /// Why a runtime change to the VMs was refused.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +54,9 @@ pub enum RuntimeError {
     /// are fixed).
     #[error(transparent)]
     Port(#[from] PortError),
+    /// The VM's socket cannot be put at its path.
+    #[error(transparent)]
+    SocketPath(#[from] crate::files::SocketPathError),
     /// An OS call failed.
     #[error("{what}: {source}")]
     Io {
@@ -379,6 +383,7 @@ impl Runtime {
         let mut all: Vec<VmSpec> = vms.iter().map(|p| p.spec()).collect();
         all.push(spec.clone());
         check_vm_set(&all, self.control.as_deref())?;
+        check_sockets_outside_state([spec.socket.as_path()], self.state_dir.as_deref())?;
         shared.lock_core().mux.can_attach(&spec.vm)?;
         let index = vms.next_index();
         let epoll = self.epoll.clone();
@@ -407,10 +412,10 @@ impl Runtime {
             }
         };
         let listener = match crate::files::bind_socket(&spec.socket, &self.vm_sockets) {
-            Ok(l) => (Listener::from(l), SocketFile(spec.socket.clone())),
+            Ok((l, file)) => (Listener::from(l), file),
             Err(e) => {
                 unpoll(shared);
-                return Err(io_err(format!("socket {}", spec.socket.display()))(e));
+                return Err(e.into());
             }
         };
         shared.vms.update(|s| s.with(port.clone()));

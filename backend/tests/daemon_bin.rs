@@ -289,3 +289,209 @@ fn check_config_validates_the_shipped_examples_and_names_a_bad_key() {
         "{err}"
     );
 }
+
+/// Runs the daemon with `args` and returns its exit code and stderr if it exits within
+/// 5 s; a daemon still running then is killed and `None` returned with its stderr.
+fn exit_of(args: &[std::ffi::OsString]) -> (Option<i32>, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (code, err)
+}
+
+fn vm_arg(socket: &Path, gid: &str) -> [std::ffi::OsString; 2] {
+    [
+        "--vm".into(),
+        format!("socket={},gid={gid}", socket.display()).into(),
+    ]
+}
+
+#[test]
+fn a_file_that_is_not_a_socket_is_refused_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let precious = dir.path().join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let (code, err) = exit_of(&vm_arg(&precious, "127.31.6.1"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&precious.display().to_string()) && err.contains("not a socket"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    // The control socket too.
+    let mut args = vm_arg(&dir.path().join("a.sock"), "127.31.6.1").to_vec();
+    args.extend(["--control".into(), precious.clone().into()]);
+    let (code, err) = exit_of(&args);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--control") && err.contains("not a socket"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    assert!(
+        !dir.path().join("a.sock").exists(),
+        "its own socket removed"
+    );
+}
+
+#[test]
+fn a_second_daemon_does_not_take_a_live_socket_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("a.sock");
+    let ctl = dir.path().join("ctl");
+    let mut first = Command::new(BIN)
+        .args(vm_arg(&sock, "127.31.7.1"))
+        .arg("--control")
+        .arg(&ctl)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pvcm_backend::control::query(&ctl).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, err) = exit_of(&vm_arg(&sock, "127.31.7.2"));
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGTERM) };
+    let (status, log) = wait_exit(&mut first);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&sock.display().to_string()) && err.contains("another process listens"),
+        "{err}"
+    );
+    assert!(status.success(), "{log}");
+    assert!(
+        !sock.exists(),
+        "the first removed its own socket at its stop"
+    );
+}
+
+#[test]
+fn a_socket_replaced_under_the_daemon_is_left_at_its_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("a.sock");
+    let ctl = dir.path().join("ctl");
+    let mut child = Command::new(BIN)
+        .args(vm_arg(&sock, "127.31.8.1"))
+        .arg("--control")
+        .arg(&ctl)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pvcm_backend::control::query(&ctl).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Another process's socket put at the daemon's paths (as a second daemon that
+    // renames its socket into place would).
+    let tmp = dir.path().join("other");
+    let other = std::os::unix::net::UnixListener::bind(&tmp).unwrap();
+    std::fs::rename(&tmp, &sock).unwrap();
+    std::fs::write(&tmp, b"not the control socket").unwrap();
+    std::fs::rename(&tmp, &ctl).unwrap();
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let (status, log) = wait_exit(&mut child);
+    assert!(status.success(), "{log}");
+    assert!(sock.exists(), "another's socket is not removed\n{log}");
+    assert_eq!(std::fs::read(&ctl).unwrap(), b"not the control socket");
+    let _c = UnixStream::connect(&sock).unwrap();
+    other.accept().unwrap();
+}
+
+#[test]
+fn a_socket_path_that_is_a_state_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let journal = state.join("mux.journal");
+    std::fs::write(&journal, b"journal").unwrap();
+    for (socket, control) in [
+        (journal.clone(), dir.path().join("ctl")),
+        (dir.path().join("a.sock"), state.join("vms.toml")),
+    ] {
+        let mut args = vm_arg(&socket, "127.31.9.1").to_vec();
+        args.extend([
+            "--control".into(),
+            control.into(),
+            "--state-dir".into(),
+            state.clone().into(),
+        ]);
+        let (code, err) = exit_of(&args);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("state directory"), "{err}");
+    }
+    assert_eq!(std::fs::read(&journal).unwrap(), b"journal");
+    assert!(!state.join("vms.toml").exists());
+}
+
+#[test]
+fn check_config_refuses_what_the_daemon_would_refuse_at_its_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let state = d.join("state");
+    std::fs::create_dir(&state).unwrap();
+    let precious = d.join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let live = d.join("live.sock");
+    let _l = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let stale = d.join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let file = d.join("backend.toml");
+    let toml = |socket: &Path, extra: &str| {
+        format!(
+            "state-dir = \"{}\"\n{extra}[[vm]]\nsocket = \"{}\"\ngid = \"127.31.9.2\"\n",
+            state.display(),
+            socket.display()
+        )
+    };
+    for (socket, want) in [
+        (&precious, "not a socket"),
+        (&live, "another process listens"),
+        (&state.join("mux.journal"), "state directory"),
+    ] {
+        std::fs::write(&file, toml(socket, "")).unwrap();
+        let (ok, code, _, err) = check_config(&file);
+        assert!(!ok && code == Some(2), "{err}");
+        assert!(
+            err.contains(&socket.display().to_string()) && err.contains(want),
+            "{err}"
+        );
+    }
+    std::fs::write(&file, toml(&stale, "")).unwrap();
+    let (ok, _, _, err) = check_config(&file);
+    assert!(ok, "a stale socket may be replaced: {err}");
+    std::fs::write(
+        &file,
+        toml(&stale, &format!("control = \"{}\"\n", precious.display())),
+    )
+    .unwrap();
+    let (ok, _, _, err) = check_config(&file);
+    assert!(!ok && err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+}

@@ -434,3 +434,64 @@ fn sigterm_stops_within_2s_with_a_control_request_in_flight() {
     }
     drop(half);
 }
+
+#[test]
+fn vm_add_refuses_a_path_it_did_not_create_and_vm_remove_leaves_anothers_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let state = d.join("state");
+    let sock = |n: &str| d.join(format!("{n}.sock"));
+    let args: Vec<std::ffi::OsString> = vec![
+        "--vm".into(),
+        format!("name=a,socket={},gid=127.31.10.1", sock("a").display()).into(),
+        "--vm".into(),
+        format!("name=b,socket={},gid=127.31.10.2", sock("b").display()).into(),
+        "--control".into(),
+        ctl.clone().into(),
+        "--state-dir".into(),
+        state.clone().into(),
+    ];
+    let argv: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let child = spawn(&argv, &ctl);
+    let precious = d.join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let live = sock("live");
+    let other = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let journal = state.join("mux.journal");
+    let add = |socket: &Path| {
+        vm(
+            &ctl,
+            &[
+                "add",
+                &format!("name=c,socket={},gid=127.31.10.3", socket.display()),
+            ],
+        )
+    };
+    let refusals = [
+        (add(&precious), "not a socket"),
+        (add(&live), "another process listens"),
+        (add(&journal), "state directory"),
+    ];
+    // vm remove: a's socket file was replaced by another process's; it stays.
+    let tmp = d.join("tmp");
+    let theirs = std::os::unix::net::UnixListener::bind(&tmp).unwrap();
+    std::fs::rename(&tmp, sock("a")).unwrap();
+    let removed = vm(&ctl, &["remove", "a"]);
+    let b_removed = vm(&ctl, &["remove", "b"]);
+    let listed = vm(&ctl, &["list"]);
+    stop(child);
+    for ((good, _, err), want) in refusals {
+        assert!(!good && err.contains(want), "{err}");
+    }
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    assert!(std::fs::symlink_metadata(&journal).unwrap().is_file());
+    let _c = std::os::unix::net::UnixStream::connect(&live).unwrap();
+    other.accept().unwrap();
+    assert!(removed.0 && b_removed.0, "{removed:?} {b_removed:?}");
+    assert!(listed.1.trim() == "[]", "{listed:?}");
+    assert!(sock("a").exists(), "another's socket stays");
+    let _c = std::os::unix::net::UnixStream::connect(sock("a")).unwrap();
+    theirs.accept().unwrap();
+    assert!(!sock("b").exists(), "its own socket is removed");
+}
