@@ -62,13 +62,22 @@ pub enum SocketPathError {
     },
 }
 
+/// What is at a socket's path that the daemon may put its socket at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SocketPlace {
+    /// Nothing.
+    Free,
+    /// A socket nobody listens on (a connect is refused).
+    Stale,
+}
+
 /// Whether the daemon may put a socket at `path`: nothing is there, or a stale socket
 /// (a connect is refused: nobody listens). A file of another kind (a symlink included)
 /// and a socket another process listens on are refused.
-pub(crate) fn check_socket_path(path: &Path) -> Result<(), SocketPathError> {
+pub(crate) fn check_socket_path(path: &Path) -> Result<SocketPlace, SocketPathError> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(SocketPlace::Free),
         Err(source) => {
             return Err(SocketPathError::Io {
                 path: path.to_path_buf(),
@@ -81,7 +90,7 @@ pub(crate) fn check_socket_path(path: &Path) -> Result<(), SocketPathError> {
     }
     match UnixStream::connect(path) {
         Ok(_) => Err(SocketPathError::Live(path.to_path_buf())),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(SocketPlace::Stale),
         Err(source) => Err(SocketPathError::Probe {
             path: path.to_path_buf(),
             source,
@@ -104,19 +113,19 @@ pub(crate) fn owner_only() -> OpenOptions {
 /// directory next to `path` that only the daemon's user can enter (mode 0700), given
 /// its owner, group and mode there, then renamed into place (replacing a stale socket):
 /// nobody can connect to it before it has the asked permissions, whatever the umask.
-/// The [`SocketFile`] removes it again.
+/// Where the path was free, the rename does not replace what may have appeared there
+/// meanwhile (`RENAME_NOREPLACE`); the path is looked at again instead. The
+/// [`SocketFile`] removes the socket again.
 pub(crate) fn bind_socket(
     path: &Path,
     access: &SocketAccess,
 ) -> Result<(UnixListener, SocketFile), SocketPathError> {
-    check_socket_path(path)?;
-    bind_checked(path, access).map_err(|source| SocketPathError::Io {
+    let io = |source| SocketPathError::Io {
         path: path.to_path_buf(),
         source,
-    })
-}
-
-fn bind_checked(path: &Path, access: &SocketAccess) -> io::Result<(UnixListener, SocketFile)> {
+    };
+    // Refused before anything is created next to the path.
+    check_socket_path(path)?;
     static SEQ: AtomicU32 = AtomicU32::new(0);
     // A short name: a Unix socket's path is limited to 107 bytes, and the temporary one
     // should be no longer than the socket's own.
@@ -125,28 +134,89 @@ fn bind_checked(path: &Path, access: &SocketAccess) -> io::Result<(UnixListener,
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(io)?;
     let tmp = dir.join("s");
-    let placed = UnixListener::bind(&tmp).and_then(|l| {
-        if access.owner.is_some() || access.group.is_some() {
-            std::os::unix::fs::lchown(&tmp, access.owner, access.group)?;
-        }
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(access.mode))?;
-        // The file's identity, which the rename keeps.
-        let m = std::fs::symlink_metadata(&tmp)?;
-        std::fs::rename(&tmp, path)?;
-        let file = SocketFile {
-            path: path.to_path_buf(),
-            dev: m.dev(),
-            ino: m.ino(),
-        };
-        Ok((l, file))
-    });
+    let placed = UnixListener::bind(&tmp)
+        .and_then(|l| {
+            if access.owner.is_some() || access.group.is_some() {
+                std::os::unix::fs::lchown(&tmp, access.owner, access.group)?;
+            }
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(access.mode))?;
+            // The file's identity, which the rename keeps.
+            let m = std::fs::symlink_metadata(&tmp)?;
+            Ok((l, m))
+        })
+        .map_err(io)
+        .and_then(|(l, m)| {
+            place(&tmp, path)?;
+            let file = SocketFile {
+                path: path.to_path_buf(),
+                dev: m.dev(),
+                ino: m.ino(),
+            };
+            Ok((l, file))
+        });
     if placed.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     let _ = std::fs::remove_dir(&dir);
     placed
+}
+
+/// Renames the socket bound at `tmp` to `path` where [`check_socket_path`] allows it:
+/// over a stale socket, or to a free path without replacing what appeared there since
+/// the look (which is then looked at again).
+fn place(tmp: &Path, path: &Path) -> Result<(), SocketPathError> {
+    let io = |source| SocketPathError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    for _ in 0..3 {
+        match check_socket_path(path)? {
+            SocketPlace::Stale => return std::fs::rename(tmp, path).map_err(io),
+            SocketPlace::Free => match rename_noreplace(tmp, path) {
+                Ok(()) => return Ok(()),
+                // Something appeared at the path: look again.
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+                // A filesystem without RENAME_NOREPLACE.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    return std::fs::rename(tmp, path).map_err(io);
+                }
+                Err(e) => return Err(io(e)),
+            },
+        }
+    }
+    Err(io(io::Error::from_raw_os_error(libc::EEXIST)))
+}
+
+/// `renameat2(from, to, RENAME_NOREPLACE)`: fails with `EEXIST` rather than replace.
+fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the path"))
+    };
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: both paths are NUL-terminated strings that live across the call; the
+    // directory descriptors are AT_FDCWD; renameat2 reads the paths and nothing else.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// A socket file the daemon created, removed when this is dropped if the path still
@@ -367,5 +437,20 @@ mod tests {
         assert!(p.exists());
         let _c = UnixStream::connect(&p).unwrap();
         other.accept().unwrap();
+    }
+
+    #[test]
+    fn a_free_path_is_taken_without_replacing_what_appeared_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, b"a").unwrap();
+        std::fs::write(&b, b"b").unwrap();
+        let e = rename_noreplace(&a, &b).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
+        assert_eq!(std::fs::read(&b).unwrap(), b"b");
+        let c = dir.path().join("c");
+        rename_noreplace(&a, &c).unwrap();
+        assert_eq!(std::fs::read(&c).unwrap(), b"a");
+        assert!(!a.exists());
     }
 }
