@@ -1798,6 +1798,52 @@ mod tests {
         got
     }
 
+    /// A port opened with no VM keeps the receive mode configured: an IPv4 VM added
+    /// later is read through the raw socket, so a frame with a non-zero IP ID (Linux
+    /// rxe's) passes its ICRC check. Needs CAP_NET_RAW, as CI has.
+    #[test]
+    fn a_port_with_no_vm_keeps_raw_receive_for_a_vm_added_later() {
+        use crate::port::WirePort;
+        let (ours, sender, port_num) = (
+            Ipv4Addr::new(127, 81, 0, 1),
+            Ipv4Addr::new(127, 81, 0, 9),
+            4781,
+        );
+        for mode in [RxMode::Auto, RxMode::Raw] {
+            let port = SoftPort::open(&[], &[], port_num, mode).unwrap();
+            assert_eq!(port.rx_mode(), "raw", "{mode:?}");
+            assert_eq!(port.rx_mode_configured(), mode.name());
+            assert!(port.degraded().is_empty(), "{:?}", port.degraded());
+            let spec: crate::config::VmSpec =
+                format!("socket=/x/a,gid={ours},name=a").parse().unwrap();
+            port.add_vm(0, &spec, &mut |_, _| Ok(())).unwrap();
+            let vm = crate::vm_port::VmPort::for_test(0, spec);
+            let host = crate::stats::DevCounters::default();
+            let vms = crate::vm_port::VmSet::new(vec![vm.clone()]);
+            let ctx = PortCtx {
+                vms: &vms,
+                host: &host,
+                capture: None,
+            };
+            send_hdrincl(&rxe_datagram(sender, ours, port_num, 0x5a5a, 7), ours).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..200 {
+                port.receive(&ctx, TOK_RAW, &mut |batch| {
+                    for (i, mads) in batch {
+                        got.extend(mads.iter().map(|m| (i, m.mad[255])));
+                    }
+                });
+                if !got.is_empty() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            assert_eq!(got, vec![(0, 7)], "{mode:?}");
+            assert_eq!(vm.counters.dropped(DevDrop::WireBadIcrc), 0);
+            port.remove_vm(0, &mut |_| {});
+        }
+    }
+
     /// Raw mode (needs CAP_NET_RAW, as CI has): a frame with a non-zero IP ID, which the
     /// udp mode must drop, passes with its ICRC checked over the header as received; a
     /// corrupted one is dropped; the filter passes only our port and addresses.
