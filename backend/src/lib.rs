@@ -15,6 +15,8 @@
 //!   log of a live migration.
 //! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
 //! - [`error`]: the daemon's typed errors.
+//! - [`files`]: the files the daemon creates (its sockets, where it may put them and
+//!   when it removes them; the capture and journal's options).
 //! - [`control`]: the control socket, `pvcm-backend stat`, Prometheus metrics.
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.
