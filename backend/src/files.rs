@@ -3,9 +3,9 @@
 //!
 //! A socket is put only where nothing is, or where a stale socket is (one nobody
 //! listens on: a connect is refused); a file of another kind, or a socket another
-//! process listens on, is refused ([`check_socket_path`]). The daemon removes only the
+//! process listens on, is refused (`check_socket_path`). The daemon removes only the
 //! socket files it created, and only while they are still the files it created
-//! ([`SocketFile`]).
+//! (`SocketFile`).
 
 use std::ffi::CString;
 use std::fs::OpenOptions;
