@@ -124,6 +124,21 @@ pub enum ConfigError {
     /// The control socket's path is a VM's socket.
     #[error("the control socket is also a VM socket")]
     ControlIsVmSocket,
+    /// A socket's path is a file of the state directory.
+    #[error(
+        "socket {}: that is the state directory's file {file} (--state-dir {}): choose \
+         another path for the socket",
+        path.display(),
+        dir.display()
+    )]
+    SocketInStateDir {
+        /// The socket's path.
+        path: PathBuf,
+        /// The state directory.
+        dir: PathBuf,
+        /// The state file it names.
+        file: &'static str,
+    },
     /// An rx backlog budget outside its range.
     #[error("{which} rx backlog budget {bytes}: must be {min} bytes to 64G")]
     BacklogBudget {
@@ -133,6 +148,19 @@ pub enum ConfigError {
         bytes: usize,
         /// The smallest budget (one message).
         min: usize,
+    },
+    /// A socket mode that gives every local user access, without
+    /// `--allow-world-access`.
+    #[error(
+        "{key}={mode:04o}: every local user could connect (the mode's \"other\" bits); \
+         use a group (e.g. {key} = 0o660 with a socket group), or give \
+         allow-world-access = true (--allow-world-access) if that is meant"
+    )]
+    WorldAccess {
+        /// `socket-mode` or `control-mode`.
+        key: &'static str,
+        /// The mode given.
+        mode: u32,
     },
     /// `--bind-port 0`.
     #[error("bind port must not be 0")]
@@ -560,6 +588,27 @@ pub fn check_vm_set(vms: &[VmSpec], control: Option<&Path>) -> Result<(), Config
     Ok(())
 }
 
+/// Checks that no socket path (a VM's, the control socket's) is one of the state
+/// directory's files ([`crate::state::STATE_FILES`]).
+pub fn check_sockets_outside_state<'a>(
+    sockets: impl IntoIterator<Item = &'a Path>,
+    state_dir: Option<&Path>,
+) -> Result<(), ConfigError> {
+    let Some(dir) = state_dir else {
+        return Ok(());
+    };
+    for path in sockets {
+        if let Some(file) = crate::state::state_file_at(dir, path) {
+            return Err(ConfigError::SocketInStateDir {
+                path: path.to_path_buf(),
+                dir: dir.to_path_buf(),
+                file,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl FromStr for VmSpec {
     type Err = ConfigError;
 
@@ -694,6 +743,17 @@ pub struct ServeArgs {
     /// The permission bits of the control socket, in octal [default: 0600].
     #[arg(long, value_name = "MODE", value_parser = parse_mode)]
     pub control_mode: Option<u32>,
+    /// Allow --socket-mode and --control-mode to give other users (the `o` bits)
+    /// access: without it such a mode is refused, since it lets every local user
+    /// connect (`--allow-world-access`, or `=true`/`=false`) [default: false].
+    #[arg(
+        long,
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub allow_world_access: Option<bool>,
     /// The log format on stderr: `text` (one line per event; colour only on a
     /// terminal, never with NO_COLOR set) or `json` (one JSON object per line). RUST_LOG
     /// sets the level [default: text].
@@ -943,6 +1003,8 @@ pub struct Config {
     pub vm_sockets: SocketAccess,
     /// Who may connect to the control socket.
     pub control_access: SocketAccess,
+    /// Whether a socket mode may give other users (the `o` bits) access.
+    pub allow_world_access: bool,
     /// The log format.
     pub log_format: LogFormat,
     /// The path MTU (IBTA code) where the port cannot tell the link's.
@@ -1012,6 +1074,7 @@ impl Config {
             reconnect_grace: std::time::Duration::from_secs(60),
             vm_sockets: SocketAccess::VM_DEFAULT,
             control_access: SocketAccess::CONTROL_DEFAULT,
+            allow_world_access: false,
             log_format: LogFormat::Text,
             path_mtu: DEFAULT_PATH_MTU,
             ca_ack_delay: DEFAULT_CA_ACK_DELAY,
@@ -1085,6 +1148,7 @@ impl Config {
         }
         cfg.vm_sockets = vm_sockets;
         cfg.control_access = control_access;
+        cfg.allow_world_access = args.allow_world_access.unwrap_or(false);
         cfg.log_format = args.log_format.unwrap_or_default();
         cfg.path_mtu = args.path_mtu.unwrap_or(DEFAULT_PATH_MTU);
         cfg.ca_ack_delay = args.ca_ack_delay.unwrap_or(DEFAULT_CA_ACK_DELAY);
@@ -1101,6 +1165,7 @@ impl Config {
             return Err(ConfigError::NoVm);
         }
         check_vm_set(&self.vms, self.control.as_deref())?;
+        check_sockets_outside_state(self.socket_paths(), self.state_dir.as_deref())?;
         for (which, bytes) in [
             ("per-VM", self.rx_backlog_bytes),
             ("host", self.rx_host_backlog_bytes),
@@ -1132,8 +1197,19 @@ impl Config {
                     "permission bits, at most 0777",
                 ));
             }
+            if a.mode & 0o007 != 0 && !self.allow_world_access {
+                return Err(ConfigError::WorldAccess { key, mode: a.mode });
+            }
         }
         Ok(())
+    }
+
+    /// Every socket the daemon listens on: the VMs', then the control socket.
+    pub fn socket_paths(&self) -> impl Iterator<Item = &Path> {
+        self.vms
+            .iter()
+            .map(|v| v.socket.as_path())
+            .chain(self.control.as_deref())
     }
 
     /// What the configuration sets up, in a few lines (`pvcm-backend check-config`).
@@ -1217,6 +1293,7 @@ fn no_such(key: &'static str, what: &'static str, a: &Account) -> ConfigError {
 }
 
 /// `--socket-mode`, `--control-mode`: permission bits in octal (`0660`, `660`, `0o660`).
+/// A config file's integer reaches this as `0o...` ([`toml_mode`]).
 fn parse_mode(v: &str) -> Result<u32, ConfigError> {
     let t = v.trim();
     let t = t.strip_prefix("0o").unwrap_or(t);
@@ -1224,6 +1301,37 @@ fn parse_mode(v: &str) -> Result<u32, ConfigError> {
         Ok(m) if !t.is_empty() && m <= 0o777 => Ok(m),
         _ => err("permission bits in octal, at most 0777 (e.g. 0660)"),
     }
+}
+
+/// The options that take permission bits.
+const MODE_KEYS: [&str; 2] = ["socket-mode", "control-mode"];
+
+/// A mode key's TOML integer as the octal text [`parse_mode`] takes. TOML reads
+/// `0o660` and `432` as the same number, so the integer's text in the file (`raw`)
+/// decides: an octal literal is taken, any other integer is refused, since an operator
+/// who writes `660` means octal and TOML would read it as decimal.
+fn toml_mode(key: &str, n: i64, raw: Option<&str>) -> Result<String, ConfigError> {
+    let raw = raw.map(str::trim).unwrap_or("");
+    if raw.starts_with("0o") {
+        return Ok(format!("0o{n:o}"));
+    }
+    Err(ConfigError::bad(
+        key,
+        raw,
+        format!(
+            "a TOML integer that is not an octal literal: write the permission bits in \
+             octal, {key} = 0o660 or {key} = \"0660\" (a bare {raw} is read as decimal)"
+        ),
+    ))
+}
+
+/// The text of top-level key `key`'s value in a TOML document (`None` if the document
+/// does not parse or has no such key).
+fn toml_raw_value<'t>(text: &'t str, key: &str) -> Option<&'t str> {
+    let spans: std::collections::BTreeMap<String, toml::Spanned<toml::Value>> =
+        toml::from_str(text).ok()?;
+    let span = spans.get(key)?.span();
+    text.get(span)
 }
 
 /// `--metrics`: a bare port binds loopback only; an address:port is taken as given.
@@ -1450,6 +1558,12 @@ fn read_toml(text: &str) -> Result<ServeArgs, ConfigError> {
                     "a config file cannot include another",
                 ));
             }
+            k if MODE_KEYS.contains(&k) && value.is_integer() => {
+                let n = value.as_integer().unwrap_or_default();
+                let octal = toml_mode(key, n, toml_raw_value(text, key))?;
+                let one = toml_option(key, &toml::Value::String(octal))?;
+                args = merge(args, &one);
+            }
             _ => {
                 let one = toml_option(key, value)?;
                 args = merge(args, &one);
@@ -1513,6 +1627,7 @@ fn merge(file: ServeArgs, cli: &ServeArgs) -> ServeArgs {
         control_owner: cli.control_owner.clone().or(file.control_owner),
         control_group: cli.control_group.clone().or(file.control_group),
         control_mode: cli.control_mode.or(file.control_mode),
+        allow_world_access: cli.allow_world_access.or(file.allow_world_access),
         log_format: cli.log_format.or(file.log_format),
         path_mtu: cli.path_mtu.or(file.path_mtu),
         ca_ack_delay: cli.ca_ack_delay.or(file.ca_ack_delay),
@@ -2046,6 +2161,7 @@ incoming = true
                 "socket-owner" | "socket-group" | "control-owner" | "control-group" => "0",
                 "socket-mode" | "control-mode" => "\"0600\"",
                 "log-format" => "\"text\"",
+                "allow-world-access" => "true",
                 "path-mtu" => "2048",
                 _ => "7",
             };
@@ -2107,6 +2223,7 @@ incoming = true
             "0",
             "--control-mode",
             "0640",
+            "--allow-world-access",
         ])
         .unwrap();
         assert_eq!(
@@ -2135,11 +2252,59 @@ incoming = true
             ),
             (&["--socket-owner", "no-such-user-pvcm"][..], "no such user"),
             (&["--log-format", "xml"][..], "--log-format"),
+            (&["--socket-mode", "0666"][..], "every local user"),
+            (&["--control-mode", "0o601"][..], "allow-world-access"),
+            (
+                &["--socket-mode", "0606", "--allow-world-access=false"][..],
+                "socket-mode=0606",
+            ),
         ] {
             let mut a = vec!["--vm", "socket=/a,gid=127.0.0.1"];
             a.extend_from_slice(args);
             let e = parse(&a).unwrap_err();
             assert!(e.to_string().contains(want), "{args:?}: {e}");
         }
+    }
+
+    #[test]
+    fn toml_modes_read_as_operators_write_them() {
+        let vm = "[[vm]]\nsocket = \"/tmp/a\"\ngid = \"127.0.0.1\"\n";
+        let mode = |line: &str| {
+            let (_d, f) = toml_file(&format!("{line}\n{vm}"));
+            parse(&["--config", f.to_str().unwrap()])
+        };
+        for line in [
+            "socket-mode = 0o660",
+            "socket-mode = \"0660\"",
+            "socket-mode = \"660\"",
+            "socket-mode = \"0o660\"",
+            "socket-mode = 0o6_60",
+        ] {
+            let c = mode(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+            assert_eq!(c.vm_sockets.mode, 0o660, "{line}");
+        }
+        let c = mode("control-mode = 0o600").unwrap();
+        assert_eq!(c.control_access.mode, 0o600);
+        // An integer that is not an octal literal is refused, and the error says how
+        // to write it.
+        for line in [
+            "socket-mode = 432",
+            "socket-mode = 660",
+            "control-mode = 0x1b0",
+            "control-mode = 600",
+        ] {
+            let e = mode(line).unwrap_err().to_string();
+            let key = line.split(' ').next().unwrap();
+            assert!(
+                e.contains(key) && e.contains("octal") && e.contains("= 0o660"),
+                "{line}: {e}"
+            );
+        }
+        // World access only when allowed, in the file as on the command line.
+        let e = mode("socket-mode = 0o666").unwrap_err().to_string();
+        assert!(e.contains("allow-world-access"), "{e}");
+        let c = mode("socket-mode = 0o666\nallow-world-access = true").unwrap();
+        assert_eq!(c.vm_sockets.mode, 0o666);
+        assert!(mode("control-mode = \"0602\"\nallow-world-access = false").is_err());
     }
 }

@@ -70,7 +70,7 @@ impl Serving {
 pub(crate) fn bind_control(
     path: &Path,
     access: &crate::config::SocketAccess,
-) -> io::Result<UnixListener> {
+) -> Result<(UnixListener, crate::files::SocketFile), crate::files::SocketPathError> {
     crate::files::bind_socket(path, access)
 }
 

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -367,13 +367,72 @@ impl HostLoop {
     }
 }
 
+/// A VM thread's wait for its next connection: the listening socket and the port's
+/// accept wake, polled together.
+struct AcceptWait {
+    epoll: Epoll,
+}
+
+impl AcceptWait {
+    const CONNECTION: u64 = 0;
+    const WAKE: u64 = 1;
+
+    fn new(port: &VmPort, listener: &Listener) -> io::Result<AcceptWait> {
+        let epoll = Epoll::new()?;
+        for (fd, tok) in [
+            (listener.as_raw_fd(), Self::CONNECTION),
+            (port.accept_wake.as_raw_fd(), Self::WAKE),
+        ] {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, tok),
+            )?;
+        }
+        Ok(AcceptWait { epoll })
+    }
+
+    /// Waits until a connection waits to be accepted (true) or the port is woken
+    /// (false: the daemon stops or the VM leaves).
+    fn wait(&self) -> io::Result<bool> {
+        let mut ev = [EpollEvent::default(); 2];
+        loop {
+            match self.epoll.wait(-1, &mut ev) {
+                Ok(n) => return Ok(!ev[..n].iter().any(|e| e.data() == Self::WAKE)),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
 /// Serves one VM's socket, one connection after another, until the daemon stops or
-/// the VM is removed.
+/// the VM is removed. Between sessions it waits for a connection or the port's accept
+/// wake, so it never blocks in accept where a stop cannot reach it.
 pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
     let span = port.span.clone();
     let _g = span.enter();
     let done = || shared.stopping() || port.leaving.load(Ordering::Acquire);
+    let accept = match AcceptWait::new(&port, &listener) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot poll the VM's socket: the VM is not served");
+            return;
+        }
+    };
     loop {
+        if done() {
+            break;
+        }
+        match accept.wait() {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for a connection failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        }
         if done() {
             break;
         }
@@ -689,20 +748,25 @@ impl Daemon {
         let mut socket_files = Vec::new();
         let mut listeners = Vec::new();
         for spec in &cfg.vms {
-            let l = crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
-                Error::VhostSocket {
-                    vm: spec.vm.name.clone(),
-                    path: spec.socket.clone(),
-                    source: vhost::vhost_user::Error::SocketError(source),
-                }
-            })?;
-            listeners.push((SocketFile(spec.socket.clone()), Listener::from(l)));
+            let (l, file) =
+                crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
+                    Error::Socket {
+                        what: format!("VM {}: vhost-user socket", spec.vm.name),
+                        source,
+                    }
+                })?;
+            listeners.push((file, Listener::from(l)));
         }
         let control = match &cfg.control {
             Some(p) => {
-                let l = crate::control::bind_control(p, &cfg.control_access)
-                    .map_err(e(format!("--control {}", p.display())))?;
-                socket_files.push(SocketFile(p.clone()));
+                let (l, file) =
+                    crate::control::bind_control(p, &cfg.control_access).map_err(|source| {
+                        Error::Socket {
+                            what: "--control".into(),
+                            source,
+                        }
+                    })?;
+                socket_files.push(file);
                 l.set_nonblocking(true).map_err(e("control".into()))?;
                 Some(l)
             }
@@ -831,17 +895,20 @@ impl Daemon {
         }
         tracing::info!("shutting down");
         self.shared.stop.store(true, Ordering::Release);
-        {
+        // The threads are taken under the runtime lock (no VM is added or removed
+        // meanwhile) and joined without it, so `vm list` and the like answer (or are
+        // refused as the daemon stops) while the sessions end.
+        let threads = {
             let mut rt = lock(&self.shared.runtime);
             for port in self.shared.vms().iter() {
                 if let Some(h) = lock(&port.session).as_ref() {
                     h.0.shutdown();
                 }
-                // A thread waiting in accept: connect so it wakes and sees the stop flag.
-                let _ = UnixStream::connect(&port.spec.socket);
+                port.wake_accept();
             }
-            rt.stop_threads();
-        }
+            rt.take_threads()
+        };
+        crate::runtime::join_threads(threads);
         if let Some(t) = self.grace.take() {
             let _ = t.join();
         }

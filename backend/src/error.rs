@@ -2,7 +2,6 @@
 
 use std::io;
 use std::net::IpAddr;
-use std::path::PathBuf;
 
 use crate::config::ConfigError;
 
@@ -27,20 +26,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A VM's vhost-user socket could not be bound.
-    #[error(
-        "VM {vm}: vhost-user socket {}: {source}; check that its directory exists and the \
-         daemon may create files there",
-        path.display()
-    )]
-    VhostSocket {
-        /// The VM's name.
-        vm: String,
-        /// The socket's path.
-        path: PathBuf,
-        /// The error.
+    /// A socket could not be put at its path (`what`: the VM's vhost-user socket, or
+    /// the control socket).
+    #[error("{what}: {source}")]
+    Socket {
+        /// Which socket: `VM NAME: vhost-user socket`, `--control`.
+        what: String,
+        /// Why.
         #[source]
-        source: vhost::vhost_user::Error,
+        source: crate::files::SocketPathError,
     },
     /// `--wire-rx raw` was asked for and the raw receive socket could not be opened.
     #[error("--wire-rx raw: raw socket: {0}; {RAW_SOCKET_HOW}")]

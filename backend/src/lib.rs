@@ -15,6 +15,8 @@
 //!   log of a live migration.
 //! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
 //! - [`error`]: the daemon's typed errors.
+//! - [`files`]: the files the daemon creates (its sockets, where it may put them and
+//!   when it removes them; the capture and journal's options).
 //! - [`control`]: the control socket, `pvcm-backend stat`, Prometheus metrics.
 //! - [`stats`]: device and wire counters, the snapshot and its renderings.
 //! - [`pcap`]: `--pcap` capture of every frame.
@@ -35,7 +37,7 @@ pub mod daemon;
 pub mod device;
 pub mod dirty_log;
 pub mod error;
-mod files;
+pub mod files;
 pub mod migration;
 pub mod mux;
 pub mod notify;
@@ -94,7 +96,16 @@ where
                 config: Some(a.file.clone()),
                 ..config::ServeArgs::default()
             };
-            match config::Config::from_args(&args) {
+            let checked = config::Config::from_args(&args)
+                .map_err(|e| e.to_string())
+                .and_then(|cfg| {
+                    // The sockets' paths as the daemon would find them at its start.
+                    for p in cfg.socket_paths() {
+                        files::check_socket_path(p).map_err(|e| e.to_string())?;
+                    }
+                    Ok(cfg)
+                });
+            match checked {
                 Ok(cfg) => {
                     print!("{}: ok\n{}", a.file.display(), cfg.summary());
                     ExitCode::SUCCESS

@@ -15,7 +15,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -25,15 +24,16 @@ use vhost::vhost_user::Listener;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::backlog::HostBudget;
-use crate::config::{ConfigError, SocketAccess, VmSpec, check_vm_set, toml_vm, toml_vms};
+use crate::config::{
+    ConfigError, SocketAccess, VmSpec, check_sockets_outside_state, check_vm_set, toml_vm, toml_vms,
+};
 use crate::files::{SocketFile, owner_only};
 use crate::mux::AttachError;
 use crate::port::PortError;
 use crate::shared::Shared;
 use crate::vm_port::{VmPort, lock};
 
-/// The file in `--state-dir` that keeps the runtime changes.
-pub const OVERLAY_FILE: &str = "vms.toml";
+pub use crate::state::OVERLAY_FILE;
 
 /// Why a runtime change to the VMs was refused.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +54,9 @@ pub enum RuntimeError {
     /// are fixed).
     #[error(transparent)]
     Port(#[from] PortError),
+    /// The VM's socket cannot be put at its path.
+    #[error(transparent)]
+    SocketPath(#[from] crate::files::SocketPathError),
     /// An OS call failed.
     #[error("{what}: {source}")]
     Io {
@@ -317,7 +320,6 @@ pub fn diff(current: &[VmSpec], wanted: &[VmSpec]) -> Vec<Change> {
 #[derive(Debug)]
 pub(crate) struct VmThread {
     handle: JoinHandle<()>,
-    socket: PathBuf,
     _file: SocketFile,
 }
 
@@ -356,7 +358,6 @@ impl Runtime {
         listener: Listener,
         file: SocketFile,
     ) -> Result<(), RuntimeError> {
-        let socket = port.spec.socket.clone();
         let (s, p) = (shared.clone(), port.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pvcm-vm-{}", port.index))
@@ -366,7 +367,6 @@ impl Runtime {
             port.index,
             VmThread {
                 handle,
-                socket,
                 _file: file,
             },
         );
@@ -383,6 +383,7 @@ impl Runtime {
         let mut all: Vec<VmSpec> = vms.iter().map(|p| p.spec()).collect();
         all.push(spec.clone());
         check_vm_set(&all, self.control.as_deref())?;
+        check_sockets_outside_state([spec.socket.as_path()], self.state_dir.as_deref())?;
         shared.lock_core().mux.can_attach(&spec.vm)?;
         let index = vms.next_index();
         let epoll = self.epoll.clone();
@@ -411,10 +412,10 @@ impl Runtime {
             }
         };
         let listener = match crate::files::bind_socket(&spec.socket, &self.vm_sockets) {
-            Ok(l) => (Listener::from(l), SocketFile(spec.socket.clone())),
+            Ok((l, file)) => (Listener::from(l), file),
             Err(e) => {
                 unpoll(shared);
-                return Err(io_err(format!("socket {}", spec.socket.display()))(e));
+                return Err(e.into());
             }
         };
         shared.vms.update(|s| s.with(port.clone()));
@@ -448,9 +449,10 @@ impl Runtime {
         if let Some(h) = lock(&port.session).as_ref() {
             h.0.shutdown();
         }
+        port.wake_accept();
         if let Some(t) = self.threads.remove(&port.index) {
-            // A thread waiting in accept: connect so it wakes and sees it is leaving.
-            let _ = UnixStream::connect(&t.socket);
+            // Its session was told to end and its wait for a connection woken: the
+            // join waits for neither a VMM nor the socket's path.
             let _ = t.handle.join();
         }
         // A VM with no session (restored and not back yet) is released here.
@@ -498,12 +500,10 @@ impl Runtime {
         Ok(live)
     }
 
-    /// Joins every VM thread (the daemon stops; their sessions were told to end) and
-    /// removes their sockets.
-    pub(crate) fn stop_threads(&mut self) {
-        for (_, t) in self.threads.drain() {
-            let _ = t.handle.join();
-        }
+    /// Every VM thread, taken out to be joined ([`join_threads`]) once the daemon
+    /// stops.
+    pub(crate) fn take_threads(&mut self) -> Vec<VmThread> {
+        self.threads.drain().map(|(_, t)| t).collect()
     }
 
     fn persist(&self) {
@@ -553,6 +553,14 @@ impl Runtime {
             }
         }
         r
+    }
+}
+
+/// Joins VM threads whose sessions were told to end and whose accept waits were woken,
+/// then removes their sockets.
+pub(crate) fn join_threads(threads: Vec<VmThread>) {
+    for t in threads {
+        let _ = t.handle.join();
     }
 }
 

@@ -242,6 +242,9 @@ impl Shared {
         Snapshot {
             policy: self.policy.clone(),
             wire_rx: self.port.rx_mode(),
+            wire_rx_configured: self.port.rx_mode_configured(),
+            wire_rx_buffer: self.port.rx_buffer(),
+            degraded: self.port.degraded(),
             vms,
             host: Figures::new(&host_stats, &all),
         }

@@ -61,6 +61,36 @@ fn parse_tx_progress(p: &[u8]) -> Option<(String, u16)> {
 }
 
 const MAGIC: &[u8; 8] = b"PVCMJNL\x01";
+/// The file in `--state-dir` that keeps the VM changes made at runtime
+/// ([`crate::runtime::Overlay`]).
+pub const OVERLAY_FILE: &str = "vms.toml";
+/// Every file the daemon keeps in `--state-dir`: no socket may be put at one of them.
+pub const STATE_FILES: [&str; 6] = [
+    "lock",
+    "mux.journal",
+    "mux.journal.tmp",
+    "mux.journal.previous-boot",
+    OVERLAY_FILE,
+    "vms.toml.tmp",
+];
+
+/// The state directory's file `path` is, if it is one of [`STATE_FILES`] in `dir`
+/// (compared as written, and by the directories' real paths when both exist).
+pub fn state_file_at(dir: &Path, path: &Path) -> Option<&'static str> {
+    let name = path.file_name()?.to_str()?;
+    let file = STATE_FILES.into_iter().find(|f| *f == name)?;
+    let parent = match path.parent() {
+        Some(p) if p.as_os_str().is_empty() => Path::new("."),
+        Some(p) => p,
+        None => return None,
+    };
+    let same = parent == dir
+        || matches!(
+            (std::fs::canonicalize(parent), std::fs::canonicalize(dir)),
+            (Ok(a), Ok(b)) if a == b
+        );
+    same.then_some(file)
+}
 const VERSION: u32 = 1;
 const HEADER_LEN: usize = 64;
 const BOOT_ID_LEN: usize = 36;

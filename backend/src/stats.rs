@@ -349,6 +349,31 @@ pub struct VmFigures {
     pub figures: Figures,
 }
 
+/// A setting in effect in a lesser form than the configuration asked for (logged at
+/// WARN when the port opened).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Degraded {
+    /// The setting: `wire_rx` (the receive mode), `wire_rx_buffer` (the receive
+    /// socket's buffer, bytes).
+    pub setting: String,
+    /// What the configuration asked for.
+    pub configured: String,
+    /// What is in effect.
+    pub effective: String,
+    /// Why, and what to do about it.
+    pub why: String,
+}
+
+/// The receive buffer of the wire port's shared receive socket (the soft port's raw
+/// socket, the packet port's packet socket): asked for and in effect, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RxBuffer {
+    /// What the port asks for.
+    pub wanted: u64,
+    /// What the kernel gave (without its bookkeeping share).
+    pub effective: u64,
+}
+
 /// Everything `pvcm-backend stat` shows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Snapshot {
@@ -357,6 +382,16 @@ pub struct Snapshot {
     /// The soft port's receive mode in effect (`raw` or `udp`; see `--wire-rx`).
     #[serde(default)]
     pub wire_rx: String,
+    /// The receive mode the configuration asked for (`auto`, `raw`, `udp`; other ports:
+    /// the same as `wire_rx`).
+    #[serde(default)]
+    pub wire_rx_configured: String,
+    /// The shared receive socket's buffer, if the port has such a socket.
+    #[serde(default)]
+    pub wire_rx_buffer: Option<RxBuffer>,
+    /// Settings in effect in a lesser form than configured (empty: none).
+    #[serde(default)]
+    pub degraded: Vec<Degraded>,
     /// Per VM.
     pub vms: Vec<VmFigures>,
     /// The host: every VM's, the proxy's own, and those of VMs that left.
@@ -383,11 +418,27 @@ impl Snapshot {
             );
             v.figures.render(&mut out);
         }
+        let configured =
+            if self.wire_rx_configured.is_empty() || self.wire_rx_configured == self.wire_rx {
+                String::new()
+            } else {
+                format!(" (configured {})", self.wire_rx_configured)
+            };
+        let buffer = self.wire_rx_buffer.map_or(String::new(), |b| {
+            format!(", rx buffer {} of {} bytes", b.effective, b.wanted)
+        });
         let _ = writeln!(
             out,
-            "host (policy {}, wire rx {}, all VMs summed)",
+            "host (policy {}, wire rx {}{configured}{buffer}, all VMs summed)",
             self.policy, self.wire_rx
         );
+        for d in &self.degraded {
+            let _ = writeln!(
+                out,
+                "  DEGRADED {}: configured {}, in effect {}: {}",
+                d.setting, d.configured, d.effective, d.why
+            );
+        }
         self.host.render(&mut out);
         out
     }
@@ -485,6 +536,44 @@ impl Snapshot {
                 u8::from(v.attached)
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP pvcm_wire_rx_mode 1 for the wire port's receive mode in effect, with the \
+             configured one."
+        );
+        let _ = writeln!(out, "# TYPE pvcm_wire_rx_mode gauge");
+        let _ = writeln!(
+            out,
+            "pvcm_wire_rx_mode{{mode=\"{}\",configured=\"{}\"}} 1",
+            esc(&self.wire_rx),
+            esc(&self.wire_rx_configured)
+        );
+        if let Some(b) = self.wire_rx_buffer {
+            let _ = writeln!(
+                out,
+                "# HELP pvcm_wire_rx_buffer_bytes The shared receive socket's buffer: \
+                 state=\"wanted\" asked for, state=\"effective\" in effect."
+            );
+            let _ = writeln!(out, "# TYPE pvcm_wire_rx_buffer_bytes gauge");
+            for (state, v) in [("wanted", b.wanted), ("effective", b.effective)] {
+                let _ = writeln!(out, "pvcm_wire_rx_buffer_bytes{{state=\"{state}\"}} {v}");
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP pvcm_degraded 1 for each setting in effect in a lesser form than \
+             configured."
+        );
+        let _ = writeln!(out, "# TYPE pvcm_degraded gauge");
+        for d in &self.degraded {
+            let _ = writeln!(
+                out,
+                "pvcm_degraded{{setting=\"{}\",configured=\"{}\",effective=\"{}\"}} 1",
+                esc(&d.setting),
+                esc(&d.configured),
+                esc(&d.effective)
+            );
+        }
         out
     }
 }
@@ -511,7 +600,18 @@ mod tests {
         assert_eq!(f.io("tx_messages"), 10);
         let snap = Snapshot {
             policy: "default".into(),
-            wire_rx: "raw".into(),
+            wire_rx: "udp".into(),
+            wire_rx_configured: "auto".into(),
+            wire_rx_buffer: Some(RxBuffer {
+                wanted: 64 << 20,
+                effective: 4 << 20,
+            }),
+            degraded: vec![Degraded {
+                setting: "wire_rx".into(),
+                configured: "auto".into(),
+                effective: "udp".into(),
+                why: "no CAP_NET_RAW".into(),
+            }],
             vms: vec![VmFigures {
                 name: "a\"b".into(),
                 gid: "::ffff:127.0.0.1".into(),
@@ -526,7 +626,20 @@ mod tests {
         assert!(!t.contains("    rtu"), "{t}");
         assert!(t.contains("wire_bad_icrc        2"), "{t}");
         assert!(t.contains("3 live"), "{t}");
+        assert!(
+            t.contains("wire rx udp (configured auto), rx buffer 4194304 of 67108864 bytes"),
+            "{t}"
+        );
+        assert!(
+            t.contains("DEGRADED wire_rx: configured auto, in effect udp: no CAP_NET_RAW"),
+            "{t}"
+        );
         let p = snap.prometheus();
+        assert!(p.contains("pvcm_wire_rx_mode{mode=\"udp\",configured=\"auto\"} 1"));
+        assert!(p.contains("pvcm_wire_rx_buffer_bytes{state=\"effective\"} 4194304"));
+        assert!(p.contains(
+            "pvcm_degraded{setting=\"wire_rx\",configured=\"auto\",effective=\"udp\"} 1"
+        ));
         assert!(
             p.contains("pvcm_cm_messages_total{vm=\"a\\\"b\",group=\"cm_tx_msgs\",msg=\"req\"} 2"),
             "{p}"

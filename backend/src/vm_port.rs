@@ -119,6 +119,10 @@ pub struct VmPort {
     quota: AtomicU32,
     /// Removed at runtime: its thread serves no further session.
     pub(crate) leaving: AtomicBool,
+    /// Wakes the VM's thread from its wait for a connection: the daemon stops or the
+    /// VM is removed ([`VmPort::wake_accept`]). The socket's path is never used for
+    /// it: the file may be gone, or another's.
+    pub(crate) accept_wake: EventFd,
     pub(crate) span: tracing::Span,
 }
 
@@ -144,6 +148,7 @@ impl VmPort {
             session: Mutex::new(None),
             quota: AtomicU32::new(spec.vm.quota.unwrap_or(0)),
             leaving: AtomicBool::new(false),
+            accept_wake: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
             span,
             spec,
         })
@@ -192,6 +197,12 @@ impl VmPort {
                 false
             }
         }
+    }
+
+    /// Wakes the VM's thread if it waits for a connection, so that it sees the daemon
+    /// stopping or the VM leaving; it waits for nothing else than a connection or this.
+    pub(crate) fn wake_accept(&self) {
+        let _ = self.accept_wake.write(1);
     }
 
     /// Wakes the VM's worker to deliver its backlog.

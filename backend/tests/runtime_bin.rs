@@ -304,3 +304,194 @@ fn runtime_changes_are_checked_and_survive_a_restart_with_a_state_dir() {
     );
     stop(child);
 }
+
+/// SIGTERM, then the exit within `limit` (the child is killed and the test fails past
+/// it); returns the log.
+fn stop_within(mut child: Child, limit: Duration) -> String {
+    use std::io::Read;
+    signal(&child, libc::SIGTERM);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if t0.elapsed() > limit {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut log = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut log);
+    }
+    let status = status.unwrap_or_else(|| panic!("no exit {limit:?} after SIGTERM\n{log}"));
+    assert!(status.success(), "{status:?}\n{log}");
+    log
+}
+
+/// `pvcm-backend vm ARGS` and how long the answer took.
+fn vm_timed(ctl: &Path, args: &[&str]) -> (Duration, (bool, String, String)) {
+    let t0 = Instant::now();
+    let r = vm(ctl, args);
+    (t0.elapsed(), r)
+}
+
+/// A daemon with VMs a and b (udp receive) at 127.31.`net`.1 and .2 and a control
+/// socket in `d`.
+fn two_vm_daemon(d: &Path, net: u8) -> Child {
+    let ctl = d.join("ctl");
+    let args: Vec<std::ffi::OsString> = vec![
+        "--vm".into(),
+        format!(
+            "name=a,socket={},gid=127.31.{net}.1",
+            d.join("a.sock").display()
+        )
+        .into(),
+        "--vm".into(),
+        format!(
+            "name=b,socket={},gid=127.31.{net}.2",
+            d.join("b.sock").display()
+        )
+        .into(),
+        "--wire-rx".into(),
+        "udp".into(),
+        "--control".into(),
+        ctl.clone().into(),
+    ];
+    let argv: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    spawn(&argv, &ctl)
+}
+
+const STOP_LIMIT: Duration = Duration::from_secs(2);
+
+#[test]
+fn sigterm_stops_within_2s_with_the_vm_sockets_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let child = two_vm_daemon(d, 3);
+    std::fs::remove_file(d.join("a.sock")).unwrap();
+    std::fs::remove_file(d.join("b.sock")).unwrap();
+    let log = stop_within(child, STOP_LIMIT);
+    assert!(log.contains("stopped"), "{log}");
+}
+
+#[test]
+fn vm_remove_and_list_answer_with_the_socket_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let child = two_vm_daemon(d, 4);
+    std::fs::remove_file(d.join("a.sock")).unwrap();
+    let (t_remove, remove) = vm_timed(&ctl, &["remove", "a"]);
+    let (t_list, list) = vm_timed(&ctl, &["list"]);
+    // b still serves.
+    let b_serves = std::os::unix::net::UnixStream::connect(d.join("b.sock")).is_ok();
+    stop_within(child, STOP_LIMIT);
+    assert!(
+        t_remove < STOP_LIMIT,
+        "vm remove took {t_remove:?}: {remove:?}"
+    );
+    assert!(t_list < STOP_LIMIT, "vm list took {t_list:?}: {list:?}");
+    let (good, out, err) = remove;
+    assert!(good && out.starts_with("ok: "), "{out}{err}");
+    let (good, out, err) = list;
+    assert!(good, "{err}");
+    assert!(!out.contains("\"a\"") && out.contains("\"b\""), "{out}");
+    assert!(b_serves);
+}
+
+#[test]
+fn sigterm_stops_within_2s_with_a_control_request_in_flight() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let child = two_vm_daemon(d, 5);
+    std::fs::remove_file(d.join("b.sock")).unwrap();
+    // A client that connected and has sent half a request: its answer is pending.
+    let mut half = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+    half.write_all(b"vm li").unwrap();
+    // And requests racing the stop.
+    let racing: Vec<_> = ["list", "remove b"]
+        .into_iter()
+        .map(|r| {
+            let ctl = ctl.clone();
+            std::thread::spawn(move || {
+                let args: Vec<&str> = r.split(' ').collect();
+                vm(&ctl, &args)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(50));
+    stop_within(child, STOP_LIMIT);
+    for t in racing {
+        // Answered or refused, but not left hanging: the client's own timeout is 10 s.
+        let _ = t.join().unwrap();
+    }
+    drop(half);
+}
+
+#[test]
+fn vm_add_refuses_a_path_it_did_not_create_and_vm_remove_leaves_anothers_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let state = d.join("state");
+    let sock = |n: &str| d.join(format!("{n}.sock"));
+    let args: Vec<std::ffi::OsString> = vec![
+        "--vm".into(),
+        format!("name=a,socket={},gid=127.31.10.1", sock("a").display()).into(),
+        "--vm".into(),
+        format!("name=b,socket={},gid=127.31.10.2", sock("b").display()).into(),
+        "--control".into(),
+        ctl.clone().into(),
+        "--state-dir".into(),
+        state.clone().into(),
+    ];
+    let argv: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let child = spawn(&argv, &ctl);
+    let precious = d.join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let live = sock("live");
+    let other = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let journal = state.join("mux.journal");
+    let add = |socket: &Path| {
+        vm(
+            &ctl,
+            &[
+                "add",
+                &format!("name=c,socket={},gid=127.31.10.3", socket.display()),
+            ],
+        )
+    };
+    let refusals = [
+        (add(&precious), "not a socket"),
+        (add(&live), "another process listens"),
+        (add(&journal), "state directory"),
+    ];
+    // vm remove: a's socket file was replaced by another process's; it stays.
+    let tmp = d.join("tmp");
+    let theirs = std::os::unix::net::UnixListener::bind(&tmp).unwrap();
+    std::fs::rename(&tmp, sock("a")).unwrap();
+    let removed = vm(&ctl, &["remove", "a"]);
+    let b_removed = vm(&ctl, &["remove", "b"]);
+    let listed = vm(&ctl, &["list"]);
+    stop(child);
+    for ((good, _, err), want) in refusals {
+        assert!(!good && err.contains(want), "{err}");
+    }
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    assert!(std::fs::symlink_metadata(&journal).unwrap().is_file());
+    let _c = std::os::unix::net::UnixStream::connect(&live).unwrap();
+    other.accept().unwrap();
+    assert!(removed.0 && b_removed.0, "{removed:?} {b_removed:?}");
+    assert!(listed.1.trim() == "[]", "{listed:?}");
+    assert!(sock("a").exists(), "another's socket stays");
+    let _c = std::os::unix::net::UnixStream::connect(sock("a")).unwrap();
+    theirs.accept().unwrap();
+    assert!(!sock("b").exists(), "its own socket is removed");
+}

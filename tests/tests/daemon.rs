@@ -1044,3 +1044,158 @@ fn device_writes_are_in_the_dirty_log_while_migrating() {
         log.dirty_pages()
     );
 }
+
+/// A real backend process (`pvcm-lab __backend ARGS`, the `pvcm-backend` command line),
+/// its log in a file; killed if the test ends before it stopped.
+struct BackendProc {
+    child: Option<std::process::Child>,
+    log: std::path::PathBuf,
+}
+
+impl BackendProc {
+    /// Starts it and waits (10 s at most) until its control socket `ctl` answers.
+    fn spawn(args: &[String], ctl: &Path, log: &Path) -> BackendProc {
+        let file = std::fs::File::create(log).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_pvcm-lab"))
+            .arg("__backend")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        let p = BackendProc {
+            child: Some(child),
+            log: log.to_path_buf(),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while control::query(ctl).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "backend did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        p
+    }
+
+    /// Sends SIGTERM; returns how long the process took to exit (it is killed at
+    /// `limit`) and its log. It must have exited with status 0.
+    fn sigterm(&mut self, limit: Duration) -> (Duration, String) {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: signals our own child process.
+        unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break Some(s);
+            }
+            if t0.elapsed() > limit {
+                let _ = c.kill();
+                let _ = c.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let took = t0.elapsed();
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        match status {
+            Some(s) => assert!(s.success(), "{s:?}\n{log}"),
+            None => panic!("no exit {limit:?} after SIGTERM\n{log}"),
+        }
+        (took, log)
+    }
+}
+
+impl Drop for BackendProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `--vm` for a lab VM with its socket in `dir`, plus `extra` keys.
+fn vm_arg(dir: &Path, s: &LabVmSpec, extra: &str) -> [String; 2] {
+    [
+        "--vm".into(),
+        format!(
+            "name={},socket={},gid={}{extra}",
+            s.name,
+            backend::socket(dir, &s.name).display(),
+            s.addr
+        ),
+    ]
+}
+
+const STOP_LIMIT: Duration = Duration::from_secs(2);
+
+/// SIGTERM stops a backend process within 2 s while VMs are attached with live
+/// connections, and while another VM's socket file was removed under it.
+#[test]
+fn sigterm_stops_within_2s_with_vms_attached_and_a_socket_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (sa, sb, sc) = (
+        LabVmSpec::new("a", ip(25, 1, 1)),
+        LabVmSpec::new("b", ip(25, 1, 2)),
+        LabVmSpec::new("c", ip(25, 1, 3)),
+    );
+    let ctl = d.join("h.ctl");
+    let mut args: Vec<String> = [&sa, &sb, &sc]
+        .into_iter()
+        .flat_map(|s| vm_arg(d, s, ""))
+        .collect();
+    args.extend([
+        "--control".into(),
+        ctl.display().to_string(),
+        "--seed".into(),
+        "1".into(),
+    ]);
+    let mut h = BackendProc::spawn(&args, &ctl, &d.join("h.log"));
+    let mut a = connect(d, "a");
+    let mut b = connect(d, "b");
+    let _ = handshake(&mut a, &sa, &mut b, &sb, 0x41, 0x42);
+    assert_eq!(control::query(&ctl).unwrap().host.live, 2);
+    std::fs::remove_file(backend::socket(d, "c")).unwrap();
+    let (took, log) = h.sigterm(STOP_LIMIT);
+    assert!(log.contains("stopped"), "{took:?}\n{log}");
+}
+
+/// SIGTERM stops both ends of a live migration within 2 s: the source while the VMM
+/// logs the device's writes (VHOST_F_LOG_ALL, a log base set), the destination while
+/// its incoming VM waits for its state, its socket file removed.
+#[test]
+fn sigterm_stops_within_2s_mid_migration() {
+    let (ds, dt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (s, t) = (ds.path(), dt.path());
+    let sm = LabVmSpec::new("m", ip(26, 1, 1));
+    let sp = LabVmSpec::new("p", ip(26, 2, 1));
+    let migratable = ",id-range=0x80260000/16,quota=1000";
+    let common = |ctl: &Path| {
+        vec![
+            "--control".to_string(),
+            ctl.display().to_string(),
+            "--wire-rx".into(),
+            "raw".into(),
+        ]
+    };
+    let (sctl, tctl) = (s.join("s.ctl"), t.join("t.ctl"));
+    let mut args: Vec<String> = vm_arg(s, &sm, migratable).into();
+    args.extend(vm_arg(s, &sp, ""));
+    args.extend(common(&sctl));
+    let mut src = BackendProc::spawn(&args, &sctl, &s.join("s.log"));
+    let mut args: Vec<String> = vm_arg(t, &sm, &format!("{migratable},incoming=yes")).into();
+    args.extend(common(&tctl));
+    let mut dst = BackendProc::spawn(&args, &tctl, &t.join("t.log"));
+    let mut m = connect(s, "m");
+    let mut p = connect(s, "p");
+    let _ = handshake(&mut m, &sm, &mut p, &sp, 0x51, 0x52);
+    let _log = m.start_dirty_log().unwrap();
+    std::fs::remove_file(backend::socket(t, "m")).unwrap();
+    let (took, log) = dst.sigterm(STOP_LIMIT);
+    assert!(log.contains("stopped"), "{took:?}\n{log}");
+    let (took, log) = src.sigterm(STOP_LIMIT);
+    assert!(log.contains("stopped"), "{took:?}\n{log}");
+}

@@ -206,6 +206,20 @@ pub const TOKEN_LIMIT: u64 = 1 << 40;
 pub trait WirePort: Send + Sync + fmt::Debug {
     /// How the port receives, as `stat` shows it (`raw`, `udp`, `umad rxe0:1`).
     fn rx_mode(&self) -> String;
+    /// The receive mode the configuration asked for; the default: the one in effect
+    /// (the port has no choice).
+    fn rx_mode_configured(&self) -> String {
+        self.rx_mode()
+    }
+    /// The buffer of the port's shared receive socket, if it has one.
+    fn rx_buffer(&self) -> Option<crate::stats::RxBuffer> {
+        None
+    }
+    /// The port's settings in effect in a lesser form than configured (each was logged
+    /// at WARN when the port opened).
+    fn degraded(&self) -> Vec<crate::stats::Degraded> {
+        Vec::new()
+    }
     /// The descriptors the host loop polls for input, each with its token (below
     /// [`TOKEN_LIMIT`]).
     fn poll_fds(&self) -> Vec<(RawFd, u64)>;

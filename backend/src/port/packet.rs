@@ -595,6 +595,8 @@ pub struct PacketPort {
     filter: RxFilter,
     table: RwLock<VmTable>,
     ident: AtomicU16,
+    /// The packet socket's receive buffer.
+    buffer: crate::stats::RxBuffer,
 }
 
 /// The port's VMs by index (`None`: removed at runtime), by address, and each one's
@@ -690,12 +692,9 @@ impl PacketPort {
             attach_filter(rx.as_raw_fd(), &prog)
                 .map_err(|e| fail(format!("packet socket filter: {e}")))?;
         }
-        // Best effort: a large buffer absorbs bursts (FORCE passes rmem_max as root),
-        // sized as the soft port's raw socket, for the same reasons.
-        let big = soft::RAW_RCVBUF;
-        if setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, big).is_err() {
-            let _ = setsockopt_int(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, big);
-        }
+        // A large buffer absorbs bursts, sized as the soft port's raw socket for the
+        // same reasons; a smaller one is reported (stat, metrics).
+        let buffer = soft::set_rx_buffer(rx.as_raw_fd(), "packet socket");
         // SAFETY: sockaddr_ll is plain old data for which all-zero is valid.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
@@ -732,6 +731,7 @@ impl PacketPort {
             filter,
             table: RwLock::new(table),
             ident: AtomicU16::new(seed as u16),
+            buffer,
         };
         // Whatever queued before the bind is not ours to count.
         p.stats();
@@ -914,6 +914,14 @@ fn setsockopt_int(
 impl WirePort for PacketPort {
     fn rx_mode(&self) -> String {
         format!("packet {}", self.name.trim_start_matches("packet:"))
+    }
+
+    fn rx_buffer(&self) -> Option<crate::stats::RxBuffer> {
+        Some(self.buffer)
+    }
+
+    fn degraded(&self) -> Vec<crate::stats::Degraded> {
+        soft::buffer_degraded(&self.buffer).into_iter().collect()
     }
 
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {

@@ -58,7 +58,7 @@ use pvcm_wire::{Error as WireError, Gid};
 
 use crate::error::{Error, RAW_SOCKET_HOW};
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError};
-use crate::stats::{DevDrop, Io};
+use crate::stats::{Degraded, DevDrop, Io, RxBuffer};
 
 pub use crate::config::RxMode;
 
@@ -242,6 +242,65 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     } else {
         Ok(r)
     }
+}
+
+fn getsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` is an open socket owned by the caller; `v` is a live c_int whose
+    // size is passed alongside, and the kernel writes at most that many bytes.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(v)
+}
+
+/// Asks for a receive buffer of [`RAW_RCVBUF`] bytes on `fd` (`what` names the socket
+/// in the log): `SO_RCVBUFFORCE`, which passes `net.core.rmem_max` with
+/// `CAP_NET_ADMIN`, else `SO_RCVBUF`, which that sysctl caps. Returns the buffer asked
+/// for and the one in effect (read back); a smaller one is logged at WARN.
+pub(crate) fn set_rx_buffer(fd: RawFd, what: &str) -> RxBuffer {
+    let forced = setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RAW_RCVBUF);
+    if let Err(e) = &forced {
+        tracing::debug!(error = %e, "{what}: SO_RCVBUFFORCE refused, asking SO_RCVBUF");
+        let _ = setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, RAW_RCVBUF);
+    }
+    // The kernel reports twice what it grants the data: the other half is its
+    // bookkeeping.
+    let effective = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF)
+        .map_or(0, |v| u64::try_from(v).unwrap_or(0) / 2);
+    let b = RxBuffer {
+        wanted: RAW_RCVBUF as u64,
+        effective,
+    };
+    if let Some(d) = buffer_degraded(&b) {
+        tracing::warn!(
+            wanted = b.wanted,
+            effective = b.effective,
+            "{what}: receive buffer smaller than asked: {}",
+            d.why
+        );
+    }
+    b
+}
+
+/// The receive buffer as a degraded setting, if it is smaller than asked.
+pub(crate) fn buffer_degraded(b: &RxBuffer) -> Option<Degraded> {
+    (b.effective < b.wanted).then(|| Degraded {
+        setting: "wire_rx_buffer".into(),
+        configured: b.wanted.to_string(),
+        effective: b.effective.to_string(),
+        why: "SO_RCVBUFFORCE needs CAP_NET_ADMIN, and net.core.rmem_max caps SO_RCVBUF: \
+              grant CAP_NET_ADMIN or raise net.core.rmem_max, else bursts overflow sooner \
+              (wire_rx_overflow)"
+            .into(),
+    })
 }
 
 fn setsockopt_int(
@@ -599,7 +658,11 @@ fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
 /// at the IPv4 header. Every jump is short: the drops sit next to the checks, and the
 /// address compares come in chunks of [`BPF_CHUNK`], each followed by its own accept.
 fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
-    let check_addrs = !addrs.is_empty() && addrs.len() <= BPF_MAX_ADDRS;
+    if addrs.is_empty() {
+        // No IPv4 VM (yet): nothing is ours.
+        return vec![bpf_stmt(BPF_RET | BPF_K, 0)];
+    }
+    let check_addrs = addrs.len() <= BPF_MAX_ADDRS;
     let mut p = Vec::with_capacity(10 + addrs.len() + 2 * addrs.len() / BPF_CHUNK);
     // Fragments (offset != 0) carry no UDP header: drop them. The kernel reassembles
     // before raw delivery, so this only guards the header load below.
@@ -645,6 +708,7 @@ fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
 #[derive(Debug)]
 pub struct RawRx {
     fd: OwnedFd,
+    buffer: RxBuffer,
 }
 
 /// The raw socket's receive buffer (the kernel doubles it for its bookkeeping): room
@@ -672,15 +736,12 @@ impl RawRx {
         // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
-        // Best effort: a large buffer absorbs bursts. FORCE (root/CAP_NET_ADMIN)
-        // passes net.core.rmem_max; the plain option is capped by it.
-        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RAW_RCVBUF).is_err() {
-            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, RAW_RCVBUF);
-        }
+        // A large buffer absorbs bursts; a smaller one is reported (stat, metrics).
+        let buffer = set_rx_buffer(raw, "raw wire socket");
         // Raw sockets never send here: a zero-length send buffer is not possible, but
         // nothing is ever written.
         attach_filter(raw, &raw_filter(port, addrs))?;
-        let rx = RawRx { fd };
+        let rx = RawRx { fd, buffer };
         // Datagrams that arrived between socket() and the filter: not filtered, drop.
         let mut rb = RecvBatch::default();
         while rx.recv_batch(&mut rb)? == BATCH {}
@@ -882,6 +943,10 @@ pub struct SoftPort {
     /// The VMs' addresses and sockets (VMs come and go at runtime).
     vms: std::sync::RwLock<SoftVms>,
     raw: Option<RawRx>,
+    /// The receive mode configured (`--wire-rx`).
+    configured: RxMode,
+    /// The receive mode's fallback, if `auto` fell back to udp.
+    mode_degraded: Option<Degraded>,
     port_num: u16,
     /// The loss audit: a one-shot timer armed by traffic (see [`SoftPort::audit`]).
     audit_timer: std::sync::Mutex<vmm_sys_util::timerfd::TimerFd>,
@@ -946,26 +1011,36 @@ fn destination(own: IpAddr, scope: u32, port: u16, dst: Gid) -> Option<SocketAdd
     }
 }
 
-/// Opens the raw receive socket the mode asks for (None: udp mode, or no IPv4 VM).
-fn open_raw_rx(mode: RxMode, port: u16, addrs: &[Ipv4Addr]) -> Result<Option<RawRx>, Error> {
-    if addrs.is_empty() {
-        // IPv6 VMs are read through their UDP sockets in every mode.
-        return Ok(None);
-    }
+/// Opens the raw receive socket the mode asks for (None: udp mode), whether IPv4 VMs
+/// are configured yet or not (IPv6 VMs are read through their UDP sockets in every
+/// mode, and IPv4 VMs added at runtime get the mode configured). `auto` without the
+/// privilege: udp, logged at WARN and returned as a degraded setting.
+fn open_raw_rx(
+    mode: RxMode,
+    port: u16,
+    addrs: &[Ipv4Addr],
+) -> Result<(Option<RawRx>, Option<Degraded>), Error> {
     match mode {
-        RxMode::Udp => Ok(None),
+        RxMode::Udp => Ok((None, None)),
         RxMode::Raw => RawRx::open(port, addrs)
-            .map(Some)
+            .map(|r| (Some(r), None))
             .map_err(Error::RawSocketRequired),
         RxMode::Auto => match RawRx::open(port, addrs) {
-            Ok(r) => Ok(Some(r)),
+            Ok(r) => Ok((Some(r), None)),
             Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
-                tracing::warn!(
-                    "no raw socket ({err}): receiving in udp mode, which drops frames \
-                     from Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
+                let why = format!(
+                    "no raw socket ({err}): receiving in udp mode, which drops frames from \
+                     Linux rxe and hardware RoCE peers as wire_bad_icrc (they write a \
                      non-zero IP ID the ICRC covers); {RAW_SOCKET_HOW}"
                 );
-                Ok(None)
+                tracing::warn!("{why}");
+                let d = Degraded {
+                    setting: "wire_rx".into(),
+                    configured: RxMode::Auto.name().into(),
+                    effective: RxMode::Udp.name().into(),
+                    why,
+                };
+                Ok((None, Some(d)))
             }
             Err(err) => Err(Error::RawSocket(err)),
         },
@@ -1012,7 +1087,7 @@ impl SoftPort {
                 return Err(Error::IncomingIpv6(name.clone()));
             }
         }
-        let raw = open_raw_rx(mode, port_num, &v4)?;
+        let (raw, mode_degraded) = open_raw_rx(mode, port_num, &v4)?;
         if raw.is_none()
             && let Some(i) = incoming.iter().position(|&x| x)
         {
@@ -1043,6 +1118,8 @@ impl SoftPort {
         let port = SoftPort {
             vms: std::sync::RwLock::new(table),
             raw,
+            configured: mode,
+            mode_degraded,
             port_num,
             audit_timer: std::sync::Mutex::new(audit_timer),
             audit_armed: std::sync::atomic::AtomicBool::new(false),
@@ -1397,6 +1474,22 @@ impl crate::port::WirePort for SoftPort {
         }
     }
 
+    fn rx_mode_configured(&self) -> String {
+        self.configured.name().to_string()
+    }
+
+    fn rx_buffer(&self) -> Option<RxBuffer> {
+        self.raw.as_ref().map(|r| r.buffer)
+    }
+
+    fn degraded(&self) -> Vec<Degraded> {
+        self.mode_degraded
+            .iter()
+            .cloned()
+            .chain(self.rx_buffer().as_ref().and_then(buffer_degraded))
+            .collect()
+    }
+
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {
         let mut fds: Vec<(RawFd, u64)> =
             self.raw.iter().map(|r| (r.as_raw_fd(), TOK_RAW)).collect();
@@ -1722,6 +1815,52 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         got
+    }
+
+    /// A port opened with no VM keeps the receive mode configured: an IPv4 VM added
+    /// later is read through the raw socket, so a frame with a non-zero IP ID (Linux
+    /// rxe's) passes its ICRC check. Needs CAP_NET_RAW, as CI has.
+    #[test]
+    fn a_port_with_no_vm_keeps_raw_receive_for_a_vm_added_later() {
+        use crate::port::WirePort;
+        let (ours, sender, port_num) = (
+            Ipv4Addr::new(127, 81, 0, 1),
+            Ipv4Addr::new(127, 81, 0, 9),
+            4781,
+        );
+        for mode in [RxMode::Auto, RxMode::Raw] {
+            let port = SoftPort::open(&[], &[], port_num, mode).unwrap();
+            assert_eq!(port.rx_mode(), "raw", "{mode:?}");
+            assert_eq!(port.rx_mode_configured(), mode.name());
+            assert!(port.degraded().is_empty(), "{:?}", port.degraded());
+            let spec: crate::config::VmSpec =
+                format!("socket=/x/a,gid={ours},name=a").parse().unwrap();
+            port.add_vm(0, &spec, &mut |_, _| Ok(())).unwrap();
+            let vm = crate::vm_port::VmPort::for_test(0, spec);
+            let host = crate::stats::DevCounters::default();
+            let vms = crate::vm_port::VmSet::new(vec![vm.clone()]);
+            let ctx = PortCtx {
+                vms: &vms,
+                host: &host,
+                capture: None,
+            };
+            send_hdrincl(&rxe_datagram(sender, ours, port_num, 0x5a5a, 7), ours).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..200 {
+                port.receive(&ctx, TOK_RAW, &mut |batch| {
+                    for (i, mads) in batch {
+                        got.extend(mads.iter().map(|m| (i, m.mad[255])));
+                    }
+                });
+                if !got.is_empty() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            assert_eq!(got, vec![(0, 7)], "{mode:?}");
+            assert_eq!(vm.counters.dropped(DevDrop::WireBadIcrc), 0);
+            port.remove_vm(0, &mut |_| {});
+        }
     }
 
     /// Raw mode (needs CAP_NET_RAW, as CI has): a frame with a non-zero IP ID, which the
