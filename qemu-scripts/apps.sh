@@ -25,11 +25,15 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     ids, for 15 s) beside rping and ucmatose in the same VM: all pass, the service
     survives and holds no id
   4 counters: 0 drops; the VMs' MADs went through the backend
+  7 root in a pvcm VM goes around pvcm: stops pvcm-guestd, loads the kernel CM
+    (insmod), rping both ways with k, crafted QP1 frames (interop/rawqp1.c): nothing
+    reaches another CM, the tap's egress table and the backend count what was
+    stopped, pvcm's own connections from that VM go on
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
-VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm. It ends with a
+VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1. It ends with a
 summary, a line per check (PASS or FAIL, the check, what it found), written to the file
 PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
 ("cli_via_service: ..." with --cli).
@@ -51,7 +55,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,4,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -103,7 +107,10 @@ gcc -O2 -Wall -Wextra -Werror -o "$ucbench" "$PVCM_SCRIPTS_DIR/interop/ucbench.c
 ucflood="$work/ucflood"
 gcc -O2 -Wall -Wextra -Werror -pthread -o "$ucflood" "$PVCM_SCRIPTS_DIR/interop/ucflood.c" ||
     die "building ucflood failed"
-[ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood")
+rawqp1="$work/rawqp1"
+gcc -O2 -Wall -Wextra -Werror -o "$rawqp1" "$PVCM_SCRIPTS_DIR/interop/rawqp1.c" ||
+    die "building rawqp1 failed"
+[ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood" --rawqp1 "$rawqp1")
 [ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
 export PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The benchmark prints figures and asserts none: no summary.

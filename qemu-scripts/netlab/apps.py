@@ -28,6 +28,15 @@ Checks (each PASS/FAIL):
     rping -v and ucmatose run from a to k: they pass, the flood's calls all return with
     the errors they must, the service answers and holds no id afterwards
   4 counters: the backend's drops are 0; the VMs' MADs went through the backend
+  7 root in VM b goes around pvcm (after 4, with its own accounting): it stops
+    pvcm-guestd and loads the kernel CM itself (busybox modprobe: insmod of ib_cm, iw_cm,
+    rdma_cm, rdma_ucm and their dependencies, past the package's rule); its rping -c to k and k's rping -c to
+    its rping -s never reach the other CM (k's cm_rx_msgs/req, b's own), the tap's
+    egress table counts the stopped frames and the backend counts them on VM b
+    (vm_qp1_egress), while pvcm's own connections from b (pvcm-guest cmtime on the
+    device) go on; then crafted frames (interop/rawqp1.c: IPv4 with options, IPv6 with
+    an extension header, a VLAN tag, a later fragment, another VM's source address)
+    are all stopped and counted
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
@@ -45,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .lab import Lab, LabError
+from .lab import SCRIPTS, Lab, LabError, mac_of
 from .results import counts, result
 
 K, A, B = "10.99.0.2", "10.99.0.11", "10.99.0.12"
@@ -336,6 +345,111 @@ def wire_mads(st, name):
     return 0, 0
 
 
+def divert_counters(lab, tap):
+    """The packets counted by the named counters of a tap's egress table
+    (qp1-divert.sh show): {name: packets}."""
+    _, out = lab.host(f"bash {SCRIPTS / 'qp1-divert.sh'} show {tap}", timeout=30)
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"counter (\w+) \{\s*packets (\d+)", out)}
+
+
+def vm_drops(st, name):
+    """A VM's drops by reason in a backend stat (mux and device)."""
+    for v in st.get("vms", []):
+        if v.get("name") == name:
+            f = v.get("figures", {})
+            return {**f.get("drops", {}), **f.get("device_drops", {})}
+    return {}
+
+
+def delta(after, before):
+    """What grew between two {name: count} readings."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def kernel_reqs(guest):
+    """REQs a guest's kernel CM has received (its infiniband_cm counter; -1 if none)."""
+    _, out = guest.run("cat /sys/class/infiniband/rxe0/ports/1/cm_rx_msgs/req "
+                       "/sys/class/infiniband_cm/rxe0/1/cm_rx_msgs/req 2>/dev/null | head -n 1", 30)
+    out = out.strip()
+    return int(out) if out.isdigit() else -1
+
+
+def hostile_root(lab, k, b, backend):
+    """Section 7: root in VM b runs its own kernel CM and crafts QP1 frames."""
+    tap = b.tap
+    c0, st0, k0 = divert_counters(lab, tap), backend.stat_json(), kernel_reqs(k)
+    # busybox's own modprobe: insmod in dependency order (configfs, ...), past the
+    # image's modprobe that honours the package's install rule.
+    rc, out = b.run("killall pvcm-guestd; i=0; while [ -e /dev/infiniband/rdma_cm ] && "
+                    "[ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done; "
+                    "for m in ib_cm iw_cm rdma_cm rdma_ucm; do /bin/busybox modprobe $m || exit 1; done; "
+                    "i=0; until [ -c /dev/infiniband/rdma_cm ] || [ $i -ge 50 ]; do sleep 0.2; "
+                    "i=$((i + 1)); done; ls -l /dev/infiniband/rdma_cm", 60)
+    result("VM b: root stops pvcm-guestd and loads the kernel CM past the modprobe rule",
+           rc == 0, short(out, 200))
+    if rc != 0:
+        return
+    # pvcm's own connections from b meanwhile: the CLI drives the device itself.
+    kc = k.spawn("cmtime -p 7477")
+    time.sleep(1)
+    own = b.spawn(f"pvcm-guest cmtime --dest {k.ip} --port 7477 --connections 50 --timeout 90")
+    srv = k.spawn(f"rping -s -a {k.ip} -C 1 -v")
+    time.sleep(1)
+    rc_c, out_c = b.run(f"timeout 25 rping -c -a {k.ip} -C 1 -v", 40)
+    srv.kill("KILL")
+    bsrv = b.spawn(f"rping -s -a {b.ip} -C 1 -v")
+    time.sleep(1)
+    rc_k, out_k = k.run(f"timeout 25 rping -c -a {b.ip} -C 1 -v", 40)
+    bsrv.kill("KILL")
+    b_reqs = kernel_reqs(b)
+    try:
+        rc_own = own.wait(120)
+    except LabError:
+        own.kill("KILL")
+        rc_own = -1
+    kc.kill("KILL")
+    k1 = kernel_reqs(k)
+    time.sleep(1)
+    c1, st1 = divert_counters(lab, tap), backend.stat_json()
+    stopped, counted = delta(c1, c0), delta(vm_drops(st1, "b"), vm_drops(st0, "b"))
+    # Every REQ k's CM took came through the backend (pvcm's own, counted in the host's
+    # totals, which a device reset does not take back): none from b's kernel CM.
+    sent = lambda st: st.get("host", {}).get("cm", {}).get("cm_tx_msgs", {}).get("req", 0)
+    pvcm_reqs = sent(st1) - sent(st0)
+    result("VM b's own kernel CM reaches no CM: its rping -c and k's rping -c to it fail, "
+           "every REQ k's kernel CM took was one pvcm-backend sent, b's took none",
+           rc_c != 0 and rc_k != 0 and k1 - k0 == pvcm_reqs and b_reqs == 0,
+           f"rping -c rc {rc_c}, k's rping -c rc {rc_k}, k's REQs +{k1 - k0}, pvcm-backend's "
+           f"REQs +{pvcm_reqs}, b's kernel CM REQs {b_reqs}"
+           + ("" if rc_c and rc_k else f" | {short(out_c, 150)} | {short(out_k, 150)}"))
+    result("the tap's egress table stopped b's QP1 frames and the backend counted them on VM b",
+           stopped.get("qp1", 0) > 0 and counted.get("vm_qp1_egress", 0) > 0,
+           f"table {stopped}, backend VM b {counted}")
+    out_own = own.text()
+    result("pvcm's own connections from VM b meanwhile (pvcm-guest cmtime, 50)",
+           rc_own == 0 and re.search(r"connections 50 established 50 failed 0 disconnected 50",
+                                     out_own) is not None, short(out_own, 200))
+    # Crafted frames, one of each shape.
+    _, ll = b.run("ip -6 addr show dev eth0 scope link | sed -n 's/.*inet6 \\([^/]*\\).*/\\1/p'", 30)
+    ll = ll.strip().splitlines()[0] if ll.strip() else "fe80::1"
+    c0, st0, k0 = divert_counters(lab, tap), backend.stat_json(), kernel_reqs(k)
+    rc, out = b.run(f"/host/bin/rawqp1 eth0 {mac_of(k.ip)} {b.ip} {k.ip} 10.99.0.11 {ll} "
+                    "fe80::2 v4opt v6ext vlan frag spoof", 30)
+    time.sleep(1)
+    c1, st1 = divert_counters(lab, tap), backend.stat_json()
+    stopped, counted = delta(c1, c0), delta(vm_drops(st1, "b"), vm_drops(st0, "b"))
+    host = delta(st1.get("host", {}).get("device_drops", {}),
+                 st0.get("host", {}).get("device_drops", {}))
+    qp1 = stopped.get("qp1", 0) + stopped.get("unclassified", 0)
+    ok = (rc == 0 and qp1 == 4 and stopped.get("spoofed", 0) == 1
+          and sum(counted.values()) + host.get("wire_egress_unknown_source", 0) == qp1)
+    result("crafted QP1 frames from VM b (IPv4 with options, IPv6 with an extension header, "
+           "a VLAN tag, a later fragment) stopped, another VM's source address dropped, "
+           "all counted", ok,
+           f"table {stopped}, backend VM b {counted}, host {host}" + ("" if ok else f" | {short(out, 200)}"))
+
+
 def ipv6_lab(workdir, pcap):
     """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend."""
     K6, A6, B6, C4 = "fd99::2", "fd99::11", "fd99::12", "10.99.0.13"
@@ -381,16 +495,17 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,4,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
+    ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
     a = ap.parse_args()
     only = set(a.only.split(","))
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-apps."))
     t0 = time.monotonic()
     try:
         with Lab(workdir, pcap=a.pcap) as lab:
-            for name, path in (("kcm", a.kcm), ("ucflood", a.ucflood)):
+            for name, path in (("kcm", a.kcm), ("ucflood", a.ucflood), ("rawqp1", a.rawqp1)):
                 if path:
                     (lab.share / "bin").mkdir(exist_ok=True)
                     (lab.share / "bin" / name).write_bytes(Path(path).read_bytes())
@@ -452,6 +567,10 @@ def main():
                 result("pvcm-backend: 0 drops", drops(st) == 0,
                        f"{drop_report(st, backend)}; late answers to ended connections "
                        f"{quarantined(st)}")
+
+            if "7" in only and a.rawqp1:
+                print("== 7. root in VM b goes around pvcm", flush=True)
+                hostile_root(lab, k, vb, backend)
     except LabError as e:
         result("lab", False, str(e))
     if "6" in only:
