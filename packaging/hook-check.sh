@@ -2,7 +2,8 @@
 # Runs the libvirt hook (packaging/host/pvcm-libvirt-hook, installed as
 # /etc/libvirt/hooks/qemu.d/pvcm) as libvirt would, with a stand-in divert tool that
 # records its arguments: "started" adds the divert for the NIC the domain's metadata
-# names (its tap found by MAC), "release" removes it, a domain without the metadata and
+# names (its tap found by MAC), "release" removes it (from the hook's state file, since
+# libvirt's XML no longer names the tap then), a domain without the metadata and
 # other operations are left alone, a NIC with no tap fails the hook.
 #   packaging/hook-check.sh HOOK DIR      (DIR: scratch space)
 set -euo pipefail
@@ -12,7 +13,7 @@ cat >"$dir/divert-stub" <<'EOF_STUB'
 echo "$*" >>"$PVCM_HOOK_LOG"
 EOF_STUB
 chmod 755 "$dir/divert-stub"
-export PVCM_QP1_DIVERT="$dir/divert-stub" PVCM_HOOK_LOG="$dir/hook.log"
+export PVCM_QP1_DIVERT="$dir/divert-stub" PVCM_HOOK_LOG="$dir/hook.log" PVCM_DIVERT_STATE="$dir/state"
 : >"$PVCM_HOOK_LOG"
 domain() { # domain METADATA: a live domain XML with two NICs (vnet7, vnet8)
     cat <<EOF_XML
@@ -28,7 +29,9 @@ EOF_XML
 }
 meta='<pvcm:divert xmlns:pvcm="urn:pvcm:divert:1" dev="pvcm-qp1"><pvcm:nic mac="52:54:00:99:00:11" addresses="10.99.0.11 fd99::11 fe80::/64"/></pvcm:divert>'
 domain "$meta" | "$hook" vm1 started begin -
-domain "$meta" | "$hook" vm1 release end -
+# On release libvirt no longer names a managed tap: the hook's state file does.
+domain "$meta" | sed "s/ *<target dev='[^']*'\/>//" | "$hook" vm1 release end -
+[ ! -e "$dir/state/vm1" ] || { echo "the hook left its state file behind" >&2; exit 1; }
 domain "" | "$hook" vm1 started begin -
 domain "$meta" | "$hook" vm1 migrate begin -
 want="add vnet7 pvcm-qp1 52:54:00:99:00:11 10.99.0.11 fd99::11 fe80::/64

@@ -25,6 +25,11 @@ and running `pvcm-guest cmtime --server`. Checks:
     cmtime server counts N disconnected; both hosts drain to 0 live entries; no drops
     but `absorbed` (MADs the mux answers for the departed VM), no DREQ retries
   4 `virsh undefine`: the domain is gone from `virsh list --all`
+  5 the QP1 divert comes and goes with the domain: the domain also has a NIC (tap
+    pvcmlv0) named in its <pvcm:divert> metadata, and the host package's libvirt hook
+    (packaging/host/pvcm-libvirt-hook, installed in the private libvirt's
+    hooks/qemu.d) installs the tap's divert (tc filters, the nftables egress table) when
+    the domain starts and removes it when it is destroyed
 
 Prints figures and "PASS  N: ..." / "FAIL  N: ..." lines; the last line reads
 "libvirt: N passed, N failed". Exit 0 when all passed. On a failure it prints the
@@ -107,6 +112,7 @@ fail() {
 # ---------------------------------------------------------------- cleanup
 
 bg_pids=() libvirtd_pid="" made_dirs=()
+tap=pvcmlv0 divert_dev=pvcmlvq
 cleanup() {
     local p qpid=""
     if [ -n "$libvirtd_pid" ] && kill -0 "$libvirtd_pid" 2>/dev/null; then
@@ -134,6 +140,8 @@ cleanup() {
     for p in "${made_dirs[@]}"; do
         rmdir "$p" 2>/dev/null || true
     done
+    bash "$PVCM_SCRIPTS_DIR/qp1-divert.sh" del "$tap" "$divert_dev" >/dev/null 2>&1 || true
+    ip link del "$divert_dev" 2>/dev/null || true
     if [ "$keep_workdir" = 0 ] && [ "$failed" = 0 ] && [ "$passed" -gt 0 ]; then
         rm -rf "$workdir"
     else
@@ -147,7 +155,7 @@ trap 'exit 130' INT TERM
 
 echo "== setup (builds cached under $PVCM_CACHE)"
 t="$(now_s)"
-apt_install libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
+apt_install libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients nftables iproute2
 if ! getent passwd libvirt-qemu >/dev/null; then
     # What Debian's libvirt-daemon-system creates; the QEMU driver refuses to start
     # without it. QEMU runs as root here (qemu.conf below).
@@ -281,6 +289,14 @@ cgroup_controllers = [ ]
 namespaces = [ ]
 stdio_handler = "file"
 EOF
+    # The host package's QP1 divert hook, from the source tree (libvirtd looks for hooks
+    # when it starts).
+    mkdir -p "$lv/etc/hooks/qemu.d"
+    printf '#!/bin/sh\nPVCM_QP1_DIVERT=%s PVCM_DIVERT_STATE=%s exec python3 %s "$@"\n' \
+        "'$PVCM_SCRIPTS_DIR/qp1-divert.sh'" "'$lv/divert-state'" \
+        "'$PVCM_REPO_DIR/packaging/host/pvcm-libvirt-hook'" \
+        >"$lv/etc/hooks/qemu.d/pvcm"
+    chmod 755 "$lv/etc/hooks/qemu.d/pvcm"
     for d in /etc/libvirt /run/libvirt /var/lib/libvirt /var/cache/libvirt /var/log/libvirt; do
         if [ ! -d "$d" ]; then
             mkdir -p "$d"
@@ -310,7 +326,9 @@ EOF
         echo "   timeout: no libvirtd socket $lv/sock/libvirt-sock after 30 s"
         return 1
     }
-    timeout 30 "${virsh_cmd[@]}" version >"$workdir/virsh-version.txt" 2>&1
+    # The versions, for the log. Without Debian's qemu-system-x86 libvirt finds no default
+    # emulator and cannot name the hypervisor's version: the domain names its own.
+    timeout 30 "${virsh_cmd[@]}" version >"$workdir/virsh-version.txt" 2>&1 || true
 }
 
 # ---------------------------------------------------------------- the test
@@ -349,6 +367,24 @@ left = re.findall(r"@[A-Z_]+@", text)
 assert not left, f"unfilled fields in the template: {left}"
 open(sys.argv[2], "w").write(text)
 PY
+# A NIC whose QP1 frames the divert takes (test 5): its tap, and the metadata the hook reads.
+python3 - "$workdir/$dom.xml" "$tap" "$divert_dev" "$ip_lv" <<'PY'
+import sys
+path, tap, dev, ip = sys.argv[1:]
+mac = "52:54:00:12:01:01"
+text = open(path).read()
+meta = (f"  <metadata>\n    <pvcm:divert xmlns:pvcm='urn:pvcm:divert:1' dev='{dev}'>\n"
+        f"      <pvcm:nic mac='{mac}' addresses='{ip} fe80::/64'/>\n"
+        f"    </pvcm:divert>\n  </metadata>\n")
+nic = (f"    <interface type='ethernet'>\n      <mac address='{mac}'/>\n"
+       f"      <target dev='{tap}' managed='yes'/>\n      <model type='virtio'/>\n"
+       f"      <rom enabled='no'/>\n"
+       f"    </interface>\n")
+text = text.replace("</name>\n", "</name>\n" + meta, 1).replace("  </devices>", nic + "  </devices>", 1)
+open(path, "w").write(text)
+PY
+bash "$PVCM_SCRIPTS_DIR/qp1-divert.sh" dev "$divert_dev" >"$workdir/divert.log" 2>&1 ||
+    die "qp1-divert.sh dev failed: $(cat "$workdir/divert.log")"
 if [ "$ok" = 1 ]; then
     vsh define "$workdir/$dom.xml" >"$workdir/virsh.log" 2>&1 || ok=0
 fi
@@ -380,6 +416,15 @@ else
     echo "libvirt: $passed passed, $failed failed"
     exit 1
 fi
+
+# divert_on: the tap's divert is in place (its tc filters and its nftables table).
+divert_on() {
+    tc filter show dev "$tap" egress 2>/dev/null | grep -q mirred &&
+        nft list table netdev "pvcm-$tap" >/dev/null 2>&1
+}
+divert_at_start=no
+divert_on && divert_at_start=yes
+echo "   the QP1 divert of $tap after virsh start: $divert_at_start"
 
 # 2: the VM attaches and connects through pvcm.
 echo "== 2: VM lv boots (TCG), attaches to host A and connects $conns times to the peer"
@@ -498,6 +543,16 @@ if [ "$ok" = 1 ] && [ "$ok3" = 1 ]; then
     pass 3 "virsh destroy: host A released all $conns connections on the VM's behalf, the peer saw each disconnect, both hosts at 0 live ($(elapsed "$t") s)"
 else
     fail 3 "virsh destroy and the release of the VM's connections ($(elapsed "$t") s)"
+fi
+
+# 5: the divert went with the domain.
+echo "== 5: the QP1 divert comes and goes with the domain (libvirt hook)"
+if [ "$divert_at_start" = yes ] && ! nft list table netdev "pvcm-$tap" >/dev/null 2>&1; then
+    pass 5 "the hook installed the divert of $tap (tc filters, nftables table pvcm-$tap) when the domain started and removed it when it was destroyed"
+else
+    left=gone
+    nft list table netdev "pvcm-$tap" >/dev/null 2>&1 && left="still there"
+    fail 5 "the divert of $tap: at start $divert_at_start, after destroy $left; libvirtd's log: $(grep -i hook "$lv/libvirtd.log" 2>/dev/null | tail -n 3 | tr '\n' ' ')"
 fi
 
 # 4: undefine.
