@@ -237,28 +237,23 @@ impl<C: Clock> Mux<C> {
         (!e.has(flag::ORPHAN)).then_some(e.vm)
     }
 
-    /// A DREQ for the connection in `slot` answered with a DREP in place (the DREQ's TID,
-    /// the entry's IDs), as `cm_dreq_handler()` does in TIMEWAIT.
-    pub(super) fn answer_dreq(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
+    /// Answers the MAD in `m`, a retry by the peer for the connection in `slot` whose
+    /// answer it lost, with that answer `tx`, in place: the retry's TID, the entry's ID
+    /// and the peer's. A DREQ in TimeWait gets its DREP (`cm_dreq_handler()` in
+    /// TIMEWAIT), a REP of an established connection its RTU (`cm_dup_rep_handler()`).
+    pub(super) fn answer_retry(
+        &mut self,
+        slot: u32,
+        m: &mut CmMad<&mut [u8]>,
+        tx: AttributeId,
+    ) -> WireVerdict {
         let e = self.slab[slot as usize];
-        let (tid, remote) = (m.tid(), m.local_comm_id().unwrap_or(e.remote_comm_id));
-        write_cm_ids(m.as_bytes_mut(), AttributeId::Drep, tid, e.pv_cm_id, remote);
+        let (rx, tid) = (m.attr(), m.tid());
+        let remote = m.local_comm_id().unwrap_or(e.remote_comm_id);
+        write_cm_ids(m.as_bytes_mut(), tx, tid, e.pv_cm_id, remote);
         let vm = self.owner(slot);
-        self.count_answered(vm, AttributeId::Dreq, true);
-        self.count_on_behalf(vm, AttributeId::Drep, true);
-        WireVerdict::Reply
-    }
-
-    /// A REP retry for the established connection in `slot` (the VM's RTU was lost)
-    /// answered with the RTU in place (the REP's TID, the host REQ TID), as
-    /// `cm_dup_rep_handler()` does in ESTABLISHED.
-    pub(super) fn answer_rep(&mut self, slot: u32, m: &mut CmMad<&mut [u8]>) -> WireVerdict {
-        let e = self.slab[slot as usize];
-        let (tid, remote) = (m.tid(), m.local_comm_id().unwrap_or(e.remote_comm_id));
-        write_cm_ids(m.as_bytes_mut(), AttributeId::Rtu, tid, e.pv_cm_id, remote);
-        let vm = self.owner(slot);
-        self.count_answered(vm, AttributeId::Rep, true);
-        self.count_on_behalf(vm, AttributeId::Rtu, true);
+        self.count_answered(vm, rx, true);
+        self.count_on_behalf(vm, tx, true);
         WireVerdict::Reply
     }
 
@@ -295,7 +290,7 @@ impl<C: Clock> Mux<C> {
                     let a = self.attempt(e.vm_resp.max(e.peer_resp), e.ack) + self.cfg.grace;
                     self.extend_deadline(slot, now, a);
                 }
-                return self.answer_dreq(slot, m);
+                return self.answer_retry(slot, m, AttributeId::Drep);
             }
             AttributeId::Drep if e.state == State::DreqSent => self.enter_timewait(slot, now),
             AttributeId::Rej => self.retire(slot, now),

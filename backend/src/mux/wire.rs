@@ -212,7 +212,7 @@ impl<C: Clock> Mux<C> {
                 }
             }
             State::Established if self.policy().answers_from_held_state() => {
-                return Ok(Some(self.answer_rep(slot, m)));
+                return Ok(Some(self.answer_retry(slot, m, AttributeId::Rtu)));
             }
             State::RepRcvd | State::Established => self.rx_dup(e.vm, AttributeId::Rep),
             _ if !self.policy().drops_unexpected() => {}
@@ -271,7 +271,7 @@ impl<C: Clock> Mux<C> {
             State::TimeWait if self.policy().answers_from_held_state() => {
                 let a = self.attempt(e.vm_resp, e.ack) + self.cfg.grace;
                 self.extend_deadline(slot, now, a);
-                return Some(self.answer_dreq(slot, m));
+                return Some(self.answer_retry(slot, m, AttributeId::Drep));
             }
             State::DreqRcvd | State::TimeWait => {
                 self.rx_dup(e.vm, AttributeId::Dreq);
