@@ -176,6 +176,8 @@ install -D -m 755 "$target/pvcm-backend" "$h/usr/sbin/pvcm-backend"
 strip --strip-debug "$h/usr/sbin/pvcm-backend"
 install -D -m 755 "$repo/qemu-scripts/qp1-divert.sh" "$h/usr/sbin/pvcm-qp1-divert"
 install -D -m 755 "$here/host/pvcm-libvirt-hook" "$h/etc/libvirt/hooks/qemu.d/pvcm"
+install -D -m 755 "$here/host/qemu-ifup" "$h/usr/lib/pvcm/qemu-ifup"
+install -D -m 755 "$here/host/qemu-ifdown" "$h/usr/lib/pvcm/qemu-ifdown"
 install -D -m 644 "$here/host/pvcm-backend.service" "$h/lib/systemd/system/pvcm-backend.service"
 install -D -m 644 "$here/host/backend.toml" "$h/etc/pvcm/backend.toml"
 install -D -m 644 "$here/host/backend.example.toml" \

@@ -10,6 +10,7 @@ Usage: pvcm-qp1-divert add TAP DEV MAC ADDR[/LEN]...
        pvcm-qp1-divert del TAP [DEV]
        pvcm-qp1-divert show TAP
        pvcm-qp1-divert dev DEV
+       pvcm-qp1-divert ifup TAP | ifdown TAP
 (in the source tree: qemu-scripts/qp1-divert.sh)
 
 For a VM whose NIC is TAP (the VM runs rdma_rxe on it without the kernel CM), the
@@ -60,6 +61,17 @@ host takes the VM's CM traffic both ways:
         the same.
   show  prints TAP's egress filters and its nftables table with their counters.
   dev   only creates DEV (as add does) and sets it up.
+  ifup, ifdown
+        what QEMU runs for a tap it creates and closes when given them as
+        -netdev tap,...,script=...,downscript=... (the host package installs
+        /usr/lib/pvcm/qemu-ifup and qemu-ifdown, which run these): the divert comes
+        and goes with the tap. They read /etc/pvcm/divert.d/TAP.conf
+        (PVCM_DIVERT_CONF_DIR names another directory), KEY=VALUE lines:
+          dev=pvcm-qp1                     the divert device (DEV)
+          mac=52:54:00:99:00:11            the VM's NIC's MAC
+          addresses="10.99.0.11 fe80::/64" the VM's addresses (ADDR...)
+          bridge=br0                       optional: the bridge to put TAP on
+        ifup sets TAP up (on the bridge, if named), then runs add; ifdown runs del.
 
 What it does not match towards the VM: IPv4 with options (IHL > 5), IPv6 with
 extension headers before UDP, RoCEv1 (ethertype 0x8915), VLAN-tagged frames, IP
@@ -106,9 +118,40 @@ add) [ $# -ge 5 ] || usage_error "add needs TAP, DEV, the VM's MAC and at least 
 del) [ $# = 2 ] || [ $# = 3 ] || usage_error "del needs TAP (and DEV)" ;;
 show) [ $# = 2 ] || usage_error "show needs TAP" ;;
 dev) [ $# = 2 ] || usage_error "dev needs DEV" ;;
+ifup | ifdown) [ $# = 2 ] || usage_error "$1 needs TAP (QEMU's script= and downscript= pass it)" ;;
 "") usage_error "no action" ;;
 *) usage_error "unknown action '$1'" ;;
 esac
+# ifup/ifdown TAP: add/del with what TAP's configuration file names.
+if [ "$1" = ifup ] || [ "$1" = ifdown ]; then
+    conf="${PVCM_DIVERT_CONF_DIR:-/etc/pvcm/divert.d}/$2.conf"
+    [ -r "$conf" ] || die "no $conf (it names the divert device, the VM's MAC and addresses for $2)"
+    c_dev="" c_mac="" c_addrs="" c_bridge=""
+    while IFS= read -r line || [ -n "$line" ]; do
+        line="${line%%#*}"
+        [ -n "${line//[[:space:]]/}" ] || continue
+        re='^[[:space:]]*([a-z]+)[[:space:]]*=[[:space:]]*"?([^"]*)"?[[:space:]]*$'
+        [[ "$line" =~ $re ]] || die "$conf: cannot read '$line' (KEY=VALUE)"
+        case "${BASH_REMATCH[1]}" in
+        dev) c_dev="${BASH_REMATCH[2]}" ;;
+        mac) c_mac="${BASH_REMATCH[2]}" ;;
+        addresses) c_addrs="${BASH_REMATCH[2]}" ;;
+        bridge) c_bridge="${BASH_REMATCH[2]}" ;;
+        *) die "$conf: unknown key '${BASH_REMATCH[1]}' (dev, mac, addresses, bridge)" ;;
+        esac
+    done <"$conf"
+    [ -n "$c_dev" ] && [ -n "$c_mac" ] && [ -n "$c_addrs" ] || die "$conf needs dev, mac and addresses"
+    self="${BASH_SOURCE[0]}"
+    if [ "$1" = ifdown ]; then
+        exec bash "$self" del "$2" "$c_dev"
+    fi
+    ip link set "$2" up || die "cannot set $2 up"
+    if [ -n "$c_bridge" ]; then
+        ip link set "$2" master "$c_bridge" || die "cannot put $2 on the bridge $c_bridge"
+    fi
+    read -r -a c_list <<<"$c_addrs"
+    exec bash "$self" add "$2" "$c_dev" "$c_mac" "${c_list[@]}"
+fi
 action="$1" tap="$2" dev="${3:-}"
 if [ "$action" = dev ]; then
     tap="" dev="$2"

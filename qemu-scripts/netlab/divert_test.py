@@ -13,7 +13,9 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from .lab import SCRIPTS
 
@@ -106,6 +108,30 @@ def _inside():
     sys.exit(0 if all(results) else 1)
 
 
+def ifup_ifdown(nsx, div):
+    """QEMU's script=/downscript= route: ifup TAP installs the divert that TAP's
+    configuration file names (the filters and the table), ifdown removes it."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / f"{TAP}.conf").write_text(
+            f"# the VM on {TAP}\ndev={DEV}\nmac=52:54:00:99:00:11\n"
+            'addresses="10.99.0.11 fe80::/64"\n')
+        env = dict(os.environ, PVCM_DIVERT_CONF_DIR=d)
+        def on():
+            t = nsx("nft", "list", "table", "netdev", f"pvcm-{TAP}", capture_output=True)
+            f = nsx("tc", "filter", "show", "dev", TAP, "egress", capture_output=True, text=True)
+            return t.returncode == 0 and "mirred" in f.stdout
+        up = nsx(*div, "ifup", TAP, env=env).returncode == 0 and on()
+        down = nsx(*div, "ifdown", TAP, env=env).returncode == 0 and not on()
+        (Path(d) / "bad.conf").write_text("dev=x\nwhat=1\n")
+        bad = nsx(*div, "ifup", "bad", env=env, capture_output=True, text=True)
+    ok = [up, down, bad.returncode == 1 and "unknown key" in bad.stderr]
+    for name, good in zip(("ifup TAP (QEMU's script=): the divert TAP.conf names is on",
+                           "ifdown TAP (QEMU's downscript=): the divert is gone",
+                           "ifup with a configuration file it cannot read: refused, no change"), ok):
+        print(("PASS  " if good else "FAIL  ") + name, flush=True)
+    return all(ok)
+
+
 def run():
     """Build the namespace, run the checks, tear down; True when all passed."""
     ns = f"pvcmdiv{os.getpid()}"
@@ -127,7 +153,7 @@ def run():
         nsx(*div, "del", TAP, DEV, check=True)
         ok = nsx(sys.executable, "-m", "netlab.divert_test", "--inside", "--after-del",
                  env=env).returncode == 0 and ok
-        return ok
+        return ifup_ifdown(nsx, div) and ok
     finally:
         subprocess.run(["ip", "netns", "del", ns])
 
