@@ -23,7 +23,6 @@
 use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
-use std::path::PathBuf;
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
@@ -32,9 +31,12 @@ use crate::pcap::Capture;
 use crate::stats::DevCounters;
 use crate::vm_port::VmSet;
 
+mod error;
 pub mod packet;
 pub mod soft;
 pub mod umad;
+
+pub use error::{Error, PortError, RAW_SOCKET_HOW};
 
 pub use crate::config::PortSpec;
 
@@ -53,62 +55,6 @@ pub struct PortCtx<'a> {
     pub host: &'a DevCounters,
     /// The capture, if `--pcap`.
     pub capture: Option<&'a Capture>,
-}
-
-/// Why a port refused a VM ([`WirePort::attach`], [`WirePort::claim`]).
-#[derive(Debug, thiserror::Error)]
-pub enum PortError {
-    /// Only the soft port moves VM addresses between hosts.
-    #[error("this port cannot take over a VM's address (migration needs the soft port)")]
-    CannotClaim,
-    /// The soft port takes an address over only where it receives through its raw
-    /// socket, so for IPv4 VMs in raw mode.
-    #[error("migration needs raw receive (--wire-rx raw) and an IPv4 GID on the soft port")]
-    ClaimNeedsRaw,
-    /// Binding the VM's address failed.
-    #[error(transparent)]
-    Bind(Box<crate::error::Error>),
-    /// The port's VMs are fixed when it opens (a port that does not implement
-    /// [`WirePort::add_vm`]).
-    #[error("the {0} port serves the VMs it was started with: restart the daemon to change them")]
-    FixedVms(String),
-    /// The port knows no VM of that index.
-    #[error("no VM {0}")]
-    NoVm(usize),
-    /// umad: the port's GID table could not be read.
-    #[error("{port}: GID table: {source}")]
-    GidTable {
-        /// The port (`rxe0:1`).
-        port: String,
-        /// The error.
-        #[source]
-        source: io::Error,
-    },
-    /// umad: the VM's GID is not a RoCE v2 entry of the port's GID table.
-    #[error(
-        "VM {vm}: GID {gid} is not a RoCE v2 entry of {port}'s GID table ({}): add the VM's \
-         address to the device's netdev (e.g. `ip addr add {} dev eth0`), see docs/umad.md",
-        table.display(),
-        address_with_prefix(gid)
-    )]
-    GidNotInTable {
-        /// The VM's name.
-        vm: String,
-        /// Its GID.
-        gid: Gid,
-        /// The port (`rxe0:1`).
-        port: String,
-        /// The port's GID table in sysfs.
-        table: PathBuf,
-    },
-}
-
-/// A GID as `ip addr add` takes it: an IPv4 address with /32, else the GID with /128.
-fn address_with_prefix(gid: &Gid) -> String {
-    match gid.to_ipv4() {
-        Some(a) => format!("{a}/32"),
-        None => format!("{gid}/128"),
-    }
 }
 
 /// What a port knows of the link a VM's GID is on: what the VM's PORT_INFO reports as

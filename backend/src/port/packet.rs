@@ -62,7 +62,7 @@ use pvcm_wire::roce::{
     Ipv4Repr, Ipv6Repr, UDP_HEADER_LEN, UdpRepr,
 };
 
-use crate::error::Error;
+use crate::port::Error;
 use crate::port::soft::{self, InFrame, RecvBatch};
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
@@ -955,12 +955,12 @@ impl WirePort for PacketPort {
         {
             let mut t = self.table_mut();
             if t.by_addr.contains_key(&a) {
-                return Err(PortError::Bind(Box::new(Error::WireBind {
+                return Err(PortError::Bind(Error::WireBind {
                     vm: spec.vm.name.clone(),
                     addr: a,
                     port: self.port_num,
                     source: io::Error::from(io::ErrorKind::AddrInUse),
-                })));
+                }));
             }
             while t.vms.len() <= vm {
                 t.vms.push(None);

@@ -56,8 +56,8 @@ use pvcm_wire::roce::{
 };
 use pvcm_wire::{Error as WireError, Gid};
 
-use crate::error::{Error, RAW_SOCKET_HOW};
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError};
+use crate::port::{Error, RAW_SOCKET_HOW};
 use crate::stats::{Degraded, DevDrop, Io, RxBuffer};
 
 pub use crate::config::RxMode;
@@ -1524,7 +1524,7 @@ impl crate::port::WirePort for SoftPort {
     ) -> Result<(), PortError> {
         let a = spec.addr();
         let name = &spec.vm.name;
-        let bind_err = |e: Error| PortError::Bind(Box::new(e));
+        let bind_err = |e: Error| PortError::Bind(e);
         if spec.incoming && (a.is_ipv6() || self.raw.is_none()) {
             return Err(bind_err(if a.is_ipv6() {
                 Error::IncomingIpv6(name.clone())
@@ -1606,7 +1606,7 @@ impl crate::port::WirePort for SoftPort {
         if self.reads_udp(vm) {
             return Err(PortError::ClaimNeedsRaw);
         }
-        self.bind_vm(vm).map_err(|e| PortError::Bind(Box::new(e)))?;
+        self.bind_vm(vm).map_err(|e| PortError::Bind(e))?;
         Ok(true)
     }
 
