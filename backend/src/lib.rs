@@ -13,7 +13,8 @@
 //!   the mux behind one lock).
 //! - [`migration`], [`dirty_log`]: a VM's backend state on the move and the dirty-page
 //!   log of a live migration.
-//! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
+//! - [`session`]: a VM's thread: its vhost-user sessions, one after another.
+//! - [`daemon`]: the serve loop (the VMs' threads, the host event loop).
 //! - [`error`]: the daemon's typed errors.
 //! - [`files`]: the files the daemon creates (its sockets, where it may put them and
 //!   when it removes them; the capture and journal's options).
@@ -45,6 +46,7 @@ pub mod pcap;
 pub mod port;
 pub mod runtime;
 pub mod rx;
+pub mod session;
 pub mod shared;
 pub mod state;
 pub mod stats;

@@ -361,7 +361,7 @@ impl Runtime {
         let (s, p) = (shared.clone(), port.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pvcm-vm-{}", port.index))
-            .spawn(move || crate::daemon::vm_thread(s, p, listener))
+            .spawn(move || crate::session::vm_thread(s, p, listener))
             .map_err(io_err("spawn"))?;
         self.threads.insert(
             port.index,
