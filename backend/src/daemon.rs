@@ -48,7 +48,7 @@ use crate::port::packet::PacketPort;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
 use crate::port::{Arrivals, PortSpec, TOKEN_LIMIT, WirePort};
-use crate::runtime::{Overlay, Runtime};
+use crate::runtime::{Overlay, Runtime, RuntimeState};
 pub use crate::rx::RxMsg;
 use crate::shared::Core;
 pub use crate::shared::Shared;
@@ -148,6 +148,8 @@ const TOK_METRICS: u64 = TOK_STOP + 4;
 
 struct HostLoop {
     shared: Arc<Shared>,
+    /// The VMs changed at runtime (the control socket's `vm` requests).
+    runtime: Arc<Runtime>,
     epoll: Arc<Epoll>,
     timer: Timer,
     control: Option<UnixListener>,
@@ -337,11 +339,11 @@ impl HostLoop {
                 tracing::warn!("control: too many requests at once; connection closed");
                 continue;
             };
-            let shared = self.shared.clone();
+            let runtime = self.runtime.clone();
             let _ = std::thread::Builder::new()
                 .name("pvcm-control".into())
                 .spawn(move || {
-                    crate::control::serve_control(&shared, s);
+                    crate::control::serve_control(&runtime, s);
                     drop(slot);
                 });
         }
@@ -453,6 +455,8 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
 #[derive(Debug)]
 pub struct Daemon {
     shared: Arc<Shared>,
+    /// The VMs' threads and the changes made to the VMs while running.
+    runtime: Arc<Runtime>,
     stop: Arc<EventFd>,
     /// The thread that releases restored VMs that do not come back in time.
     grace: Option<JoinHandle<()>>,
@@ -570,17 +574,6 @@ impl Daemon {
                 journal,
             }),
             vms: VmTable::new(VmSet::new(ports)),
-            runtime: Mutex::new(Runtime {
-                rx_backlog_bytes: cfg.rx_backlog_bytes,
-                host_budget,
-                vm_sockets: cfg.vm_sockets,
-                control: cfg.control.clone(),
-                state_dir: cfg.state_dir.clone(),
-                epoll: epoll.clone(),
-                threads: HashMap::new(),
-                file_vms,
-                overlay,
-            }),
             capture,
             timer_wake,
             armed: AtomicU64::new(u64::MAX),
@@ -594,6 +587,20 @@ impl Daemon {
             stop: AtomicBool::new(false),
             keeps_state: cfg.state_dir.is_some(),
         });
+        let runtime = Arc::new(Runtime::new(
+            shared.clone(),
+            RuntimeState {
+                rx_backlog_bytes: cfg.rx_backlog_bytes,
+                host_budget,
+                vm_sockets: cfg.vm_sockets,
+                control: cfg.control.clone(),
+                state_dir: cfg.state_dir.clone(),
+                epoll: epoll.clone(),
+                threads: HashMap::new(),
+                file_vms,
+                overlay,
+            },
+        ));
         if let Some(rec) = &recovery {
             adopt_restored(&shared, rec);
         }
@@ -659,6 +666,7 @@ impl Daemon {
         }
         let host = HostLoop {
             shared: shared.clone(),
+            runtime: runtime.clone(),
             epoll,
             timer,
             control,
@@ -684,7 +692,7 @@ impl Daemon {
             grace_thread = Some(t);
         }
         {
-            let mut rt = lock(&shared.runtime);
+            let mut rt = runtime.state();
             for (port, (file, l)) in shared.vms().iter().zip(listeners) {
                 rt.spawn(&shared, port.clone(), l, file)?;
             }
@@ -698,6 +706,7 @@ impl Daemon {
         );
         Ok(Daemon {
             shared,
+            runtime,
             stop,
             grace: grace_thread,
             host: Some(host),
@@ -715,7 +724,7 @@ impl Daemon {
     /// between the file's VMs before and now ([`crate::runtime::diff`]), the runtime
     /// changes kept over them. Other options take effect at the next start only.
     pub fn reload(&self, cfg: Config) {
-        match self.shared.reload_vms(cfg.vms) {
+        match self.runtime.reload_vms(cfg.vms) {
             Ok(r) => tracing::info!(
                 applied = r.applied.len(),
                 failed = r.failed.len(),
@@ -752,7 +761,7 @@ impl Daemon {
         // meanwhile) and joined without it, so `vm list` and the like answer (or are
         // refused as the daemon stops) while the sessions end.
         let threads = {
-            let mut rt = lock(&self.shared.runtime);
+            let mut rt = self.runtime.state();
             for port in self.shared.vms().iter() {
                 if let Some(h) = lock(&port.session).as_ref() {
                     h.0.shutdown();
