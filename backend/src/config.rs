@@ -29,6 +29,7 @@ use pvcm_wire::Gid;
 use crate::backlog;
 pub use crate::files::SocketAccess;
 use crate::mux::{IdRange, Policy, VmConfig};
+pub use pvcm_log::LogFormat;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -948,17 +949,6 @@ impl fmt::Display for Account {
             Account::Name(s) => f.write_str(s),
         }
     }
-}
-
-/// The log format (`--log-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One line per event.
-    #[default]
-    Text,
-    /// One JSON object per event and line (`timestamp`, `level`, `target`, the event's
-    /// fields including `message`, and `span`, the VM's name and GID for a VM's events).
-    Json,
 }
 
 /// The daemon's validated configuration.

@@ -126,7 +126,7 @@ where
                     return ExitCode::from(2);
                 }
             };
-            init_logging(cfg.log_format);
+            pvcm_log::init(cfg.log_format);
             match daemon::run(cfg, &cli.serve) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -136,30 +136,4 @@ where
             }
         }
     }
-}
-
-/// Logs to stderr in the asked format, at `RUST_LOG`'s level (default `info`). Text
-/// carries ANSI colour only when stderr is a terminal and `NO_COLOR` is unset, so
-/// journald and log files get plain lines. A second call (a process that already set a
-/// logger) changes nothing.
-fn init_logging(format: config::LogFormat) {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        config::LogFormat::Text => {
-            let colour = std::io::stderr().is_terminal()
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-            builder.with_ansi(colour).try_init()
-        }
-        config::LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
-            .try_init(),
-    };
 }
