@@ -87,7 +87,8 @@ pub enum Error {
     },
 }
 
-/// Why a port refused a VM ([`WirePort::attach`], [`WirePort::claim`]).
+/// Why a port refused a VM ([`WirePort::attach`](super::WirePort::attach),
+/// [`WirePort::claim`](super::WirePort::claim)).
 #[derive(Debug, thiserror::Error)]
 pub enum PortError {
     /// Only the soft port moves VM addresses between hosts.
@@ -101,7 +102,7 @@ pub enum PortError {
     #[error(transparent)]
     Bind(Error),
     /// The port's VMs are fixed when it opens (a port that does not implement
-    /// [`WirePort::add_vm`]).
+    /// [`WirePort::add_vm`](super::WirePort::add_vm)).
     #[error("the {0} port serves the VMs it was started with: restart the daemon to change them")]
     FixedVms(String),
     /// The port knows no VM of that index.

@@ -69,7 +69,7 @@ pub(crate) fn in_frame(
 }
 
 /// Checks one UDP payload received on `local` from `src` (a UDP socket): the header
-/// checks of [`check_headers`], then the ICRC under the header rebuilt from the
+/// checks of `check_headers`, then the ICRC under the header rebuilt from the
 /// addresses. Over IPv4 that header is the one a pvcm sender's kernel writes
 /// (identification 0, DF; see `pvcm_wire::roce`), since a UDP socket does not see the
 /// real one; over IPv6 it is exact (the ICRC covers nothing else).
@@ -89,7 +89,7 @@ pub fn check_frame(local: SocketAddr, src: SocketAddr, dgram: &[u8]) -> Result<I
 
 /// Checks one whole IPv4 datagram from the raw socket (raw mode): a valid IPv4 header
 /// without options or fragments, a UDP header whose length matches, the header checks
-/// of [`check_headers`], and the ICRC over the IPv4 and UDP headers exactly as
+/// of `check_headers`, and the ICRC over the IPv4 and UDP headers exactly as
 /// received. Returns the destination address with the frame.
 pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddr, InFrame), DevDrop> {
     let (ip, udp, _) = roce::parse_datagram(dgram).map_err(|e| match e {

@@ -118,7 +118,8 @@ impl<T: AsRef<[u8]>> Frame<T> {
     }
 
     /// Checks the frame's ICRC against the one computed under these IP and UDP headers
-    /// (for a pvcm peer: [`Ipv4Repr::new`] or [`Ipv6Repr::new`] and [`UdpRepr::new`],
+    /// (for a pvcm peer: [`Ipv4Repr::new`](super::Ipv4Repr::new) or
+    /// [`Ipv6Repr::new`](super::Ipv6Repr::new) and [`UdpRepr::new`],
     /// see the module docs).
     pub fn check_icrc<H: IpHeader + ?Sized>(&self, ip: &H, udp: &UdpRepr) -> Result<()> {
         let computed = self.compute_icrc(ip, udp);

@@ -38,7 +38,7 @@
 //! The IP header is any [`IpHeader`]: [`Ipv4Repr`], [`Ipv6Repr`] or the enum of both,
 //! [`IpRepr`]. A datagram is 308 bytes over IPv4 ([`DATAGRAM_LEN`]) and 328 over IPv6
 //! ([`IPV6_DATAGRAM_LEN`]); an IPv6 header must be followed directly by UDP (an
-//! extension header is [`Error::Ipv6NextHeader`]).
+//! extension header is [`Error::Ipv6NextHeader`](crate::Error::Ipv6NextHeader)).
 //!
 //! # Sending through a UDP socket
 //!
