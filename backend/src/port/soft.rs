@@ -47,7 +47,7 @@
 use std::io;
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use pvcm_wire::Gid;
@@ -134,16 +134,7 @@ impl UdpPort {
             IpAddr::V4(_) => libc::AF_INET,
             IpAddr::V6(_) => libc::AF_INET6,
         };
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = cvt(unsafe {
-            libc::socket(
-                family,
-                libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                0,
-            )
-        })?;
-        // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = super::sys::socket(family, libc::SOCK_DGRAM, 0)?;
         let raw = fd.as_raw_fd();
         let local = match addr {
             IpAddr::V4(a) => {
@@ -1164,6 +1155,7 @@ mod tests {
     use pvcm_wire::mad::{self, MGMT_CLASS_CM};
     use pvcm_wire::roce::Ipv4Repr;
     use std::net::Ipv6Addr;
+    use std::os::fd::FromRawFd;
 
     fn v4(a: [u8; 4]) -> IpAddr {
         IpAddr::V4(Ipv4Addr::from(a))
