@@ -27,7 +27,9 @@ use clap::{Args, Parser, Subcommand};
 use pvcm_wire::Gid;
 
 use crate::backlog;
+pub use crate::files::SocketAccess;
 use crate::mux::{IdRange, Policy, VmConfig};
+pub use pvcm_log::LogFormat;
 
 /// Default RoCEv2 UDP port.
 pub const DEFAULT_PORT: u16 = pvcm_wire::roce::UDP_PORT;
@@ -920,6 +922,26 @@ impl FromStr for Account {
     }
 }
 
+impl Account {
+    /// The user's ID: the number given, or the name looked up (NSS included); `None`
+    /// when no such user exists.
+    pub(crate) fn user_id(&self) -> Option<u32> {
+        match self {
+            Account::Id(n) => Some(*n),
+            Account::Name(name) => crate::files::user_id(name),
+        }
+    }
+
+    /// The group's ID: the number given, or the name looked up; `None` when no such
+    /// group exists.
+    pub(crate) fn group_id(&self) -> Option<u32> {
+        match self {
+            Account::Id(n) => Some(*n),
+            Account::Name(name) => crate::files::group_id(name),
+        }
+    }
+}
+
 impl fmt::Display for Account {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -927,45 +949,6 @@ impl fmt::Display for Account {
             Account::Name(s) => f.write_str(s),
         }
     }
-}
-
-/// The log format (`--log-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One line per event.
-    #[default]
-    Text,
-    /// One JSON object per event and line (`timestamp`, `level`, `target`, the event's
-    /// fields including `message`, and `span`, the VM's name and GID for a VM's events).
-    Json,
-}
-
-/// Who may connect to a Unix socket the daemon listens on: the socket file's owner,
-/// group and permission bits (the IDs resolved; `None` leaves the daemon's own).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SocketAccess {
-    /// The file's owner.
-    pub owner: Option<u32>,
-    /// The file's group.
-    pub group: Option<u32>,
-    /// The permission bits (at most 0o777).
-    pub mode: u32,
-}
-
-impl SocketAccess {
-    /// The VMs' vhost-user sockets by default: the daemon's user and group may connect,
-    /// nobody else.
-    pub const VM_DEFAULT: SocketAccess = SocketAccess {
-        owner: None,
-        group: None,
-        mode: 0o660,
-    };
-    /// The control socket by default: the daemon's user only.
-    pub const CONTROL_DEFAULT: SocketAccess = SocketAccess {
-        owner: None,
-        group: None,
-        mode: 0o600,
-    };
 }
 
 /// The daemon's validated configuration.
@@ -1089,13 +1072,12 @@ impl Config {
             None => args.clone(),
         };
         let user = |key, a: &Option<Account>| match a {
-            Some(a) => crate::files::resolve_user(a)
-                .map(Some)
-                .ok_or_else(|| no_such(key, "user", a)),
+            Some(a) => a.user_id().map(Some).ok_or_else(|| no_such(key, "user", a)),
             None => Ok(None),
         };
         let group = |key, a: &Option<Account>| match a {
-            Some(a) => crate::files::resolve_group(a)
+            Some(a) => a
+                .group_id()
                 .map(Some)
                 .ok_or_else(|| no_such(key, "group", a)),
             None => Ok(None),
@@ -1764,6 +1746,15 @@ mod tests {
         argv.extend_from_slice(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| ConfigError::Cli(e.to_string()))?;
         Config::from_args(&cli.serve)
+    }
+
+    #[test]
+    fn users_and_groups_resolve_by_name_and_number() {
+        assert_eq!(Account::Name("root".into()).user_id(), Some(0));
+        assert_eq!(Account::Name("root".into()).group_id(), Some(0));
+        assert_eq!(Account::Id(4242).user_id(), Some(4242));
+        assert_eq!(Account::Name("no-such-group-pvcm".into()).group_id(), None);
+        assert_eq!(Account::Name("no-such-user-pvcm".into()).user_id(), None);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `stat` | the [`Snapshot`] as JSON |
 //! | `metrics` | Prometheus text |
-//! | `vm list` | the VMs as a JSON array ([`Shared::list_vms`]) |
+//! | `vm list` | the VMs as a JSON array ([`Runtime::list_vms`]) |
 //! | `vm add SPEC` | `ok: ...` or `error: ...`; SPEC is `--vm`'s `socket=PATH,gid=GID,...` |
 //! | `vm remove NAME` | `ok: ...` (the connections released) or `error: ...` |
 //! | `vm quota NAME N` | `ok: ...` (what the VM holds against it) or `error: ...`; N may be `default` |
@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::config::VmSpec;
+use crate::runtime::Runtime;
 use crate::shared::Shared;
 use crate::stats::Snapshot;
 
@@ -75,7 +76,8 @@ pub(crate) fn bind_control(
 }
 
 /// Answers one control connection.
-pub(crate) fn serve_control(shared: &Arc<Shared>, mut s: UnixStream) {
+pub(crate) fn serve_control(runtime: &Runtime, mut s: UnixStream) {
+    let shared = runtime.shared();
     let _ = s.set_read_timeout(Some(IO_TIMEOUT));
     let _ = s.set_write_timeout(Some(IO_TIMEOUT));
     let req = match read_line(&mut s, 1024) {
@@ -90,7 +92,7 @@ pub(crate) fn serve_control(shared: &Arc<Shared>, mut s: UnixStream) {
             serde_json::to_string(&shared.snapshot()).unwrap_or_else(|e| format!("error: {e}"))
         }
         "metrics" => shared.snapshot().prometheus(),
-        vm if vm.starts_with("vm ") || vm == "vm" => vm_request(shared, vm),
+        vm if vm.starts_with("vm ") || vm == "vm" => vm_request(runtime, vm),
         other => format!(
             "error: unknown request {other:?} (expected stat, metrics, vm list, vm add SPEC, \
              vm remove NAME or vm quota NAME N)\n"
@@ -100,27 +102,27 @@ pub(crate) fn serve_control(shared: &Arc<Shared>, mut s: UnixStream) {
 }
 
 /// Answers a `vm ...` request.
-fn vm_request(shared: &Arc<Shared>, req: &str) -> String {
+fn vm_request(runtime: &Runtime, req: &str) -> String {
     let mut words = req.split_whitespace().skip(1);
     let op = words.next().unwrap_or("");
     let args: Vec<&str> = words.collect();
     let answer = match (op, args.as_slice()) {
         ("list", []) => {
-            return serde_json::to_string(&shared.list_vms())
+            return serde_json::to_string(&runtime.list_vms())
                 .map(|j| j + "\n")
                 .unwrap_or_else(|e| format!("error: {e}\n"));
         }
         ("add", [spec]) => match spec.parse::<VmSpec>() {
             Ok(spec) => {
                 let (name, socket) = (spec.vm.name.clone(), spec.socket.clone());
-                shared
+                runtime
                     .add_vm(spec)
                     .map(|()| format!("added VM {name:?}: {} listens", socket.display()))
                     .map_err(|e| e.to_string())
             }
             Err(e) => Err(e.to_string()),
         },
-        ("remove", [name]) => shared
+        ("remove", [name]) => runtime
             .remove_vm(name)
             .map(|live| {
                 format!(
@@ -130,9 +132,9 @@ fn vm_request(shared: &Arc<Shared>, req: &str) -> String {
             })
             .map_err(|e| e.to_string()),
         ("quota", [name, q]) => match parse_quota(q) {
-            Ok(quota) => shared
+            Ok(quota) => runtime
                 .set_vm_quota(name, quota)
-                .map(|live| quota_answer(name, quota, shared.default_quota(), live))
+                .map(|live| quota_answer(name, quota, runtime.shared().default_quota(), live))
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e),
         },

@@ -1,7 +1,8 @@
 //! The serve loop: one process, many VMs, one wire port (soft RoCE, umad or packet).
 //!
-//! - Per VM a thread listens on the VM's vhost-user socket and serves one connection at
-//!   a time with a fresh [`VhostUserDaemon`] and [`PvcmDevice`], so the VM can reconnect
+//! - Per VM a thread ([`crate::session`]) listens on the VM's vhost-user socket and
+//!   serves one connection at a time with a fresh vhost-user daemon and device, so the
+//!   VM can reconnect
 //!   (QEMU restart, `reconnect=`). On connect the VM is attached to the mux; on
 //!   disconnect it is detached, which releases its connections (DREQs, REJs, DREPs on
 //!   its behalf, see `docs/mux.md`). vhost-user-backend runs the VM's vring worker.
@@ -26,22 +27,19 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pvcm_wire::Gid;
 
 use vhost::vhost_user::Listener;
-use vhost_user_backend::VhostUserDaemon;
-use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::backlog::HostBudget;
 use crate::config::Config;
-use crate::device::{PvcmDevice, RX_WAKE_EVENT};
 pub use crate::error::Error;
 use crate::files::SocketFile;
 use crate::mux::{Clock, Mux, MuxConfig, Outgoing, SystemClock, WireVerdict};
@@ -50,14 +48,14 @@ use crate::port::packet::PacketPort;
 use crate::port::soft::SoftPort;
 use crate::port::umad::UmadPort;
 use crate::port::{Arrivals, PortSpec, TOKEN_LIMIT, WirePort};
-use crate::runtime::{Overlay, Runtime};
+use crate::runtime::{Overlay, Runtime, RuntimeState};
 pub use crate::rx::RxMsg;
 use crate::shared::Core;
 pub use crate::shared::Shared;
 use crate::state::{Journal, Recovery};
-use crate::stats::{DevCounters, Io, Snapshot};
+use crate::stats::{DevCounters, Snapshot};
 pub use crate::vm_port::VmPort;
-use crate::vm_port::{Lifecycle, Session, VmSet, VmTable, lock};
+use crate::vm_port::{Lifecycle, VmSet, VmTable, lock};
 
 /// The host loop's timer: vmm-sys-util's CLOCK_MONOTONIC timerfd, and the deadline it
 /// is armed for, so that the loop, which asks for the mux's next deadline after every
@@ -150,6 +148,8 @@ const TOK_METRICS: u64 = TOK_STOP + 4;
 
 struct HostLoop {
     shared: Arc<Shared>,
+    /// The VMs changed at runtime (the control socket's `vm` requests).
+    runtime: Arc<Runtime>,
     epoll: Arc<Epoll>,
     timer: Timer,
     control: Option<UnixListener>,
@@ -339,11 +339,11 @@ impl HostLoop {
                 tracing::warn!("control: too many requests at once; connection closed");
                 continue;
             };
-            let shared = self.shared.clone();
+            let runtime = self.runtime.clone();
             let _ = std::thread::Builder::new()
                 .name("pvcm-control".into())
                 .spawn(move || {
-                    crate::control::serve_control(&shared, s);
+                    crate::control::serve_control(&runtime, s);
                     drop(slot);
                 });
         }
@@ -365,151 +365,6 @@ impl HostLoop {
                 });
         }
     }
-}
-
-/// A VM thread's wait for its next connection: the listening socket and the port's
-/// accept wake, polled together.
-struct AcceptWait {
-    epoll: Epoll,
-}
-
-impl AcceptWait {
-    const CONNECTION: u64 = 0;
-    const WAKE: u64 = 1;
-
-    fn new(port: &VmPort, listener: &Listener) -> io::Result<AcceptWait> {
-        let epoll = Epoll::new()?;
-        for (fd, tok) in [
-            (listener.as_raw_fd(), Self::CONNECTION),
-            (port.accept_wake.as_raw_fd(), Self::WAKE),
-        ] {
-            epoll.ctl(
-                ControlOperation::Add,
-                fd,
-                EpollEvent::new(EventSet::IN, tok),
-            )?;
-        }
-        Ok(AcceptWait { epoll })
-    }
-
-    /// Waits until a connection waits to be accepted (true) or the port is woken
-    /// (false: the daemon stops or the VM leaves).
-    fn wait(&self) -> io::Result<bool> {
-        let mut ev = [EpollEvent::default(); 2];
-        loop {
-            match self.epoll.wait(-1, &mut ev) {
-                Ok(n) => return Ok(!ev[..n].iter().any(|e| e.data() == Self::WAKE)),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
-        }
-    }
-}
-
-/// Serves one VM's socket, one connection after another, until the daemon stops or
-/// the VM is removed. Between sessions it waits for a connection or the port's accept
-/// wake, so it never blocks in accept where a stop cannot reach it.
-pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Listener) {
-    let span = port.span.clone();
-    let _g = span.enter();
-    let done = || shared.stopping() || port.leaving.load(Ordering::Acquire);
-    let accept = match AcceptWait::new(&port, &listener) {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot poll the VM's socket: the VM is not served");
-            return;
-        }
-    };
-    loop {
-        if done() {
-            break;
-        }
-        match accept.wait() {
-            Ok(true) => {}
-            Ok(false) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "waiting for a connection failed");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        }
-        if done() {
-            break;
-        }
-        let dev = match PvcmDevice::new(shared.clone(), port.clone()) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot create the device");
-                std::thread::sleep(Duration::from_secs(1));
-                continue;
-            }
-        };
-        let backend = Arc::new(RwLock::new(dev));
-        let mut daemon = match VhostUserDaemon::new(
-            format!("pvcm-{}", port.spec.vm.name),
-            backend,
-            GuestMemoryAtomic::new(crate::device::Mem::new()),
-        ) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot create the vhost-user daemon");
-                std::thread::sleep(Duration::from_secs(1));
-                continue;
-            }
-        };
-        for h in daemon.get_epoll_handlers() {
-            if let Err(e) = h.register_listener(
-                port.rx_wake.as_raw_fd(),
-                EventSet::IN,
-                u64::from(RX_WAKE_EVENT),
-            ) {
-                tracing::error!(error = %e, "cannot register the rx wake event");
-            }
-        }
-        if let Err(e) = daemon.start(&mut listener) {
-            if done() {
-                break;
-            }
-            tracing::warn!(error = %e, "accept failed");
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        }
-        if done() {
-            daemon.request_shutdown();
-            let _ = daemon.wait();
-            break;
-        }
-        port.counters.add(Io::Sessions, 1);
-        // An incoming VM attaches when its state arrives (or its rings start without).
-        let attached = shared.attach_session(&port);
-        let vm = attached.map(|(vm, _)| vm);
-        if attached.is_some_and(|(_, reconnected)| reconnected) {
-            tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
-            // What waited in the backlog during the gap goes to the new session now.
-            port.wake_rx();
-        }
-        *lock(&port.session) = daemon.shutdown_handle().map(Session);
-        if done() {
-            daemon.request_shutdown();
-        }
-        tracing::info!(vm = ?vm, "vhost-user session started");
-        match daemon.wait() {
-            Ok(()) => tracing::info!("vhost-user session ended"),
-            Err(e) => tracing::warn!(error = %e, "vhost-user session ended with an error"),
-        }
-        *lock(&port.session) = None;
-        port.publish_rx_ring(None);
-        if shared.stopping() && shared.keeps_state {
-            // A clean stop with --state-dir: the next daemon restores the VM's
-            // connections, so they are not released.
-            drop(daemon);
-            break;
-        }
-        shared.detach(&port);
-        // Dropping the daemon stops and joins its vring worker (exit event).
-        drop(daemon);
-    }
-    tracing::debug!("VM thread done");
 }
 
 /// The mux's clock: CLOCK_MONOTONIC (time since boot), so that deadlines in the state
@@ -600,6 +455,8 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
 #[derive(Debug)]
 pub struct Daemon {
     shared: Arc<Shared>,
+    /// The VMs' threads and the changes made to the VMs while running.
+    runtime: Arc<Runtime>,
     stop: Arc<EventFd>,
     /// The thread that releases restored VMs that do not come back in time.
     grace: Option<JoinHandle<()>>,
@@ -717,17 +574,6 @@ impl Daemon {
                 journal,
             }),
             vms: VmTable::new(VmSet::new(ports)),
-            runtime: Mutex::new(Runtime {
-                rx_backlog_bytes: cfg.rx_backlog_bytes,
-                host_budget,
-                vm_sockets: cfg.vm_sockets,
-                control: cfg.control.clone(),
-                state_dir: cfg.state_dir.clone(),
-                epoll: epoll.clone(),
-                threads: HashMap::new(),
-                file_vms,
-                overlay,
-            }),
             capture,
             timer_wake,
             armed: AtomicU64::new(u64::MAX),
@@ -741,6 +587,20 @@ impl Daemon {
             stop: AtomicBool::new(false),
             keeps_state: cfg.state_dir.is_some(),
         });
+        let runtime = Arc::new(Runtime::new(
+            shared.clone(),
+            RuntimeState {
+                rx_backlog_bytes: cfg.rx_backlog_bytes,
+                host_budget,
+                vm_sockets: cfg.vm_sockets,
+                control: cfg.control.clone(),
+                state_dir: cfg.state_dir.clone(),
+                epoll: epoll.clone(),
+                threads: HashMap::new(),
+                file_vms,
+                overlay,
+            },
+        ));
         if let Some(rec) = &recovery {
             adopt_restored(&shared, rec);
         }
@@ -806,6 +666,7 @@ impl Daemon {
         }
         let host = HostLoop {
             shared: shared.clone(),
+            runtime: runtime.clone(),
             epoll,
             timer,
             control,
@@ -831,7 +692,7 @@ impl Daemon {
             grace_thread = Some(t);
         }
         {
-            let mut rt = lock(&shared.runtime);
+            let mut rt = runtime.state();
             for (port, (file, l)) in shared.vms().iter().zip(listeners) {
                 rt.spawn(&shared, port.clone(), l, file)?;
             }
@@ -845,6 +706,7 @@ impl Daemon {
         );
         Ok(Daemon {
             shared,
+            runtime,
             stop,
             grace: grace_thread,
             host: Some(host),
@@ -862,7 +724,7 @@ impl Daemon {
     /// between the file's VMs before and now ([`crate::runtime::diff`]), the runtime
     /// changes kept over them. Other options take effect at the next start only.
     pub fn reload(&self, cfg: Config) {
-        match self.shared.reload_vms(cfg.vms) {
+        match self.runtime.reload_vms(cfg.vms) {
             Ok(r) => tracing::info!(
                 applied = r.applied.len(),
                 failed = r.failed.len(),
@@ -899,7 +761,7 @@ impl Daemon {
         // meanwhile) and joined without it, so `vm list` and the like answer (or are
         // refused as the daemon stops) while the sessions end.
         let threads = {
-            let mut rt = lock(&self.shared.runtime);
+            let mut rt = self.runtime.state();
             for port in self.shared.vms().iter() {
                 if let Some(h) = lock(&port.session).as_ref() {
                     h.0.shutdown();

@@ -15,7 +15,33 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::config::{Account, SocketAccess};
+/// Who may connect to a Unix socket the daemon listens on: the socket file's owner,
+/// group and permission bits (the IDs resolved; `None` leaves the daemon's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketAccess {
+    /// The file's owner.
+    pub owner: Option<u32>,
+    /// The file's group.
+    pub group: Option<u32>,
+    /// The permission bits (at most 0o777).
+    pub mode: u32,
+}
+
+impl SocketAccess {
+    /// The VMs' vhost-user sockets by default: the daemon's user and group may connect,
+    /// nobody else.
+    pub const VM_DEFAULT: SocketAccess = SocketAccess {
+        owner: None,
+        group: None,
+        mode: 0o660,
+    };
+    /// The control socket by default: the daemon's user only.
+    pub const CONTROL_DEFAULT: SocketAccess = SocketAccess {
+        owner: None,
+        group: None,
+        mode: 0o600,
+    };
+}
 
 /// Why the daemon does not put a socket at a path.
 #[derive(Debug, thiserror::Error)]
@@ -244,22 +270,14 @@ impl Drop for SocketFile {
     }
 }
 
-/// A user's ID: the number given, or the name looked up (NSS included); `None` when no
-/// such user exists.
-pub(crate) fn resolve_user(a: &Account) -> Option<u32> {
-    match a {
-        Account::Id(n) => Some(*n),
-        Account::Name(name) => lookup(name, true),
-    }
+/// The ID of the user named `name` (NSS included); `None` when no such user exists.
+pub(crate) fn user_id(name: &str) -> Option<u32> {
+    lookup(name, true)
 }
 
-/// A group's ID: the number given, or the name looked up; `None` when no such group
-/// exists.
-pub(crate) fn resolve_group(a: &Account) -> Option<u32> {
-    match a {
-        Account::Id(n) => Some(*n),
-        Account::Name(name) => lookup(name, false),
-    }
+/// The ID of the group named `name`; `None` when no such group exists.
+pub(crate) fn group_id(name: &str) -> Option<u32> {
+    lookup(name, false)
 }
 
 /// Looks a user (`user`) or group name up with the reentrant libc calls, growing the
@@ -339,21 +357,6 @@ mod tests {
         // A socket whose directory is missing is an error, and leaves nothing.
         let bad = dir.path().join("no/such/dir/vm.sock");
         assert!(bind_socket(&bad, &access).is_err());
-    }
-
-    #[test]
-    fn users_and_groups_resolve_by_name_and_number() {
-        assert_eq!(resolve_user(&Account::Name("root".into())), Some(0));
-        assert_eq!(resolve_group(&Account::Name("root".into())), Some(0));
-        assert_eq!(resolve_user(&Account::Id(4242)), Some(4242));
-        assert_eq!(
-            resolve_group(&Account::Name("no-such-group-pvcm".into())),
-            None
-        );
-        assert_eq!(
-            resolve_user(&Account::Name("no-such-user-pvcm".into())),
-            None
-        );
     }
 
     fn access() -> SocketAccess {

@@ -13,7 +13,8 @@
 //!   the mux behind one lock).
 //! - [`migration`], [`dirty_log`]: a VM's backend state on the move and the dirty-page
 //!   log of a live migration.
-//! - [`daemon`]: the serve loop (per-VM vhost-user threads, the host event loop).
+//! - [`session`]: a VM's thread: its vhost-user sessions, one after another.
+//! - [`daemon`]: the serve loop (the VMs' threads, the host event loop).
 //! - [`error`]: the daemon's typed errors.
 //! - [`files`]: the files the daemon creates (its sockets, where it may put them and
 //!   when it removes them; the capture and journal's options).
@@ -45,6 +46,7 @@ pub mod pcap;
 pub mod port;
 pub mod runtime;
 pub mod rx;
+pub mod session;
 pub mod shared;
 pub mod state;
 pub mod stats;
@@ -124,7 +126,7 @@ where
                     return ExitCode::from(2);
                 }
             };
-            init_logging(cfg.log_format);
+            pvcm_log::init(cfg.log_format);
             match daemon::run(cfg, &cli.serve) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -134,30 +136,4 @@ where
             }
         }
     }
-}
-
-/// Logs to stderr in the asked format, at `RUST_LOG`'s level (default `info`). Text
-/// carries ANSI colour only when stderr is a terminal and `NO_COLOR` is unset, so
-/// journald and log files get plain lines. A second call (a process that already set a
-/// logger) changes nothing.
-fn init_logging(format: config::LogFormat) {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        config::LogFormat::Text => {
-            let colour = std::io::stderr().is_terminal()
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-            builder.with_ansi(colour).try_init()
-        }
-        config::LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
-            .try_init(),
-    };
 }

@@ -16,8 +16,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use vhost::vhost_user::Listener;
@@ -323,10 +323,18 @@ pub(crate) struct VmThread {
     _file: SocketFile,
 }
 
-/// What adding a VM needs from the configuration, the VMs' threads, and the runtime
-/// changes made so far. In [`Shared`] behind a lock: one change at a time.
+/// VMs added, removed and changed while the daemon runs. The daemon owns it; the
+/// control socket and SIGHUP change the VMs through it, one change at a time.
 #[derive(Debug)]
-pub(crate) struct Runtime {
+pub struct Runtime {
+    shared: Arc<Shared>,
+    state: Mutex<RuntimeState>,
+}
+
+/// What adding a VM needs from the configuration, the VMs' threads, and the runtime
+/// changes made so far. In [`Runtime`] behind a lock: one change at a time.
+#[derive(Debug)]
+pub(crate) struct RuntimeState {
     pub(crate) rx_backlog_bytes: usize,
     pub(crate) host_budget: Arc<HostBudget>,
     pub(crate) vm_sockets: SocketAccess,
@@ -349,7 +357,7 @@ pub struct ReloadReport {
     pub failed: Vec<String>,
 }
 
-impl Runtime {
+impl RuntimeState {
     /// Starts serving `port` on `listener`: its thread takes one session after another.
     pub(crate) fn spawn(
         &mut self,
@@ -361,7 +369,7 @@ impl Runtime {
         let (s, p) = (shared.clone(), port.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pvcm-vm-{}", port.index))
-            .spawn(move || crate::daemon::vm_thread(s, p, listener))
+            .spawn(move || crate::session::vm_thread(s, p, listener))
             .map_err(io_err("spawn"))?;
         self.threads.insert(
             port.index,
@@ -564,20 +572,38 @@ pub(crate) fn join_threads(threads: Vec<VmThread>) {
     }
 }
 
-impl Shared {
+impl Runtime {
+    /// The runtime of the VMs served by `shared`, starting from `state`.
+    pub(crate) fn new(shared: Arc<Shared>, state: RuntimeState) -> Runtime {
+        Runtime {
+            shared,
+            state: Mutex::new(state),
+        }
+    }
+
+    /// The state the VMs' threads and the host loop share.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// The runtime's own state, locked: no other change applies while it is held.
+    pub(crate) fn state(&self) -> MutexGuard<'_, RuntimeState> {
+        lock(&self.state)
+    }
+
     /// `vm add SPEC`: serves a new VM.
-    pub fn add_vm(self: &Arc<Self>, spec: VmSpec) -> Result<(), RuntimeError> {
-        let mut rt = lock(&self.runtime);
-        rt.add(self, spec.clone())?;
+    pub fn add_vm(&self, spec: VmSpec) -> Result<(), RuntimeError> {
+        let mut rt = self.state();
+        rt.add(&self.shared, spec.clone())?;
         rt.overlay.added.push(spec);
         rt.persist();
         Ok(())
     }
 
     /// `vm remove NAME`: stops serving a VM; returns the live connections released.
-    pub fn remove_vm(self: &Arc<Self>, name: &str) -> Result<u64, RuntimeError> {
-        let mut rt = lock(&self.runtime);
-        let live = rt.remove(self, name)?;
+    pub fn remove_vm(&self, name: &str) -> Result<u64, RuntimeError> {
+        let mut rt = self.state();
+        let live = rt.remove(&self.shared, name)?;
         if rt.is_added(name) {
             rt.overlay.added.retain(|s| s.vm.name != name);
         } else if rt.in_file(name) {
@@ -590,13 +616,9 @@ impl Shared {
 
     /// `vm quota NAME N`: sets a VM's quota (`None`: the host's default); returns its
     /// live connections.
-    pub fn set_vm_quota(
-        self: &Arc<Self>,
-        name: &str,
-        quota: Option<u32>,
-    ) -> Result<u64, RuntimeError> {
-        let mut rt = lock(&self.runtime);
-        let live = rt.set_quota(self, name, quota)?;
+    pub fn set_vm_quota(&self, name: &str, quota: Option<u32>) -> Result<u64, RuntimeError> {
+        let mut rt = self.state();
+        let live = rt.set_quota(&self.shared, name, quota)?;
         if let Some(s) = rt.overlay.added.iter_mut().find(|s| s.vm.name == name) {
             s.vm.quota = quota;
         } else {
@@ -620,8 +642,9 @@ impl Shared {
 
     /// `vm list`: the VMs served, as JSON.
     pub fn list_vms(&self) -> serde_json::Value {
-        let rt = lock(&self.runtime);
+        let rt = self.state();
         let vms: Vec<serde_json::Value> = self
+            .shared
             .vms()
             .iter()
             .map(|p| {
@@ -630,7 +653,7 @@ impl Shared {
                     "name": spec.vm.name,
                     "socket": spec.socket.display().to_string(),
                     "gid": spec.vm.gid.to_string(),
-                    "quota": spec.vm.quota.unwrap_or(self.default_quota()),
+                    "quota": spec.vm.quota.unwrap_or(self.shared.default_quota()),
                     "quota_is_default": spec.vm.quota.is_none(),
                     "id_range": spec.vm.id_range.map(|r| r.to_string()),
                     "attached": p.current_vm().is_some(),
@@ -645,13 +668,13 @@ impl Shared {
     /// SIGHUP: the config file's VMs are now `file`. The VMs served change by the
     /// difference (runtime changes kept over it); a set that breaks the rules changes
     /// nothing and is the error.
-    pub fn reload_vms(self: &Arc<Self>, file: Vec<VmSpec>) -> Result<ReloadReport, RuntimeError> {
-        let mut rt = lock(&self.runtime);
+    pub fn reload_vms(&self, file: Vec<VmSpec>) -> Result<ReloadReport, RuntimeError> {
+        let mut rt = self.state();
         let mut overlay = rt.overlay.clone();
         overlay.rebase(&rt.file_vms, &file);
         let (wanted, _) = overlay.apply(&file, rt.control.as_deref(), true)?;
-        let current: Vec<VmSpec> = self.vms().iter().map(|p| p.spec()).collect();
-        let report = rt.apply(self, diff(&current, &wanted));
+        let current: Vec<VmSpec> = self.shared.vms().iter().map(|p| p.spec()).collect();
+        let report = rt.apply(&self.shared, diff(&current, &wanted));
         rt.file_vms = file;
         rt.overlay = overlay;
         rt.persist();

@@ -49,8 +49,6 @@ pub struct Shared {
     pub(crate) core: Mutex<Core>,
     /// The VMs served now (changed at runtime by [`crate::runtime`]).
     pub(crate) vms: VmTable,
-    /// Adding, removing and changing VMs at runtime (one change at a time).
-    pub(crate) runtime: Mutex<crate::runtime::Runtime>,
     pub(crate) capture: Option<Capture>,
     pub(crate) timer_wake: EventFd,
     pub(crate) armed: AtomicU64,

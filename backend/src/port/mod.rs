@@ -16,6 +16,12 @@
 //! Every port takes IPv4-mapped and IPv6 GIDs (RoCEv2 over IPv4 and over IPv6) side by
 //! side.
 //!
+//! What the ports share sits below them: [`sys`] (sockets, socket options, socket
+//! addresses, interfaces, batched receives), `bpf` (classic BPF: opcodes, an assembler,
+//! attaching a filter), [`frame`] (the checks every received CM frame passes) and
+//! `error` ([`Error`], [`PortError`]). A port file holds only what makes it that port,
+//! and no port imports another.
+//!
 //! A port knows the VMs by their index in the configuration (the daemon's `VmPort`
 //! index). It counts its frames and drops on the VM's counters, or on the host's when no
 //! VM owns what it received.
@@ -23,7 +29,6 @@
 use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
-use std::path::PathBuf;
 
 use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
@@ -32,9 +37,15 @@ use crate::pcap::Capture;
 use crate::stats::DevCounters;
 use crate::vm_port::VmSet;
 
+mod bpf;
+mod error;
+pub mod frame;
 pub mod packet;
 pub mod soft;
+pub mod sys;
 pub mod umad;
+
+pub use error::{Error, PortError, RAW_SOCKET_HOW};
 
 pub use crate::config::PortSpec;
 
@@ -55,62 +66,6 @@ pub struct PortCtx<'a> {
     pub capture: Option<&'a Capture>,
 }
 
-/// Why a port refused a VM ([`WirePort::attach`], [`WirePort::claim`]).
-#[derive(Debug, thiserror::Error)]
-pub enum PortError {
-    /// Only the soft port moves VM addresses between hosts.
-    #[error("this port cannot take over a VM's address (migration needs the soft port)")]
-    CannotClaim,
-    /// The soft port takes an address over only where it receives through its raw
-    /// socket, so for IPv4 VMs in raw mode.
-    #[error("migration needs raw receive (--wire-rx raw) and an IPv4 GID on the soft port")]
-    ClaimNeedsRaw,
-    /// Binding the VM's address failed.
-    #[error(transparent)]
-    Bind(Box<crate::error::Error>),
-    /// The port's VMs are fixed when it opens (a port that does not implement
-    /// [`WirePort::add_vm`]).
-    #[error("the {0} port serves the VMs it was started with: restart the daemon to change them")]
-    FixedVms(String),
-    /// The port knows no VM of that index.
-    #[error("no VM {0}")]
-    NoVm(usize),
-    /// umad: the port's GID table could not be read.
-    #[error("{port}: GID table: {source}")]
-    GidTable {
-        /// The port (`rxe0:1`).
-        port: String,
-        /// The error.
-        #[source]
-        source: io::Error,
-    },
-    /// umad: the VM's GID is not a RoCE v2 entry of the port's GID table.
-    #[error(
-        "VM {vm}: GID {gid} is not a RoCE v2 entry of {port}'s GID table ({}): add the VM's \
-         address to the device's netdev (e.g. `ip addr add {} dev eth0`), see docs/umad.md",
-        table.display(),
-        address_with_prefix(gid)
-    )]
-    GidNotInTable {
-        /// The VM's name.
-        vm: String,
-        /// Its GID.
-        gid: Gid,
-        /// The port (`rxe0:1`).
-        port: String,
-        /// The port's GID table in sysfs.
-        table: PathBuf,
-    },
-}
-
-/// A GID as `ip addr add` takes it: an IPv4 address with /32, else the GID with /128.
-fn address_with_prefix(gid: &Gid) -> String {
-    match gid.to_ipv4() {
-        Some(a) => format!("{a}/32"),
-        None => format!("{gid}/128"),
-    }
-}
-
 /// What a port knows of the link a VM's GID is on: what the VM's PORT_INFO reports as
 /// the path values (`docs/device-abi.md`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -125,79 +80,7 @@ pub struct Link {
 
 pub use pvcm_wire::abi::iboe_mtu;
 
-/// The MTU of network interface `name` in this process's network namespace
-/// (`SIOCGIFMTU`; sysfs may show another namespace's).
-pub fn if_mtu(name: &str) -> Option<u32> {
-    let bytes = name.as_bytes();
-    // SAFETY: an all-zero ifreq is a valid value of the plain C struct.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    if bytes.is_empty() || bytes.len() >= req.ifr_name.len() || bytes.contains(&0) {
-        return None;
-    }
-    for (d, b) in req.ifr_name.iter_mut().zip(bytes) {
-        *d = *b as libc::c_char;
-    }
-    // SAFETY: socket(2) with constant arguments; the result is checked.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd is a socket we own; req is a valid ifreq with a NUL-terminated name, and
-    // SIOCGIFMTU writes only its ifru_mtu.
-    let r = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
-    // SAFETY: we own fd and close it once.
-    unsafe { libc::close(fd) };
-    if r < 0 {
-        return None;
-    }
-    // SAFETY: after a successful SIOCGIFMTU the union holds the MTU.
-    u32::try_from(unsafe { req.ifr_ifru.ifru_mtu }).ok()
-}
-
-/// The name of the interface that holds local address `addr` (`getifaddrs(3)`).
-pub fn iface_of(addr: std::net::IpAddr) -> Option<String> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a list we free below; the result is checked.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return None;
-    }
-    let mut found = None;
-    let mut cur = list;
-    while !cur.is_null() {
-        // SAFETY: cur is a node of the list getifaddrs returned, not freed yet.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
-            continue;
-        }
-        // SAFETY: ifa_addr points to a sockaddr of the family it names, at least as
-        // large as a sockaddr_in(6) for those families.
-        let a = unsafe {
-            match i32::from((*ifa.ifa_addr).sa_family) {
-                libc::AF_INET => {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    Some(std::net::IpAddr::from(
-                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
-                    ))
-                }
-                libc::AF_INET6 => {
-                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    Some(std::net::IpAddr::from(sin6.sin6_addr.s6_addr))
-                }
-                _ => None,
-            }
-        };
-        if a == Some(addr) {
-            // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
-            found = Some(name.to_string_lossy().into_owned());
-            break;
-        }
-    }
-    // SAFETY: list came from getifaddrs and is freed once; no reference into it lives on.
-    unsafe { libc::freeifaddrs(list) };
-    found
-}
+pub use sys::{if_mtu, iface_of};
 
 /// Tokens below this are the port's own epoll tokens.
 pub const TOKEN_LIMIT: u64 = 1 << 40;

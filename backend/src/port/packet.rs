@@ -13,8 +13,8 @@
 //!   (`--bind-port`, 4791), BTH destination QP 1, and, when there are few VMs, one of
 //!   their addresses. Reads are batched (`recvmmsg`). Each frame is checked as the soft
 //!   port's raw mode checks a datagram (headers, lengths, the ICRC over the IP header as
-//!   received: [`check_ether_frame`]) and routed to the VM owning its destination
-//!   address.
+//!   received: [`check_ether_frame`], then [`super::frame`]'s checks) and routed to
+//!   the VM owning its destination address.
 //! - **Send**: the frames are built here (pvcm_wire, the ICRC over exactly the header
 //!   sent) with the VM's address as source, and go through the host's IP stack, which
 //!   picks the route and resolves the next hop: a raw IPv4 socket (`IPPROTO_RAW`, the
@@ -51,7 +51,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
 use std::sync::{PoisonError, RwLock};
 
@@ -62,8 +62,13 @@ use pvcm_wire::roce::{
     Ipv4Repr, Ipv6Repr, UDP_HEADER_LEN, UdpRepr,
 };
 
-use crate::error::Error;
-use crate::port::soft::{self, InFrame, RecvBatch};
+use super::bpf::{
+    self, Asm, BPF_ABS, BPF_ACCEPT, BPF_ALU, BPF_AND, BPF_B, BPF_H, BPF_IND, BPF_JEQ, BPF_JSET,
+    BPF_K, BPF_LD, BPF_LDX, BPF_MSH, BPF_RET, BPF_W,
+};
+use super::frame::{self, InFrame};
+use super::sys::{self, RecvBatch, cvt, setsockopt_int, socket};
+use crate::port::Error;
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 
@@ -154,8 +159,8 @@ fn frame_address(frame: &[u8], v4: usize, v6: usize) -> Option<IpAddr> {
 /// checked frame: an IPv4 (no options, no fragment, a good header checksum) or IPv6
 /// (next header UDP) datagram, within the frame (Ethernet padding after it is
 /// ignored), a UDP header to `port` whose length is the datagram's, one CM frame (the
-/// soft port's BTH and DETH checks), a source that can be a RoCE peer, and the ICRC
-/// over the IP and UDP headers exactly as received. A drop gives its reason and the
+/// BTH and DETH checks of [`super::frame`]), a source that can be a RoCE peer, and the
+/// ICRC over the IP and UDP headers exactly as received. A drop gives its reason and the
 /// destination address when the headers showed it.
 pub fn check_ether_frame(
     frame: &[u8],
@@ -240,10 +245,10 @@ pub fn check_ether_frame(
         }));
     }
     let payload = &udp_bytes[UDP_HEADER_LEN..];
-    let (f, bth, deth) = soft::check_headers(payload).map_err(fail)?;
+    let (f, bth, deth) = frame::check_headers(payload).map_err(fail)?;
     roce::check_datagram_icrc(dgram).map_err(|_| fail(DevDrop::WireBadIcrc))?;
     let from = SocketAddr::new(src, udp.src_port);
-    Ok((dst, soft::in_frame(from, &f, &bth, &deth)))
+    Ok((dst, frame::in_frame(from, &f, &bth, &deth)))
 }
 
 /// `PACKET_OUTGOING` (linux/if_packet.h): a frame transmitted on the device.
@@ -315,13 +320,7 @@ fn egress_udp(frame: &[u8]) -> Option<&[u8]> {
     }
 }
 
-/// A small classic-BPF assembler: instructions with symbolic jump targets.
-#[derive(Debug, Default)]
-struct Asm {
-    ins: Vec<(u16, u32, Target, Target)>,
-    labels: HashMap<Label, usize>,
-}
-
+/// The packet filter's jump targets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Label {
     Accept,
@@ -332,77 +331,8 @@ enum Label {
     Next(usize),
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Target {
-    Fall,
-    To(Label),
-}
-
-// Classic BPF opcodes (linux/filter.h, linux/bpf_common.h).
-const BPF_LD: u16 = 0x00;
-const BPF_LDX: u16 = 0x01;
-const BPF_ALU: u16 = 0x04;
-const BPF_JMP: u16 = 0x05;
-const BPF_RET: u16 = 0x06;
-const BPF_W: u16 = 0x00;
-const BPF_H: u16 = 0x08;
-const BPF_B: u16 = 0x10;
-const BPF_ABS: u16 = 0x20;
-const BPF_IND: u16 = 0x40;
-const BPF_MSH: u16 = 0xa0;
-const BPF_AND: u16 = 0x50;
-const BPF_JA: u16 = 0x00;
-const BPF_JEQ: u16 = 0x10;
-const BPF_JSET: u16 = 0x40;
-const BPF_K: u16 = 0x00;
-
-impl Asm {
-    fn stmt(&mut self, code: u16, k: u32) {
-        self.ins.push((code, k, Target::Fall, Target::Fall));
-    }
-    fn jump(&mut self, code: u16, k: u32, t: Target, f: Target) {
-        self.ins.push((BPF_JMP | code | BPF_K, k, t, f));
-    }
-    fn goto(&mut self, l: Label) {
-        self.ins
-            .push((BPF_JMP | BPF_JA, 0, Target::To(l), Target::Fall));
-    }
-    fn label(&mut self, l: Label) {
-        self.labels.insert(l, self.ins.len());
-    }
-
-    /// The program, or `None` if a jump does not fit its 8 bits (or `ja`'s 32).
-    fn finish(&self) -> Option<Vec<libc::sock_filter>> {
-        let off = |at: usize, t: Target| -> Option<u32> {
-            match t {
-                Target::Fall => Some(0),
-                Target::To(l) => {
-                    let to = *self.labels.get(&l)?;
-                    u32::try_from(to.checked_sub(at + 1)?).ok()
-                }
-            }
-        };
-        let mut p = Vec::with_capacity(self.ins.len());
-        for (at, &(code, k, t, f)) in self.ins.iter().enumerate() {
-            if code == BPF_JMP | BPF_JA {
-                p.push(libc::sock_filter {
-                    code,
-                    jt: 0,
-                    jf: 0,
-                    k: off(at, t)?,
-                });
-                continue;
-            }
-            p.push(libc::sock_filter {
-                code,
-                jt: u8::try_from(off(at, t)?).ok()?,
-                jf: u8::try_from(off(at, f)?).ok()?,
-                k,
-            });
-        }
-        Some(p)
-    }
-}
+/// A jump target of the packet filter.
+type Target = bpf::Target<Label>;
 
 /// The packet socket's filter (see the module docs): every frame transmitted on the
 /// device (a VM's own frame, see [`check_egress_frame`]); of those received, Ethernet
@@ -433,7 +363,7 @@ pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filt
             })
             .collect();
         let e = ETH_HLEN as u32;
-        let mut a = Asm::default();
+        let mut a = Asm::<Label>::default();
         // Transmitted on DEV: a VM's own frame its divert stopped, counted by the port.
         a.stmt(BPF_LD | BPF_B | BPF_ABS, SKF_AD_PKTTYPE);
         a.jump(
@@ -442,7 +372,7 @@ pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filt
             Target::Fall,
             Target::To(Label::Received),
         );
-        a.stmt(BPF_RET | BPF_K, 0xFFFF);
+        a.stmt(BPF_RET | BPF_K, BPF_ACCEPT);
         a.label(Label::Received);
         a.stmt(BPF_LD | BPF_H | BPF_ABS, 12);
         a.jump(
@@ -517,7 +447,7 @@ pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filt
             a.goto(Label::Accept);
         }
         a.label(Label::Accept);
-        a.stmt(BPF_RET | BPF_K, 0xFFFF);
+        a.stmt(BPF_RET | BPF_K, BPF_ACCEPT);
         a.label(Label::Drop);
         a.stmt(BPF_RET | BPF_K, 0);
         a.finish()
@@ -528,44 +458,9 @@ pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filt
             code: BPF_RET | BPF_K,
             jt: 0,
             jf: 0,
-            k: 0xFFFF,
+            k: BPF_ACCEPT,
         }]
     })
-}
-
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-fn socket(family: libc::c_int, ty: libc::c_int, proto: libc::c_int) -> io::Result<OwnedFd> {
-    // SAFETY: plain socket(2) call; the result is checked before use.
-    let fd =
-        cvt(unsafe { libc::socket(family, ty | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto) })?;
-    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
-    let fprog = libc::sock_fprog {
-        len: prog.len() as libc::c_ushort,
-        filter: prog.as_ptr() as *mut libc::sock_filter,
-    };
-    // SAFETY: `fprog` points at `prog`, which is live for the call; the kernel copies
-    // the program.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ATTACH_FILTER,
-            (&fprog as *const libc::sock_fprog).cast(),
-            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
-        )
-    })
-    .map(|_| ())
 }
 
 /// How the packet socket filters (the daemon always filters by address when it can;
@@ -652,7 +547,7 @@ impl PacketPort {
             };
             fail(format!("{what}: {e}{hint}"))
         };
-        let ifindex = soft::if_index(dev).map_err(|e| {
+        let ifindex = sys::if_index(dev).map_err(|e| {
             fail(format!(
                 "{e}: DEV is the device the VMs' QP1 frames are diverted to (e.g. `ip link \
                  add pvcm-qp1 type dummy && ip link set pvcm-qp1 up`, then \
@@ -676,7 +571,7 @@ impl PacketPort {
             tracing::warn!(port = %name, "{dev} is down: nothing diverted to it arrives (`ip link set {dev} up`)");
         }
         let scope = match iface {
-            Some(i) => soft::if_index(i).map_err(|e| fail(format!("IFACE: {e}")))?,
+            Some(i) => sys::if_index(i).map_err(|e| fail(format!("IFACE: {e}")))?,
             None => 0,
         };
         // Bound to no protocol until the filter is on, so nothing unfiltered queues.
@@ -689,12 +584,12 @@ impl PacketPort {
             RxFilter::Off => None,
         };
         if let Some(prog) = prog {
-            attach_filter(rx.as_raw_fd(), &prog)
+            bpf::attach(rx.as_raw_fd(), &prog)
                 .map_err(|e| fail(format!("packet socket filter: {e}")))?;
         }
         // A large buffer absorbs bursts, sized as the soft port's raw socket for the
         // same reasons; a smaller one is reported (stat, metrics).
-        let buffer = soft::set_rx_buffer(rx.as_raw_fd(), "packet socket");
+        let buffer = sys::set_rx_buffer(rx.as_raw_fd(), "packet socket");
         // SAFETY: sockaddr_ll is plain old data for which all-zero is valid.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
@@ -804,7 +699,7 @@ impl PacketPort {
             SocketAddr::V4(_) => self.tx4.as_raw_fd(),
             SocketAddr::V6(_) => self.tx6.as_raw_fd(),
         };
-        let (sa, len) = soft::sockaddr_of(to);
+        let (sa, len) = sys::sockaddr_of(to);
         let mut stalls = 0;
         loop {
             // SAFETY: the datagram and the address are live for the call.
@@ -882,33 +777,13 @@ impl PacketPort {
             return;
         }
         let addrs = self.table().addrs();
-        if let Err(e) = attach_filter(
+        if let Err(e) = bpf::attach(
             self.rx.as_raw_fd(),
             &packet_filter(self.port_num, Some(&addrs)),
         ) {
             tracing::warn!(port = %self.name, error = %e, "packet socket filter not updated for the VMs now served");
         }
     }
-}
-
-fn setsockopt_int(
-    fd: RawFd,
-    level: libc::c_int,
-    opt: libc::c_int,
-    v: libc::c_int,
-) -> io::Result<()> {
-    // SAFETY: `fd` is an open socket owned by the caller; the option value is a live
-    // c_int whose size is passed alongside.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            opt,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    })
-    .map(|_| ())
 }
 
 impl WirePort for PacketPort {
@@ -921,7 +796,7 @@ impl WirePort for PacketPort {
     }
 
     fn degraded(&self) -> Vec<crate::stats::Degraded> {
-        soft::buffer_degraded(&self.buffer).into_iter().collect()
+        sys::buffer_degraded(&self.buffer).into_iter().collect()
     }
 
     fn poll_fds(&self) -> Vec<(RawFd, u64)> {
@@ -955,12 +830,12 @@ impl WirePort for PacketPort {
         {
             let mut t = self.table_mut();
             if t.by_addr.contains_key(&a) {
-                return Err(PortError::Bind(Box::new(Error::WireBind {
+                return Err(PortError::Bind(Error::WireBind {
                     vm: spec.vm.name.clone(),
                     addr: a,
                     port: self.port_num,
                     source: io::Error::from(io::ErrorKind::AddrInUse),
-                })));
+                }));
             }
             while t.vms.len() <= vm {
                 t.vms.push(None);
@@ -1018,7 +893,7 @@ impl WirePort for PacketPort {
             let mut rb = rb.borrow_mut();
             let rb = rb.get_or_insert_with(RecvBatch::default);
             for _ in 0..RX_ROUNDS {
-                let n = match soft::recv_batch(self.rx.as_raw_fd(), rb) {
+                let n = match sys::recv_batch(self.rx.as_raw_fd(), rb) {
                     Ok(0) => break,
                     Ok(n) => n,
                     Err(e) => {
@@ -1041,7 +916,7 @@ impl WirePort for PacketPort {
                 if !per_vm.is_empty() {
                     route(per_vm);
                 }
-                if n < soft::BATCH {
+                if n < sys::BATCH {
                     break;
                 }
             }

@@ -46,34 +46,31 @@
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use pvcm_wire::Gid;
 use pvcm_wire::mad::MAD_LEN;
-use pvcm_wire::roce::{
-    self, BthRepr, DethRepr, FRAME_LEN, Frame, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UdpRepr,
-};
-use pvcm_wire::{Error as WireError, Gid};
+use pvcm_wire::roce::{self, FRAME_LEN, FrameRepr, IpRepr, UdpRepr};
 
-use crate::error::{Error, RAW_SOCKET_HOW};
+use super::bpf::{
+    self, BPF_ABS, BPF_ACCEPT, BPF_B, BPF_H, BPF_IND, BPF_JA, BPF_JEQ, BPF_JMP, BPF_JSET, BPF_K,
+    BPF_LD, BPF_LDX, BPF_MSH, BPF_RET, BPF_W,
+};
+use super::sys::{
+    SO_RXQ_OVFL, buffer_degraded, cvt, if_index, set_rx_buffer, setsockopt_int, sockaddr_of,
+    socket_drops,
+};
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError};
+use crate::port::{Error, RAW_SOCKET_HOW};
+
+pub use super::frame::{InFrame, check_datagram, check_frame};
+pub use super::sys::{BATCH, RECV_BUF, RecvBatch};
 use crate::stats::{Degraded, DevDrop, Io, RxBuffer};
 
 pub use crate::config::RxMode;
 
-/// Datagrams per `recvmmsg`/`sendmmsg` call.
-pub const BATCH: usize = 64;
-/// Receive buffer per datagram: larger than a frame, so oversize datagrams are seen whole
-/// enough to be counted.
-pub const RECV_BUF: usize = 512;
-
-/// `SO_RXQ_OVFL` (asm-generic/socket.h): a control message with the socket's drop count.
-const SO_RXQ_OVFL: libc::c_int = 40;
-/// `SO_MEMINFO` (asm-generic/socket.h): the socket's memory counters, drops among them.
-const SO_MEMINFO: libc::c_int = 55;
-/// Index of the drop count in `SO_MEMINFO`'s array (`SK_MEMINFO_DROPS`, sock_diag.h).
-const SK_MEMINFO_DROPS: usize = 8;
 /// How long after traffic the loss audit runs.
 const AUDIT_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 /// `UDP_NO_CHECK6_RX` (linux/udp.h): accept IPv6 UDP datagrams with checksum 0.
@@ -126,203 +123,6 @@ impl Lost {
     }
 }
 
-/// The kernel's drop count of socket `fd` (`SO_MEMINFO`).
-fn socket_drops(fd: RawFd) -> io::Result<u32> {
-    let mut info = [0u32; SK_MEMINFO_DROPS + 1];
-    let mut len = std::mem::size_of_val(&info) as libc::socklen_t;
-    // SAFETY: `info` is writable for `len` bytes; the kernel writes at most that many.
-    cvt(unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            SO_MEMINFO,
-            info.as_mut_ptr().cast(),
-            &mut len,
-        )
-    })?;
-    if (len as usize) < std::mem::size_of_val(&info) {
-        return Err(io::Error::other("SO_MEMINFO without a drop count"));
-    }
-    Ok(info[SK_MEMINFO_DROPS])
-}
-
-/// A socket address as the kernel takes it: the storage and its length.
-pub(crate) fn sockaddr_of(a: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: sockaddr_storage is plain old data for which all-zero is valid.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let len = match a {
-        SocketAddr::V4(a) => {
-            let sin = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(*a.ip()).to_be(),
-                },
-                sin_zero: [0; 8],
-            };
-            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
-            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
-            std::mem::size_of::<libc::sockaddr_in>()
-        }
-        SocketAddr::V6(a) => {
-            let sin6 = libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: a.port().to_be(),
-                sin6_flowinfo: 0,
-                sin6_addr: libc::in6_addr {
-                    s6_addr: a.ip().octets(),
-                },
-                sin6_scope_id: a.scope_id(),
-            };
-            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
-            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
-            std::mem::size_of::<libc::sockaddr_in6>()
-        }
-    };
-    (ss, len as libc::socklen_t)
-}
-
-/// The IPv4 or IPv6 socket address in `ss` (`None` for another family).
-/// The packet type (`PACKET_HOST`, `PACKET_OUTGOING`, ...) of a packet socket's source
-/// address; `None` for another family.
-pub(crate) fn packet_type_from(ss: &libc::sockaddr_storage) -> Option<u8> {
-    if libc::c_int::from(ss.ss_family) != libc::AF_PACKET {
-        return None;
-    }
-    // SAFETY: the family says the storage holds a sockaddr_ll; the storage is larger
-    // than and aligned for it.
-    let a: libc::sockaddr_ll =
-        unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
-    Some(a.sll_pkttype)
-}
-
-pub(crate) fn socket_addr_from(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
-    match libc::c_int::from(ss.ss_family) {
-        libc::AF_INET => {
-            // SAFETY: the family says the storage holds a sockaddr_in; the storage is
-            // larger than and aligned for it.
-            let a: libc::sockaddr_in =
-                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
-            Some(SocketAddr::V4(SocketAddrV4::new(
-                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-                u16::from_be(a.sin_port),
-            )))
-        }
-        libc::AF_INET6 => {
-            // SAFETY: as above, for sockaddr_in6.
-            let a: libc::sockaddr_in6 =
-                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
-            Some(SocketAddr::V6(SocketAddrV6::new(
-                Ipv6Addr::from(a.sin6_addr.s6_addr),
-                u16::from_be(a.sin6_port),
-                0,
-                a.sin6_scope_id,
-            )))
-        }
-        _ => None,
-    }
-}
-
-/// The interface index of `name` (for a link-local scope), or an error saying so.
-pub(crate) fn if_index(name: &str) -> io::Result<u32> {
-    let c = std::ffi::CString::new(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name with NUL"))?;
-    // SAFETY: `c` is a NUL-terminated string that lives across the call.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if i == 0 {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("interface {name}: {e}")));
-    }
-    Ok(i)
-}
-
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-fn getsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int) -> io::Result<libc::c_int> {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `fd` is an open socket owned by the caller; `v` is a live c_int whose
-    // size is passed alongside, and the kernel writes at most that many bytes.
-    cvt(unsafe {
-        libc::getsockopt(
-            fd,
-            level,
-            opt,
-            (&mut v as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    })?;
-    Ok(v)
-}
-
-/// Asks for a receive buffer of [`RAW_RCVBUF`] bytes on `fd` (`what` names the socket
-/// in the log): `SO_RCVBUFFORCE`, which passes `net.core.rmem_max` with
-/// `CAP_NET_ADMIN`, else `SO_RCVBUF`, which that sysctl caps. Returns the buffer asked
-/// for and the one in effect (read back); a smaller one is logged at WARN.
-pub(crate) fn set_rx_buffer(fd: RawFd, what: &str) -> RxBuffer {
-    let forced = setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RAW_RCVBUF);
-    if let Err(e) = &forced {
-        tracing::debug!(error = %e, "{what}: SO_RCVBUFFORCE refused, asking SO_RCVBUF");
-        let _ = setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, RAW_RCVBUF);
-    }
-    // The kernel reports twice what it grants the data: the other half is its
-    // bookkeeping.
-    let effective = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF)
-        .map_or(0, |v| u64::try_from(v).unwrap_or(0) / 2);
-    let b = RxBuffer {
-        wanted: RAW_RCVBUF as u64,
-        effective,
-    };
-    if let Some(d) = buffer_degraded(&b) {
-        tracing::warn!(
-            wanted = b.wanted,
-            effective = b.effective,
-            "{what}: receive buffer smaller than asked: {}",
-            d.why
-        );
-    }
-    b
-}
-
-/// The receive buffer as a degraded setting, if it is smaller than asked.
-pub(crate) fn buffer_degraded(b: &RxBuffer) -> Option<Degraded> {
-    (b.effective < b.wanted).then(|| Degraded {
-        setting: "wire_rx_buffer".into(),
-        configured: b.wanted.to_string(),
-        effective: b.effective.to_string(),
-        why: "SO_RCVBUFFORCE needs CAP_NET_ADMIN, and net.core.rmem_max caps SO_RCVBUF: \
-              grant CAP_NET_ADMIN or raise net.core.rmem_max, else bursts overflow sooner \
-              (wire_rx_overflow)"
-            .into(),
-    })
-}
-
-fn setsockopt_int(
-    fd: RawFd,
-    level: libc::c_int,
-    opt: libc::c_int,
-    v: libc::c_int,
-) -> io::Result<()> {
-    // SAFETY: `fd` is an open socket owned by the caller; the option value is a live
-    // c_int whose size is passed alongside.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            opt,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    })
-    .map(|_| ())
-}
-
 impl UdpPort {
     /// Binds `addr:port` (`scope`: the interface index of a link-local IPv6 address,
     /// else 0): non-blocking, close-on-exec, large buffers, the kernel's drop count on
@@ -334,16 +134,7 @@ impl UdpPort {
             IpAddr::V4(_) => libc::AF_INET,
             IpAddr::V6(_) => libc::AF_INET6,
         };
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = cvt(unsafe {
-            libc::socket(
-                family,
-                libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                0,
-            )
-        })?;
-        // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = super::sys::socket(family, libc::SOCK_DGRAM, 0)?;
         let raw = fd.as_raw_fd();
         let local = match addr {
             IpAddr::V4(a) => {
@@ -499,13 +290,13 @@ impl UdpPort {
     /// Receives up to [`BATCH`] datagrams with `recvmmsg` (non-blocking) into `rb`;
     /// returns how many (0 when none is waiting).
     pub fn recv_batch(&self, rb: &mut RecvBatch) -> io::Result<usize> {
-        recv_batch(self.sock.as_raw_fd(), rb)
+        super::sys::recv_batch(self.sock.as_raw_fd(), rb)
     }
 
     /// The datagrams the kernel dropped on this socket and not counted yet, from the
     /// drop count the last batch carried (0 if it carried none).
     pub fn new_drops(&self, rb: &RecvBatch) -> u32 {
-        rb.drop_count.map_or(0, |now| self.lost.new_since(now))
+        rb.drop_count().map_or(0, |now| self.lost.new_since(now))
     }
 
     /// The datagrams the kernel dropped on this socket and not counted yet, asked of
@@ -517,7 +308,7 @@ impl UdpPort {
     /// Makes the socket discard everything it receives (raw mode reads elsewhere): a
     /// filter that accepts nothing, so the socket stays bound but never queues.
     pub fn discard_rx(&self) -> io::Result<()> {
-        attach_filter(self.sock.as_raw_fd(), &[bpf_stmt(BPF_RET | BPF_K, 0)])?;
+        bpf::attach(self.sock.as_raw_fd(), &[bpf::stmt(BPF_RET | BPF_K, 0)])?;
         // Anything queued before the filter went on is dropped too.
         let mut rb = RecvBatch::default();
         while self.recv_batch(&mut rb)? == BATCH {}
@@ -525,133 +316,12 @@ impl UdpPort {
     }
 }
 
-/// Room for the control messages of one datagram (one `SO_RXQ_OVFL` u32).
-const CTRL_LEN: usize = 64;
-
-pub(crate) fn recv_batch(fd: RawFd, rb: &mut RecvBatch) -> io::Result<usize> {
-    let mut iovs: [MaybeUninit<libc::iovec>; BATCH] = [const { MaybeUninit::uninit() }; BATCH];
-    // SAFETY: mmsghdr is plain old data for which all-zero is a valid value.
-    let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-    for i in 0..BATCH {
-        let iov = iovs[i].write(libc::iovec {
-            iov_base: rb.bufs[i].as_mut_ptr().cast(),
-            iov_len: RECV_BUF,
-        });
-        msgs[i].msg_hdr.msg_name = (&mut rb.addrs[i] as *mut libc::sockaddr_storage).cast();
-        msgs[i].msg_hdr.msg_namelen =
-            std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        msgs[i].msg_hdr.msg_iov = iov;
-        msgs[i].msg_hdr.msg_iovlen = 1;
-        msgs[i].msg_hdr.msg_control = rb.ctrl[i].0.as_mut_ptr().cast();
-        msgs[i].msg_hdr.msg_controllen = CTRL_LEN as _;
-    }
-    rb.drop_count = None;
-    loop {
-        // SAFETY: every mmsghdr points at its own buffer, address and control storage
-        // in `rb`, which outlives the call.
-        let r = unsafe {
-            libc::recvmmsg(
-                fd,
-                msgs.as_mut_ptr(),
-                BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        if r >= 0 {
-            let n = r as usize;
-            for (i, m) in msgs.iter().enumerate().take(n) {
-                rb.lens[i] = m.msg_len as usize;
-                rb.truncated[i] = m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
-                if let Some(d) = drop_count(&m.msg_hdr) {
-                    rb.drop_count = Some(rb.drop_count.map_or(d, |x: u32| x.max(d)));
-                }
-            }
-            return Ok(n);
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(0),
-            _ => return Err(e),
-        }
-    }
-}
-
-/// The `SO_RXQ_OVFL` drop count among a received message's control messages.
-fn drop_count(h: &libc::msghdr) -> Option<u32> {
-    // SAFETY: `h` is a msghdr the kernel filled in: its control pointer and length
-    // describe the control messages it wrote into our buffer (CMSG_* walk within them).
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(h);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET
-                && (*c).cmsg_type == SO_RXQ_OVFL
-                && (*c).cmsg_len as usize >= libc::CMSG_LEN(4) as usize
-            {
-                return Some(std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<u32>()));
-            }
-            c = libc::CMSG_NXTHDR(h, c);
-        }
-    }
-    None
-}
-
-// Classic BPF opcodes (linux/filter.h, linux/bpf_common.h).
-const BPF_LD: u16 = 0x00;
-const BPF_LDX: u16 = 0x01;
-const BPF_JMP: u16 = 0x05;
-const BPF_RET: u16 = 0x06;
-const BPF_W: u16 = 0x00;
-const BPF_H: u16 = 0x08;
-const BPF_B: u16 = 0x10;
-const BPF_ABS: u16 = 0x20;
-const BPF_IND: u16 = 0x40;
-const BPF_MSH: u16 = 0xa0;
-const BPF_JEQ: u16 = 0x10;
-const BPF_JSET: u16 = 0x40;
-const BPF_K: u16 = 0x00;
-/// What an accepting filter returns: the whole datagram.
-const BPF_ACCEPT: u32 = 0xFFFF;
 /// Addresses the kernel filter checks one by one (in chunks, as a classic BPF jump
 /// reaches at most 255 instructions ahead); past this the filter checks only the port
 /// and the receive path checks the address. The kernel takes up to 4,096 instructions.
 const BPF_MAX_ADDRS: usize = 2000;
 /// Addresses per chunk of compares: each chunk ends in its own accept, within reach.
 const BPF_CHUNK: usize = 250;
-const BPF_JA: u16 = 0x00;
-
-fn bpf_stmt(code: u16, k: u32) -> libc::sock_filter {
-    libc::sock_filter {
-        code,
-        jt: 0,
-        jf: 0,
-        k,
-    }
-}
-
-fn bpf_jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
-    libc::sock_filter { code, jt, jf, k }
-}
-
-fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
-    let fprog = libc::sock_fprog {
-        len: prog.len() as libc::c_ushort,
-        filter: prog.as_ptr() as *mut libc::sock_filter,
-    };
-    // SAFETY: `fprog` points at `prog`, which is live for the call; the kernel copies
-    // the program.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ATTACH_FILTER,
-            (&fprog as *const libc::sock_fprog).cast(),
-            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
-        )
-    })
-    .map(|_| ())
-}
 
 /// The raw socket's filter: unfragmented UDP to `port` at one of `addrs` (all
 /// addresses when there are more than [`BPF_MAX_ADDRS`]). A raw socket's data starts
@@ -660,32 +330,32 @@ fn attach_filter(fd: RawFd, prog: &[libc::sock_filter]) -> io::Result<()> {
 fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
     if addrs.is_empty() {
         // No IPv4 VM (yet): nothing is ours.
-        return vec![bpf_stmt(BPF_RET | BPF_K, 0)];
+        return vec![bpf::stmt(BPF_RET | BPF_K, 0)];
     }
     let check_addrs = addrs.len() <= BPF_MAX_ADDRS;
     let mut p = Vec::with_capacity(10 + addrs.len() + 2 * addrs.len() / BPF_CHUNK);
     // Fragments (offset != 0) carry no UDP header: drop them. The kernel reassembles
     // before raw delivery, so this only guards the header load below.
-    p.push(bpf_stmt(BPF_LD | BPF_H | BPF_ABS, 6));
-    p.push(bpf_jump(BPF_JMP | BPF_JSET | BPF_K, 0x1FFF, 0, 1));
-    p.push(bpf_stmt(BPF_RET | BPF_K, 0));
+    p.push(bpf::stmt(BPF_LD | BPF_H | BPF_ABS, 6));
+    p.push(bpf::jump(BPF_JMP | BPF_JSET | BPF_K, 0x1FFF, 0, 1));
+    p.push(bpf::stmt(BPF_RET | BPF_K, 0));
     // X = IHL * 4; A = UDP destination port.
-    p.push(bpf_stmt(BPF_LDX | BPF_B | BPF_MSH, 0));
-    p.push(bpf_stmt(BPF_LD | BPF_H | BPF_IND, 2));
-    p.push(bpf_jump(BPF_JMP | BPF_JEQ | BPF_K, u32::from(port), 1, 0));
-    p.push(bpf_stmt(BPF_RET | BPF_K, 0));
+    p.push(bpf::stmt(BPF_LDX | BPF_B | BPF_MSH, 0));
+    p.push(bpf::stmt(BPF_LD | BPF_H | BPF_IND, 2));
+    p.push(bpf::jump(BPF_JMP | BPF_JEQ | BPF_K, u32::from(port), 1, 0));
+    p.push(bpf::stmt(BPF_RET | BPF_K, 0));
     if !check_addrs {
-        p.push(bpf_stmt(BPF_RET | BPF_K, BPF_ACCEPT));
+        p.push(bpf::stmt(BPF_RET | BPF_K, BPF_ACCEPT));
         return p;
     }
-    p.push(bpf_stmt(BPF_LD | BPF_W | BPF_ABS, 16));
+    p.push(bpf::stmt(BPF_LD | BPF_W | BPF_ABS, 16));
     let chunks = addrs.len().div_ceil(BPF_CHUNK);
     for (c, chunk) in addrs.chunks(BPF_CHUNK).enumerate() {
         let m = chunk.len();
         for (i, a) in chunk.iter().enumerate() {
             // On a match, on to this chunk's accept (after the chunk's last compare and
             // the instruction that follows it).
-            p.push(bpf_jump(
+            p.push(bpf::jump(
                 BPF_JMP | BPF_JEQ | BPF_K,
                 u32::from(*a),
                 (m - i) as u8,
@@ -694,11 +364,11 @@ fn raw_filter(port: u16, addrs: &[Ipv4Addr]) -> Vec<libc::sock_filter> {
         }
         if c + 1 < chunks {
             // No match in this chunk: over its accept, to the next chunk.
-            p.push(bpf_stmt(BPF_JMP | BPF_JA, 1));
+            p.push(bpf::stmt(BPF_JMP | BPF_JA, 1));
         } else {
-            p.push(bpf_stmt(BPF_RET | BPF_K, 0));
+            p.push(bpf::stmt(BPF_RET | BPF_K, 0));
         }
-        p.push(bpf_stmt(BPF_RET | BPF_K, BPF_ACCEPT));
+        p.push(bpf::stmt(BPF_RET | BPF_K, BPF_ACCEPT));
     }
     p
 }
@@ -711,36 +381,17 @@ pub struct RawRx {
     buffer: RxBuffer,
 }
 
-/// The raw socket's receive buffer (the kernel doubles it for its bookkeeping): room
-/// for ~100,000 queued frames (a loopback datagram takes ~1.3 KiB of it), so the host
-/// loop can fall behind for a while without loss. What bounds the queue is the senders'
-/// pacing: a guest keeps at most a VM-wide window of requests of each kind outstanding
-/// (64 REQs and 64 DREQs by default), so 128 VMs behind one peer host put at most ~32 K
-/// requests and answers in flight towards it. The buffer is not sized for unpaced
-/// bursts: a queue deep enough to take hundreds of thousands of frames only turns loss
-/// into delay past the CM's timeouts, and every late request is retried.
-pub(crate) const RAW_RCVBUF: libc::c_int = 64 << 20;
-
 impl RawRx {
     /// Opens the raw socket for datagrams to `port` at `addrs`. Fails with
     /// `PermissionDenied` without `CAP_NET_RAW`.
     pub fn open(port: u16, addrs: &[Ipv4Addr]) -> io::Result<RawRx> {
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = cvt(unsafe {
-            libc::socket(
-                libc::AF_INET,
-                libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_UDP,
-            )
-        })?;
-        // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = super::sys::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_UDP)?;
         let raw = fd.as_raw_fd();
         // A large buffer absorbs bursts; a smaller one is reported (stat, metrics).
         let buffer = set_rx_buffer(raw, "raw wire socket");
         // Raw sockets never send here: a zero-length send buffer is not possible, but
         // nothing is ever written.
-        attach_filter(raw, &raw_filter(port, addrs))?;
+        bpf::attach(raw, &raw_filter(port, addrs))?;
         let rx = RawRx { fd, buffer };
         // Datagrams that arrived between socket() and the filter: not filtered, drop.
         let mut rb = RecvBatch::default();
@@ -750,7 +401,7 @@ impl RawRx {
 
     /// Replaces the filter: datagrams to `port` at `addrs` (the VMs changed).
     pub fn set_filter(&self, port: u16, addrs: &[Ipv4Addr]) -> io::Result<()> {
-        attach_filter(self.fd.as_raw_fd(), &raw_filter(port, addrs))
+        bpf::attach(self.fd.as_raw_fd(), &raw_filter(port, addrs))
     }
 
     /// The socket's fd, for epoll.
@@ -760,166 +411,7 @@ impl RawRx {
 
     /// Receives up to [`BATCH`] whole IPv4 datagrams (non-blocking) into `rb`.
     pub fn recv_batch(&self, rb: &mut RecvBatch) -> io::Result<usize> {
-        recv_batch(self.fd.as_raw_fd(), rb)
-    }
-}
-
-/// Control message storage, aligned for `cmsghdr`.
-#[derive(Clone, Copy)]
-#[repr(C, align(8))]
-struct Ctrl([u8; CTRL_LEN]);
-
-/// Buffers for one `recvmmsg` batch.
-pub struct RecvBatch {
-    bufs: Box<[[u8; RECV_BUF]; BATCH]>,
-    addrs: Box<[libc::sockaddr_storage; BATCH]>,
-    ctrl: Box<[Ctrl; BATCH]>,
-    lens: [usize; BATCH],
-    truncated: [bool; BATCH],
-    /// The largest kernel drop count (`SO_RXQ_OVFL`) the batch's datagrams carried.
-    drop_count: Option<u32>,
-}
-
-impl std::fmt::Debug for RecvBatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvBatch").finish_non_exhaustive()
-    }
-}
-
-impl Default for RecvBatch {
-    fn default() -> Self {
-        RecvBatch {
-            bufs: Box::new([[0; RECV_BUF]; BATCH]),
-            // SAFETY: sockaddr_storage is plain old data for which all-zero is valid.
-            addrs: Box::new(unsafe { std::mem::zeroed() }),
-            ctrl: Box::new([Ctrl([0; CTRL_LEN]); BATCH]),
-            lens: [0; BATCH],
-            truncated: [false; BATCH],
-            drop_count: None,
-        }
-    }
-}
-
-impl RecvBatch {
-    /// Datagram `i` of the last batch: its source (`None` if neither IPv4 nor IPv6),
-    /// its bytes, and whether it was longer than the buffer.
-    pub fn get(&self, i: usize) -> (Option<SocketAddr>, &[u8], bool) {
-        let src = socket_addr_from(&self.addrs[i]);
-        let len = self.lens[i].min(RECV_BUF);
-        (src, &self.bufs[i][..len], self.truncated[i])
-    }
-
-    /// Frame `i`'s packet type when it came from a packet socket (`PACKET_OUTGOING`:
-    /// transmitted on the device, not received).
-    pub fn packet_type(&self, i: usize) -> Option<u8> {
-        packet_type_from(&self.addrs[i])
-    }
-}
-
-/// A received frame that passed every check: its MAD and addressing.
-#[derive(Debug, Clone)]
-pub struct InFrame {
-    /// Sender's GID (its source address; IPv4-mapped for IPv4).
-    pub src: Gid,
-    /// Sender's address.
-    pub src_addr: SocketAddr,
-    /// The DETH's source QP and Q_Key, for the rx header.
-    pub src_qp: u32,
-    /// Q_Key.
-    pub qkey: u32,
-    /// P_Key.
-    pub pkey: u16,
-    /// The MAD.
-    pub mad: [u8; MAD_LEN],
-}
-
-/// The checks every frame gets before its ICRC: exactly one 280-byte frame, a UD SEND
-/// only to QP1 with the default P_Key, and the GSI DETH.
-pub(crate) fn check_headers(dgram: &[u8]) -> Result<(Frame<&[u8]>, BthRepr, DethRepr), DevDrop> {
-    let frame = Frame::new_checked(dgram).map_err(|e| match e {
-        WireError::BthOpcode(_) | WireError::BthVersion(_) => DevDrop::WireBadBth,
-        _ => DevDrop::WireBadLength,
-    })?;
-    let bth = BthRepr::parse(&frame.bth()).map_err(|_| DevDrop::WireBadBth)?;
-    if bth.dest_qp != GSI_QPN || bth.pkey & 0x7FFF != 0x7FFF {
-        return Err(DevDrop::WireBadBth);
-    }
-    let deth = DethRepr::parse(&frame.deth()).map_err(|_| DevDrop::WireBadDeth)?;
-    if deth.qkey != GSI_QKEY || deth.src_qp != GSI_QPN {
-        return Err(DevDrop::WireBadDeth);
-    }
-    Ok((frame, bth, deth))
-}
-
-pub(crate) fn in_frame(
-    src: SocketAddr,
-    frame: &Frame<&[u8]>,
-    bth: &BthRepr,
-    deth: &DethRepr,
-) -> InFrame {
-    let mut mad = [0u8; MAD_LEN];
-    mad.copy_from_slice(frame.mad());
-    InFrame {
-        src: IpRepr::gid(src.ip()),
-        src_addr: src,
-        src_qp: deth.src_qp,
-        qkey: deth.qkey,
-        pkey: bth.pkey,
-        mad,
-    }
-}
-
-/// Checks one UDP payload received on `local` from `src` (a UDP socket): the header
-/// checks of [`check_headers`], then the ICRC under the header rebuilt from the
-/// addresses. Over IPv4 that header is the one a pvcm sender's kernel writes
-/// (identification 0, DF; see `pvcm_wire::roce`), since a UDP socket does not see the
-/// real one; over IPv6 it is exact (the ICRC covers nothing else).
-pub fn check_frame(local: SocketAddr, src: SocketAddr, dgram: &[u8]) -> Result<InFrame, DevDrop> {
-    let (frame, bth, deth) = check_headers(dgram)?;
-    let ip = IpRepr::from_addrs(src.ip(), local.ip()).ok_or(DevDrop::WireBadSource)?;
-    let udp = UdpRepr {
-        src_port: src.port(),
-        dst_port: local.port(),
-        length: (roce::UDP_HEADER_LEN + FRAME_LEN) as u16,
-    };
-    frame
-        .check_icrc(&ip, &udp)
-        .map_err(|_| DevDrop::WireBadIcrc)?;
-    Ok(in_frame(src, &frame, &bth, &deth))
-}
-
-/// Checks one whole IPv4 datagram from the raw socket (raw mode): a valid IPv4 header
-/// without options or fragments, a UDP header whose length matches, the header checks
-/// of [`check_headers`], and the ICRC over the IPv4 and UDP headers exactly as
-/// received. Returns the destination address with the frame.
-pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddr, InFrame), DevDrop> {
-    let (ip, udp, _) = roce::parse_datagram(dgram).map_err(|e| match e {
-        WireError::BthOpcode(_) | WireError::BthVersion(_) => DevDrop::WireBadBth,
-        WireError::Unsupported(_) | WireError::Ipv4Checksum { .. } => DevDrop::WireBadIp,
-        _ => DevDrop::WireBadLength,
-    })?;
-    let total = usize::from(ip.total_len);
-    if total != dgram.len() || usize::from(udp.length) != roce::UDP_HEADER_LEN + FRAME_LEN {
-        // Trailing bytes, or a frame padded inside the UDP payload.
-        return Err(DevDrop::WireBadLength);
-    }
-    let payload = &dgram[roce::IPV4_HEADER_LEN + roce::UDP_HEADER_LEN..];
-    let (frame, bth, deth) = check_headers(payload)?;
-    roce::check_datagram_icrc(dgram).map_err(|_| DevDrop::WireBadIcrc)?;
-    let src = SocketAddr::V4(SocketAddrV4::new(ip.src, udp.src_port));
-    let dst = SocketAddr::V4(SocketAddrV4::new(ip.dst, udp.dst_port));
-    Ok((dst, in_frame(src, &frame, &bth, &deth)))
-}
-
-impl From<InFrame> for InMad {
-    fn from(f: InFrame) -> InMad {
-        InMad {
-            src: f.src,
-            src_qp: f.src_qp,
-            qkey: f.qkey,
-            pkey: f.pkey,
-            mad: f.mad,
-        }
+        super::sys::recv_batch(self.fd.as_raw_fd(), rb)
     }
 }
 
@@ -1524,7 +1016,7 @@ impl crate::port::WirePort for SoftPort {
     ) -> Result<(), PortError> {
         let a = spec.addr();
         let name = &spec.vm.name;
-        let bind_err = |e: Error| PortError::Bind(Box::new(e));
+        let bind_err = |e: Error| PortError::Bind(e);
         if spec.incoming && (a.is_ipv6() || self.raw.is_none()) {
             return Err(bind_err(if a.is_ipv6() {
                 Error::IncomingIpv6(name.clone())
@@ -1606,7 +1098,7 @@ impl crate::port::WirePort for SoftPort {
         if self.reads_udp(vm) {
             return Err(PortError::ClaimNeedsRaw);
         }
-        self.bind_vm(vm).map_err(|e| PortError::Bind(Box::new(e)))?;
+        self.bind_vm(vm).map_err(PortError::Bind)?;
         Ok(true)
     }
 
@@ -1662,6 +1154,8 @@ mod tests {
     use super::*;
     use pvcm_wire::mad::{self, MGMT_CLASS_CM};
     use pvcm_wire::roce::Ipv4Repr;
+    use std::net::Ipv6Addr;
+    use std::os::fd::FromRawFd;
 
     fn v4(a: [u8; 4]) -> IpAddr {
         IpAddr::V4(Ipv4Addr::from(a))

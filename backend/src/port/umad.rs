@@ -39,7 +39,7 @@ use pvcm_wire::roce::{FRAME_LEN, FrameRepr, GSI_QKEY, GSI_QPN, IpRepr, UDP_PORT,
 
 use crate::config::gid_addr;
 
-use crate::error::Error;
+use crate::port::Error;
 use crate::port::{Arrivals, InMad, OutMad, PortCtx, PortError, WirePort};
 use crate::stats::{DevDrop, Io};
 

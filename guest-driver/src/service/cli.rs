@@ -61,6 +61,11 @@ struct GuestdCli {
     dev: DeviceArgs,
     #[command(flatten)]
     service: ServiceArgs,
+    /// The log format on stderr: `text` (one line per event; colour only on a
+    /// terminal, never with NO_COLOR set) or `json` (one JSON object per line). RUST_LOG
+    /// sets the level.
+    #[arg(long, value_name = "FORMAT", value_enum, default_value = "text")]
+    log_format: pvcm_log::LogFormat,
     #[command(subcommand)]
     cmd: Option<Sub>,
 }
@@ -97,10 +102,11 @@ pub fn main() -> ExitCode {
     if let Some(Sub::Stat { control, json }) = &cli.cmd {
         return stat(control, *json);
     }
+    pvcm_log::init(cli.log_format);
     match serve(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("pvcm-guestd: error: {e}");
+            tracing::error!(error = %e, "pvcm-guestd failed");
             ExitCode::from(1)
         }
     }
@@ -151,9 +157,14 @@ pub fn serve_on<T: Transport>(
 ) -> Result<(), GuestdError> {
     let gid = dev.port_info().gid;
     let port = find_port(&args.rdma_sysfs, gid, Duration::from_secs(args.gid_wait))?;
-    eprintln!(
-        "pvcm-guestd: pvcm GID {gid} is {} port {} GID index {} ({}, path MTU code {})",
-        port.device, port.port_num, port.gid_index, port.netdev, port.path_mtu
+    tracing::info!(
+        %gid,
+        device = %port.device,
+        port = port.port_num,
+        gid_index = port.gid_index,
+        netdev = %port.netdev,
+        path_mtu = port.path_mtu,
+        "the pvcm GID's RDMA port found"
     );
     let seed = dev.options().seed;
     let cma = Cma::new(port, seed);
@@ -164,14 +175,14 @@ pub fn serve_on<T: Transport>(
         control: Some(args.control.clone()),
     };
     let mut server = Server::start(dev, cma, &opts, stop)?;
-    eprintln!(
-        "pvcm-guestd: serving /dev/{} (control {})",
-        args.devname,
-        args.control.display()
+    tracing::info!(
+        device = %format_args!("/dev/{}", args.devname),
+        control = %args.control.display(),
+        "serving"
     );
     notify_ready();
     server.run()?;
-    eprintln!("pvcm-guestd: stopping");
+    tracing::info!("stopping");
     Ok(())
 }
 

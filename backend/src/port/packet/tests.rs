@@ -11,6 +11,7 @@ use pvcm_wire::roce::{BthRepr, DethRepr, IPV4_HEADER_LEN};
 use super::*;
 use crate::config::VmSpec;
 use crate::pcap::Capture;
+use crate::port::bpf::{BPF_JA, BPF_JMP};
 use crate::port::testnet::{add_addr, in_netns, ip};
 use crate::stats::DevCounters;
 use crate::vm_port::VmPort;
@@ -311,7 +312,7 @@ fn packet_socket(dev: &str) -> OwnedFd {
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
     sll.sll_protocol = ETH_P_ALL.to_be();
-    sll.sll_ifindex = soft::if_index(dev).unwrap() as libc::c_int;
+    sll.sll_ifindex = sys::if_index(dev).unwrap() as libc::c_int;
     // SAFETY: `sll` is a valid sockaddr_ll.
     let r = unsafe {
         libc::bind(
