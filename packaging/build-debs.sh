@@ -12,7 +12,7 @@ debug symbols split off with objcopy):
 
   pvcm-guest_VERSION_ARCH.deb    the VM's side: pvcm-guestd (the rdma_cm device through
       CUSE) and pvcm-guest (the CLI); the pvcm-guestd systemd unit and its defaults file;
-      the modprobe.d blacklist of the kernel's rdma_ucm, rdma_cm and ib_cm, and a
+      the modprobe.d rule keeping the kernel's rdma_ucm, rdma_cm and ib_cm out, a
       drop-in for rdma-core's rdma-load-modules@.service that leaves them out; the
       modules-load.d entry for cuse and uio_pci_generic; the udev rule giving the
       rdma_cm node mode 0666; man pages; docs/apps.md.
