@@ -394,7 +394,8 @@ manpage "$h/usr/sbin/pvcm-qp1-divert" 8 "divert a VM's RoCE QP1 frames to a host
 mkdir -p "$h/DEBIAN"
 # Recommends: the umad port talks to the kernel's ib_umad directly (no libibumad, no
 # verbs); rdma-core loads ib_umad for RDMA devices and gives /dev/infiniband/umad* its
-# udev rules. iproute2 and nftables: pvcm-qp1-divert and the libvirt hook.
+# udev rules. iproute2 and nftables: pvcm-qp1-divert and the libvirt hook; python3:
+# the libvirt hook (a hook that cannot run stops the VM's start).
 cat >"$h/DEBIAN/control" <<EOF
 Package: pvcm-backend
 Source: pvcm
@@ -404,8 +405,8 @@ Maintainer: $maint
 Section: net
 Priority: optional
 Depends: $(shlibs "$h" usr/sbin/pvcm-backend)
-Recommends: rdma-core, iproute2, nftables
-Suggests: python3, qemu-system-x86, libvirt-daemon-system
+Recommends: rdma-core, iproute2, nftables, python3
+Suggests: qemu-system-x86, libvirt-daemon-system
 Description: pvcm host daemon: para-virtual InfiniBand CM endpoints for VMs
  pvcm-backend serves one vhost-user socket per VM and multiplexes the VMs' CM
  MADs onto the host's RoCEv2 port (its own soft port, a device's QP1 through
