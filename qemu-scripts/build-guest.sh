@@ -589,9 +589,12 @@ fi
 # request_module both read /etc/modprobe.d). A kernel-CM VM booted from an image with
 # the pvcm-guest package in it sets the package's rule aside, as removing the package
 # would.
-if [ -z "$fail" ] && [ "$cm" = kernel ] && [ -f /etc/modprobe.d/pvcm-guest.conf ]; then
-    mv /etc/modprobe.d/pvcm-guest.conf /etc/modprobe.d/pvcm-guest.conf.off
-    say "pvcm.cm=kernel: the pvcm-guest package's modprobe rule set aside"
+if [ -z "$fail" ] && [ "$cm" = kernel ]; then
+    for f in /lib/modprobe.d/pvcm-guest.conf /etc/modprobe.d/pvcm-guest.conf; do
+        [ -f "$f" ] || continue
+        mv "$f" "$f.off"
+        say "pvcm.cm=kernel: the pvcm-guest package's modprobe rule set aside"
+    done
 fi
 if [ -z "$fail" ] && [ "$cm" = pvcm ]; then
     mkdir -p /etc/modprobe.d

@@ -17,7 +17,7 @@
 //! `--control-mode`/`--control-group` open it, which is the authorization they need.
 //!
 //! `--metrics ADDR` serves the same figures as Prometheus text over plain HTTP/1.1
-//! (`GET /metrics`, or any path).
+//! (`GET /metrics`; any other path is 404).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -178,7 +178,7 @@ pub(crate) fn serve_metrics(shared: &Shared, mut s: TcpStream) {
     let _ = s.set_read_timeout(Some(IO_TIMEOUT));
     let _ = s.set_write_timeout(Some(IO_TIMEOUT));
     let _ = s.set_nonblocking(false);
-    // Read the request head (bounded); the path does not matter.
+    // Read the request head (bounded).
     let mut head = Vec::new();
     let mut b = [0u8; 1024];
     while head.len() < 16 * 1024 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -187,15 +187,17 @@ pub(crate) fn serve_metrics(shared: &Shared, mut s: TcpStream) {
             Ok(n) => head.extend_from_slice(&b[..n]),
         }
     }
-    let (status, body) = if head.starts_with(b"GET ") || head.starts_with(b"HEAD ") {
-        ("200 OK", shared.snapshot().prometheus())
-    } else {
-        ("405 Method Not Allowed", "only GET\n".to_string())
+    let (status, body) = match crate::stats::metrics_route(&head) {
+        crate::stats::Route::Metrics => ("200 OK", shared.snapshot().prometheus()),
+        crate::stats::Route::NotFound => ("404 Not Found", "only /metrics\n".to_string()),
+        crate::stats::Route::BadMethod => ("405 Method Not Allowed", "only GET\n".to_string()),
     };
+    let head_only = head.starts_with(b"HEAD ");
     let resp = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+         Content-Length: {}\r\nConnection: close\r\n\r\n{}",
+        body.len(),
+        if head_only { "" } else { body.as_str() }
     );
     write_all(&mut s, resp.as_bytes());
 }

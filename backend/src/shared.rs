@@ -185,6 +185,7 @@ impl Shared {
         *life = Lifecycle::Detached;
         let (out, next) = {
             let mut core = self.lock_core();
+            port.counters.end_session(&core.mux.vm_stats(vm));
             core.mux.detach_vm(vm);
             core.by_vm.remove(&vm);
             core.commit();
@@ -230,7 +231,8 @@ impl Shared {
                 gid: p.spec.vm.gid.to_string(),
                 socket: p.spec.socket.display().to_string(),
                 attached: vm.is_some(),
-                figures: Figures::new(&s, &[&p.counters]),
+                quota: u64::from(p.quota().unwrap_or(self.default_quota)),
+                figures: Figures::new(&p.counters.lifetime(s), &[&p.counters]),
             });
         }
         drop(core);

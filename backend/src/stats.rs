@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use pvcm_wire::mad::AttributeId;
 use serde::{Deserialize, Serialize};
@@ -170,11 +171,15 @@ impl Io {
     }
 }
 
-/// Lock-free device counters of one VM port.
+/// Lock-free device counters of one VM port, and the mux's counts of the port's ended
+/// vhost-user sessions.
 #[derive(Debug)]
 pub struct DevCounters {
     drops: [AtomicU64; DevDrop::COUNT],
     io: [AtomicU64; Io::ALL.len()],
+    /// The mux's counters of the sessions that ended (entries stay 0): added to the
+    /// current session's, a VM's counters never go back while the port is served.
+    past: Mutex<Stats>,
 }
 
 impl Default for DevCounters {
@@ -182,6 +187,7 @@ impl Default for DevCounters {
         DevCounters {
             drops: std::array::from_fn(|_| AtomicU64::new(0)),
             io: std::array::from_fn(|_| AtomicU64::new(0)),
+            past: Mutex::new(Stats::default()),
         }
     }
 }
@@ -209,7 +215,27 @@ impl DevCounters {
     pub fn io(&self, k: Io) -> u64 {
         self.io[k as usize].load(Ordering::Relaxed)
     }
-    /// Adds every count of `other` to these.
+    /// Keeps the mux's counters of a session that ends (its `vm_stats` just before
+    /// the mux folds them into the host's).
+    pub fn end_session(&self, s: &Stats) {
+        let mut p = self.past.lock().unwrap_or_else(PoisonError::into_inner);
+        p.counters += &s.counters;
+        p.drops += &s.drops;
+        p.on_behalf += s.on_behalf;
+    }
+
+    /// The mux's figures of the current session (`current`; its entries as they are)
+    /// plus the counters of every session that ended.
+    pub fn lifetime(&self, mut current: Stats) -> Stats {
+        let p = self.past.lock().unwrap_or_else(PoisonError::into_inner);
+        current.counters += &p.counters;
+        current.drops += &p.drops;
+        current.on_behalf += p.on_behalf;
+        current
+    }
+
+    /// Adds every device count of `other` to these (not the mux's: the host's own
+    /// figures have those).
     pub fn absorb(&self, other: &DevCounters) {
         for (a, b) in self.drops.iter().zip(&other.drops) {
             a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -345,7 +371,11 @@ pub struct VmFigures {
     pub socket: String,
     /// A vhost-user session is attached now.
     pub attached: bool,
-    /// Its figures (the mux's for the current session, the device's since start).
+    /// Its quota of live connections in effect (its own, or the host's default).
+    #[serde(default)]
+    pub quota: u64,
+    /// Its figures since the daemon started serving it: counters of every session
+    /// (the mux's) and of the device; entries of the current session.
     pub figures: Figures,
 }
 
@@ -443,91 +473,98 @@ impl Snapshot {
         out
     }
 
-    /// Prometheus text exposition (version 0.0.4). Host totals carry `vm="_host"`.
+    /// Prometheus text exposition (version 0.0.4), in node_exporter's manner: per-VM
+    /// families carry a `vm` label, the host's totals have families of their own
+    /// (`pvcm_host_*`), counters never go back while the daemon runs; then the build
+    /// and the process (`process_*`, from `/proc/self`).
     pub fn prometheus(&self) -> String {
         let mut out = String::new();
-        let all = self
+        let vms: Vec<(String, &Figures)> = self
             .vms
             .iter()
-            .map(|v| (v.name.as_str(), &v.figures))
-            .chain(std::iter::once(("_host", &self.host)))
-            .collect::<Vec<_>>();
-        let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_cm_messages_total CM MADs per infiniband_cm group and message type."
-        );
-        let _ = writeln!(out, "# TYPE pvcm_cm_messages_total counter");
-        for (vm, f) in &all {
-            for (g, msgs) in &f.cm {
-                for (m, v) in msgs {
-                    let _ = writeln!(
-                        out,
-                        "pvcm_cm_messages_total{{vm=\"{}\",group=\"{g}\",msg=\"{m}\"}} {v}",
-                        esc(vm)
-                    );
+            .map(|v| (format!("vm=\"{}\",", esc(&v.name)), &v.figures))
+            .collect();
+        let host = [(String::new(), &self.host)];
+        for (prefix, rows) in [("pvcm", &vms[..]), ("pvcm_host", &host[..])] {
+            let whose = if prefix == "pvcm" {
+                "per VM"
+            } else {
+                "host-wide"
+            };
+            family(
+                &mut out,
+                &format!("{prefix}_cm_messages_total"),
+                "counter",
+                &format!("CM MADs per infiniband_cm group and message type, {whose}."),
+            );
+            for (l, f) in rows {
+                for (g, msgs) in &f.cm {
+                    for (m, v) in msgs {
+                        let _ = writeln!(
+                            out,
+                            "{prefix}_cm_messages_total{{{l}group=\"{g}\",msg=\"{m}\"}} {v}"
+                        );
+                    }
+                }
+            }
+            family(
+                &mut out,
+                &format!("{prefix}_drops_total"),
+                "counter",
+                &format!("Dropped MADs, frames and messages by layer and reason, {whose}."),
+            );
+            for (l, f) in rows {
+                for (layer, m) in [("mux", &f.drops), ("device", &f.device_drops)] {
+                    for (r, v) in m {
+                        let _ = writeln!(
+                            out,
+                            "{prefix}_drops_total{{{l}layer=\"{layer}\",reason=\"{r}\"}} {v}"
+                        );
+                    }
+                }
+            }
+            family(
+                &mut out,
+                &format!("{prefix}_io_total"),
+                "counter",
+                &format!("Messages and frames through the device and the wire port, {whose}."),
+            );
+            for (l, f) in rows {
+                for (k, v) in &f.io {
+                    let _ = writeln!(out, "{prefix}_io_total{{{l}kind=\"{k}\"}} {v}");
+                }
+            }
+            family(
+                &mut out,
+                &format!("{prefix}_on_behalf_total"),
+                "counter",
+                &format!("CM MADs the mux sent itself on a VM's behalf, {whose}."),
+            );
+            for (l, f) in rows {
+                let labels = match l.trim_end_matches(',') {
+                    "" => String::new(),
+                    l => format!("{{{l}}}"),
+                };
+                let _ = writeln!(out, "{prefix}_on_behalf_total{labels} {}", f.on_behalf);
+            }
+            family(
+                &mut out,
+                &format!("{prefix}_entries"),
+                "gauge",
+                &format!("Connection entries at the mux by state, {whose}."),
+            );
+            for (l, f) in rows {
+                for (state, v) in [("live", f.live), ("quarantined", f.quarantined)] {
+                    let _ = writeln!(out, "{prefix}_entries{{{l}state=\"{state}\"}} {v}");
                 }
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_drops_total Dropped MADs, frames and messages by reason."
+        family(
+            &mut out,
+            "pvcm_vm_attached",
+            "gauge",
+            "1 while the VM's vhost-user session is up.",
         );
-        let _ = writeln!(out, "# TYPE pvcm_drops_total counter");
-        for (vm, f) in &all {
-            for (layer, m) in [("mux", &f.drops), ("device", &f.device_drops)] {
-                for (r, v) in m {
-                    let _ = writeln!(
-                        out,
-                        "pvcm_drops_total{{vm=\"{}\",layer=\"{layer}\",reason=\"{r}\"}} {v}",
-                        esc(vm)
-                    );
-                }
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_io_total Messages and frames through the device and the wire port."
-        );
-        let _ = writeln!(out, "# TYPE pvcm_io_total counter");
-        for (vm, f) in &all {
-            for (k, v) in &f.io {
-                let _ = writeln!(out, "pvcm_io_total{{vm=\"{}\",kind=\"{k}\"}} {v}", esc(vm));
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_on_behalf_total CM MADs the mux sent itself on a VM's behalf."
-        );
-        let _ = writeln!(out, "# TYPE pvcm_on_behalf_total counter");
-        for (vm, f) in &all {
-            let _ = writeln!(
-                out,
-                "pvcm_on_behalf_total{{vm=\"{}\"}} {}",
-                esc(vm),
-                f.on_behalf
-            );
-        }
-        let _ = writeln!(out, "# HELP pvcm_entries Connection entries at the mux.");
-        let _ = writeln!(out, "# TYPE pvcm_entries gauge");
-        for (vm, f) in &all {
-            let _ = writeln!(
-                out,
-                "pvcm_entries{{vm=\"{}\",state=\"live\"}} {}",
-                esc(vm),
-                f.live
-            );
-        }
-        let _ = writeln!(
-            out,
-            "pvcm_entries{{vm=\"_host\",state=\"quarantined\"}} {}",
-            self.host.quarantined
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_vm_attached 1 while the VM's vhost-user session is up."
-        );
-        let _ = writeln!(out, "# TYPE pvcm_vm_attached gauge");
         for v in &self.vms {
             let _ = writeln!(
                 out,
@@ -536,12 +573,26 @@ impl Snapshot {
                 u8::from(v.attached)
             );
         }
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_wire_rx_mode 1 for the wire port's receive mode in effect, with the \
-             configured one."
+        family(
+            &mut out,
+            "pvcm_vm_quota_connections",
+            "gauge",
+            "The VM's quota of live connections in effect (its own or the host's default).",
         );
-        let _ = writeln!(out, "# TYPE pvcm_wire_rx_mode gauge");
+        for v in &self.vms {
+            let _ = writeln!(
+                out,
+                "pvcm_vm_quota_connections{{vm=\"{}\"}} {}",
+                esc(&v.name),
+                v.quota
+            );
+        }
+        family(
+            &mut out,
+            "pvcm_wire_rx_mode",
+            "gauge",
+            "1 for the wire port's receive mode in effect, with the configured one.",
+        );
         let _ = writeln!(
             out,
             "pvcm_wire_rx_mode{{mode=\"{}\",configured=\"{}\"}} 1",
@@ -549,22 +600,23 @@ impl Snapshot {
             esc(&self.wire_rx_configured)
         );
         if let Some(b) = self.wire_rx_buffer {
-            let _ = writeln!(
-                out,
-                "# HELP pvcm_wire_rx_buffer_bytes The shared receive socket's buffer: \
-                 state=\"wanted\" asked for, state=\"effective\" in effect."
+            family(
+                &mut out,
+                "pvcm_wire_rx_buffer_bytes",
+                "gauge",
+                "The shared receive socket's buffer: state=\"wanted\" asked for, \
+                 state=\"effective\" in effect.",
             );
-            let _ = writeln!(out, "# TYPE pvcm_wire_rx_buffer_bytes gauge");
             for (state, v) in [("wanted", b.wanted), ("effective", b.effective)] {
                 let _ = writeln!(out, "pvcm_wire_rx_buffer_bytes{{state=\"{state}\"}} {v}");
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP pvcm_degraded 1 for each setting in effect in a lesser form than \
-             configured."
+        family(
+            &mut out,
+            "pvcm_degraded",
+            "gauge",
+            "1 for each setting in effect in a lesser form than configured.",
         );
-        let _ = writeln!(out, "# TYPE pvcm_degraded gauge");
         for d in &self.degraded {
             let _ = writeln!(
                 out,
@@ -574,7 +626,191 @@ impl Snapshot {
                 esc(&d.effective)
             );
         }
+        family(
+            &mut out,
+            "pvcm_build_info",
+            "gauge",
+            "1, labelled with the daemon's version, mux policy and platform.",
+        );
+        let _ = writeln!(
+            out,
+            "pvcm_build_info{{version=\"{}\",policy=\"{}\",os=\"{}\",arch=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            esc(&self.policy),
+            std::env::consts::OS,
+            std::env::consts::ARCH
+        );
+        if let Some(p) = Process::read() {
+            p.render(&mut out);
+        }
         out
+    }
+}
+
+/// What the metrics listener does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `GET /metrics` or `HEAD /metrics` (a query string allowed): the figures.
+    Metrics,
+    /// Any other path: 404.
+    NotFound,
+    /// Any other method, or not HTTP: 405.
+    BadMethod,
+}
+
+/// Routes an HTTP request by its head (the request line first).
+pub fn metrics_route(head: &[u8]) -> Route {
+    let line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, target) = (parts.next().unwrap_or_default(), parts.next());
+    if method != b"GET" && method != b"HEAD" {
+        return Route::BadMethod;
+    }
+    let Some(target) = target else {
+        return Route::BadMethod;
+    };
+    let path = target.split(|&b| b == b'?').next().unwrap_or_default();
+    if path == b"/metrics" {
+        Route::Metrics
+    } else {
+        Route::NotFound
+    }
+}
+
+/// A label value, escaped for the text format.
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// A family's HELP and TYPE lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// The standard process figures (the Prometheus client libraries' `process_*`), from
+/// `/proc/self`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Process {
+    /// User and system CPU time, seconds.
+    pub cpu_seconds: f64,
+    /// Resident set size, bytes.
+    pub resident_bytes: u64,
+    /// Virtual memory size, bytes.
+    pub virtual_bytes: u64,
+    /// Open file descriptors.
+    pub open_fds: u64,
+    /// The soft limit on open file descriptors.
+    pub max_fds: Option<u64>,
+    /// Start time, seconds since the Unix epoch.
+    pub start_time_seconds: f64,
+}
+
+/// Linux's USER_HZ: the unit of the times in `/proc/PID/stat`, 100 on every architecture.
+const USER_HZ: f64 = 100.0;
+
+impl Process {
+    /// This process's figures; `None` where `/proc` cannot tell.
+    pub fn read() -> Option<Process> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+        Process::parse(&stat, &boot, &status, &limits, open_fds)
+    }
+
+    /// The figures from the texts of `/proc/self/stat`, `/proc/stat`, `/proc/self/status`
+    /// and `/proc/self/limits`.
+    pub fn parse(
+        stat: &str,
+        boot: &str,
+        status: &str,
+        limits: &str,
+        open_fds: u64,
+    ) -> Option<Process> {
+        // The command name (field 2) may hold spaces and parentheses: fields start after
+        // its last ')'. Then field 3 (state) is index 0 here.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| f.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        let (utime, stime, start) = (field(14)?, field(15)?, field(22)?);
+        let vsize = field(23)?;
+        let btime = boot
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<u64>().ok())?;
+        let kib = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        let max_fds = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|v| v.parse::<u64>().ok());
+        Some(Process {
+            cpu_seconds: (utime + stime) as f64 / USER_HZ,
+            resident_bytes: kib("VmRSS:")? * 1024,
+            virtual_bytes: vsize,
+            open_fds,
+            max_fds,
+            start_time_seconds: btime as f64 + start as f64 / USER_HZ,
+        })
+    }
+
+    /// The `process_*` families.
+    pub fn render(&self, out: &mut String) {
+        let mut one = |name: &str, kind: &str, help: &str, v: String| {
+            family(out, name, kind, help);
+            let _ = writeln!(out, "{name} {v}");
+        };
+        one(
+            "process_cpu_seconds_total",
+            "counter",
+            "Total user and system CPU time spent in seconds.",
+            format!("{}", self.cpu_seconds),
+        );
+        one(
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory size in bytes.",
+            self.resident_bytes.to_string(),
+        );
+        one(
+            "process_virtual_memory_bytes",
+            "gauge",
+            "Virtual memory size in bytes.",
+            self.virtual_bytes.to_string(),
+        );
+        one(
+            "process_open_fds",
+            "gauge",
+            "Number of open file descriptors.",
+            self.open_fds.to_string(),
+        );
+        if let Some(m) = self.max_fds {
+            one(
+                "process_max_fds",
+                "gauge",
+                "Maximum number of open file descriptors.",
+                m.to_string(),
+            );
+        }
+        one(
+            "process_start_time_seconds",
+            "gauge",
+            "Start time of the process since unix epoch in seconds.",
+            format!("{}", self.start_time_seconds),
+        );
     }
 }
 
@@ -617,6 +853,7 @@ mod tests {
                 gid: "::ffff:127.0.0.1".into(),
                 socket: "/x".into(),
                 attached: true,
+                quota: 4096,
                 figures: f.clone(),
             }],
             host: f,
@@ -644,11 +881,93 @@ mod tests {
             p.contains("pvcm_cm_messages_total{vm=\"a\\\"b\",group=\"cm_tx_msgs\",msg=\"req\"} 2"),
             "{p}"
         );
-        assert!(p.contains(
-            "pvcm_drops_total{vm=\"_host\",layer=\"device\",reason=\"wire_bad_icrc\"} 2"
-        ));
+        assert!(p.contains("pvcm_host_drops_total{layer=\"device\",reason=\"wire_bad_icrc\"} 2"));
+        assert!(
+            !p.contains("_host\""),
+            "host totals in the per-VM families: {p}"
+        );
+        assert!(p.contains("\npvcm_host_on_behalf_total 0\n"), "{p}");
+        assert!(
+            p.contains("pvcm_vm_quota_connections{vm=\"a\\\"b\"} 4096"),
+            "{p}"
+        );
+        assert!(p.contains(&format!(
+            "pvcm_build_info{{version=\"{}\",",
+            env!("CARGO_PKG_VERSION")
+        )));
+        assert!(p.contains("\nprocess_open_fds "), "{p}");
+        assert!(p.contains("\nprocess_start_time_seconds "), "{p}");
+        // Every family has one HELP and one TYPE, before its samples.
+        let mut seen = std::collections::HashSet::new();
+        for l in p.lines().filter(|l| l.starts_with("# TYPE ")) {
+            let name = l.split(' ').nth(2).unwrap();
+            assert!(seen.insert(name), "{name} twice: {p}");
+        }
         let j = serde_json::to_string(&snap).unwrap();
         let back: Snapshot = serde_json::from_str(&j).unwrap();
         assert_eq!(back, snap);
+    }
+
+    #[test]
+    fn vm_counters_keep_ended_sessions() {
+        let d = DevCounters::default();
+        let mut s = Stats::default();
+        s.counters.bump(Group::TxMsgs, AttributeId::Req);
+        s.drops.bump(DropReason::UnknownGid);
+        s.on_behalf = 2;
+        s.live = 5;
+        d.end_session(&s);
+        let now = d.lifetime(Stats {
+            live: 1,
+            ..Stats::default()
+        });
+        assert_eq!(now.counters.get(Group::TxMsgs, AttributeId::Req), 1);
+        assert_eq!(now.drops.get(DropReason::UnknownGid), 1);
+        assert_eq!((now.on_behalf, now.live), (2, 1));
+        d.end_session(&s);
+        let later = d.lifetime(s.clone());
+        assert_eq!(later.counters.get(Group::TxMsgs, AttributeId::Req), 3);
+        assert_eq!((later.on_behalf, later.live), (6, 5));
+    }
+
+    #[test]
+    fn metrics_paths() {
+        assert_eq!(
+            metrics_route(b"GET /metrics HTTP/1.1\r\n\r\n"),
+            Route::Metrics
+        );
+        assert_eq!(
+            metrics_route(b"HEAD /metrics?x=1 HTTP/1.1\r\n"),
+            Route::Metrics
+        );
+        assert_eq!(metrics_route(b"GET / HTTP/1.1\r\n\r\n"), Route::NotFound);
+        assert_eq!(
+            metrics_route(b"GET /metricsx HTTP/1.0\r\n"),
+            Route::NotFound
+        );
+        assert_eq!(
+            metrics_route(b"POST /metrics HTTP/1.1\r\n"),
+            Route::BadMethod
+        );
+        assert_eq!(metrics_route(b""), Route::BadMethod);
+        assert_eq!(metrics_route(b"GET"), Route::BadMethod);
+    }
+
+    #[test]
+    fn process_figures_from_proc() {
+        let stat = "4242 (pvcm (x) y) S 1 4242 4242 0 -1 4194560 1 0 0 0 250 50 0 0 20 0 9 0 \
+                    1000 123456789 77 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0";
+        let boot = "cpu  1 2 3\nbtime 1700000000\nprocesses 5\n";
+        let status = "Name:\tpvcm\nVmRSS:\t    2048 kB\n";
+        let limits = "Limit Soft Limit Hard Limit Units\n\
+                      Max open files            1024                 524288               files\n";
+        let p = Process::parse(stat, boot, status, limits, 12).unwrap();
+        assert_eq!(p.cpu_seconds, 3.0);
+        assert_eq!(p.resident_bytes, 2048 * 1024);
+        assert_eq!(p.virtual_bytes, 123456789);
+        assert_eq!(p.max_fds, Some(1024));
+        assert_eq!(p.start_time_seconds, 1_700_000_010.0);
+        assert!(Process::parse("garbage", boot, status, limits, 1).is_none());
+        assert!(Process::read().is_some());
     }
 }

@@ -526,7 +526,7 @@ def main():
                     _, out = vm.run("for m in rdma_ucm rdma_cm ib_cm; do [ -d /sys/module/$m ] "
                                     "&& echo loaded $m; done; modprobe rdma_ucm; echo modprobe=$?; "
                                     "ls -l /dev/infiniband/rdma_cm; "
-                                    "grep -c 'install rdma_ucm /bin/false' /etc/modprobe.d/pvcm-guest.conf")
+                                    "grep -c 'install rdma_ucm /bin/false' /lib/modprobe.d/pvcm-guest.conf")
                     result(f"VM {vm.name}: rdma_ucm, rdma_cm, ib_cm not loaded and kept out by the "
                            "package's modprobe rule", "loaded" not in out and "modprobe=0" not in out
                            and out.strip().endswith("1"), short(out, 200))

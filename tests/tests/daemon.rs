@@ -658,19 +658,51 @@ fn metrics_endpoint() {
     assert!(resp.starts_with("HTTP/1.1 200 OK\r\n"), "{resp}");
     for line in [
         "pvcm_cm_messages_total{vm=\"a\",group=\"cm_tx_msgs\",msg=\"req\"} 1",
-        "pvcm_cm_messages_total{vm=\"_host\",group=\"cm_rx_msgs\",msg=\"drep\"} 1",
+        "pvcm_host_cm_messages_total{group=\"cm_rx_msgs\",msg=\"drep\"} 1",
         "pvcm_drops_total{vm=\"b\",layer=\"device\",reason=\"wire_bad_icrc\"} 0",
         "pvcm_vm_attached{vm=\"a\"} 1",
-        "pvcm_io_total{vm=\"_host\",kind=\"wire_tx_frames\"} 5",
+        "pvcm_host_io_total{kind=\"wire_tx_frames\"} 5",
     ] {
         assert!(resp.contains(line), "{line} missing:\n{resp}");
     }
+    // The same figures on the control socket; the process's own (CPU time, memory)
+    // move between the two requests.
+    let figures = |t: &str| {
+        t.lines()
+            .filter(|l| !l.starts_with("process_") && !l.contains(" process_"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
     let body = resp.split("\r\n\r\n").nth(1).unwrap();
+    let ctl = dir.path().join("h.ctl");
     assert_eq!(
-        body,
-        control::request(&dir.path().join("h.ctl"), "metrics").unwrap()
+        figures(body),
+        figures(&control::request(&ctl, "metrics").unwrap())
     );
+    // The VMs' sessions end: their counters stay (a counter never goes back).
     drop((a, b));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let t = control::request(&ctl, "metrics").unwrap();
+        if t.contains("pvcm_vm_attached{vm=\"a\"} 0") {
+            break t;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a never detached:\n{t}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    for line in [
+        "pvcm_cm_messages_total{vm=\"a\",group=\"cm_tx_msgs\",msg=\"req\"} 1",
+        "pvcm_cm_messages_total{vm=\"a\",group=\"cm_tx_msgs\",msg=\"dreq\"} 1",
+        "pvcm_entries{vm=\"a\",state=\"live\"} 0",
+    ] {
+        assert!(
+            after.contains(line),
+            "{line} missing after detach:\n{after}"
+        );
+    }
     h.shutdown();
 }
 
