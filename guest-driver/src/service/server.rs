@@ -33,9 +33,9 @@ use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
-use crate::cli::{cm_counters_json, pacing_json};
 use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
+use crate::report::{cm_counters_json, pacing_json};
 use crate::time::SystemClock;
 
 /// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
