@@ -8,7 +8,7 @@ use pvcm_wire::timeout::linux_ms;
 
 use crate::cm::config::cm_ack_timeout;
 use crate::cm::counters::DropReason;
-use crate::cm::event::{Event, State};
+use crate::cm::event::{CmId, Event, State};
 use crate::cm::qp_attr::{PathAv, QpParams};
 use crate::time::Time;
 
@@ -16,6 +16,38 @@ use super::Agent;
 
 impl Agent {
     pub(super) fn on_req(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid, now: Time) {
+        if self.req_matched(h, r, src, now) {
+            return;
+        }
+        let Some(lslot) = self.req_admitted(h, r, src) else {
+            return;
+        };
+        let slot = self.alloc_slot(false);
+        let Some(local_id) = self.comm_ids.alloc(slot) else {
+            self.free_slot(slot);
+            self.rej_req(h, r, src, RejReason::NoResources, &[]);
+            return;
+        };
+        let listen_id = self.id_of(lslot);
+        self.req_rcvd(slot, listen_id, local_id, h, r, src);
+        self.index_remote(slot);
+        let id = self.id_of(slot);
+        self.event(Event::ConnectRequest {
+            id,
+            listen_id,
+            remote_gid: src,
+            service_id: r.service_id,
+            remote_qpn: r.local_qpn,
+            private_data: r.private_data.to_vec(),
+        });
+        if let Some(d) = self.cfg.mra_delay {
+            self.arm(slot, now.after(d));
+        }
+    }
+
+    /// A REQ that belongs to a connection we have (Linux `cm_match_req`): a duplicate
+    /// or a stale connection's. Handles it and says so.
+    fn req_matched(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid, now: Time) -> bool {
         // Duplicate (Linux cm_match_req -> cm_dup_req_handler): the MRA if we are in
         // MRA_REQ_SENT (sent now for the first time if it was delayed), else dropped. A
         // connection in TimeWait is no longer indexed by its remote comm ID, so a REQ
@@ -26,84 +58,67 @@ impl Agent {
             if self.conns[slot as usize].state == State::MraReqSent {
                 self.resend_reply(slot, h.tid);
             }
-            return;
+            return true;
         }
         // Stale connection: the peer's QP is still connected to one of ours (IBTA 12.4.1).
         // A connection in TimeWait is not in this index: its QPN may be reused at once.
         if let Some(&old) = self.remote_qpns.get(&(r.local_ca_guid, r.local_qpn)) {
-            self.send_rej(
-                src,
-                h.tid,
-                0,
-                r.local_comm_id,
-                MsgResponse::Req,
-                RejReason::StaleConn,
-                &[],
-                &[],
-            );
+            self.rej_req(h, r, src, RejReason::StaleConn, &[]);
             if self.conns[old as usize].state == State::Established {
                 self.send_stale_dreq(old, now);
             }
-            return;
+            return true;
         }
+        false
+    }
+
+    /// The listener slot a new REQ goes to, or `None` after rejecting it: no listener
+    /// for its service ID, no room for another connection, or a primary path to a GID
+    /// that is not ours.
+    fn req_admitted(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid) -> Option<u32> {
         let Some(&lslot) = self.listeners.get(&r.service_id) else {
-            self.send_rej(
-                src,
-                h.tid,
-                0,
-                r.local_comm_id,
-                MsgResponse::Req,
-                RejReason::InvalidServiceId,
-                &[],
-                &[],
-            );
-            return;
+            self.rej_req(h, r, src, RejReason::InvalidServiceId, &[]);
+            return None;
         };
         let full =
             self.cfg.max_connections != 0 && self.connections >= self.cfg.max_connections as usize;
         if full {
-            self.send_rej(
-                src,
-                h.tid,
-                0,
-                r.local_comm_id,
-                MsgResponse::Req,
-                RejReason::NoResources,
-                &[],
-                &[],
-            );
-            return;
+            self.rej_req(h, r, src, RejReason::NoResources, &[]);
+            return None;
         }
         if r.primary_path.remote_gid != self.cfg.gid {
             let gid = self.cfg.gid.0;
-            self.send_rej(
-                src,
-                h.tid,
-                0,
-                r.local_comm_id,
-                MsgResponse::Req,
-                RejReason::InvalidGid,
-                &gid,
-                &[],
-            );
-            return;
+            self.rej_req(h, r, src, RejReason::InvalidGid, &gid);
+            return None;
         }
-        let slot = self.alloc_slot(false);
-        let Some(local_id) = self.comm_ids.alloc(slot) else {
-            self.free_slot(slot);
-            self.send_rej(
-                src,
-                h.tid,
-                0,
-                r.local_comm_id,
-                MsgResponse::Req,
-                RejReason::NoResources,
-                &[],
-                &[],
-            );
-            return;
-        };
-        let listen_id = self.id_of(lslot);
+        Some(lslot)
+    }
+
+    /// Rejects a REQ we keep no connection for.
+    fn rej_req(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid, reason: RejReason, ari: &[u8]) {
+        self.send_rej(
+            src,
+            h.tid,
+            0,
+            r.local_comm_id,
+            MsgResponse::Req,
+            reason,
+            ari,
+            &[],
+        );
+    }
+
+    /// The connection record of a new REQ (state REQ_RCVD), as Linux `cm_req_handler`
+    /// fills it.
+    fn req_rcvd(
+        &mut self,
+        slot: u32,
+        listen_id: CmId,
+        local_id: u32,
+        h: &Header,
+        r: &req::Repr<'_>,
+        src: Gid,
+    ) {
         let c = &mut self.conns[slot as usize];
         c.state = State::ReqRcvd;
         c.listen = Some(listen_id);
@@ -144,19 +159,6 @@ impl Agent {
             peer_flow_control: r.end_to_end_flow_control,
             peer_srq: r.srq,
         };
-        self.index_remote(slot);
-        let id = self.id_of(slot);
-        self.event(Event::ConnectRequest {
-            id,
-            listen_id,
-            remote_gid: src,
-            service_id: r.service_id,
-            remote_qpn: r.local_qpn,
-            private_data: r.private_data.to_vec(),
-        });
-        if let Some(d) = self.cfg.mra_delay {
-            self.arm(slot, now.after(d));
-        }
     }
 
     pub(super) fn on_mra(&mut self, r: &mra::Repr<'_>, now: Time) {

@@ -13,6 +13,8 @@ mod send;
 mod sidr;
 mod timers;
 
+pub(crate) use send::ReqValues;
+
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 

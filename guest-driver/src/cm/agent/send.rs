@@ -3,10 +3,11 @@
 
 use pvcm_wire::Gid;
 use pvcm_wire::cm::{
-    CmRepr, MsgResponse, RejReason, SidrStatus, drep, dreq, mra, rej, rtu, sidr_rep,
+    CmRepr, MsgResponse, PathRepr, RejReason, SidrStatus, drep, dreq, mra, rej, req, rtu, sidr_rep,
 };
 use pvcm_wire::mad::{self, AttributeId, Header, MAD_LEN};
 
+use crate::cm::config::{ConnectOptions, cm_ack_timeout};
 use crate::cm::counters::{DropReason, Group};
 use crate::cm::event::State;
 use crate::cm::pacing::Request;
@@ -14,7 +15,74 @@ use crate::time::Time;
 
 use super::{Agent, OutMad};
 
+/// The values a REQ settles for this side, chosen once: the REQ carries them and the
+/// connection's QP parameters keep them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReqValues {
+    pub local_id: u32,
+    /// The REQ's TID.
+    pub tid: u64,
+    pub local_qpn: u32,
+    pub psn: u32,
+    pub responder_resources: u8,
+    pub initiator_depth: u8,
+    pub path_mtu: u8,
+    pub flow_label: u32,
+}
+
 impl Agent {
+    /// The REQ of an active connection to `dest` (Linux `cm_format_req`).
+    pub(crate) fn format_req<'a>(
+        &self,
+        dest: Gid,
+        service_id: u64,
+        private_data: &'a [u8],
+        opts: &ConnectOptions,
+        v: &ReqValues,
+    ) -> req::Repr<'a> {
+        let routed = opts.hop_limit > 1;
+        req::Repr {
+            local_comm_id: v.local_id,
+            vendor_id: 0,
+            service_id,
+            local_ca_guid: self.cfg.ca_guid,
+            local_qkey: 0,
+            local_qpn: v.local_qpn,
+            responder_resources: v.responder_resources,
+            local_eecn: 0,
+            initiator_depth: v.initiator_depth,
+            remote_eecn: 0,
+            remote_cm_response_timeout: opts.remote_cm_response_timeout & 0x1F,
+            transport: opts.transport,
+            end_to_end_flow_control: opts.flow_control,
+            starting_psn: v.psn,
+            local_cm_response_timeout: opts.local_cm_response_timeout & 0x1F,
+            retry_count: opts.retry_count & 0x7,
+            partition_key: self.cfg.pkey,
+            path_mtu: v.path_mtu,
+            rdc_exists: false,
+            rnr_retry_count: opts.rnr_retry_count & 0x7,
+            max_cm_retries: opts.max_cm_retries & 0xF,
+            srq: opts.srq,
+            primary_path: PathRepr {
+                local_lid: if routed { 0xFFFF } else { self.cfg.lid },
+                remote_lid: if routed { 0xFFFF } else { 0 },
+                local_gid: self.cfg.gid,
+                remote_gid: dest,
+                flow_label: v.flow_label,
+                packet_rate: 0,
+                traffic_class: opts.traffic_class,
+                hop_limit: opts.hop_limit,
+                sl: opts.sl & 0xF,
+                subnet_local: !routed,
+                local_ack_timeout: cm_ack_timeout(self.cfg.ack_delay, opts.packet_life_time),
+            },
+            alternate_path: PathRepr::default(),
+            sap_supported: false,
+            private_data,
+        }
+    }
+
     pub(crate) fn encode(&mut self, h: &Header, r: &CmRepr<'_>) -> Option<[u8; MAD_LEN]> {
         let mut buf = [0u8; MAD_LEN];
         match r.emit(h, &mut buf) {
