@@ -11,7 +11,9 @@
 //!
 //! When `pvcm-guestd` owns the device (its control socket answers), the commands run
 //! through the service's rdma_cm device instead, with the same output and exit
-//! statuses ([`via_service`]; `--via auto|service|device`).
+//! statuses ([`via_service`]; `--via auto|service|device`). `listen`, `connect` and
+//! `cmtime` are written once ([`commands`]) over [`route::Route`], which the device
+//! route ([`device_route`]) and the service route implement.
 //!
 //! Commands: `info`, `listen`, `connect`, `connect-destroy` (seed 002: connect, then
 //! destroy at once) and `cmtime` (rdma-core's connection-rate benchmark). `--json`
