@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use super::commands::wait_for;
 use super::pd_text;
-use super::route::{Answer, ConnectArgs, Connected, Route, RouteEvent};
+use super::route::{Answer, Attempt, ConnectArgs, Connected, Route, RouteEvent};
 use crate::cm::rdma_cm::{CmaHdr, EphemeralPorts, req_private_data, tcp_service_id};
 use crate::cm::{CmError, CmId, ConnectOptions, Event};
 use crate::device::cmtime::{
@@ -136,7 +136,7 @@ impl<T: Transport, C: Clock> Route for DeviceRoute<'_, T, C> {
         &mut self,
         rep: &mut dyn super::Report,
         a: &ConnectArgs<'_>,
-    ) -> Result<(CmId, Result<Connected, Failure>), DeviceError> {
+    ) -> Result<Attempt<CmId>, DeviceError> {
         let sport = self.source_port(a.src_port);
         let pd = req_private_data(
             &CmaHdr::from_gids(self.gid(), a.dest, sport),

@@ -129,6 +129,10 @@ pub struct Connected {
     pub src_port: u16,
 }
 
+/// A connection attempt's end: the connection, and whether it is established or why
+/// not.
+pub type Attempt<Id> = (Id, Result<Connected, Failure>);
+
 /// The operations `pvcm-guest`'s commands need of the CM.
 pub trait Route {
     /// A connection's (or listener's) handle; its `Display` is how the lines name it.
@@ -155,12 +159,11 @@ pub trait Route {
     /// Starts a connection and waits (up to `a.timeout`) for the end of its handshake:
     /// the connection, and whether it is established or why not. Device events met
     /// on the way are printed to `rep`.
-    #[allow(clippy::type_complexity)]
     fn connect(
         &mut self,
         rep: &mut dyn Report,
         a: &ConnectArgs<'_>,
-    ) -> Result<(Self::Id, Result<Connected, Failure>), Self::Error>;
+    ) -> Result<Attempt<Self::Id>, Self::Error>;
     /// Gives up on a connection whose attempt failed (destroying it sends what the CM
     /// sends for it).
     fn abandon(&mut self, id: Self::Id) -> Result<(), Self::Error>;

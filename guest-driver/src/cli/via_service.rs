@@ -46,7 +46,7 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
 use serde_json::{Value, json};
 
-use super::route::{Answer, ConnectArgs, Connected, Route, RouteEvent};
+use super::route::{Answer, Attempt, ConnectArgs, Connected, Route, RouteEvent};
 pub use super::{Captured, Report};
 use super::{Cli, Cmd, Out, pd_text, run_on};
 use crate::cm::{
@@ -993,7 +993,7 @@ impl<C: Channel> Route for Session<'_, C> {
         &mut self,
         _rep: &mut dyn Report,
         a: &ConnectArgs<'_>,
-    ) -> Result<(RdmaCmId, Result<Connected, Failure>), ViaError> {
+    ) -> Result<Attempt<RdmaCmId>, ViaError> {
         let uid = self.uid();
         let id = self.cm.create_id(uid, ps::TCP)?;
         let e = match self.attempt_connect(id, a)? {
