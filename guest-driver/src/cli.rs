@@ -11,7 +11,9 @@
 //!
 //! When `pvcm-guestd` owns the device (its control socket answers), the commands run
 //! through the service's rdma_cm device instead, with the same output and exit
-//! statuses ([`via_service`]; `--via auto|service|device`).
+//! statuses ([`via_service`]; `--via auto|service|device`). `listen`, `connect` and
+//! `cmtime` are written once ([`commands`]) over [`route::Route`], which the device
+//! route ([`device_route`]) and the service route implement.
 //!
 //! Commands: `info`, `listen`, `connect`, `connect-destroy` (seed 002: connect, then
 //! destroy at once) and `cmtime` (rdma-core's connection-rate benchmark). `--json`
@@ -30,78 +32,29 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::cm::rdma_cm::{
-    CmaHdr, EphemeralPorts, REQ_USER_PRIVATE_DATA_LEN, req_private_data, split_private_data,
-    tcp_service_id,
+    CmaHdr, REQ_USER_PRIVATE_DATA_LEN, req_private_data, split_private_data, tcp_service_id,
 };
-use crate::cm::{
-    AgentConfig, CmCounters, CmError, CmId, ConnectOptions, Event, Group, MESSAGES, Pacing,
-    PacingCounters, RejReason,
-};
-use crate::device::cmtime::{self, ClientOptions, Failure, ServerOptions, Step};
+use crate::cm::{AgentConfig, ConnectOptions, Group, Pacing};
+use crate::device::cmtime::{self, ClientOptions, ServerOptions};
+use crate::report::{cm_counters_json, ms, pacing_json};
 use crate::service::cli::DEFAULT_CONTROL;
+use commands::ListenArgs;
+use device_route::DeviceRoute;
+use route::{ConnectArgs, Route};
 use via_service::{DEFAULT_RDMA_CM, Via};
 
+pub mod commands;
+pub mod device_route;
+pub mod route;
 pub mod via_service;
-use crate::device::pci::{PciDevice, PciOptions};
-use crate::device::{
-    DEFAULT_RX_BATCH, Device, DeviceError, DeviceEvent, DeviceOptions, DeviceStats, Notice,
-    Transport, random_seed,
-};
-use crate::time::{Clock, SystemClock};
+pub use crate::device::args::{DeviceArgs, DeviceSpec};
+use crate::device::pci::PciDevice;
+use crate::device::{Device, DeviceError, Notice, Transport};
+use crate::time::Clock;
 use clap::{Parser, Subcommand};
 use pvcm_wire::Gid;
-use pvcm_wire::abi;
 use pvcm_wire::mad::AttributeId;
 use serde_json::{Value, json};
-
-/// Which device to drive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceSpec {
-    /// A virtio-pci function with this virtio device ID.
-    Pci {
-        /// The virtio device ID.
-        virtio_id: u32,
-    },
-}
-
-impl std::str::FromStr for DeviceSpec {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<DeviceSpec, String> {
-        if s == "pci" {
-            return Ok(DeviceSpec::Pci {
-                virtio_id: abi::DEFAULT_VIRTIO_ID,
-            });
-        }
-        if let Some(id) = s.strip_prefix("pci:") {
-            let v = match id.strip_prefix("0x") {
-                Some(h) => u32::from_str_radix(h, 16),
-                None => id.parse(),
-            }
-            .map_err(|_| format!("bad virtio ID {id:?} (a number, e.g. pci:63)"))?;
-            if v > u32::from(u16::MAX - 0x1040) {
-                return Err(format!("virtio ID {v} too large"));
-            }
-            return Ok(DeviceSpec::Pci { virtio_id: v });
-        }
-        if s == "lab" || s.starts_with("lab:") {
-            return Err(
-                "a lab device cannot be named on the command line: the lab's \
-                        mini-VMM (pvcm-lab) sets it up in its own process (memfd guest memory, \
-                        eventfds) and drives pvcm_guest::device directly; use pci[:VIRTIO_ID]"
-                    .into(),
-            );
-        }
-        Err(format!("unknown device {s:?}: use pci or pci:VIRTIO_ID"))
-    }
-}
-
-fn parse_rx_batch(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if (1..=32_768).contains(&n) => Ok(n),
-        _ => Err(format!("{s:?}: a number of messages, 1 to 32768")),
-    }
-}
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s
@@ -119,74 +72,6 @@ fn parse_text(s: &str) -> Result<String, String> {
         ));
     }
     Ok(s.to_string())
-}
-
-/// The pvcm device's options, shared by `pvcm-guest` and `pvcm-guestd`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct DeviceArgs {
-    /// The device: pci (virtio ID 63, PCI 1af4:107f) or pci:VIRTIO_ID (e.g. pci:41
-    /// behind QEMU's vhost-user-gpio-pci).
-    #[arg(long, global = true, default_value = "pci", value_name = "DEVICE")]
-    pub device: DeviceSpec,
-    /// The PCI address (0000:00:04.0) when several functions match.
-    #[arg(long, global = true, value_name = "BDF")]
-    pub pci_addr: Option<String>,
-    /// hugetlbfs mount for DMA memory.
-    #[arg(
-        long,
-        global = true,
-        default_value = "/dev/hugepages",
-        value_name = "DIR"
-    )]
-    pub hugepages: PathBuf,
-    /// sysfs mount.
-    #[arg(long, global = true, default_value = "/sys", value_name = "DIR")]
-    pub sysfs: PathBuf,
-    /// Queue size (power of two; the device's maximum caps it, so the default takes
-    /// what the VMM allows, up to 1024).
-    #[arg(long, global = true, default_value_t = 1024, value_name = "N")]
-    pub queue_size: u16,
-    /// Poll the device's rings with a timed sleep instead of waiting on its interrupt
-    /// (INTx through uio_pci_generic, used when that module is loaded).
-    #[arg(long, global = true)]
-    pub no_interrupts: bool,
-    /// Seed of comm IDs, TIDs and PSNs (default: random).
-    #[arg(long, global = true, value_name = "N")]
-    pub seed: Option<u64>,
-    /// Messages the driver takes from rx before the application sees them and the
-    /// answers go out (at most the queue size).
-    #[arg(long, global = true, value_name = "N", default_value_t = DEFAULT_RX_BATCH,
-          value_parser = parse_rx_batch)]
-    pub rx_batch: usize,
-}
-
-impl DeviceArgs {
-    /// Opens the pvcm PCI function and starts the device (PORT_INFO, the agent).
-    pub fn open(
-        &self,
-        configure: Option<fn(&mut AgentConfig)>,
-        pacing: Option<Option<Pacing>>,
-    ) -> Result<Device<PciDevice>, DeviceError> {
-        let DeviceSpec::Pci { virtio_id } = self.device;
-        let o = PciOptions {
-            sysfs_root: self.sysfs.clone(),
-            virtio_id,
-            bdf: self.pci_addr.clone(),
-            hugetlbfs: self.hugepages.clone(),
-            queue_size: self.queue_size,
-            interrupts: !self.no_interrupts,
-            ..PciOptions::default()
-        };
-        let (t, q) = PciDevice::open(&o)?;
-        let opts = DeviceOptions {
-            seed: self.seed.unwrap_or_else(random_seed),
-            configure,
-            pacing,
-            rx_batch: self.rx_batch,
-            ..DeviceOptions::default()
-        };
-        Device::start(t, q, SystemClock::new(), opts)
-    }
 }
 
 /// `pvcm-guest`'s command line.
@@ -350,8 +235,44 @@ impl Out {
     }
 }
 
+/// Where a command's lines go: stdout ([`Out`]) or memory ([`Captured`]).
+pub trait Report {
+    /// One line: `text`, or `v` as one JSON line.
+    fn line(&mut self, text: String, v: Value);
+}
+
+impl Report for Out {
+    fn line(&mut self, text: String, v: Value) {
+        self.emit(text, v);
+    }
+}
+
+/// Lines kept in memory (tests).
+#[derive(Debug, Clone, Default)]
+pub struct Captured {
+    /// Every line: its text and its JSON.
+    pub lines: Vec<(String, Value)>,
+}
+
+impl Report for Captured {
+    fn line(&mut self, text: String, v: Value) {
+        self.lines.push((text, v));
+    }
+}
+
+impl Captured {
+    /// The JSON lines whose `event` is `name`.
+    pub fn events(&self, name: &str) -> Vec<&Value> {
+        self.lines
+            .iter()
+            .map(|(_, v)| v)
+            .filter(|v| v["event"] == name)
+            .collect()
+    }
+}
+
 /// Exit status of a failed CM operation.
-const EXIT_CM_FAILED: u8 = 3;
+pub(crate) const EXIT_CM_FAILED: u8 = 3;
 
 /// `pvcm-guest`'s `main`.
 pub fn main() -> ExitCode {
@@ -409,21 +330,43 @@ pub fn run_command<T: Transport, C: Clock>(
     cmd: &Cmd,
     out: Out,
 ) -> Result<ExitCode, DeviceError> {
+    let mut rep = out;
     match cmd {
         Cmd::Info => info(dev, out),
+        Cmd::ConnectDestroy { dest, port, settle } => {
+            connect_destroy(dev, out, *dest, *port, *settle)
+        }
+        _ => run_on(
+            &mut DeviceRoute::new(dev),
+            cmd,
+            &mut rep,
+            DeviceError::Invalid,
+        ),
+    }
+}
+
+/// Runs `listen`, `connect` or `cmtime` over a route (`invalid`: the route's error for
+/// arguments that do not fit).
+pub(crate) fn run_on<R: Route>(
+    route: &mut R,
+    cmd: &Cmd,
+    rep: &mut dyn Report,
+    invalid: fn(String) -> R::Error,
+) -> Result<ExitCode, R::Error> {
+    match cmd {
         Cmd::Listen {
             port,
             count,
             data,
             reject,
             react_after,
-        } => listen(
-            dev,
-            out,
-            ListenArgs {
+        } => commands::listen(
+            route,
+            rep,
+            &ListenArgs {
                 port: *port,
                 count: *count,
-                data: data.as_deref(),
+                data: data.as_deref().unwrap_or(""),
                 reject: *reject,
                 react_after: *react_after,
             },
@@ -435,34 +378,28 @@ pub fn run_command<T: Transport, C: Clock>(
             timeout,
             hold,
             src_port,
-        } => connect(
-            dev,
-            out,
-            ConnectArgs {
+        } => commands::connect(
+            route,
+            rep,
+            &ConnectArgs {
                 dest: *dest,
                 port: *port,
-                data: data.as_deref(),
+                data: data.as_deref().unwrap_or(""),
                 timeout: *timeout,
                 hold: *hold,
                 src_port: *src_port,
             },
         ),
-        Cmd::ConnectDestroy { dest, port, settle } => {
-            connect_destroy(dev, out, *dest, *port, *settle)
-        }
-        Cmd::Cmtime { .. } => match CmtimePlan::of(cmd).map_err(DeviceError::Invalid)? {
-            CmtimePlan::Client {
-                opts,
-                rounds,
-                pause,
-            } => cmtime_client(dev, out, &opts, rounds, pause),
-            CmtimePlan::Server(o) => cmtime_server(dev, out, &o),
-        },
+        Cmd::Cmtime { .. } => commands::cmtime(route, rep, &CmtimePlan::of(cmd).map_err(invalid)?),
+        Cmd::Info | Cmd::ConnectDestroy { .. } => Err(invalid(
+            "info and connect-destroy are run by each route itself".into(),
+        )),
     }
 }
 
 /// What `cmtime`'s arguments ask for, whichever way the CM is reached.
-pub(crate) enum CmtimePlan {
+#[derive(Debug)]
+pub enum CmtimePlan {
     /// Connect `opts.connections` to the server, `rounds` times, `pause` apart.
     Client {
         /// The options of one round.
@@ -480,7 +417,7 @@ impl CmtimePlan {
     /// From `cmtime`'s arguments: a client with `--dest` (timeout 30 s unless given), a
     /// server otherwise; an error when the server's total does not fit (or `cmd` is not
     /// `cmtime`).
-    pub(crate) fn of(cmd: &Cmd) -> Result<CmtimePlan, String> {
+    pub fn of(cmd: &Cmd) -> Result<CmtimePlan, String> {
         let &Cmd::Cmtime {
             dest,
             connections,
@@ -525,12 +462,8 @@ impl CmtimePlan {
     }
 }
 
-fn ms(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1e6).round() / 1e3
-}
-
 /// The user part of rdma_cm private data, as text (trailing NULs cut).
-fn pd_text(pd: &[u8], has_cma_hdr: bool) -> String {
+pub(crate) fn pd_text(pd: &[u8], has_cma_hdr: bool) -> String {
     let user = if has_cma_hdr {
         split_private_data(pd).map_or(pd, |(_, u)| u)
     } else {
@@ -542,19 +475,6 @@ fn pd_text(pd: &[u8], has_cma_hdr: bool) -> String {
 
 fn counters_json<T: Transport, C: Clock>(dev: &Device<T, C>) -> Value {
     cm_counters_json(dev.agent().counters())
-}
-
-/// The CM counter table as JSON: `{group: {message: count}}`, zeros included.
-pub(crate) fn cm_counters_json(c: &CmCounters) -> Value {
-    let mut groups = serde_json::Map::new();
-    for g in Group::ALL {
-        let mut m = serde_json::Map::new();
-        for a in MESSAGES {
-            m.insert(a.name().to_string(), json!(c.get(g, a)));
-        }
-        groups.insert(g.name().to_string(), Value::Object(m));
-    }
-    Value::Object(groups)
 }
 
 fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<ExitCode, DeviceError> {
@@ -615,357 +535,6 @@ fn info<T: Transport, C: Clock>(dev: &mut Device<T, C>, out: Out) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-/// The pacing counters as JSON.
-pub(crate) fn pacing_json(p: &PacingCounters) -> Value {
-    json!({
-        "outstanding": p.outstanding, "queued": p.queued, "destinations": p.destinations,
-        "sent": p.sent, "waited": p.waited, "answered": p.answered, "cancelled": p.cancelled,
-        "decreases": p.decreases, "opened": p.opened, "max_outstanding": p.max_outstanding,
-        "max_queued": p.max_queued, "min_window": p.min_window, "max_window": p.max_window,
-    })
-}
-
-/// A REJ reason for people and for JSON: `timeout(4)`; `reason` keeps the variant name
-/// (`Timeout`) that scripts match.
-fn rej_json(reason: RejReason) -> Value {
-    json!({
-        "reason": format!("{reason:?}"),
-        "reason_name": reason.name(),
-        "reason_code": reason.code(),
-    })
-}
-
-/// A failure as JSON fields: `failure` (its kind) and, for a REJ, its reason.
-fn failure_json(f: Failure) -> serde_json::Map<String, Value> {
-    let mut m = serde_json::Map::new();
-    m.insert("failure".into(), json!(f.kind()));
-    if let Some(Value::Object(r)) = f.rej_reason().map(rej_json) {
-        m.extend(r);
-    }
-    m
-}
-
-/// `base` with `extra`'s fields added.
-fn with(mut base: Value, extra: serde_json::Map<String, Value>) -> Value {
-    if let Value::Object(m) = &mut base {
-        m.extend(extra);
-    }
-    base
-}
-
-fn device_event(out: Out, e: &DeviceEvent) {
-    out.emit(
-        format!("device: {e}"),
-        json!({"event": "device", "what": e.to_string()}),
-    );
-}
-
-/// What `listen` was asked.
-struct ListenArgs<'a> {
-    port: u16,
-    count: Option<u32>,
-    data: Option<&'a str>,
-    reject: bool,
-    react_after: Duration,
-}
-
-fn listen<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    a: ListenArgs<'_>,
-) -> Result<ExitCode, DeviceError> {
-    let ListenArgs {
-        port,
-        count,
-        data,
-        reject,
-        react_after,
-    } = a;
-    // Connections the peer ended, destroyed by the "application" at these instants.
-    let mut late: std::collections::VecDeque<(std::time::Instant, CmId)> =
-        std::collections::VecDeque::new();
-    let sid = tcp_service_id(port);
-    let mut lid = dev.listen(sid)?;
-    let gid = dev.agent().config().gid;
-    out.emit(
-        format!("listening on {gid} port {port} (service id {sid:#018x})"),
-        json!({"event": "listening", "gid": gid.to_string(), "port": port, "service_id": format!("{sid:#018x}")}),
-    );
-    let reply = data.unwrap_or("").as_bytes().to_vec();
-    let mut done = 0u32;
-    loop {
-        while let Some(&(at, id)) = late.front() {
-            if std::time::Instant::now() < at {
-                break;
-            }
-            late.pop_front();
-            dev.destroy(id)?;
-            done += 1;
-            out.emit(
-                format!("{id}: destroyed {:.1} s after the peer disconnected", react_after.as_secs_f64()),
-                json!({"event": "destroyed_late", "id": id.to_string(), "secs": react_after.as_secs_f64()}),
-            );
-        }
-        if count.is_some_and(|c| done >= c) {
-            dev.flush(Duration::from_secs(1))?;
-            return Ok(ExitCode::SUCCESS);
-        }
-        let wait = late.front().map_or(Duration::from_secs(3600), |&(at, _)| {
-            at.saturating_duration_since(std::time::Instant::now())
-        });
-        let Some(n) = dev.next_notice(wait)? else {
-            continue;
-        };
-        match n {
-            Notice::Device(e) => {
-                device_event(out, &e);
-                if e == DeviceEvent::Reset {
-                    lid = dev.listen(sid)?;
-                }
-            }
-            Notice::Cm(Event::ConnectRequest {
-                id,
-                listen_id,
-                remote_gid,
-                remote_qpn,
-                private_data,
-                ..
-            }) if listen_id == lid => {
-                let text = pd_text(&private_data, true);
-                out.emit(
-                    format!("{id}: request from {remote_gid} qpn {remote_qpn:#x} data {text:?}"),
-                    json!({"event": "connect_request", "id": id.to_string(), "remote_gid": remote_gid.to_string(), "remote_qpn": remote_qpn, "data": text}),
-                );
-                // The peer may have withdrawn the request already (e.g. rdma_connect()
-                // then rdma_destroy_id(): its REJ(TIMEOUT) arrived in the same batch);
-                // its Rejected event follows, so answering late is not an error.
-                let answered = if reject {
-                    dev.reject(id, &reply)
-                } else {
-                    dev.accept(id, &reply)
-                };
-                match answered {
-                    Ok(()) if reject => {
-                        dev.destroy(id)?;
-                        out.emit(
-                            format!("{id}: rejected"),
-                            json!({"event": "rejected_by_us", "id": id.to_string()}),
-                        );
-                    }
-                    Ok(()) => {}
-                    Err(CmError::InvalidState(state)) => out.emit(
-                        format!("{id}: request withdrawn before we answered (state {state})"),
-                        json!({"event": "withdrawn", "id": id.to_string(), "state": state.to_string()}),
-                    ),
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            Notice::Cm(Event::Established { id, remote_qpn, .. }) => out.emit(
-                format!("{id}: established (remote qpn {remote_qpn:#x})"),
-                json!({"event": "established", "id": id.to_string(), "remote_qpn": remote_qpn}),
-            ),
-            Notice::Cm(Event::Disconnected { id }) => {
-                out.emit(
-                    format!("{id}: disconnected"),
-                    json!({"event": "disconnected", "id": id.to_string()}),
-                );
-                if react_after.is_zero() {
-                    // The agent keeps the comm ID through TimeWait.
-                    dev.destroy(id)?;
-                    done += 1;
-                } else {
-                    late.push_back((std::time::Instant::now() + react_after, id));
-                }
-            }
-            Notice::Cm(Event::Rejected { id, reason, .. }) => {
-                dev.destroy(id)?;
-                done += 1;
-                out.emit(
-                    format!("{id}: rejected by the peer: REJ reason {reason}"),
-                    with(
-                        json!({"event": "rejected", "id": id.to_string()}),
-                        failure_json(Failure::Rejected(reason)),
-                    ),
-                );
-            }
-            Notice::Cm(Event::Unreachable { id }) => {
-                dev.destroy(id)?;
-                done += 1;
-                out.emit(
-                    format!("{id}: unreachable"),
-                    json!({"event": "unreachable", "id": id.to_string()}),
-                );
-            }
-            Notice::Cm(_) => {}
-        }
-    }
-}
-
-/// Waits for the first event about `id` that `pick` accepts, printing device events.
-fn wait_for<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    id: CmId,
-    timeout: Duration,
-    mut pick: impl FnMut(&Event) -> bool,
-) -> Result<Option<Event>, DeviceError> {
-    let until = dev.now().after(timeout);
-    loop {
-        let left = until.since(dev.now());
-        if left.is_zero() {
-            return Ok(None);
-        }
-        match dev.next_notice(left)? {
-            None => return Ok(None),
-            Some(Notice::Device(e)) => {
-                device_event(out, &e);
-                if e == DeviceEvent::Reset {
-                    return Ok(None);
-                }
-            }
-            Some(Notice::Cm(ev)) if ev.id() == id && pick(&ev) => return Ok(Some(ev)),
-            Some(Notice::Cm(_)) => {}
-        }
-    }
-}
-
-fn failed<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    id: CmId,
-) -> Result<ExitCode, DeviceError> {
-    // Destroying an unknown handle (after a reset) is fine to ignore.
-    let _ = dev.destroy(id);
-    dev.flush(Duration::from_secs(1))?;
-    Ok(ExitCode::from(EXIT_CM_FAILED))
-}
-
-/// What `connect` was asked to do.
-#[derive(Debug, Clone, Copy)]
-struct ConnectArgs<'a> {
-    dest: Gid,
-    port: u16,
-    data: Option<&'a str>,
-    timeout: Duration,
-    hold: Duration,
-    src_port: Option<u16>,
-}
-
-/// The source port of an rdma_cm id: the bound one, else an ephemeral one as rdma_cm
-/// picks (`cma_alloc_any_port()`).
-fn source_port<T: Transport, C: Clock>(dev: &Device<T, C>, bound: Option<u16>) -> u16 {
-    bound
-        .or_else(|| EphemeralPorts::new(dev.options().seed ^ u64::from(std::process::id())).alloc())
-        .unwrap_or(0)
-}
-
-fn connect<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    a: ConnectArgs<'_>,
-) -> Result<ExitCode, DeviceError> {
-    let ConnectArgs {
-        dest,
-        port,
-        data,
-        timeout,
-        hold,
-        src_port,
-    } = a;
-    let local = dev.agent().config().gid;
-    let sport = source_port(dev, src_port);
-    let pd = req_private_data(
-        &CmaHdr::from_gids(local, dest, sport),
-        data.unwrap_or("").as_bytes(),
-    )
-    .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
-    let t0 = dev.now();
-    let id = dev.connect(dest, tcp_service_id(port), &pd, &ConnectOptions::default())?;
-    let first = wait_for(dev, out, id, timeout, |e| {
-        matches!(
-            e,
-            Event::Established { .. } | Event::Rejected { .. } | Event::Unreachable { .. }
-        )
-    })?;
-    let took = ms(dev.now().since(t0));
-    if let Some(f) = Failure::of_attempt(first.as_ref()) {
-        let text = match f {
-            Failure::Rejected(r) => {
-                format!("{id}: failed: rejected by {dest}: REJ reason {r} after {took} ms")
-            }
-            Failure::Unreachable => {
-                format!("{id}: failed: {dest} unreachable (no answer to any retry) after {took} ms")
-            }
-            _ => format!(
-                "{id}: failed: timeout: no answer within {timeout:?}; destroying (REJ timeout)"
-            ),
-        };
-        // The event names scripts know: rejected / unreachable / timeout.
-        let event = f.kind();
-        out.emit(
-            text,
-            with(
-                json!({"event": event, "id": id.to_string(), "dest": dest.to_string(), "port": port, "ms": took}),
-                failure_json(f),
-            ),
-        );
-        return failed(dev, id);
-    }
-    if let Some(Event::Established {
-        remote_qpn,
-        private_data,
-        ..
-    }) = first
-    {
-        let text = pd_text(&private_data, false);
-        out.emit(
-            format!("{id}: established to {dest} port {port} from port {sport} in {took} ms (remote qpn {remote_qpn:#x}, data {text:?})"),
-            json!({"event": "established", "id": id.to_string(), "dest": dest.to_string(), "port": port, "src_port": sport, "ms": took, "remote_qpn": remote_qpn, "data": text}),
-        );
-    }
-    // Hold, watching for the peer's DREQ.
-    let peer_left = wait_for(dev, out, id, hold, |e| {
-        matches!(e, Event::Disconnected { .. })
-    })?
-    .is_some();
-    let t1 = dev.now();
-    dev.disconnect(id)?;
-    let mut code = ExitCode::SUCCESS;
-    if peer_left {
-        out.emit(
-            format!("{id}: disconnected by the peer"),
-            json!({"event": "disconnected", "by": "peer", "id": id.to_string()}),
-        );
-    } else {
-        let got = wait_for(dev, out, id, timeout, |e| {
-            matches!(e, Event::Disconnected { .. })
-        })?;
-        let took = ms(dev.now().since(t1));
-        if got.is_some() {
-            out.emit(
-                format!("{id}: disconnected in {took} ms"),
-                json!({"event": "disconnected", "by": "us", "id": id.to_string(), "ms": took, "drep": true}),
-            );
-        } else {
-            // A teardown that timed out is a failure too.
-            out.emit(
-                format!("{id}: failed: disconnect_timeout: no DREP within {timeout:?}"),
-                with(
-                    json!({"event": "disconnected", "by": "us", "id": id.to_string(), "ms": took, "drep": false}),
-                    failure_json(Failure::DisconnectTimeout),
-                ),
-            );
-            code = ExitCode::from(EXIT_CM_FAILED);
-        }
-    }
-    dev.destroy(id)?;
-    dev.flush(Duration::from_secs(1))?;
-    out.emit(
-        format!("{id}: destroyed"),
-        json!({"event": "destroyed", "id": id.to_string()}),
-    );
-    Ok(code)
-}
-
 fn connect_destroy<T: Transport, C: Clock>(
     dev: &mut Device<T, C>,
     out: Out,
@@ -973,8 +542,9 @@ fn connect_destroy<T: Transport, C: Clock>(
     port: u16,
     settle: Duration,
 ) -> Result<ExitCode, DeviceError> {
+    let mut rep = out;
     let local = dev.agent().config().gid;
-    let sport = source_port(dev, None);
+    let sport = DeviceRoute::new(dev).source_port(None);
     let pd = req_private_data(&CmaHdr::from_gids(local, dest, sport), &[])
         .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
     let id = dev.connect(dest, tcp_service_id(port), &pd, &ConnectOptions::default())?;
@@ -985,7 +555,7 @@ fn connect_destroy<T: Transport, C: Clock>(
     while dev.now() < until {
         let left = until.since(dev.now());
         if let Some(Notice::Device(e)) = dev.next_notice(left)? {
-            device_event(out, &e);
+            commands::device_event(&mut rep, &e);
         }
     }
     dev.flush(Duration::from_secs(1))?;
@@ -1010,139 +580,17 @@ fn connect_destroy<T: Transport, C: Clock>(
     Ok(ExitCode::SUCCESS)
 }
 
-fn cmtime_client<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    o: &ClientOptions,
-    rounds: u32,
-    pause: Duration,
-) -> Result<ExitCode, DeviceError> {
-    let mut ok = true;
-    for round in 1..=rounds {
-        if rounds > 1 {
-            if round > 1 {
-                dev.run_until(pause, |_| false)?;
-            }
-            out.emit(
-                format!("round {round} of {rounds}"),
-                json!({"event": "round", "round": round, "rounds": rounds}),
-            );
-        }
-        ok &= cmtime_client_round(dev, out, o)?;
-    }
-    Ok(if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(EXIT_CM_FAILED)
-    })
-}
-
-/// One client burst: runs it and prints its report, CPU and device work; true if every
-/// connection was established and torn down.
-fn cmtime_client_round<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    o: &ClientOptions,
-) -> Result<bool, DeviceError> {
-    let (cpu0, work0) = (ProcessCpu::now(), *dev.stats());
-    let r = cmtime::client(dev, o)?;
-    let cpu = ProcessCpu::now().since(cpu0);
-    out.emit(&r, cmtime_report_json(&r));
-    cpu.emit(out);
-    emit_device_work(dev, out, &work0);
-    Ok(r.success())
-}
-
-/// A client run's report as JSON (text: its `Display`).
-fn cmtime_report_json(r: &cmtime::CmtimeReport) -> Value {
-    let mut steps = serde_json::Map::new();
-    for s in Step::ALL {
-        let t = r.step(s);
-        steps.insert(
-            s.name().into(),
-            json!({
-                "total_ms": ms(t.total),
-                "avg_us": t.avg().as_secs_f64() * 1e6,
-                "min_us": t.min_or_zero().as_secs_f64() * 1e6,
-                "max_us": t.max.as_secs_f64() * 1e6,
-                "count": t.count,
-            }),
-        );
-    }
-    let failures: Vec<Value> = r
-        .failures
-        .iter()
-        .map(|(f, n)| with(json!({"count": n}), failure_json(*f)))
-        .collect();
-    json!({
-        "connections": r.connections, "established": r.established,
-        "failed": r.failed, "disconnected": r.disconnected, "failures": failures,
-        "steps": steps, "pacing": pacing_json(&r.pacing),
-    })
-}
-
-fn cmtime_server<T: Transport, C: Clock>(
-    dev: &mut Device<T, C>,
-    out: Out,
-    o: &ServerOptions,
-) -> Result<ExitCode, DeviceError> {
-    let gid = dev.agent().config().gid;
-    out.emit(
-        format!("cmtime server on {gid} port {} for {} connections", o.port, o.connections),
-        json!({"event": "listening", "gid": gid.to_string(), "port": o.port, "connections": o.connections}),
-    );
-    let cpu0 = ProcessCpu::now();
-    let r = cmtime::server(dev, o)?;
-    let cpu = ProcessCpu::now().since(cpu0);
-    out.emit(r, server_report_json(&r));
-    cpu.emit(out);
-    emit_device_work(dev, out, &DeviceStats::default());
-    Ok(if r.disconnected >= o.connections {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(EXIT_CM_FAILED)
-    })
-}
-
-/// A server run's report as JSON (text: its `Display`).
-fn server_report_json(r: &cmtime::ServerReport) -> Value {
-    json!({
-        "accepted": r.accepted, "established": r.established,
-        "disconnected": r.disconnected, "failed": r.failed, "resets": r.resets,
-    })
-}
-
 /// This process's CPU time (getrusage), so a run can report what it cost the guest: in
 /// a TCG VM, user time is the agent's own work and system time the guest kernel's (the
 /// poll's sleeps, page faults).
 #[derive(Debug, Clone, Copy, Default)]
-struct ProcessCpu {
+pub(crate) struct ProcessCpu {
     user: Duration,
     system: Duration,
 }
 
-/// How the device's queues were worked, for a benchmark's report: messages per
-/// notification and per sleep are what a VM pays for in exits and interrupts.
-fn emit_device_work<T: Transport, C: Clock>(dev: &Device<T, C>, out: Out, since: &DeviceStats) {
-    let (now, b) = (dev.stats(), since);
-    let rx_msgs = now.rx_msgs - b.rx_msgs;
-    let tx_mads = now.tx_mads - b.tx_mads;
-    let tx_batches = now.tx_batches - b.tx_batches;
-    let tx_kicks = now.tx_kicks - b.tx_kicks;
-    let rx_kicks = now.rx_kicks - b.rx_kicks;
-    let waits = now.waits - b.waits;
-    out.emit(
-        format!(
-            "device rx {rx_msgs} tx {tx_mads} in {tx_batches} batches, kicks tx {tx_kicks} rx {rx_kicks}, waits {waits}"
-        ),
-        json!({"event": "device", "rx_msgs": rx_msgs, "tx_mads": tx_mads,
-            "tx_batches": tx_batches, "tx_kicks": tx_kicks, "rx_kicks": rx_kicks,
-            "waits": waits}),
-    );
-}
-
 impl ProcessCpu {
-    fn now() -> ProcessCpu {
+    pub(crate) fn now() -> ProcessCpu {
         // SAFETY: `usage` is a plain C struct that getrusage fills; zeroed is a valid
         // value for it, and RUSAGE_SELF needs no other argument.
         let mut usage: libc::rusage = unsafe { core::mem::zeroed() };
@@ -1160,20 +608,15 @@ impl ProcessCpu {
         }
     }
 
-    fn since(self, earlier: ProcessCpu) -> ProcessCpu {
+    pub(crate) fn since(self, earlier: ProcessCpu) -> ProcessCpu {
         ProcessCpu {
             user: self.user.saturating_sub(earlier.user),
             system: self.system.saturating_sub(earlier.system),
         }
     }
 
-    fn emit(self, out: Out) {
-        let (text, v) = self.report();
-        out.emit(text, v);
-    }
-
     /// The report line: text and JSON.
-    fn report(self) -> (String, Value) {
+    pub(crate) fn report(self) -> (String, Value) {
         (
             format!(
                 "cpu user {:.1} ms system {:.1} ms",
@@ -1200,6 +643,9 @@ fn parse_dest(v: &str) -> Result<Gid, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cm::RejReason;
+    use crate::device::cmtime::Failure;
+    use crate::report::{failure_json, with};
     use clap::CommandFactory;
     use clap::error::ErrorKind;
 

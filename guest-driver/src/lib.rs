@@ -11,6 +11,7 @@
 //!   (rx -> agent -> tx, one kick per batch), device events, blocking helpers, the
 //!   in-VM virtio-pci transport ([`device::pci`]) and the cmtime benchmark.
 //! - [`time`]: the injected clock.
+//! - [`report`]: the JSON reports the commands and the service print.
 //! - [`service`]: `pvcm-guestd`, the guest CM service: the kernel's rdma_cm device ABI
 //!   served through CUSE on top of the agent, for the distribution's librdmacm programs.
 //! - [`cli`]: the `pvcm-guest` command line on top: `info`, `listen`, `connect`,
@@ -22,6 +23,7 @@
 pub mod cli;
 pub mod cm;
 pub mod device;
+pub mod report;
 pub mod service;
 pub mod time;
 pub mod transport;

@@ -46,11 +46,9 @@ use pvcm_wire::Gid;
 use pvcm_wire::mad::AttributeId;
 use serde_json::{Value, json};
 
-use super::{
-    Cli, Cmd, CmtimePlan, EXIT_CM_FAILED, Out, ProcessCpu, cmtime_report_json, failure_json, ms,
-    pd_text, server_report_json, with,
-};
-use crate::cm::rdma_cm::tcp_service_id;
+use super::route::{Answer, Attempt, ConnectArgs, Connected, Route, RouteEvent};
+pub use super::{Captured, Report};
+use super::{Cli, Cmd, Out, pd_text, run_on};
 use crate::cm::{
     Group, PacingCounters, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES, RejReason, SplitMix64,
 };
@@ -59,8 +57,9 @@ use crate::device::cmtime::{
 };
 use crate::device::random_seed;
 use crate::service::abi::{ConnParam, EventParam, EventResp, event, ps};
-use crate::service::client::{Channel, CmdError, DeviceFile, RdmaCm};
+use crate::service::client::{Channel, ClientStats, CmdError, DeviceFile, RdmaCm};
 use crate::service::cma::{gid_sockaddr, sockaddr_gid};
+use crate::time::{Clock, SystemClock, Time};
 
 /// The rdma_cm device node pvcm-guestd serves.
 pub const DEFAULT_RDMA_CM: &str = "/dev/infiniband/rdma_cm";
@@ -82,42 +81,6 @@ pub enum Via {
     /// The pvcm device itself (refused while pvcm-guestd answers: opening the device
     /// resets it).
     Device,
-}
-
-/// Where a command's lines go: stdout ([`Out`]) or memory ([`Captured`]).
-pub trait Report {
-    /// One line: `text`, or `v` as one JSON line.
-    fn line(&mut self, text: String, v: Value);
-}
-
-impl Report for Out {
-    fn line(&mut self, text: String, v: Value) {
-        self.emit(text, v);
-    }
-}
-
-/// Lines kept in memory (tests).
-#[derive(Debug, Clone, Default)]
-pub struct Captured {
-    /// Every line: its text and its JSON.
-    pub lines: Vec<(String, Value)>,
-}
-
-impl Report for Captured {
-    fn line(&mut self, text: String, v: Value) {
-        self.lines.push((text, v));
-    }
-}
-
-impl Captured {
-    /// The JSON lines whose `event` is `name`.
-    pub fn events(&self, name: &str) -> Vec<&Value> {
-        self.lines
-            .iter()
-            .map(|(_, v)| v)
-            .filter(|v| v["event"] == name)
-            .collect()
-    }
 }
 
 /// Why a command through the service could not run (exit status 1).
@@ -499,76 +462,23 @@ pub fn run_command<C: Channel>(
 ) -> Result<ExitCode, ViaError> {
     let view = ServiceView::from_stat(stat)?;
     let mut rng = SplitMix64::new(seed);
+    if matches!(cmd, Cmd::Info) {
+        return info(stat, control, Path::new(DEFAULT_RDMA_CM), rep);
+    }
     let mut s = Session {
         cm,
+        control,
         view,
         qpns: SimQpns::new(view.qpn_base, view.qpn_count, rng.next_u32()),
         next_uid: 1,
+        clock: SystemClock::new(),
+        requests: HashMap::new(),
+        conns: HashMap::new(),
+        last_stat: None,
     };
     match cmd {
-        Cmd::Info => info(stat, control, Path::new(DEFAULT_RDMA_CM), rep),
-        Cmd::Listen {
-            port,
-            count,
-            data,
-            reject,
-            react_after,
-        } => s.listen(
-            rep,
-            *port,
-            *count,
-            data.as_deref().unwrap_or(""),
-            *reject,
-            *react_after,
-        ),
-        Cmd::Connect {
-            dest,
-            port,
-            data,
-            timeout,
-            hold,
-            src_port,
-        } => s.connect(
-            rep,
-            &ConnectArgs {
-                dest: *dest,
-                port: *port,
-                data: data.as_deref().unwrap_or(""),
-                timeout: *timeout,
-                hold: *hold,
-                src_port: *src_port,
-            },
-        ),
-        Cmd::ConnectDestroy { dest, port, settle } => {
-            s.connect_destroy(rep, control, *dest, *port, *settle)
-        }
-        Cmd::Cmtime { .. } => match CmtimePlan::of(cmd).map_err(ViaError::Service)? {
-            CmtimePlan::Client {
-                opts,
-                rounds,
-                pause,
-            } => {
-                let mut ok = true;
-                for round in 1..=rounds {
-                    if rounds > 1 {
-                        if round > 1 {
-                            std::thread::sleep(pause);
-                        }
-                        rep.line(
-                            format!("round {round} of {rounds}"),
-                            json!({"event": "round", "round": round, "rounds": rounds}),
-                        );
-                    }
-                    ok &= s.cmtime_client_round(rep, control, &opts)?;
-                }
-                Ok(if ok {
-                    ExitCode::SUCCESS
-                } else {
-                    ExitCode::from(EXIT_CM_FAILED)
-                })
-            }
-            CmtimePlan::Server(o) => s.cmtime_server(rep, control, &o),
-        },
+        Cmd::ConnectDestroy { dest, port, settle } => s.connect_destroy(rep, *dest, *port, *settle),
+        _ => run_on(&mut s, cmd, rep, ViaError::Service),
     }
 }
 
@@ -742,22 +652,22 @@ fn conn_of(e: &EventResp) -> ConnParam {
     }
 }
 
-/// What `connect` was asked to do.
-struct ConnectArgs<'a> {
-    dest: Gid,
-    port: u16,
-    data: &'a str,
-    timeout: Duration,
-    hold: Duration,
-    src_port: Option<u16>,
-}
-
-/// One command's use of the device: the client, the port, the QPNs.
+/// The service route: one command's use of the service's rdma_cm device, its control
+/// socket, the port's QPNs.
 struct Session<'a, C: Channel> {
     cm: &'a mut RdmaCm<C>,
+    control: &'a mut dyn Control,
     view: ServiceView,
     qpns: SimQpns,
     next_uid: u64,
+    /// The clock of [`Route::now`].
+    clock: SystemClock,
+    /// Connection requests not answered yet: the peer's QPN.
+    requests: HashMap<u32, u32>,
+    /// Accepted connections: their QPN and the peer's.
+    conns: HashMap<u32, (u32, u32)>,
+    /// The stat read at the end of the last cmtime run, for its work line.
+    last_stat: Option<Value>,
 }
 
 impl<C: Channel> Session<'_, C> {
@@ -839,301 +749,11 @@ impl<C: Channel> Session<'_, C> {
         })
     }
 
-    fn listen(
-        &mut self,
-        rep: &mut dyn Report,
-        port: u16,
-        count: Option<u32>,
-        data: &str,
-        reject: bool,
-        react_after: Duration,
-    ) -> Result<ExitCode, ViaError> {
-        let gid = self.view.gid;
-        let sid = tcp_service_id(port);
-        let uid = self.uid();
-        let lid = self.cm.create_id(uid, ps::TCP)?;
-        self.cm.bind_ip(lid, wildcard(gid, port))?;
-        self.cm.listen(lid, 0)?;
-        rep.line(
-            format!("listening on {gid} port {port} (service id {sid:#018x})"),
-            json!({"event": "listening", "gid": gid.to_string(), "port": port, "service_id": format!("{sid:#018x}")}),
-        );
-        let reply = data.as_bytes();
-        // Per accepted connection: its QPN and the peer's.
-        let mut conns: HashMap<u32, (u32, u32)> = HashMap::new();
-        let mut late: std::collections::VecDeque<(Instant, u32)> =
-            std::collections::VecDeque::new();
-        let mut done = 0u32;
-        loop {
-            while let Some(&(at, id)) = late.front() {
-                if Instant::now() < at {
-                    break;
-                }
-                late.pop_front();
-                self.drop_conn(&mut conns, id)?;
-                done += 1;
-                rep.line(
-                    format!(
-                        "{}: destroyed {:.1} s after the peer disconnected",
-                        id_name(id),
-                        react_after.as_secs_f64()
-                    ),
-                    json!({"event": "destroyed_late", "id": id_name(id), "secs": react_after.as_secs_f64()}),
-                );
-            }
-            if count.is_some_and(|c| done >= c) {
-                self.cm.destroy_id(lid)?;
-                return Ok(ExitCode::SUCCESS);
-            }
-            let until = late
-                .front()
-                .map_or(Instant::now() + Duration::from_secs(3600), |&(at, _)| at);
-            let Some(e) = self.cm.next_event(until)? else {
-                continue;
-            };
-            let id = e.id;
-            match e.event {
-                event::CONNECT_REQUEST => {
-                    let c = conn_of(&e);
-                    // The peer's address, as librdmacm reads it for a new id.
-                    let remote_gid = self
-                        .cm
-                        .query_route(id)?
-                        .dst
-                        .map_or_else(|| "?".to_string(), |a| sockaddr_gid(&a).to_string());
-                    let text = pd_text(&c.private_data, false);
-                    rep.line(
-                        format!(
-                            "{}: request from {remote_gid} qpn {:#x} data {text:?}",
-                            id_name(id),
-                            c.qp_num
-                        ),
-                        json!({"event": "connect_request", "id": id_name(id), "remote_gid": remote_gid, "remote_qpn": c.qp_num, "data": text}),
-                    );
-                    let answered = if reject {
-                        self.cm.reject(id, reply)
-                    } else {
-                        let qpn = self.qpn()?;
-                        conns.insert(id, (qpn, c.qp_num));
-                        let uid = self.uid();
-                        self.cm.accept(id, uid, &params(qpn, reply))
-                    };
-                    match answered {
-                        Ok(()) if reject => {
-                            self.cm.destroy_id(id)?;
-                            rep.line(
-                                format!("{}: rejected", id_name(id)),
-                                json!({"event": "rejected_by_us", "id": id_name(id)}),
-                            );
-                        }
-                        Ok(()) => {}
-                        Err(err) if err.errno() == Some(libc::EINVAL) => {
-                            // The peer withdrew it (REJ(TIMEOUT) came first): its
-                            // REJECTED is never reported to an id ACCEPT did not take.
-                            rep.line(
-                                format!(
-                                    "{}: request withdrawn before we answered ({err})",
-                                    id_name(id)
-                                ),
-                                json!({"event": "withdrawn", "id": id_name(id), "state": "withdrawn"}),
-                            );
-                            self.drop_conn(&mut conns, id)?;
-                            done += 1;
-                        }
-                        Err(err) => return Err(err.into()),
-                    }
-                }
-                event::ESTABLISHED => {
-                    let remote_qpn = conns.get(&id).map_or(0, |c| c.1);
-                    rep.line(
-                        format!(
-                            "{}: established (remote qpn {remote_qpn:#x})",
-                            id_name(id)
-                        ),
-                        json!({"event": "established", "id": id_name(id), "remote_qpn": remote_qpn}),
-                    );
-                }
-                event::DISCONNECTED => {
-                    rep.line(
-                        format!("{}: disconnected", id_name(id)),
-                        json!({"event": "disconnected", "id": id_name(id)}),
-                    );
-                    if react_after.is_zero() {
-                        self.drop_conn(&mut conns, id)?;
-                        done += 1;
-                    } else {
-                        late.push_back((after(react_after), id));
-                    }
-                }
-                event::REJECTED => {
-                    let reason = rej_reason(e.status)?;
-                    self.drop_conn(&mut conns, id)?;
-                    done += 1;
-                    rep.line(
-                        format!("{}: rejected by the peer: REJ reason {reason}", id_name(id)),
-                        with(
-                            json!({"event": "rejected", "id": id_name(id)}),
-                            failure_json(Failure::Rejected(reason)),
-                        ),
-                    );
-                }
-                event::UNREACHABLE | event::CONNECT_ERROR => {
-                    self.drop_conn(&mut conns, id)?;
-                    done += 1;
-                    rep.line(
-                        format!("{}: unreachable", id_name(id)),
-                        json!({"event": "unreachable", "id": id_name(id)}),
-                    );
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Destroys a connection's id and gives its QPN back (`cmtime --server`).
-    fn end_conn(&mut self, qpn_of: &mut HashMap<u32, u32>, id: u32) -> Result<(), ViaError> {
-        if let Some(q) = qpn_of.remove(&id) {
-            self.qpns.release(q);
-        }
-        self.cm.destroy_id(id)?;
-        Ok(())
-    }
-
-    /// Destroys a connection's id and gives its QPN back (`listen`).
-    fn drop_conn(&mut self, conns: &mut HashMap<u32, (u32, u32)>, id: u32) -> Result<(), ViaError> {
-        if let Some((qpn, _)) = conns.remove(&id) {
-            self.qpns.release(qpn);
-        }
-        self.cm.destroy_id(id)?;
-        Ok(())
-    }
-
-    fn connect(&mut self, rep: &mut dyn Report, a: &ConnectArgs<'_>) -> Result<ExitCode, ViaError> {
-        let (dest, port, timeout) = (a.dest, a.port, a.timeout);
-        let uid = self.uid();
-        let id = self.cm.create_id(uid, ps::TCP)?;
-        let src = a.src_port.map(|p| wildcard(self.view.gid, p));
-        let t0 = Instant::now();
-        let ending = |e: &EventResp| {
-            matches!(
-                e.event,
-                event::CONNECT_RESPONSE
-                    | event::ESTABLISHED
-                    | event::REJECTED
-                    | event::UNREACHABLE
-                    | event::CONNECT_ERROR
-            )
-        };
-        let outcome = match self.resolve(id, src, gid_sockaddr(dest, port), timeout)? {
-            Err(f) => Err(f),
-            Ok(()) => {
-                let qpn = self.qpn()?;
-                self.cm.connect(id, &params(qpn, a.data.as_bytes()))?;
-                self.attempt(id, timeout, ending)?
-            }
-        };
-        let outcome = match outcome {
-            Ok(e) if e.event == event::CONNECT_RESPONSE => match self.cm.complete(id) {
-                // The RTU: the connection is established.
-                Ok(()) => Ok(e),
-                // The peer ended it first: what it sent (its REJ) follows.
-                Err(err) if err.errno() == Some(libc::EINVAL) => {
-                    self.attempt(id, timeout, |e| {
-                        ending(e) && e.event != event::CONNECT_RESPONSE
-                    })?
-                }
-                Err(err) => return Err(err.into()),
-            },
-            o => o,
-        };
-        let (first, failure) = match outcome {
-            Ok(e) => (Some(e), None),
-            Err(f) => (None, Some(f)),
-        };
-        let took = ms(t0.elapsed());
-        let name = id_name(id);
-        if let Some(f) = failure {
-            let text = match f {
-                Failure::Rejected(r) => {
-                    format!("{name}: failed: rejected by {dest}: REJ reason {r} after {took} ms")
-                }
-                Failure::Unreachable => format!(
-                    "{name}: failed: {dest} unreachable (no answer to any retry) after {took} ms"
-                ),
-                _ => format!(
-                    "{name}: failed: timeout: no answer within {timeout:?}; destroying (REJ timeout)"
-                ),
-            };
-            rep.line(
-                text,
-                with(
-                    json!({"event": f.kind(), "id": name, "dest": dest.to_string(), "port": port, "ms": took}),
-                    failure_json(f),
-                ),
-            );
-            // Destroying sends what the CM sends for it (REJ(TIMEOUT) for a REQ).
-            let _ = self.cm.destroy_id(id);
-            return Ok(ExitCode::from(EXIT_CM_FAILED));
-        }
-        let sport = self
-            .cm
-            .query_route(id)?
-            .src
-            .map_or(0, |s: SocketAddr| s.port());
-        if let Some(e) = &first {
-            let c = conn_of(e);
-            let text = pd_text(&c.private_data, false);
-            rep.line(
-                format!(
-                    "{name}: established to {dest} port {port} from port {sport} in {took} ms (remote qpn {:#x}, data {text:?})",
-                    c.qp_num
-                ),
-                json!({"event": "established", "id": name, "dest": dest.to_string(), "port": port, "src_port": sport, "ms": took, "remote_qpn": c.qp_num, "data": text}),
-            );
-        }
-        // Hold, watching for the peer's DREQ.
-        let peer_left = self
-            .wait_for(id, a.hold, |e| e.event == event::DISCONNECTED)?
-            .is_some();
-        let t1 = Instant::now();
-        self.cm.disconnect(id)?;
-        let mut code = ExitCode::SUCCESS;
-        if peer_left {
-            rep.line(
-                format!("{name}: disconnected by the peer"),
-                json!({"event": "disconnected", "by": "peer", "id": name}),
-            );
-        } else {
-            let got = self.wait_for(id, timeout, |e| e.event == event::DISCONNECTED)?;
-            let took = ms(t1.elapsed());
-            if got.is_some() {
-                rep.line(
-                    format!("{name}: disconnected in {took} ms"),
-                    json!({"event": "disconnected", "by": "us", "id": name, "ms": took, "drep": true}),
-                );
-            } else {
-                rep.line(
-                    format!("{name}: failed: disconnect_timeout: no DREP within {timeout:?}"),
-                    with(
-                        json!({"event": "disconnected", "by": "us", "id": name, "ms": took, "drep": false}),
-                        failure_json(Failure::DisconnectTimeout),
-                    ),
-                );
-                code = ExitCode::from(EXIT_CM_FAILED);
-            }
-        }
-        self.cm.destroy_id(id)?;
-        rep.line(
-            format!("{name}: destroyed"),
-            json!({"event": "destroyed", "id": name}),
-        );
-        Ok(code)
-    }
-
+    /// `connect-destroy` through the service: connects, destroys at once, and reports
+    /// what the service's agent counted meanwhile.
     fn connect_destroy(
         &mut self,
         rep: &mut dyn Report,
-        control: &mut dyn Control,
         dest: Gid,
         port: u16,
         settle: Duration,
@@ -1146,13 +766,13 @@ impl<C: Channel> Session<'_, C> {
                 "resolving {dest} through pvcm-guestd failed: {f}"
             )));
         }
-        let before = control.stat()?;
+        let before = self.control.stat()?;
         let qpn = self.qpn()?;
         self.cm.connect(id, &params(qpn, &[]))?;
         self.cm.destroy_id(id)?;
         // Watch what the peer does with it (its REP is answered by the service's agent).
         std::thread::sleep(settle);
-        let after = control.stat()?;
+        let after = self.control.stat()?;
         let counters = counters_delta(&before, &after);
         let get = |g: Group, a: AttributeId| num(&counters, &[g.name(), a.name()]);
         let send_errors = num(&after, &["device", "send_errors"])
@@ -1175,38 +795,271 @@ impl<C: Channel> Session<'_, C> {
         Ok(ExitCode::SUCCESS)
     }
 
-    /// One client burst; prints its report, CPU and the service's work; true if every
-    /// connection was established and torn down.
-    fn cmtime_client_round(
+    /// A connection attempt from resolving to the RTU: the event that established it,
+    /// or why it failed.
+    fn attempt_connect(
         &mut self,
-        rep: &mut dyn Report,
-        control: &mut dyn Control,
-        o: &ClientOptions,
-    ) -> Result<bool, ViaError> {
-        let before = control.stat()?;
-        let (cpu0, c0) = (ProcessCpu::now(), self.cm.stats());
-        let mut run = Burst::new(o);
-        run.run(self)?;
-        let cpu = ProcessCpu::now().since(cpu0);
-        let after = control.stat()?;
-        let r = run.report(pacing_of(&after));
-        rep.line(r.to_string(), cmtime_report_json(&r));
-        let (text, v) = cpu.report();
-        rep.line(text, v);
-        self.service_work(rep, &before, &after, c0);
-        Ok(r.success())
+        id: u32,
+        a: &ConnectArgs<'_>,
+    ) -> Result<Result<EventResp, Failure>, ViaError> {
+        let src = a.src_port.map(|p| wildcard(self.view.gid, p));
+        let ending = |e: &EventResp| {
+            matches!(
+                e.event,
+                event::CONNECT_RESPONSE
+                    | event::ESTABLISHED
+                    | event::REJECTED
+                    | event::UNREACHABLE
+                    | event::CONNECT_ERROR
+            )
+        };
+        let outcome = match self.resolve(id, src, gid_sockaddr(a.dest, a.port), a.timeout)? {
+            Err(f) => Err(f),
+            Ok(()) => {
+                let qpn = self.qpn()?;
+                self.cm.connect(id, &params(qpn, a.data.as_bytes()))?;
+                self.attempt(id, a.timeout, ending)?
+            }
+        };
+        Ok(match outcome {
+            Ok(e) if e.event == event::CONNECT_RESPONSE => match self.cm.complete(id) {
+                // The RTU: the connection is established.
+                Ok(()) => Ok(e),
+                // The peer ended it first: what it sent (its REJ) follows.
+                Err(err) if err.errno() == Some(libc::EINVAL) => {
+                    self.attempt(id, a.timeout, |e| {
+                        ending(e) && e.event != event::CONNECT_RESPONSE
+                    })?
+                }
+                Err(err) => return Err(err.into()),
+            },
+            o => o,
+        })
     }
 
-    /// The work line: this process's commands and the service's device MADs over a run.
-    fn service_work(
-        &self,
-        rep: &mut dyn Report,
-        before: &Value,
-        after: &Value,
-        c0: crate::service::client::ClientStats,
-    ) {
+    /// An answer to a connection request: a request the peer withdrew first (EINVAL)
+    /// is over, its REJECTED never reported to an id ACCEPT did not take.
+    fn answered(r: Result<(), CmdError>) -> Result<Answer, ViaError> {
+        match r {
+            Ok(()) => Ok(Answer::Sent),
+            Err(err) if err.errno() == Some(libc::EINVAL) => Ok(Answer::Withdrawn {
+                why: err.to_string(),
+                state: "withdrawn".into(),
+                ended: true,
+            }),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// An rdma_cm event in the commands' terms.
+    fn route_event(&mut self, e: &EventResp) -> Result<RouteEvent<RdmaCmId>, ViaError> {
+        let id = RdmaCmId(e.id);
+        Ok(match e.event {
+            event::CONNECT_REQUEST => {
+                let c = conn_of(e);
+                // The peer's address, as librdmacm reads it for a new id.
+                let remote_gid = self
+                    .cm
+                    .query_route(e.id)?
+                    .dst
+                    .map_or_else(|| "?".to_string(), |a| sockaddr_gid(&a).to_string());
+                self.requests.insert(e.id, c.qp_num);
+                RouteEvent::ConnectRequest {
+                    id,
+                    listen_id: None,
+                    remote_gid,
+                    remote_qpn: c.qp_num,
+                    data: pd_text(&c.private_data, false),
+                }
+            }
+            event::ESTABLISHED => RouteEvent::Established {
+                id,
+                remote_qpn: self.conns.get(&e.id).map_or(0, |c| c.1),
+                data: String::new(),
+            },
+            event::DISCONNECTED => RouteEvent::Disconnected { id },
+            event::REJECTED => RouteEvent::Rejected {
+                id,
+                reason: rej_reason(e.status)?,
+            },
+            event::UNREACHABLE | event::CONNECT_ERROR => RouteEvent::Unreachable { id },
+            _ => RouteEvent::Other { id },
+        })
+    }
+
+    /// `cmtime --server`: accepts every request, destroys each connection when it is
+    /// disconnected, until `o.connections` are torn down or failed.
+    fn serve(&mut self, o: &ServerOptions) -> Result<ServerReport, ViaError> {
+        let uid = self.uid();
+        let lid = self.cm.create_id(uid, ps::TCP)?;
+        self.cm.bind_ip(lid, wildcard(self.view.gid, o.port))?;
+        self.cm.listen(lid, 0)?;
+        let mut r = ServerReport::default();
+        let until = after(o.timeout.unwrap_or(Duration::MAX));
+        while r.disconnected + r.failed < o.connections {
+            let Some(e) = self.cm.next_event(until)? else {
+                break;
+            };
+            let id = RdmaCmId(e.id);
+            match e.event {
+                event::CONNECT_REQUEST => {
+                    r.accepted += 1;
+                    let qpn = self.qpn()?;
+                    self.conns.insert(e.id, (qpn, 0));
+                    let uid = self.uid();
+                    if let Answer::Withdrawn { .. } =
+                        Self::answered(self.cm.accept(e.id, uid, &params(qpn, &[])))?
+                    {
+                        r.failed += 1;
+                        self.destroy(id)?;
+                    }
+                }
+                event::ESTABLISHED => r.established += 1,
+                event::DISCONNECTED => {
+                    r.disconnected += 1;
+                    self.destroy(id)?;
+                }
+                event::REJECTED | event::UNREACHABLE | event::CONNECT_ERROR => {
+                    r.failed += 1;
+                    self.destroy(id)?;
+                }
+                _ => {}
+            }
+        }
+        self.cm.destroy_id(lid)?;
+        Ok(r)
+    }
+}
+
+/// An rdma_cm id number, as the lines name it (`rdma_cm#N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RdmaCmId(u32);
+
+impl std::fmt::Display for RdmaCmId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&id_name(self.0))
+    }
+}
+
+impl<C: Channel> Route for Session<'_, C> {
+    type Id = RdmaCmId;
+    type Error = ViaError;
+    /// The stat and this client's counters where the run started.
+    type Mark = (Value, ClientStats);
+
+    fn gid(&self) -> Gid {
+        self.view.gid
+    }
+
+    fn now(&self) -> Time {
+        self.clock.now()
+    }
+
+    fn next(&mut self, until: Time) -> Result<Option<RouteEvent<RdmaCmId>>, ViaError> {
+        let deadline = after(until.since(self.clock.now()));
+        match self.cm.next_event(deadline)? {
+            None => Ok(None),
+            Some(e) => Ok(Some(self.route_event(&e)?)),
+        }
+    }
+
+    fn listen(&mut self, port: u16) -> Result<RdmaCmId, ViaError> {
+        let uid = self.uid();
+        let lid = self.cm.create_id(uid, ps::TCP)?;
+        self.cm.bind_ip(lid, wildcard(self.view.gid, port))?;
+        self.cm.listen(lid, 0)?;
+        Ok(RdmaCmId(lid))
+    }
+
+    fn stop_listening(&mut self, listener: RdmaCmId) -> Result<(), ViaError> {
+        self.cm.destroy_id(listener.0)?;
+        Ok(())
+    }
+
+    fn accept(&mut self, id: RdmaCmId, private_data: &[u8]) -> Result<Answer, ViaError> {
+        let qpn = self.qpn()?;
+        let peer = self.requests.remove(&id.0).unwrap_or(0);
+        self.conns.insert(id.0, (qpn, peer));
+        let uid = self.uid();
+        Self::answered(self.cm.accept(id.0, uid, &params(qpn, private_data)))
+    }
+
+    fn reject(&mut self, id: RdmaCmId, private_data: &[u8]) -> Result<Answer, ViaError> {
+        self.requests.remove(&id.0);
+        Self::answered(self.cm.reject(id.0, private_data))
+    }
+
+    fn connect(
+        &mut self,
+        _rep: &mut dyn Report,
+        a: &ConnectArgs<'_>,
+    ) -> Result<Attempt<RdmaCmId>, ViaError> {
+        let uid = self.uid();
+        let id = self.cm.create_id(uid, ps::TCP)?;
+        let e = match self.attempt_connect(id, a)? {
+            Ok(e) => e,
+            Err(f) => return Ok((RdmaCmId(id), Err(f))),
+        };
+        let src_port = self
+            .cm
+            .query_route(id)?
+            .src
+            .map_or(0, |s: SocketAddr| s.port());
+        let c = conn_of(&e);
+        Ok((
+            RdmaCmId(id),
+            Ok(Connected {
+                remote_qpn: c.qp_num,
+                data: pd_text(&c.private_data, false),
+                src_port,
+            }),
+        ))
+    }
+
+    /// Destroying sends what the CM sends for it (REJ(TIMEOUT) for a REQ).
+    fn abandon(&mut self, id: RdmaCmId) -> Result<(), ViaError> {
+        let _ = self.cm.destroy_id(id.0);
+        Ok(())
+    }
+
+    fn disconnect(&mut self, id: RdmaCmId) -> Result<(), ViaError> {
+        self.cm.disconnect(id.0)?;
+        Ok(())
+    }
+
+    /// Destroys the id and gives its QPN back.
+    fn destroy(&mut self, id: RdmaCmId) -> Result<(), ViaError> {
+        self.requests.remove(&id.0);
+        if let Some((qpn, _)) = self.conns.remove(&id.0) {
+            self.qpns.release(qpn);
+        }
+        self.cm.destroy_id(id.0)?;
+        Ok(())
+    }
+
+    /// The service sends what the commands queued.
+    fn flush(&mut self) -> Result<(), ViaError> {
+        Ok(())
+    }
+
+    fn pause(&mut self, d: Duration) -> Result<(), ViaError> {
+        std::thread::sleep(d);
+        Ok(())
+    }
+
+    fn mark(&mut self, _server: bool) -> Result<(Value, ClientStats), ViaError> {
+        Ok((self.control.stat()?, self.cm.stats()))
+    }
+
+    /// This process's commands and the service's device MADs over a run.
+    fn work(&mut self, since: (Value, ClientStats)) -> Result<(String, Value), ViaError> {
+        let (before, c0) = since;
+        let after = match self.last_stat.take() {
+            Some(v) => v,
+            None => self.control.stat()?,
+        };
         let c = self.cm.stats();
-        let d = |k: &str| num(after, &["device", k]).saturating_sub(num(before, &["device", k]));
+        let d = |k: &str| num(&after, &["device", k]).saturating_sub(num(&before, &["device", k]));
         let (commands, events, empty, waits) = (
             c.commands - c0.commands,
             c.events - c0.events,
@@ -1214,83 +1067,29 @@ impl<C: Channel> Session<'_, C> {
             c.waits - c0.waits,
         );
         let (rx, tx) = (d("rx_mads"), d("tx_mads"));
-        rep.line(
+        Ok((
             format!(
                 "service commands {commands} events {events} (empty reads {empty}, waits {waits}); device rx {rx} tx {tx}"
             ),
             json!({"event": "service", "commands": commands, "events": events,
                 "empty_reads": empty, "waits": waits, "rx_mads": rx, "tx_mads": tx}),
-        );
+        ))
     }
 
-    fn cmtime_server(
-        &mut self,
-        rep: &mut dyn Report,
-        control: &mut dyn Control,
-        o: &ServerOptions,
-    ) -> Result<ExitCode, ViaError> {
-        let gid = self.view.gid;
-        rep.line(
-            format!(
-                "cmtime server on {gid} port {} for {} connections",
-                o.port, o.connections
-            ),
-            json!({"event": "listening", "gid": gid.to_string(), "port": o.port, "connections": o.connections}),
-        );
-        let before = control.stat()?;
-        let (cpu0, c0) = (ProcessCpu::now(), self.cm.stats());
-        let uid = self.uid();
-        let lid = self.cm.create_id(uid, ps::TCP)?;
-        self.cm.bind_ip(lid, wildcard(gid, o.port))?;
-        self.cm.listen(lid, 0)?;
-        let mut r = ServerReport::default();
-        let mut qpn_of: HashMap<u32, u32> = HashMap::new();
-        let until = after(o.timeout.unwrap_or(Duration::MAX));
-        while r.disconnected + r.failed < o.connections {
-            let Some(e) = self.cm.next_event(until)? else {
-                break;
-            };
-            let id = e.id;
-            match e.event {
-                event::CONNECT_REQUEST => {
-                    r.accepted += 1;
-                    let qpn = self.qpn()?;
-                    qpn_of.insert(id, qpn);
-                    let uid = self.uid();
-                    match self.cm.accept(id, uid, &params(qpn, &[])) {
-                        Ok(()) => {}
-                        // Withdrawn before the answer: its REJECTED is never reported.
-                        Err(err) if err.errno() == Some(libc::EINVAL) => {
-                            r.failed += 1;
-                            self.end_conn(&mut qpn_of, id)?;
-                        }
-                        Err(err) => return Err(err.into()),
-                    }
-                }
-                event::ESTABLISHED => r.established += 1,
-                event::DISCONNECTED => {
-                    r.disconnected += 1;
-                    self.end_conn(&mut qpn_of, id)?;
-                }
-                event::REJECTED | event::UNREACHABLE | event::CONNECT_ERROR => {
-                    r.failed += 1;
-                    self.end_conn(&mut qpn_of, id)?;
-                }
-                _ => {}
-            }
-        }
-        self.cm.destroy_id(lid)?;
-        let cpu = ProcessCpu::now().since(cpu0);
-        let after = control.stat()?;
-        rep.line(r.to_string(), server_report_json(&r));
-        let (text, v) = cpu.report();
-        rep.line(text, v);
-        self.service_work(rep, &before, &after, c0);
-        Ok(if r.disconnected >= o.connections {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(EXIT_CM_FAILED)
-        })
+    /// The report's pacing is the service agent's, from the stat after the run.
+    fn cmtime_client(&mut self, o: &ClientOptions) -> Result<CmtimeReport, ViaError> {
+        let mut run = Burst::new(o);
+        run.run(self)?;
+        let after = self.control.stat()?;
+        let r = run.report(pacing_of(&after));
+        self.last_stat = Some(after);
+        Ok(r)
+    }
+
+    fn cmtime_server(&mut self, o: &ServerOptions) -> Result<ServerReport, ViaError> {
+        let r = self.serve(o)?;
+        self.last_stat = Some(self.control.stat()?);
+        Ok(r)
     }
 }
 

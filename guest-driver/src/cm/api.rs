@@ -3,16 +3,13 @@
 //! MADs, arms timers) or fails with a [`CmError`] and changes nothing.
 
 use pvcm_wire::Gid;
-use pvcm_wire::cm::{
-    CmRepr, FailoverAccepted, MsgResponse, PathRepr, RejReason, SidrStatus, rep, req, sidr_req,
-};
-use pvcm_wire::mad::{AttributeId, Header};
+use pvcm_wire::cm::{CmRepr, FailoverAccepted, MsgResponse, RejReason, SidrStatus, rep, sidr_req};
+use pvcm_wire::mad::{AttributeId, Header, MAD_LEN};
 use pvcm_wire::timeout::linux_ms;
 
-use super::agent::{Agent, check_pd, pd};
+use super::agent::{Agent, ReqValues, check_pd, pd};
 use super::config::{
     AcceptOptions, ConnectOptions, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES, SidrOptions,
-    cm_ack_timeout,
 };
 use super::event::{CmError, CmId, Event, State};
 use super::pacing::Request;
@@ -167,6 +164,25 @@ impl Agent {
         check_pd(private_data, pd::REQ)?;
         self.check_qpn(opts.qpn)?;
         self.check_room()?;
+        let slot = self.alloc_active(opts.qpn)?;
+        let v = self.req_values(slot, service_id, private_data, opts);
+        let r = CmRepr::Req(self.format_req(dest, service_id, private_data, opts, &v));
+        let Some(sent) = self.encode(&Header::cm_send(AttributeId::Req, v.tid), &r) else {
+            self.free_slot(slot);
+            return Err(CmError::NoResources);
+        };
+        self.req_sent(slot, dest, service_id, opts, &v, sent);
+        let t = self.conns[slot as usize].timeout_ms;
+        // Through the destination's window: a REQ that has to wait is sent (and its
+        // timer started) when a slot frees up.
+        if self.send_request(slot, dest, Request::Connect, sent) {
+            self.arm(slot, now.after_ms(t));
+        }
+        Ok(self.id_of(slot))
+    }
+
+    /// A slot for an active connection, with its comm ID and local QPN.
+    fn alloc_active(&mut self, qpn: Option<u32>) -> Result<u32, CmError> {
         let slot = self.alloc_slot(false);
         let Some(local_id) = self.comm_ids.alloc(slot) else {
             self.free_slot(slot);
@@ -177,18 +193,27 @@ impl Agent {
             c.local_id = local_id;
             c.holds_id = true;
         }
-        if let Err(e) = self.assign_qpn(slot, opts.qpn) {
+        if let Err(e) = self.assign_qpn(slot, qpn) {
             self.free_slot(slot);
             return Err(e);
         }
+        Ok(slot)
+    }
+
+    /// The values a REQ settles for this side, chosen once for the REQ and the
+    /// connection's QP parameters.
+    fn req_values(
+        &mut self,
+        slot: u32,
+        service_id: u64,
+        private_data: &[u8],
+        opts: &ConnectOptions,
+    ) -> ReqValues {
         let psn = match opts.starting_psn {
             Some(p) => p & 0x00FF_FFFF,
             None => self.random_psn(),
         };
-        let tid = self.form_tid(local_id);
-        let routed = opts.hop_limit > 1;
-        let lid = if routed { 0xFFFF } else { self.cfg.lid };
-        let local_qpn = self.conns[slot as usize].local_qpn;
+        let c = &self.conns[slot as usize];
         // librdmacm: RDMA_MAX_RESP_RES / RDMA_MAX_INIT_DEPTH stand for the device maximum.
         let responder_resources = match opts.responder_resources {
             RDMA_MAX_RESP_RES => self.cfg.max_responder_resources,
@@ -207,55 +232,35 @@ impl Agent {
             0 => rdma_cm::req_flow_label(service_id, private_data).unwrap_or(0),
             f => f,
         };
-        let r = CmRepr::Req(req::Repr {
-            local_comm_id: local_id,
-            vendor_id: 0,
-            service_id,
-            local_ca_guid: self.cfg.ca_guid,
-            local_qkey: 0,
-            local_qpn,
+        ReqValues {
+            local_id: c.local_id,
+            tid: self.form_tid(c.local_id),
+            local_qpn: c.local_qpn,
+            psn,
             responder_resources,
-            local_eecn: 0,
             initiator_depth,
-            remote_eecn: 0,
-            remote_cm_response_timeout: opts.remote_cm_response_timeout & 0x1F,
-            transport: opts.transport,
-            end_to_end_flow_control: opts.flow_control,
-            starting_psn: psn,
-            local_cm_response_timeout: opts.local_cm_response_timeout & 0x1F,
-            retry_count: opts.retry_count & 0x7,
-            partition_key: self.cfg.pkey,
             path_mtu,
-            rdc_exists: false,
-            rnr_retry_count: opts.rnr_retry_count & 0x7,
-            max_cm_retries: opts.max_cm_retries & 0xF,
-            srq: opts.srq,
-            primary_path: PathRepr {
-                local_lid: lid,
-                remote_lid: if routed { 0xFFFF } else { 0 },
-                local_gid: self.cfg.gid,
-                remote_gid: dest,
-                flow_label,
-                packet_rate: 0,
-                traffic_class: opts.traffic_class,
-                hop_limit: opts.hop_limit,
-                sl: opts.sl & 0xF,
-                subnet_local: !routed,
-                local_ack_timeout: cm_ack_timeout(self.cfg.ack_delay, opts.packet_life_time),
-            },
-            alternate_path: PathRepr::default(),
-            sap_supported: false,
-            private_data,
-        });
-        let Some(sent) = self.encode(&Header::cm_send(AttributeId::Req, tid), &r) else {
-            self.free_slot(slot);
-            return Err(CmError::NoResources);
-        };
+            flow_label,
+        }
+    }
+
+    /// The connection record of a REQ that is sent (or queued for its window): state
+    /// REQ_SENT, its timeouts and the QP values it offers.
+    fn req_sent(
+        &mut self,
+        slot: u32,
+        dest: Gid,
+        service_id: u64,
+        opts: &ConnectOptions,
+        v: &ReqValues,
+        sent: [u8; MAD_LEN],
+    ) {
+        let local_gid = self.cfg.gid;
         let c = &mut self.conns[slot as usize];
         c.state = State::ReqSent;
         c.remote_gid = dest;
         c.service_id = service_id;
-        c.tid = tid;
+        c.tid = v.tid;
         // Linux ib_send_cm_req(): timeout_ms and av.timeout from the path.
         c.timeout_ms =
             2 * linux_ms(opts.packet_life_time) + linux_ms(opts.remote_cm_response_timeout);
@@ -266,19 +271,19 @@ impl Agent {
         c.msg = Some(sent);
         // Linux ib_send_cm_req: the REQ's values are this side's until the REP.
         c.qp = QpParams {
-            local_qpn,
+            local_qpn: v.local_qpn,
             remote_qpn: 0,
             sq_psn: 0,
-            rq_psn: psn,
-            path_mtu,
+            rq_psn: v.psn,
+            path_mtu: v.path_mtu,
             retry_count: opts.retry_count & 0x7,
             rnr_retry_count: opts.rnr_retry_count & 0x7,
-            responder_resources,
-            initiator_depth,
+            responder_resources: v.responder_resources,
+            initiator_depth: v.initiator_depth,
             path: PathAv {
                 remote_gid: dest,
-                local_gid: self.cfg.gid,
-                flow_label,
+                local_gid,
+                flow_label: v.flow_label,
                 hop_limit: opts.hop_limit,
                 traffic_class: opts.traffic_class,
                 sl: opts.sl & 0xF,
@@ -286,13 +291,6 @@ impl Agent {
             peer_flow_control: false,
             peer_srq: false,
         };
-        let t = c.timeout_ms;
-        // Through the destination's window: a REQ that has to wait is sent (and its
-        // timer started) when a slot frees up.
-        if self.send_request(slot, dest, Request::Connect, sent) {
-            self.arm(slot, now.after_ms(t));
-        }
-        Ok(self.id_of(slot))
     }
 
     /// Accepts: on a passive connection (REQ_RCVD, MRA_REQ_SENT) sends the REP (state

@@ -335,6 +335,18 @@ enum Phase {
     Disconnected,
 }
 
+/// One client burst: every connection's id, phase and start, the steps' times.
+struct Burst {
+    ids: Vec<CmId>,
+    started: Vec<Time>,
+    phase: Vec<Phase>,
+    index: crate::cm::FastMap<CmId, usize>,
+    steps: [StepTimes; 4],
+    failures: BTreeMap<Failure, u32>,
+    established: u32,
+    disconnected: u32,
+}
+
 /// Runs the client side: `connections` connections to `dest`, all at once, then all
 /// torn down. A connection that fails (REJ, unreachable) is counted and destroyed.
 pub fn client<T: Transport, C: Clock>(
@@ -342,145 +354,195 @@ pub fn client<T: Transport, C: Clock>(
     o: &ClientOptions,
 ) -> Result<CmtimeReport, DeviceError> {
     let n = o.connections as usize;
-    let sid = tcp_service_id(o.port);
-    let local = dev.agent().config().gid;
-    // rdma_cm binds each unbound id to an ephemeral source port (the flow label the
-    // agent derives hashes it); past the range's size ports are shared.
-    let mut ports = EphemeralPorts::new(dev.options().seed ^ 0x636d_7469_6d65);
-    let opts = o.connect;
-    let mut steps = [StepTimes::default(); 4];
-    let mut ids: Vec<CmId> = Vec::with_capacity(n);
-    let mut started: Vec<Time> = Vec::with_capacity(n);
-    let mut phase = vec![Phase::Connecting; n];
-    let mut index = crate::cm::FastMap::with_capacity_and_hasher(n, Default::default());
-
-    // connect
+    let mut b = Burst {
+        ids: Vec::with_capacity(n),
+        started: Vec::with_capacity(n),
+        phase: vec![Phase::Connecting; n],
+        index: crate::cm::FastMap::with_capacity_and_hasher(n, Default::default()),
+        steps: [StepTimes::default(); 4],
+        failures: BTreeMap::new(),
+        established: 0,
+        disconnected: 0,
+    };
     let t0 = dev.now();
-    for i in 0..n {
-        let s = dev.now();
-        let src_port = ports.alloc().unwrap_or_else(|| ports.shared());
-        let pd = req_private_data(&CmaHdr::from_gids(local, o.dest, src_port), &[])
-            .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
-        let id = dev.connect(o.dest, sid, &pd, &opts)?;
-        steps[Step::Connect as usize].add(dev.now().since(s));
-        ids.push(id);
-        started.push(s);
-        index.insert(id, i);
-        // The REQs go out while the loop runs, as the kernel's rdma_connect() sends
-        // at once: the peer starts answering instead of waiting for the whole loop
-        // (1,000 connect() calls take ~25 ms in a TCG guest). Answers that come in
-        // meanwhile wait in the agent's event queue for the loop below.
-        if (i + 1) % PUMP_EVERY == 0 {
-            dev.pump_now()?;
-        }
-    }
-    dev.pump_now()?;
-    steps[Step::Connect as usize].total = dev.now().since(t0);
-
-    // establish
-    let mut last = t0;
-    let mut pending = n;
-    let mut established = 0u32;
-    let mut failures: BTreeMap<Failure, u32> = BTreeMap::new();
-    dev.run_until(o.timeout, |d| {
-        while let Some(ev) = d.pop_cm_event() {
-            let Some(&i) = index.get(&ev.id()) else {
-                continue;
-            };
-            let now = d.now();
-            match ev {
-                Event::Established { .. } if phase[i] == Phase::Connecting => {
-                    phase[i] = Phase::Established;
-                    steps[Step::Establish as usize].add(now.since(started[i]));
-                    last = now;
-                    established += 1;
-                    pending -= 1;
-                }
-                Event::Rejected { .. } | Event::Unreachable { .. }
-                    if phase[i] == Phase::Connecting =>
-                {
-                    phase[i] = Phase::Failed;
-                    if let Some(f) = Failure::of_attempt(Some(&ev)) {
-                        *failures.entry(f).or_default() += 1;
-                    }
-                    pending -= 1;
-                }
-                _ => {}
-            }
-        }
-        pending == 0
-    })?;
-    steps[Step::Establish as usize].total = last.since(t0);
-    // Whatever is still connecting has timed out (destroyed below: REJ(TIMEOUT)).
-    for p in phase.iter_mut().filter(|p| **p == Phase::Connecting) {
-        *p = Phase::Failed;
-        *failures.entry(Failure::Timeout).or_default() += 1;
-    }
-    let failed = failures.values().sum::<u32>();
+    b.connect(dev, o)?;
+    b.establish(dev, o, t0)?;
     if !o.hold.is_zero() {
         dev.run_until(o.hold, |_| false)?;
     }
-
-    // disconnect
-    let t1 = dev.now();
-    let mut dis_start = vec![t1; n];
-    let mut pending = 0usize;
-    for i in 0..n {
-        if phase[i] == Phase::Established {
-            dis_start[i] = dev.now();
-            dev.disconnect(ids[i])?;
-            phase[i] = Phase::Disconnecting;
-            pending += 1;
-        }
-    }
-    let mut last = t1;
-    let mut disconnected = 0u32;
-    dev.run_until(o.timeout, |d| {
-        while let Some(ev) = d.pop_cm_event() {
-            let Some(&i) = index.get(&ev.id()) else {
-                continue;
-            };
-            if let Event::Disconnected { .. } = ev {
-                if phase[i] == Phase::Disconnecting {
-                    let now = d.now();
-                    phase[i] = Phase::Disconnected;
-                    steps[Step::Disconnect as usize].add(now.since(dis_start[i]));
-                    last = now;
-                    disconnected += 1;
-                    pending -= 1;
-                }
-            }
-        }
-        pending == 0
-    })?;
-    steps[Step::Disconnect as usize].total = last.since(t1);
-    let stuck = phase.iter().filter(|p| **p == Phase::Disconnecting).count() as u32;
-    if stuck > 0 {
-        failures.insert(Failure::DisconnectTimeout, stuck);
-    }
-
-    // destroy, newest first: a connect still waiting for its window leaves the queue
-    // unsent, instead of being sent because an older one's destroy freed a slot.
-    let t2 = dev.now();
-    for id in ids.iter().rev() {
-        let s = dev.now();
-        dev.destroy(*id)?;
-        steps[Step::Destroy as usize].add(dev.now().since(s));
-    }
-    dev.pump_now()?;
-    steps[Step::Destroy as usize].total = dev.now().since(t2);
+    b.disconnect(dev, o)?;
+    b.destroy(dev)?;
     // Let the last MADs (REJs of unfinished handshakes, DREQs) reach the device.
     dev.flush(Duration::from_secs(1))?;
-
     Ok(CmtimeReport {
         connections: o.connections,
-        established,
-        failed,
-        disconnected,
-        failures,
-        steps,
+        established: b.established,
+        failed: b.failed(),
+        disconnected: b.disconnected,
+        failures: b.failures,
+        steps: b.steps,
         pacing: dev.agent().pacing(),
     })
+}
+
+impl Burst {
+    /// The connections that were not established.
+    fn failed(&self) -> u32 {
+        self.failures
+            .iter()
+            .filter(|(f, _)| **f != Failure::DisconnectTimeout)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// The connect step: every connection started.
+    fn connect<T: Transport, C: Clock>(
+        &mut self,
+        dev: &mut Device<T, C>,
+        o: &ClientOptions,
+    ) -> Result<(), DeviceError> {
+        let sid = tcp_service_id(o.port);
+        let local = dev.agent().config().gid;
+        // rdma_cm binds each unbound id to an ephemeral source port (the flow label the
+        // agent derives hashes it); past the range's size ports are shared.
+        let mut ports = EphemeralPorts::new(dev.options().seed ^ 0x636d_7469_6d65);
+        let t0 = dev.now();
+        for i in 0..o.connections as usize {
+            let s = dev.now();
+            let src_port = ports.alloc().unwrap_or_else(|| ports.shared());
+            let pd = req_private_data(&CmaHdr::from_gids(local, o.dest, src_port), &[])
+                .map_err(|e| DeviceError::Invalid(format!("private data: {e}")))?;
+            let id = dev.connect(o.dest, sid, &pd, &o.connect)?;
+            self.steps[Step::Connect as usize].add(dev.now().since(s));
+            self.ids.push(id);
+            self.started.push(s);
+            self.index.insert(id, i);
+            // The REQs go out while the loop runs, as the kernel's rdma_connect() sends
+            // at once: the peer starts answering instead of waiting for the whole loop
+            // (1,000 connect() calls take ~25 ms in a TCG guest). Answers that come in
+            // meanwhile wait in the agent's event queue for the establish step.
+            if (i + 1) % PUMP_EVERY == 0 {
+                dev.pump_now()?;
+            }
+        }
+        dev.pump_now()?;
+        self.steps[Step::Connect as usize].total = dev.now().since(t0);
+        Ok(())
+    }
+
+    /// The establish step: waits for every connection's answer (from `t0`, the connect
+    /// step's start); what is still connecting after `o.timeout` has timed out.
+    fn establish<T: Transport, C: Clock>(
+        &mut self,
+        dev: &mut Device<T, C>,
+        o: &ClientOptions,
+        t0: Time,
+    ) -> Result<(), DeviceError> {
+        let mut last = t0;
+        let mut pending = self.ids.len();
+        dev.run_until(o.timeout, |d| {
+            while let Some(ev) = d.pop_cm_event() {
+                let Some(&i) = self.index.get(&ev.id()) else {
+                    continue;
+                };
+                let now = d.now();
+                match ev {
+                    Event::Established { .. } if self.phase[i] == Phase::Connecting => {
+                        self.phase[i] = Phase::Established;
+                        self.steps[Step::Establish as usize].add(now.since(self.started[i]));
+                        last = now;
+                        self.established += 1;
+                        pending -= 1;
+                    }
+                    Event::Rejected { .. } | Event::Unreachable { .. }
+                        if self.phase[i] == Phase::Connecting =>
+                    {
+                        self.phase[i] = Phase::Failed;
+                        if let Some(f) = Failure::of_attempt(Some(&ev)) {
+                            *self.failures.entry(f).or_default() += 1;
+                        }
+                        pending -= 1;
+                    }
+                    _ => {}
+                }
+            }
+            pending == 0
+        })?;
+        self.steps[Step::Establish as usize].total = last.since(t0);
+        // Whatever is still connecting has timed out (destroyed later: REJ(TIMEOUT)).
+        for p in self.phase.iter_mut().filter(|p| **p == Phase::Connecting) {
+            *p = Phase::Failed;
+            *self.failures.entry(Failure::Timeout).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    /// The disconnect step: every established connection disconnected, its DREP
+    /// awaited; those without one within `o.timeout` are counted apart.
+    fn disconnect<T: Transport, C: Clock>(
+        &mut self,
+        dev: &mut Device<T, C>,
+        o: &ClientOptions,
+    ) -> Result<(), DeviceError> {
+        let t1 = dev.now();
+        let mut dis_start = vec![t1; self.ids.len()];
+        let mut pending = 0usize;
+        for (i, &id) in self.ids.iter().enumerate() {
+            if self.phase[i] == Phase::Established {
+                dis_start[i] = dev.now();
+                dev.disconnect(id)?;
+                self.phase[i] = Phase::Disconnecting;
+                pending += 1;
+            }
+        }
+        let mut last = t1;
+        dev.run_until(o.timeout, |d| {
+            while let Some(ev) = d.pop_cm_event() {
+                let Some(&i) = self.index.get(&ev.id()) else {
+                    continue;
+                };
+                if let Event::Disconnected { .. } = ev {
+                    if self.phase[i] == Phase::Disconnecting {
+                        let now = d.now();
+                        self.phase[i] = Phase::Disconnected;
+                        self.steps[Step::Disconnect as usize].add(now.since(dis_start[i]));
+                        last = now;
+                        self.disconnected += 1;
+                        pending -= 1;
+                    }
+                }
+            }
+            pending == 0
+        })?;
+        self.steps[Step::Disconnect as usize].total = last.since(t1);
+        let stuck = self
+            .phase
+            .iter()
+            .filter(|p| **p == Phase::Disconnecting)
+            .count() as u32;
+        if stuck > 0 {
+            self.failures.insert(Failure::DisconnectTimeout, stuck);
+        }
+        Ok(())
+    }
+
+    /// The destroy step, newest first: a connect still waiting for its window leaves
+    /// the queue unsent, instead of being sent because an older one's destroy freed a
+    /// slot.
+    fn destroy<T: Transport, C: Clock>(
+        &mut self,
+        dev: &mut Device<T, C>,
+    ) -> Result<(), DeviceError> {
+        let t2 = dev.now();
+        for id in self.ids.iter().rev() {
+            let s = dev.now();
+            dev.destroy(*id)?;
+            self.steps[Step::Destroy as usize].add(dev.now().since(s));
+        }
+        dev.pump_now()?;
+        self.steps[Step::Destroy as usize].total = dev.now().since(t2);
+        Ok(())
+    }
 }
 
 /// Runs the server side: listens on the port, then [`serve`]s.

@@ -39,6 +39,7 @@
 //! and eventfds) and [`pci::PciDevice`] (a real virtio-pci function inside a VM).
 //! [`cmtime`] is the connection-rate benchmark of the CLI.
 
+pub mod args;
 pub mod cmtime;
 pub mod pci;
 

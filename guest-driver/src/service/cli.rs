@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use super::cma::Cma;
 use super::server::{Server, ServerOptions, ServiceError};
 use super::verbs::{PortError, RdmaPort};
-use crate::cli::DeviceArgs;
+use crate::device::args::DeviceArgs;
 use crate::device::{Device, Transport};
 use crate::time::SystemClock;
 

@@ -33,9 +33,9 @@ use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
-use crate::cli::{cm_counters_json, pacing_json};
 use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
+use crate::report::{cm_counters_json, pacing_json};
 use crate::time::SystemClock;
 
 /// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
@@ -286,6 +286,9 @@ impl<'d, T: Transport> Server<'d, T> {
             .map_err(io_err("answering on /dev/cuse"))
     }
 
+    /// Answers one CUSE request. Longer than the other functions on purpose: it is the
+    /// one dispatch table of the CUSE requests, one short arm per request, and reads
+    /// best whole.
     fn request(&mut self, b: &[u8]) -> Result<(), ServiceError> {
         self.stats.requests += 1;
         let (h, r) = match Request::parse(b) {

@@ -12,6 +12,18 @@
 //! [`AbiError::Short`]; an address of a family or size the kernel would refuse is
 //! [`AbiError::BadAddr`].
 
+mod layout;
+
+use core::mem::size_of;
+
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
+
+use layout::{
+    UcmAccept, UcmBind, UcmBindIp, UcmCmdHdr, UcmConnParam, UcmConnect, UcmCreateId, UcmDestroyId,
+    UcmEce, UcmEventResp, UcmIdArg, UcmJoinIpMcast, UcmJoinMcast, UcmQueryAddrResp,
+    UcmQueryRouteResp, UcmReject, UcmResolveAddr, UcmResolveIp, UcmRespIdArg, UcmSetOption,
+    UcmUdParam, UverbsAhAttr,
+};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 /// The ABI version librdmacm checks (`RDMA_USER_CM_ABI_VERSION`).
@@ -247,19 +259,22 @@ pub struct CmdHdr {
 impl CmdHdr {
     /// Reads the header of a write.
     pub fn parse(b: &[u8]) -> Result<CmdHdr, AbiError> {
-        need(b, HDR_LEN)?;
+        let h: UcmCmdHdr = read(b)?;
         Ok(CmdHdr {
-            cmd: u32_at(b, 0),
-            in_len: u16_at(b, 4),
-            out_len: u16_at(b, 6),
+            cmd: h.cmd.get(),
+            in_len: h.r#in.get(),
+            out_len: h.out.get(),
         })
     }
 
     /// Writes the header (for clients and tests).
     pub fn emit(&self, b: &mut [u8]) {
-        put_u32(b, 0, self.cmd);
-        put_u16(b, 4, self.in_len);
-        put_u16(b, 6, self.out_len);
+        let h = UcmCmdHdr {
+            cmd: self.cmd.into(),
+            r#in: self.in_len.into(),
+            out: self.out_len.into(),
+        };
+        put(b, 0, h.as_bytes());
     }
 }
 
@@ -272,6 +287,33 @@ fn need(b: &[u8], n: usize) -> Result<(), AbiError> {
     } else {
         Ok(())
     }
+}
+
+/// Reads a structure from the front of `b` ([`AbiError::Short`] when `b` is shorter).
+fn read<T: FromBytes>(b: &[u8]) -> Result<T, AbiError> {
+    T::read_from_prefix(b)
+        .map(|(t, _)| t)
+        .map_err(|_| AbiError::Short {
+            got: b.len(),
+            need: size_of::<T>(),
+        })
+}
+
+/// Reads a structure from the front of `b`, which must hold at least `min` bytes;
+/// the fields past its end read as zero.
+fn read_min<T: FromBytes + IntoBytes>(b: &[u8], min: usize) -> Result<T, AbiError> {
+    need(b, min)?;
+    let mut t = T::new_zeroed();
+    let n = b.len().min(size_of::<T>());
+    t.as_mut_bytes()[..n].copy_from_slice(&b[..n]);
+    Ok(t)
+}
+
+/// A structure's bytes as an array of its size.
+fn bytes<T: IntoBytes + zerocopy::Immutable, const N: usize>(t: &T) -> [u8; N] {
+    let mut b = [0u8; N];
+    put(&mut b, 0, t.as_bytes());
+    b
 }
 
 fn arr<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
@@ -409,15 +451,15 @@ pub struct CreateId {
 
 impl CreateId {
     /// Size.
-    pub const LEN: usize = 24;
+    pub const LEN: usize = size_of::<UcmCreateId>();
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<CreateId, AbiError> {
-        need(b, Self::LEN)?;
+        let c: UcmCreateId = read(b)?;
         Ok(CreateId {
-            uid: u64_at(b, 0),
-            response: u64_at(b, 8),
-            ps: u16_at(b, 16),
-            qp_type: b[18],
+            uid: c.uid.get(),
+            response: c.response.get(),
+            ps: c.ps.get(),
+            qp_type: c.qp_type,
         })
     }
 }
@@ -433,13 +475,13 @@ pub struct DestroyId {
 
 impl DestroyId {
     /// Size.
-    pub const LEN: usize = 16;
+    pub const LEN: usize = size_of::<UcmDestroyId>();
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<DestroyId, AbiError> {
-        need(b, Self::LEN)?;
+        let d: UcmDestroyId = read(b)?;
         Ok(DestroyId {
-            response: u64_at(b, 0),
-            id: u32_at(b, 8),
+            response: d.response.get(),
+            id: d.id.get(),
         })
     }
 }
@@ -455,29 +497,29 @@ pub struct Bind {
 
 impl Bind {
     /// BIND_IP's size.
-    pub const IP_LEN: usize = 40;
+    pub const IP_LEN: usize = size_of::<UcmBindIp>();
     /// BIND's size.
-    pub const LEN: usize = 136;
+    pub const LEN: usize = size_of::<UcmBind>();
 
     /// Parses BIND_IP.
     pub fn parse_ip(b: &[u8]) -> Result<Bind, AbiError> {
-        need(b, Self::IP_LEN)?;
+        let c: UcmBindIp = read(b)?;
         Ok(Bind {
-            id: u32_at(b, 36),
-            addr: parse_sockaddr(&b[8..36])?,
+            id: c.id.get(),
+            addr: parse_sockaddr(&c.addr)?,
         })
     }
 
     /// Parses BIND (`addr_size` must be the family's size, `reserved` 0).
     pub fn parse(b: &[u8]) -> Result<Bind, AbiError> {
-        need(b, Self::LEN)?;
-        let (size, reserved) = (u16_at(b, 4), u16_at(b, 6));
-        let kss = &b[8..8 + SOCKADDR_STORAGE_LEN];
+        let c: UcmBind = read(b)?;
+        let (size, reserved) = (c.addr_size.get(), c.reserved.get());
+        let kss = &c.addr;
         if reserved != 0 || size == 0 || usize::from(size) != family_len(u16_at(kss, 0)) {
             return Err(AbiError::BadAddr);
         }
         Ok(Bind {
-            id: u32_at(b, 0),
+            id: c.id.get(),
             addr: parse_sockaddr(kss)?,
         })
     }
@@ -498,32 +540,32 @@ pub struct ResolveAddr {
 
 impl ResolveAddr {
     /// RESOLVE_IP's size.
-    pub const IP_LEN: usize = 64;
+    pub const IP_LEN: usize = size_of::<UcmResolveIp>();
     /// RESOLVE_ADDR's size.
-    pub const LEN: usize = 272;
+    pub const LEN: usize = size_of::<UcmResolveAddr>();
 
     /// Parses RESOLVE_IP (a zero source family means "no source").
     pub fn parse_ip(b: &[u8]) -> Result<ResolveAddr, AbiError> {
-        need(b, Self::IP_LEN)?;
-        let src = match u16_at(b, 0) {
+        let c: UcmResolveIp = read(b)?;
+        let src = match u16_at(&c.src_addr, 0) {
             0 => None,
-            _ => Some(parse_sockaddr(&b[0..28])?),
+            _ => Some(parse_sockaddr(&c.src_addr)?),
         };
         Ok(ResolveAddr {
-            id: u32_at(b, 56),
-            timeout_ms: u32_at(b, 60),
+            id: c.id.get(),
+            timeout_ms: c.timeout_ms.get(),
             src,
-            dst: parse_sockaddr(&b[28..56])?,
+            dst: parse_sockaddr(&c.dst_addr)?,
         })
     }
 
     /// Parses RESOLVE_ADDR (sizes must match the families; a zero source size means no
     /// source).
     pub fn parse(b: &[u8]) -> Result<ResolveAddr, AbiError> {
-        need(b, Self::LEN)?;
-        let (src_size, dst_size, reserved) = (u16_at(b, 8), u16_at(b, 10), u32_at(b, 12));
-        let src_kss = &b[16..144];
-        let dst_kss = &b[144..272];
+        let c: UcmResolveAddr = read(b)?;
+        let (src_size, dst_size, reserved) = (c.src_size.get(), c.dst_size.get(), c.reserved.get());
+        let src_kss = &c.src_addr;
+        let dst_kss = &c.dst_addr;
         if reserved != 0
             || (src_size != 0 && usize::from(src_size) != family_len(u16_at(src_kss, 0)))
             || dst_size == 0
@@ -536,8 +578,8 @@ impl ResolveAddr {
             _ => Some(parse_sockaddr(src_kss)?),
         };
         Ok(ResolveAddr {
-            id: u32_at(b, 0),
-            timeout_ms: u32_at(b, 4),
+            id: c.id.get(),
+            timeout_ms: c.timeout_ms.get(),
             src,
             dst: parse_sockaddr(dst_kss)?,
         })
@@ -557,18 +599,18 @@ pub struct IdArg {
 impl IdArg {
     /// Parses the 8-byte form.
     pub fn parse(b: &[u8]) -> Result<IdArg, AbiError> {
-        need(b, 8)?;
+        let c: UcmIdArg = read(b)?;
         Ok(IdArg {
-            id: u32_at(b, 0),
-            arg: u32_at(b, 4),
+            id: c.id.get(),
+            arg: c.arg.get(),
         })
     }
 
     /// Parses DISCONNECT's 4 bytes.
     pub fn parse_id(b: &[u8]) -> Result<IdArg, AbiError> {
-        need(b, 4)?;
+        let c: UcmIdArg = read_min(b, 4)?;
         Ok(IdArg {
-            id: u32_at(b, 0),
+            id: c.id.get(),
             arg: 0,
         })
     }
@@ -589,14 +631,14 @@ pub struct RespIdArg {
 
 impl RespIdArg {
     /// Size.
-    pub const LEN: usize = 16;
+    pub const LEN: usize = size_of::<UcmRespIdArg>();
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<RespIdArg, AbiError> {
-        need(b, Self::LEN)?;
+        let c: UcmRespIdArg = read(b)?;
         Ok(RespIdArg {
-            response: u64_at(b, 0),
-            id: u32_at(b, 8),
-            arg: u32_at(b, 12),
+            response: c.response.get(),
+            id: c.id.get(),
+            arg: c.arg.get(),
         })
     }
 }
@@ -628,44 +670,53 @@ pub struct ConnParam {
 
 impl ConnParam {
     /// Size.
-    pub const LEN: usize = 272;
+    pub const LEN: usize = size_of::<UcmConnParam>();
 
     /// Parses (private data cut to its length, at most 256).
     pub fn parse(b: &[u8]) -> Result<ConnParam, AbiError> {
-        need(b, Self::LEN)?;
-        let len = usize::from(b[264]);
-        Ok(ConnParam {
-            qp_num: u32_at(b, 0),
-            qkey: u32_at(b, 4),
-            private_data: b[8..8 + len].to_vec(),
-            srq: b[265] != 0,
-            responder_resources: b[266],
-            initiator_depth: b[267],
-            flow_control: b[268] != 0,
-            retry_count: b[269],
-            rnr_retry_count: b[270],
-            valid: b[271] != 0,
-        })
+        Ok(ConnParam::of(&read(b)?))
+    }
+
+    /// From the kernel's structure.
+    fn of(c: &UcmConnParam) -> ConnParam {
+        let len = usize::from(c.private_data_len);
+        ConnParam {
+            qp_num: c.qp_num.get(),
+            qkey: c.qkey.get(),
+            private_data: c.private_data[..len].to_vec(),
+            srq: c.srq != 0,
+            responder_resources: c.responder_resources,
+            initiator_depth: c.initiator_depth,
+            flow_control: c.flow_control != 0,
+            retry_count: c.retry_count,
+            rnr_retry_count: c.rnr_retry_count,
+            valid: c.valid != 0,
+        }
+    }
+
+    /// The kernel's structure (private data cut to the 256 bytes the field holds).
+    fn layout(&self) -> UcmConnParam {
+        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
+        let mut private_data = [0u8; MAX_PRIVATE_DATA];
+        private_data[..n].copy_from_slice(&self.private_data[..n]);
+        UcmConnParam {
+            qp_num: self.qp_num.into(),
+            qkey: self.qkey.into(),
+            private_data,
+            private_data_len: n as u8,
+            srq: u8::from(self.srq),
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: u8::from(self.flow_control),
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            valid: u8::from(self.valid),
+        }
     }
 
     /// Writes the structure into `b` (272 bytes).
     pub fn emit(&self, b: &mut [u8]) {
-        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
-        put_u32(b, 0, self.qp_num);
-        put_u32(b, 4, self.qkey);
-        put(b, 8, &self.private_data[..n]);
-        if let Some(f) = b.get_mut(264..272) {
-            f.copy_from_slice(&[
-                n as u8,
-                u8::from(self.srq),
-                self.responder_resources,
-                self.initiator_depth,
-                u8::from(self.flow_control),
-                self.retry_count,
-                self.rnr_retry_count,
-                u8::from(self.valid),
-            ]);
-        }
+        put(b, 0, self.layout().as_bytes());
     }
 
     /// An empty parameter set (what an event without one carries).
@@ -694,6 +745,22 @@ pub struct Ece {
     pub attr_mod: u32,
 }
 
+impl Ece {
+    fn of(e: &UcmEce) -> Ece {
+        Ece {
+            vendor_id: e.vendor_id.get(),
+            attr_mod: e.attr_mod.get(),
+        }
+    }
+
+    fn layout(&self) -> UcmEce {
+        UcmEce {
+            vendor_id: self.vendor_id.into(),
+            attr_mod: self.attr_mod.into(),
+        }
+    }
+}
+
 /// CONNECT (`struct rdma_ucm_connect`, 288 bytes; 280 without the ECE).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Connect {
@@ -707,21 +774,18 @@ pub struct Connect {
 
 impl Connect {
     /// Size with the ECE.
-    pub const LEN: usize = 288;
+    pub const LEN: usize = size_of::<UcmConnect>();
     /// The least the kernel takes (up to `reserved`).
-    pub const MIN_LEN: usize = 280;
+    pub const MIN_LEN: usize = Self::LEN - size_of::<UcmEce>();
 
-    /// Parses.
+    /// Parses (the ECE only when the whole structure is there).
     pub fn parse(b: &[u8]) -> Result<Connect, AbiError> {
-        need(b, Self::MIN_LEN)?;
+        let c: UcmConnect = read_min(b, Self::MIN_LEN)?;
         Ok(Connect {
-            conn: ConnParam::parse(&b[0..272])?,
-            id: u32_at(b, 272),
+            conn: ConnParam::of(&c.conn_param),
+            id: c.id.get(),
             ece: if b.len() >= Self::LEN {
-                Ece {
-                    vendor_id: u32_at(b, 280),
-                    attr_mod: u32_at(b, 284),
-                }
+                Ece::of(&c.ece)
             } else {
                 Ece::default()
             },
@@ -742,17 +806,17 @@ pub struct Accept {
 
 impl Accept {
     /// Size with the ECE.
-    pub const LEN: usize = 296;
+    pub const LEN: usize = size_of::<UcmAccept>();
     /// The least the kernel takes.
-    pub const MIN_LEN: usize = 288;
+    pub const MIN_LEN: usize = Self::LEN - size_of::<UcmEce>();
 
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<Accept, AbiError> {
-        need(b, Self::MIN_LEN)?;
+        let c: UcmAccept = read_min(b, Self::MIN_LEN)?;
         Ok(Accept {
-            uid: u64_at(b, 0),
-            conn: ConnParam::parse(&b[8..280])?,
-            id: u32_at(b, 280),
+            uid: c.uid.get(),
+            conn: ConnParam::of(&c.conn_param),
+            id: c.id.get(),
         })
     }
 }
@@ -770,15 +834,15 @@ pub struct Reject {
 
 impl Reject {
     /// Size.
-    pub const LEN: usize = 264;
+    pub const LEN: usize = size_of::<UcmReject>();
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<Reject, AbiError> {
-        need(b, Self::LEN)?;
-        let len = usize::from(b[4]);
+        let c: UcmReject = read(b)?;
+        let len = usize::from(c.private_data_len);
         Ok(Reject {
-            id: u32_at(b, 0),
-            reason: b[5],
-            private_data: b[8..8 + len].to_vec(),
+            id: c.id.get(),
+            reason: c.reason,
+            private_data: c.private_data[..len].to_vec(),
         })
     }
 }
@@ -806,16 +870,16 @@ pub struct SetOption {
 
 impl SetOption {
     /// Size.
-    pub const LEN: usize = 24;
+    pub const LEN: usize = size_of::<UcmSetOption>();
     /// Parses.
     pub fn parse(b: &[u8]) -> Result<SetOption, AbiError> {
-        need(b, Self::LEN)?;
+        let c: UcmSetOption = read(b)?;
         Ok(SetOption {
-            optval: u64_at(b, 0),
-            id: u32_at(b, 8),
-            level: u32_at(b, 12),
-            optname: u32_at(b, 16),
-            optlen: u32_at(b, 20),
+            optval: c.optval.get(),
+            id: c.id.get(),
+            level: c.level.get(),
+            optname: c.optname.get(),
+            optlen: c.optlen.get(),
         })
     }
 }
@@ -837,35 +901,35 @@ pub struct JoinMcast {
 
 impl JoinMcast {
     /// JOIN_IP_MCAST's size.
-    pub const IP_LEN: usize = 48;
+    pub const IP_LEN: usize = size_of::<UcmJoinIpMcast>();
     /// JOIN_MCAST's size.
-    pub const LEN: usize = 152;
+    pub const LEN: usize = size_of::<UcmJoinMcast>();
 
     /// Parses JOIN_IP_MCAST.
     pub fn parse_ip(b: &[u8]) -> Result<JoinMcast, AbiError> {
-        need(b, Self::IP_LEN)?;
+        let c: UcmJoinIpMcast = read(b)?;
         Ok(JoinMcast {
-            response: u64_at(b, 0),
-            uid: u64_at(b, 8),
-            id: u32_at(b, 44),
-            addr: parse_sockaddr(&b[16..44])?,
+            response: c.response.get(),
+            uid: c.uid.get(),
+            id: c.id.get(),
+            addr: parse_sockaddr(&c.addr)?,
             join_flags: 0,
         })
     }
 
     /// Parses JOIN_MCAST.
     pub fn parse(b: &[u8]) -> Result<JoinMcast, AbiError> {
-        need(b, Self::LEN)?;
-        let kss = &b[24..152];
-        if usize::from(u16_at(b, 20)) != family_len(u16_at(kss, 0)) {
+        let c: UcmJoinMcast = read(b)?;
+        let kss = &c.addr;
+        if usize::from(c.addr_size.get()) != family_len(u16_at(kss, 0)) {
             return Err(AbiError::BadAddr);
         }
         Ok(JoinMcast {
-            response: u64_at(b, 0),
-            uid: u64_at(b, 8),
-            id: u32_at(b, 16),
+            response: c.response.get(),
+            uid: c.uid.get(),
+            id: c.id.get(),
             addr: parse_sockaddr(kss)?,
-            join_flags: u16_at(b, 22),
+            join_flags: c.join_flags.get(),
         })
     }
 }
@@ -899,47 +963,49 @@ pub struct AhAttr {
 
 impl AhAttr {
     /// Size.
-    pub const LEN: usize = 32;
+    pub const LEN: usize = size_of::<UverbsAhAttr>();
+
+    fn layout(&self) -> UverbsAhAttr {
+        UverbsAhAttr {
+            dgid: self.dgid,
+            flow_label: self.flow_label.into(),
+            sgid_index: self.sgid_index,
+            hop_limit: self.hop_limit,
+            traffic_class: self.traffic_class,
+            reserved: 0,
+            dlid: self.dlid.into(),
+            sl: self.sl,
+            src_path_bits: 0,
+            static_rate: self.static_rate,
+            is_global: u8::from(self.is_global),
+            port_num: self.port_num,
+            reserved2: 0,
+        }
+    }
+
+    fn of(a: &UverbsAhAttr) -> AhAttr {
+        AhAttr {
+            dgid: a.dgid,
+            flow_label: a.flow_label.get(),
+            sgid_index: a.sgid_index,
+            hop_limit: a.hop_limit,
+            traffic_class: a.traffic_class,
+            dlid: a.dlid.get(),
+            sl: a.sl,
+            static_rate: a.static_rate,
+            is_global: a.is_global != 0,
+            port_num: a.port_num,
+        }
+    }
 
     /// Writes the structure into `b` (32 bytes).
     pub fn emit(&self, b: &mut [u8]) {
-        put(b, 0, &self.dgid);
-        put_u32(b, 16, self.flow_label);
-        put(
-            b,
-            20,
-            &[self.sgid_index, self.hop_limit, self.traffic_class, 0],
-        );
-        put_u16(b, 24, self.dlid);
-        put(
-            b,
-            26,
-            &[
-                self.sl,
-                0,
-                self.static_rate,
-                u8::from(self.is_global),
-                self.port_num,
-                0,
-            ],
-        );
+        put(b, 0, self.layout().as_bytes());
     }
 
     /// Reads the structure.
     pub fn parse(b: &[u8]) -> Result<AhAttr, AbiError> {
-        need(b, Self::LEN)?;
-        Ok(AhAttr {
-            dgid: arr(b, 0),
-            flow_label: u32_at(b, 16),
-            sgid_index: b[20],
-            hop_limit: b[21],
-            traffic_class: b[22],
-            dlid: u16_at(b, 24),
-            sl: b[26],
-            static_rate: b[28],
-            is_global: b[29] != 0,
-            port_num: b[30],
-        })
+        Ok(AhAttr::of(&read(b)?))
     }
 }
 
@@ -958,20 +1024,25 @@ pub struct UdParam {
 
 impl UdParam {
     /// Size.
-    pub const LEN: usize = 304;
+    pub const LEN: usize = size_of::<UcmUdParam>();
+
+    fn layout(&self) -> UcmUdParam {
+        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
+        let mut private_data = [0u8; MAX_PRIVATE_DATA];
+        private_data[..n].copy_from_slice(&self.private_data[..n]);
+        UcmUdParam {
+            qp_num: self.qp_num.into(),
+            qkey: self.qkey.into(),
+            ah_attr: self.ah_attr.layout(),
+            private_data,
+            private_data_len: n as u8,
+            reserved: [0; 7],
+        }
+    }
 
     /// Writes the structure into `b` (304 bytes).
     pub fn emit(&self, b: &mut [u8]) {
-        let n = self.private_data.len().min(MAX_PRIVATE_DATA);
-        put_u32(b, 0, self.qp_num);
-        put_u32(b, 4, self.qkey);
-        if let Some(a) = b.get_mut(8..40) {
-            self.ah_attr.emit(a);
-        }
-        put(b, 40, &self.private_data[..n]);
-        if let Some(x) = b.get_mut(296) {
-            *x = n as u8;
-        }
+        put(b, 0, self.layout().as_bytes());
     }
 }
 
@@ -1003,25 +1074,24 @@ pub struct EventResp {
 
 impl EventResp {
     /// Size.
-    pub const LEN: usize = 336;
+    pub const LEN: usize = size_of::<UcmEventResp>();
     /// The least a caller's buffer must hold (the kernel takes old 32-bit callers
     /// without `reserved` and `ece`).
-    pub const MIN_OUT: usize = 324;
+    pub const MIN_OUT: usize = Self::LEN - size_of::<u32>() - size_of::<UcmEce>();
 
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.uid);
-        put_u32(&mut b, 8, self.id);
-        put_u32(&mut b, 12, self.event);
-        put_u32(&mut b, 16, self.status as u32);
+        let mut r = UcmEventResp::new_zeroed();
+        r.uid = self.uid.into();
+        r.id = self.id.into();
+        r.event = self.event.into();
+        r.status = self.status.into();
         match &self.param {
-            EventParam::Conn(c) => c.emit(&mut b[20..292]),
-            EventParam::Ud(u) => u.emit(&mut b[20..324]),
+            EventParam::Conn(c) => put(&mut r.param, 0, c.layout().as_bytes()),
+            EventParam::Ud(u) => put(&mut r.param, 0, u.layout().as_bytes()),
         }
-        put_u32(&mut b, 328, self.ece.vendor_id);
-        put_u32(&mut b, 332, self.ece.attr_mod);
-        b
+        r.ece = self.ece.layout();
+        bytes(&r)
     }
 }
 
@@ -1054,34 +1124,52 @@ pub struct UserPathRec {
 
 impl UserPathRec {
     /// Size.
-    pub const LEN: usize = 64;
+    pub const LEN: usize = size_of::<layout::UserPathRec>();
+
+    /// The kernel's structure; selectors are "exactly" (2).
+    fn layout(&self) -> layout::UserPathRec {
+        layout::UserPathRec {
+            dgid: self.dgid,
+            sgid: self.sgid,
+            dlid: 0.into(),
+            slid: 0.into(),
+            raw_traffic: 0.into(),
+            flow_label: self.flow_label.into(),
+            reversible: u32::from(self.reversible).into(),
+            mtu: u32::from(self.mtu).into(),
+            pkey: self.pkey.into(),
+            hop_limit: self.hop_limit,
+            traffic_class: self.traffic_class,
+            numb_path: 1,
+            sl: self.sl,
+            mtu_selector: 2,
+            rate_selector: 2,
+            rate: self.rate,
+            packet_life_time_selector: 2,
+            packet_life_time: self.packet_life_time,
+            preference: 0,
+        }
+    }
+
+    fn of(p: &layout::UserPathRec) -> UserPathRec {
+        UserPathRec {
+            dgid: p.dgid,
+            sgid: p.sgid,
+            flow_label: p.flow_label.get(),
+            reversible: p.reversible.get() != 0,
+            mtu: p.mtu.get() as u8,
+            pkey: p.pkey.get(),
+            hop_limit: p.hop_limit,
+            traffic_class: p.traffic_class,
+            sl: p.sl,
+            rate: p.rate,
+            packet_life_time: p.packet_life_time,
+        }
+    }
 
     /// Writes the structure into `b` (64 bytes); selectors are "exactly" (2).
     pub fn emit(&self, b: &mut [u8]) {
-        put(b, 0, &self.dgid);
-        put(b, 16, &self.sgid);
-        put(b, 32, &[0u8; 4]); // dlid, slid
-        put_u32(b, 36, 0); // raw_traffic
-        put(b, 40, &self.flow_label.to_be_bytes());
-        put_u32(b, 44, u32::from(self.reversible));
-        put_u32(b, 48, u32::from(self.mtu));
-        put(b, 52, &self.pkey.to_be_bytes());
-        put(
-            b,
-            54,
-            &[
-                self.hop_limit,
-                self.traffic_class,
-                1, // numb_path
-                self.sl,
-                2, // mtu_selector
-                2, // rate_selector
-                self.rate,
-                2, // packet_life_time_selector
-                self.packet_life_time,
-                0, // preference
-            ],
-        );
+        put(b, 0, self.layout().as_bytes());
     }
 }
 
@@ -1106,29 +1194,29 @@ pub struct QueryRouteResp {
 
 impl QueryRouteResp {
     /// Size.
-    pub const LEN: usize = 208;
+    pub const LEN: usize = size_of::<UcmQueryRouteResp>();
     /// The least a caller's buffer must hold (up to `ibdev_index`).
-    pub const MIN_OUT: usize = 200;
+    pub const MIN_OUT: usize = Self::LEN - 2 * size_of::<u32>();
 
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.node_guid_be);
-        for (i, p) in self.paths.iter().enumerate() {
+        let mut r = UcmQueryRouteResp::new_zeroed();
+        r.node_guid = self.node_guid_be.into();
+        for (slot, p) in r.ib_route.iter_mut().zip(&self.paths) {
             if let Some(p) = p {
-                p.emit(&mut b[8 + 64 * i..72 + 64 * i]);
+                *slot = p.layout();
             }
         }
         if let Some(a) = &self.src {
-            emit_sockaddr(a, &mut b[136..164]);
+            emit_sockaddr(a, &mut r.src_addr);
         }
         if let Some(a) = &self.dst {
-            emit_sockaddr(a, &mut b[164..192]);
+            emit_sockaddr(a, &mut r.dst_addr);
         }
-        put_u32(&mut b, 192, self.num_paths);
-        b[196] = self.port_num;
-        put_u32(&mut b, 200, self.ibdev_index);
-        b
+        r.num_paths = self.num_paths.into();
+        r.port_num = self.port_num;
+        r.ibdev_index = self.ibdev_index.into();
+        bytes(&r)
     }
 }
 
@@ -1151,22 +1239,25 @@ pub struct QueryAddrResp {
 
 impl QueryAddrResp {
     /// Size.
-    pub const LEN: usize = 280;
+    pub const LEN: usize = size_of::<UcmQueryAddrResp>();
     /// The least a caller's buffer must hold.
-    pub const MIN_OUT: usize = 272;
+    pub const MIN_OUT: usize = Self::LEN - 2 * size_of::<u32>();
 
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.node_guid_be);
-        b[8] = self.port_num;
-        put_u16(&mut b, 10, self.pkey_be);
-        put_u16(&mut b, 12, self.src.1);
-        put_u16(&mut b, 14, self.dst.1);
-        b[16..144].copy_from_slice(&self.src.0);
-        b[144..272].copy_from_slice(&self.dst.0);
-        put_u32(&mut b, 272, self.ibdev_index);
-        b
+        let r = UcmQueryAddrResp {
+            node_guid: self.node_guid_be.into(),
+            port_num: self.port_num,
+            reserved: 0,
+            pkey: self.pkey_be.into(),
+            src_size: self.src.1.into(),
+            dst_size: self.dst.1.into(),
+            src_addr: self.src.0,
+            dst_addr: self.dst.0,
+            ibdev_index: self.ibdev_index.into(),
+            reserved1: 0.into(),
+        };
+        bytes(&r)
     }
 }
 
@@ -1211,52 +1302,52 @@ pub struct UverbsQpAttr {
 
 impl UverbsQpAttr {
     /// Size.
-    pub const LEN: usize = 144;
+    pub const LEN: usize = size_of::<layout::UverbsQpAttr>();
 
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u32(&mut b, 0, self.qp_attr_mask);
-        put_u32(&mut b, 4, self.qp_state);
-        put_u32(&mut b, 12, self.path_mtu);
-        put_u32(&mut b, 20, self.qkey);
-        put_u32(&mut b, 24, self.rq_psn);
-        put_u32(&mut b, 28, self.sq_psn);
-        put_u32(&mut b, 32, self.dest_qp_num);
-        put_u32(&mut b, 36, self.qp_access_flags);
-        self.ah_attr.emit(&mut b[40..72]);
-        put_u16(&mut b, 124, self.pkey_index);
-        b[130] = self.max_rd_atomic;
-        b[131] = self.max_dest_rd_atomic;
-        b[132] = self.min_rnr_timer;
-        b[133] = self.port_num;
-        b[134] = self.timeout;
-        b[135] = self.retry_cnt;
-        b[136] = self.rnr_retry;
-        b
+        let mut r = layout::UverbsQpAttr::new_zeroed();
+        r.qp_attr_mask = self.qp_attr_mask.into();
+        r.qp_state = self.qp_state.into();
+        r.path_mtu = self.path_mtu.into();
+        r.qkey = self.qkey.into();
+        r.rq_psn = self.rq_psn.into();
+        r.sq_psn = self.sq_psn.into();
+        r.dest_qp_num = self.dest_qp_num.into();
+        r.qp_access_flags = self.qp_access_flags.into();
+        r.ah_attr = self.ah_attr.layout();
+        r.pkey_index = self.pkey_index.into();
+        r.max_rd_atomic = self.max_rd_atomic;
+        r.max_dest_rd_atomic = self.max_dest_rd_atomic;
+        r.min_rnr_timer = self.min_rnr_timer;
+        r.port_num = self.port_num;
+        r.timeout = self.timeout;
+        r.retry_cnt = self.retry_cnt;
+        r.rnr_retry = self.rnr_retry;
+        bytes(&r)
     }
 
     /// Reads the structure (for clients and tests).
     pub fn parse(b: &[u8]) -> Result<UverbsQpAttr, AbiError> {
-        need(b, Self::LEN)?;
+        let r: layout::UverbsQpAttr = read(b)?;
         Ok(UverbsQpAttr {
-            qp_attr_mask: u32_at(b, 0),
-            qp_state: u32_at(b, 4),
-            path_mtu: u32_at(b, 12),
-            qkey: u32_at(b, 20),
-            rq_psn: u32_at(b, 24),
-            sq_psn: u32_at(b, 28),
-            dest_qp_num: u32_at(b, 32),
-            qp_access_flags: u32_at(b, 36),
-            ah_attr: AhAttr::parse(&b[40..72])?,
-            pkey_index: u16_at(b, 124),
-            max_rd_atomic: b[130],
-            max_dest_rd_atomic: b[131],
-            min_rnr_timer: b[132],
-            port_num: b[133],
-            timeout: b[134],
-            retry_cnt: b[135],
-            rnr_retry: b[136],
+            qp_attr_mask: r.qp_attr_mask.get(),
+            qp_state: r.qp_state.get(),
+            path_mtu: r.path_mtu.get(),
+            qkey: r.qkey.get(),
+            rq_psn: r.rq_psn.get(),
+            sq_psn: r.sq_psn.get(),
+            dest_qp_num: r.dest_qp_num.get(),
+            qp_access_flags: r.qp_access_flags.get(),
+            ah_attr: AhAttr::of(&r.ah_attr),
+            pkey_index: r.pkey_index.get(),
+            max_rd_atomic: r.max_rd_atomic,
+            max_dest_rd_atomic: r.max_dest_rd_atomic,
+            min_rnr_timer: r.min_rnr_timer,
+            port_num: r.port_num,
+            timeout: r.timeout,
+            retry_cnt: r.retry_cnt,
+            rnr_retry: r.rnr_retry,
         })
     }
 }
@@ -1283,56 +1374,58 @@ pub fn command(code: u32, body: &[u8], out_len: u16) -> Vec<u8> {
 impl CreateId {
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.uid);
-        put_u64(&mut b, 8, self.response);
-        put_u16(&mut b, 16, self.ps);
-        b[18] = self.qp_type;
-        b
+        bytes(&UcmCreateId {
+            uid: self.uid.into(),
+            response: self.response.into(),
+            ps: self.ps.into(),
+            qp_type: self.qp_type,
+            reserved: [0; 5],
+        })
     }
 }
 
 impl DestroyId {
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.response);
-        put_u32(&mut b, 8, self.id);
-        b
+        bytes(&UcmDestroyId {
+            response: self.response.into(),
+            id: self.id.into(),
+            reserved: 0.into(),
+        })
     }
 }
 
 impl Bind {
     /// BIND_IP's bytes.
     pub fn to_bytes_ip(&self) -> [u8; Self::IP_LEN] {
-        let mut b = [0u8; Self::IP_LEN];
-        emit_sockaddr(&self.addr, &mut b[8..36]);
-        put_u32(&mut b, 36, self.id);
-        b
+        let mut c = UcmBindIp::new_zeroed();
+        emit_sockaddr(&self.addr, &mut c.addr);
+        c.id = self.id.into();
+        bytes(&c)
     }
 }
 
 impl ResolveAddr {
     /// RESOLVE_IP's bytes (no source: a zero family).
     pub fn to_bytes_ip(&self) -> [u8; Self::IP_LEN] {
-        let mut b = [0u8; Self::IP_LEN];
+        let mut c = UcmResolveIp::new_zeroed();
         if let Some(src) = &self.src {
-            emit_sockaddr(src, &mut b[0..28]);
+            emit_sockaddr(src, &mut c.src_addr);
         }
-        emit_sockaddr(&self.dst, &mut b[28..56]);
-        put_u32(&mut b, 56, self.id);
-        put_u32(&mut b, 60, self.timeout_ms);
-        b
+        emit_sockaddr(&self.dst, &mut c.dst_addr);
+        c.id = self.id.into();
+        c.timeout_ms = self.timeout_ms.into();
+        bytes(&c)
     }
 }
 
 impl IdArg {
     /// The 8-byte form's bytes.
     pub fn to_bytes(&self) -> [u8; 8] {
-        let mut b = [0u8; 8];
-        put_u32(&mut b, 0, self.id);
-        put_u32(&mut b, 4, self.arg);
-        b
+        bytes(&UcmIdArg {
+            id: self.id.into(),
+            arg: self.arg.into(),
+        })
     }
 
     /// DISCONNECT's 4 bytes.
@@ -1344,47 +1437,49 @@ impl IdArg {
 impl RespIdArg {
     /// The structure's bytes.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.response);
-        put_u32(&mut b, 8, self.id);
-        put_u32(&mut b, 12, self.arg);
-        b
+        bytes(&UcmRespIdArg {
+            response: self.response.into(),
+            id: self.id.into(),
+            arg: self.arg.into(),
+        })
     }
 }
 
 impl Connect {
     /// The structure's bytes, with the ECE.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        self.conn.emit(&mut b[0..272]);
-        put_u32(&mut b, 272, self.id);
-        put_u32(&mut b, 280, self.ece.vendor_id);
-        put_u32(&mut b, 284, self.ece.attr_mod);
-        b
+        bytes(&UcmConnect {
+            conn_param: self.conn.layout(),
+            id: self.id.into(),
+            reserved: 0.into(),
+            ece: self.ece.layout(),
+        })
     }
 }
 
 impl Accept {
     /// The structure's bytes (ECE zero).
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        put_u64(&mut b, 0, self.uid);
-        self.conn.emit(&mut b[8..280]);
-        put_u32(&mut b, 280, self.id);
-        b
+        bytes(&UcmAccept {
+            uid: self.uid.into(),
+            conn_param: self.conn.layout(),
+            id: self.id.into(),
+            reserved: 0.into(),
+            ece: Ece::default().layout(),
+        })
     }
 }
 
 impl Reject {
     /// The structure's bytes (private data cut to the 256 bytes the field holds).
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
         let n = self.private_data.len().min(MAX_PRIVATE_DATA);
-        put_u32(&mut b, 0, self.id);
-        b[4] = n as u8;
-        b[5] = self.reason;
-        put(&mut b, 8, &self.private_data[..n]);
-        b
+        let mut c = UcmReject::new_zeroed();
+        c.id = self.id.into();
+        c.private_data_len = n as u8;
+        c.reason = self.reason;
+        c.private_data[..n].copy_from_slice(&self.private_data[..n]);
+        bytes(&c)
     }
 }
 
@@ -1396,13 +1491,13 @@ pub fn get_event_bytes(response: u64) -> [u8; 8] {
 impl UdParam {
     /// Reads the structure (private data cut to its length).
     pub fn parse(b: &[u8]) -> Result<UdParam, AbiError> {
-        need(b, Self::LEN)?;
-        let len = usize::from(b[296]).min(MAX_PRIVATE_DATA);
+        let u: UcmUdParam = read(b)?;
+        let len = usize::from(u.private_data_len).min(MAX_PRIVATE_DATA);
         Ok(UdParam {
-            qp_num: u32_at(b, 0),
-            qkey: u32_at(b, 4),
-            ah_attr: AhAttr::parse(&b[8..40])?,
-            private_data: b[40..40 + len].to_vec(),
+            qp_num: u.qp_num.get(),
+            qkey: u.qkey.get(),
+            ah_attr: AhAttr::of(&u.ah_attr),
+            private_data: u.private_data[..len].to_vec(),
         })
     }
 }
@@ -1411,21 +1506,22 @@ impl EventResp {
     /// Reads an event a GET_EVENT answered: its parameters as a UD id's when `ud`, else
     /// as a connected-mode id's. The ECE is zero when the buffer ends before it.
     pub fn parse(b: &[u8], ud: bool) -> Result<EventResp, AbiError> {
-        need(b, Self::MIN_OUT)?;
+        let r: UcmEventResp = read_min(b, Self::MIN_OUT)?;
         let param = if ud {
-            EventParam::Ud(UdParam::parse(&b[20..324])?)
+            EventParam::Ud(UdParam::parse(&r.param)?)
         } else {
-            EventParam::Conn(ConnParam::parse(&b[20..292])?)
+            EventParam::Conn(ConnParam::parse(&r.param)?)
         };
         Ok(EventResp {
-            uid: u64_at(b, 0),
-            id: u32_at(b, 8),
-            event: u32_at(b, 12),
-            status: u32_at(b, 16) as i32,
+            uid: r.uid.get(),
+            id: r.id.get(),
+            event: r.event.get(),
+            status: r.status.get(),
             param,
-            ece: Ece {
-                vendor_id: u32_at(b, 328),
-                attr_mod: u32_at(b, 332),
+            ece: if b.len() >= Self::LEN {
+                Ece::of(&r.ece)
+            } else {
+                Ece::default()
             },
         })
     }
@@ -1434,20 +1530,7 @@ impl EventResp {
 impl UserPathRec {
     /// Reads the structure.
     pub fn parse(b: &[u8]) -> Result<UserPathRec, AbiError> {
-        need(b, Self::LEN)?;
-        Ok(UserPathRec {
-            dgid: arr(b, 0),
-            sgid: arr(b, 16),
-            flow_label: u32::from_be_bytes(arr(b, 40)),
-            reversible: u32_at(b, 44) != 0,
-            mtu: u32_at(b, 48) as u8,
-            pkey: u16::from_be_bytes(arr(b, 52)),
-            hop_limit: b[54],
-            traffic_class: b[55],
-            sl: b[57],
-            rate: b[60],
-            packet_life_time: b[62],
-        })
+        Ok(UserPathRec::of(&read(b)?))
     }
 }
 
@@ -1455,26 +1538,30 @@ impl QueryRouteResp {
     /// Reads the structure: the paths it reports (`num_paths`, at most 2), the
     /// addresses that are set (a zero family is none).
     pub fn parse(b: &[u8]) -> Result<QueryRouteResp, AbiError> {
-        need(b, Self::MIN_OUT)?;
-        let num_paths = u32_at(b, 192);
+        let r: UcmQueryRouteResp = read_min(b, Self::MIN_OUT)?;
+        let num_paths = r.num_paths.get();
         let mut paths = [None, None];
-        for (i, p) in paths.iter_mut().enumerate() {
+        for (i, (p, raw)) in paths.iter_mut().zip(&r.ib_route).enumerate() {
             if (i as u32) < num_paths {
-                *p = Some(UserPathRec::parse(&b[8 + 64 * i..72 + 64 * i])?);
+                *p = Some(UserPathRec::of(raw));
             }
         }
-        let addr = |r: &[u8]| match u16_at(r, 0) {
+        let addr = |a: &[u8]| match u16_at(a, 0) {
             0 => Ok(None),
-            _ => parse_sockaddr(r).map(Some),
+            _ => parse_sockaddr(a).map(Some),
         };
         Ok(QueryRouteResp {
-            node_guid_be: u64_at(b, 0),
+            node_guid_be: r.node_guid.get(),
             paths,
-            src: addr(&b[136..164])?,
-            dst: addr(&b[164..192])?,
+            src: addr(&r.src_addr)?,
+            dst: addr(&r.dst_addr)?,
             num_paths,
-            port_num: b[196],
-            ibdev_index: u32_at(b, 200),
+            port_num: r.port_num,
+            ibdev_index: if b.len() >= Self::MIN_OUT + size_of::<u32>() {
+                r.ibdev_index.get()
+            } else {
+                0
+            },
         })
     }
 }
