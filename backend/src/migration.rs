@@ -171,7 +171,7 @@ impl Shared {
         }
         port.wake_rx();
         self.note_deadline(next);
-        tracing::info!(parent: &port.span, ?vm, queued, "VM state loaded: the VM continues on this host");
+        tracing::info!(parent: &port.span, mux_vm = vm.0, queued, "VM state loaded: the VM continues on this host");
         Ok(vm)
     }
 }

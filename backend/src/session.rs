@@ -135,7 +135,7 @@ pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Li
         let attached = shared.attach_session(&port);
         let vm = attached.map(|(vm, _)| vm);
         if attached.is_some_and(|(_, reconnected)| reconnected) {
-            tracing::info!(vm = ?vm, "restored VM reconnected: its connections continue");
+            tracing::info!("restored VM reconnected: its connections continue");
             // What waited in the backlog during the gap goes to the new session now.
             port.wake_rx();
         }
@@ -143,9 +143,18 @@ pub(crate) fn vm_thread(shared: Arc<Shared>, port: Arc<VmPort>, mut listener: Li
         if done() {
             daemon.request_shutdown();
         }
-        tracing::info!(vm = ?vm, "vhost-user session started");
+        match vm {
+            Some(vm) => tracing::info!(mux_vm = vm.0, "vhost-user session started"),
+            None => tracing::info!(
+                "vhost-user session started (the VM attaches when its state arrives)"
+            ),
+        }
         match daemon.wait() {
             Ok(()) => tracing::info!("vhost-user session ended"),
+            // The VM went away (QEMU stopped, killed or reconnecting): a normal end.
+            Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => tracing::info!("vhost-user session ended: the VM disconnected"),
             Err(e) => tracing::warn!(error = %e, "vhost-user session ended with an error"),
         }
         *lock(&port.session) = None;

@@ -228,6 +228,67 @@ fn tells_systemd_it_is_ready_once_its_sockets_listen_with_the_asked_permissions(
     let v: serde_json::Value = serde_json::from_str(session).unwrap();
     assert_eq!(v["span"]["vm"], "n", "{session}");
     assert_eq!(v["span"]["gid"], "::ffff:127.31.0.2", "{session}");
+    // Fields are plain values, never Rust's debug text; a VM leaving is no warning.
+    assert!(!log.contains("Some(") && !log.contains("VmId("), "{log}");
+    assert!(!log.contains("\"WARN\""), "{log}");
+}
+
+/// Under systemd stderr is the journal (`JOURNAL_STREAM` names its device and inode):
+/// every line then starts with its syslog priority, which journald keeps as the entry's
+/// (`journalctl -p err` shows errors only), and a VM that disconnects is information.
+#[test]
+fn journald_gets_each_lines_priority_and_a_vm_leaving_is_no_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sock, ctl, log) = (
+        dir.path().join("j.sock"),
+        dir.path().join("ctl"),
+        dir.path().join("stderr"),
+    );
+    std::fs::File::create(&log).unwrap();
+    let m = std::fs::metadata(&log).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(vm_arg(&sock, "127.31.0.7"))
+        .args(["--wire-rx", "udp", "--control"])
+        .arg(&ctl)
+        .env("JOURNAL_STREAM", format!("{}:{}", m.dev(), m.ino()))
+        .env("RUST_LOG", "info");
+    let running = start_with_log(cmd, &ctl, &log);
+    drop(UnixStream::connect(&sock).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("session ended")
+    {
+        assert!(Instant::now() < deadline, "no session ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sigterm_and_wait(running);
+    let text = std::fs::read_to_string(&log).unwrap();
+    for l in text.lines() {
+        let prio = l
+            .strip_prefix('<')
+            .and_then(|r| r.split_once('>'))
+            .map(|(p, _)| p);
+        assert!(matches!(prio, Some("3" | "4" | "6" | "7")), "{l}\n{text}");
+    }
+    let ended = text
+        .lines()
+        .find(|l| l.contains("session ended"))
+        .unwrap_or_default();
+    assert!(
+        ended.starts_with("<6>") && ended.contains("the VM disconnected"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("<6>") && l.contains("pvcm-backend started"))
+    );
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("<4>") || l.starts_with("<3>")),
+        "{text}"
+    );
 }
 
 fn repo() -> PathBuf {
