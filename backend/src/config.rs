@@ -813,6 +813,25 @@ pub enum Command {
     /// control socket (docs/operations.md). Changes last until the next restart; with
     /// --state-dir they survive it.
     Vm(VmArgs),
+    /// Make a running daemon read its configuration again (as SIGHUP does) and wait for
+    /// the result: exit 0 when it loaded (the VMs changed by the difference; options
+    /// that take effect at the next start only are named), 1 when it did not (the file
+    /// does not read or check, or the VMs break a rule: nothing changed), saying why.
+    /// systemctl reload runs it.
+    Reload(ReloadArgs),
+}
+
+/// `pvcm-backend reload` options: the daemon's control socket, given or named by its
+/// config file.
+#[derive(Debug, Clone, Args)]
+#[group(required = true, multiple = false)]
+pub struct ReloadArgs {
+    /// The daemon's control socket.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// The daemon's config file, whose `control` key names the socket.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 /// `pvcm-backend vm` options.
@@ -1063,6 +1082,55 @@ impl Config {
             ca_ack_delay: DEFAULT_CA_ACK_DELAY,
             rx_coalesce: DEFAULT_RX_COALESCE,
         }
+    }
+
+    /// The options (their long names) that differ between this configuration, the one
+    /// running, and `new`, besides the VMs: a reload applies the VMs only, so these take
+    /// effect at the next start.
+    pub fn restart_options(&self, new: &Config) -> Vec<&'static str> {
+        fn differs<T: fmt::Debug>(a: &T, b: &T) -> bool {
+            format!("{a:?}") != format!("{b:?}")
+        }
+        let (a, b) = (self, new);
+        let mut out = Vec::new();
+        let mut check = |name: &'static str, changed: bool| {
+            if changed {
+                out.push(name);
+            }
+        };
+        check("policy", differs(&a.policy, &b.policy));
+        check("control", differs(&a.control, &b.control));
+        check("metrics", differs(&a.metrics, &b.metrics));
+        check("pcap", differs(&a.pcap, &b.pcap));
+        check("rx-backlog-bytes", a.rx_backlog_bytes != b.rx_backlog_bytes);
+        check(
+            "rx-host-backlog-bytes",
+            a.rx_host_backlog_bytes != b.rx_host_backlog_bytes,
+        );
+        check("bind-port", a.bind_port != b.bind_port);
+        check("wire-rx", differs(&a.wire_rx, &b.wire_rx));
+        check("port", differs(&a.port, &b.port));
+        check("sysfs", a.sysfs != b.sysfs);
+        check("seed", a.seed != b.seed);
+        check("state-dir", a.state_dir != b.state_dir);
+        check("reconnect-grace", a.reconnect_grace != b.reconnect_grace);
+        check(
+            "socket-owner/group/mode",
+            differs(&a.vm_sockets, &b.vm_sockets),
+        );
+        check(
+            "control-owner/group/mode",
+            differs(&a.control_access, &b.control_access),
+        );
+        check(
+            "allow-world-access",
+            a.allow_world_access != b.allow_world_access,
+        );
+        check("log-format", differs(&a.log_format, &b.log_format));
+        check("path-mtu", a.path_mtu != b.path_mtu);
+        check("ca-ack-delay", a.ca_ack_delay != b.ca_ack_delay);
+        check("rx-coalesce-us", a.rx_coalesce != b.rx_coalesce);
+        out
     }
 
     /// Validates parsed arguments (reading `--config` first if given).

@@ -93,9 +93,32 @@ pub(crate) fn serve_control(runtime: &Runtime, mut s: UnixStream) {
         }
         "metrics" => shared.snapshot().prometheus(),
         vm if vm.starts_with("vm ") || vm == "vm" => vm_request(runtime, vm),
+        "reload" => match runtime.reload() {
+            Ok(r) => {
+                let mut text = format!(
+                    "reloaded: {} change(s) to the VMs applied, {} failed",
+                    r.report.applied.len(),
+                    r.report.failed.len()
+                );
+                for c in &r.report.applied {
+                    text += &format!("\n  applied: {c}");
+                }
+                for c in &r.report.failed {
+                    text += &format!("\n  failed: {c}");
+                }
+                if !r.restart_needed.is_empty() {
+                    text += &format!(
+                        "\nchanged, and taking effect at the next start only: {}",
+                        r.restart_needed.join(", ")
+                    );
+                }
+                text + "\n"
+            }
+            Err(e) => format!("error: reload: {e}; nothing changed\n"),
+        },
         other => format!(
-            "error: unknown request {other:?} (expected stat, metrics, vm list, vm add SPEC, \
-             vm remove NAME or vm quota NAME N)\n"
+            "error: unknown request {other:?} (expected stat, metrics, reload, vm list, \
+             vm add SPEC, vm remove NAME or vm quota NAME N)\n"
         ),
     };
     write_all(&mut s, reply.as_bytes());
@@ -241,6 +264,17 @@ pub fn vm(control: &Path, op: &crate::config::VmOp) -> io::Result<String> {
         ));
     }
     let a = request(control, &req)?;
+    match a.strip_prefix("error: ") {
+        Some(e) => Err(io::Error::other(e.trim_end().to_string())),
+        None => Ok(a),
+    }
+}
+
+/// `pvcm-backend reload`: asks the daemon to read its configuration again and returns
+/// its answer; an `error: ...` answer is an error. A reload waits for the VMs it adds
+/// or removes, so the answer may take longer than other requests.
+pub fn reload(control: &Path) -> io::Result<String> {
+    let a = request(control, "reload")?;
     match a.strip_prefix("error: ") {
         Some(e) => Err(io::Error::other(e.trim_end().to_string())),
         None => Ok(a),

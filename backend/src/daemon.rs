@@ -586,6 +586,7 @@ impl Daemon {
             retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: cfg.state_dir.is_some(),
+            reloads: Mutex::default(),
         });
         let runtime = Arc::new(Runtime::new(
             shared.clone(),
@@ -720,16 +721,22 @@ impl Daemon {
         self.shared.snapshot()
     }
 
-    /// Applies a configuration read again (SIGHUP): the VMs change by the difference
-    /// between the file's VMs before and now ([`crate::runtime::diff`]), the runtime
-    /// changes kept over them. Other options take effect at the next start only.
-    pub fn reload(&self, cfg: Config) {
-        match self.runtime.reload_vms(cfg.vms) {
-            Ok(r) => tracing::info!(
-                applied = r.applied.len(),
-                failed = r.failed.len(),
-                changes = ?r.applied,
-                "reload: the VMs changed by the difference (other options apply at the next start)"
+    /// Reads the configuration again (SIGHUP, as `pvcm-backend reload` does through the
+    /// control socket) and logs the outcome ([`Runtime::reload`]): the VMs change by
+    /// the difference; other options changed are named, and take effect at the next
+    /// start only.
+    pub fn reload(&self) {
+        match self.runtime.reload() {
+            Ok(r) if r.restart_needed.is_empty() => tracing::info!(
+                applied = r.report.applied.len(),
+                failed = r.report.failed.len(),
+                "reload: the VMs changed by the difference"
+            ),
+            Ok(r) => tracing::warn!(
+                applied = r.report.applied.len(),
+                failed = r.report.failed.len(),
+                restart_needed = %r.restart_needed.join(","),
+                "reload: the VMs changed by the difference; the other options changed take effect at the next start only"
             ),
             Err(e) => tracing::error!(error = %e, "reload refused: nothing changed"),
         }
@@ -818,7 +825,9 @@ pub fn run(cfg: Config, args: &crate::config::ServeArgs) -> Result<(), Error> {
         libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
+    let running = cfg.clone();
     let daemon = Daemon::start(cfg)?;
+    daemon.runtime.set_reload_source(args.clone(), running);
     // Every socket listens: a VMM started after this finds its socket.
     let status = |d: &Daemon| format!("STATUS=serving {} VMs", d.shared.vms().len());
     crate::notify::notify(&format!("READY=1\n{}", status(&daemon)));
@@ -833,12 +842,7 @@ pub fn run(cfg: Config, args: &crate::config::ServeArgs) -> Result<(), Error> {
                 boot_clock_usec()
             ));
             tracing::info!("SIGHUP: reading the configuration again");
-            match Config::from_args(args) {
-                Ok(new) => daemon.reload(new),
-                Err(e) => {
-                    tracing::error!(error = %e, "reload: the configuration does not read or check: nothing changed")
-                }
-            }
+            daemon.reload();
             crate::notify::notify(&format!("READY=1\n{}", status(&daemon)));
             continue;
         }

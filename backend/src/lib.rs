@@ -93,6 +93,35 @@ where
                 ExitCode::FAILURE
             }
         },
+        Some(config::Command::Reload(a)) => {
+            let control = match (&a.control, &a.config) {
+                (Some(c), _) => Ok(c.clone()),
+                (None, Some(file)) => config::Config::from_args(&config::ServeArgs {
+                    config: Some(file.clone()),
+                    ..config::ServeArgs::default()
+                })
+                .map_err(|e| e.to_string())
+                .and_then(|cfg| {
+                    cfg.control.ok_or_else(|| {
+                        format!(
+                            "{} names no control socket (control = PATH)",
+                            file.display()
+                        )
+                    })
+                }),
+                (None, None) => Err("--control or --config is needed".to_string()),
+            };
+            match control.and_then(|c| control::reload(&c).map_err(|e| e.to_string())) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("pvcm-backend reload: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some(config::Command::CheckConfig(a)) => {
             let args = config::ServeArgs {
                 config: Some(a.file.clone()),

@@ -329,6 +329,20 @@ pub(crate) struct VmThread {
 pub struct Runtime {
     shared: Arc<Shared>,
     state: Mutex<RuntimeState>,
+    /// Where a reload reads the configuration again: the daemon's command line (with
+    /// its config file), and the configuration it started with (`None`: a daemon
+    /// started from a [`crate::config::Config`] alone has nothing to read again).
+    reload_source: Mutex<Option<(crate::config::ServeArgs, crate::config::Config)>>,
+}
+
+/// What a reload did.
+#[derive(Debug)]
+pub struct Reloaded {
+    /// The VMs' changes.
+    pub report: ReloadReport,
+    /// Options that differ from the running configuration: they take effect at the
+    /// next start only.
+    pub restart_needed: Vec<&'static str>,
 }
 
 /// What adding a VM needs from the configuration, the VMs' threads, and the runtime
@@ -578,6 +592,7 @@ impl Runtime {
         Runtime {
             shared,
             state: Mutex::new(state),
+            reload_source: Mutex::new(None),
         }
     }
 
@@ -663,6 +678,52 @@ impl Runtime {
             })
             .collect();
         serde_json::Value::Array(vms)
+    }
+
+    /// Gives the runtime what a reload reads again: the daemon's command line and the
+    /// configuration it started with.
+    pub fn set_reload_source(
+        &self,
+        args: crate::config::ServeArgs,
+        running: crate::config::Config,
+    ) {
+        *lock(&self.reload_source) = Some((args, running));
+    }
+
+    /// Reads the configuration again (SIGHUP, `pvcm-backend reload`) and applies the
+    /// difference in its VMs ([`Runtime::reload_vms`]); names the other options that
+    /// changed, which take effect at the next start. A file that does not read or check,
+    /// or VMs that break a rule, change nothing and are the error. Either way the
+    /// outcome is recorded for `stat` and the metrics.
+    pub fn reload(&self) -> Result<Reloaded, String> {
+        let source = lock(&self.reload_source).clone();
+        let outcome = match source {
+            None => Err("this daemon has no configuration to read again".to_string()),
+            Some((args, running)) => crate::config::Config::from_args(&args)
+                .map_err(|e| format!("the configuration does not read or check: {e}"))
+                .and_then(|new| {
+                    let restart_needed = running.restart_options(&new);
+                    self.reload_vms(new.vms)
+                        .map(|report| Reloaded {
+                            report,
+                            restart_needed,
+                        })
+                        .map_err(|e| format!("the VMs were refused: {e}"))
+                }),
+        };
+        let mut r = lock(&self.shared.reloads);
+        match &outcome {
+            Ok(done) => {
+                r.ok += 1;
+                r.restart_needed = done.restart_needed.iter().map(|s| s.to_string()).collect();
+            }
+            Err(_) => r.failed += 1,
+        }
+        r.last_ok = outcome.is_ok();
+        r.last_unix_seconds = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        outcome
     }
 
     /// SIGHUP: the config file's VMs are now `file`. The VMs served change by the

@@ -69,6 +69,8 @@ pub struct Shared {
     /// `--state-dir`: stopping keeps the VMs' connections (the next daemon restores
     /// them) instead of releasing them.
     pub(crate) keeps_state: bool,
+    /// The reloads of the configuration so far.
+    pub(crate) reloads: Mutex<crate::stats::Reloads>,
 }
 
 impl Shared {
@@ -245,6 +247,7 @@ impl Shared {
             wire_rx_configured: self.port.rx_mode_configured(),
             wire_rx_buffer: self.port.rx_buffer(),
             degraded: self.port.degraded(),
+            reloads: lock(&self.reloads).clone(),
             vms,
             host: Figures::new(&host_stats, &all),
         }

@@ -360,6 +360,21 @@ impl Figures {
     }
 }
 
+/// The reloads of the configuration since the daemon started.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reloads {
+    /// Reloads that loaded (the VMs changed by the difference).
+    pub ok: u64,
+    /// Reloads that did not (the file did not read or check; nothing changed).
+    pub failed: u64,
+    /// When the last one ended, seconds since the Unix epoch (0: none yet).
+    pub last_unix_seconds: u64,
+    /// Whether the last one loaded.
+    pub last_ok: bool,
+    /// The options the last one found changed that take effect at the next start only.
+    pub restart_needed: Vec<String>,
+}
+
 /// One VM's figures.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmFigures {
@@ -422,6 +437,9 @@ pub struct Snapshot {
     /// Settings in effect in a lesser form than configured (empty: none).
     #[serde(default)]
     pub degraded: Vec<Degraded>,
+    /// The reloads of the configuration (SIGHUP, `pvcm-backend reload`).
+    #[serde(default)]
+    pub reloads: Reloads,
     /// Per VM.
     pub vms: Vec<VmFigures>,
     /// The host: every VM's, the proxy's own, and those of VMs that left.
@@ -559,6 +577,34 @@ impl Snapshot {
                 }
             }
         }
+        let r = &self.reloads;
+        family(
+            &mut out,
+            "pvcm_reloads_total",
+            "counter",
+            "Reloads of the configuration file (SIGHUP, pvcm-backend reload), by result.",
+        );
+        for (result, v) in [("ok", r.ok), ("failed", r.failed)] {
+            let _ = writeln!(out, "pvcm_reloads_total{{result=\"{result}\"}} {v}");
+        }
+        family(
+            &mut out,
+            "pvcm_reload_last_timestamp_seconds",
+            "gauge",
+            "When the last reload ended, seconds since the Unix epoch (0: none yet).",
+        );
+        let _ = writeln!(
+            out,
+            "pvcm_reload_last_timestamp_seconds {}",
+            r.last_unix_seconds
+        );
+        family(
+            &mut out,
+            "pvcm_reload_last_success",
+            "gauge",
+            "1 if the last reload loaded, 0 if it did not or none happened yet.",
+        );
+        let _ = writeln!(out, "pvcm_reload_last_success {}", u8::from(r.last_ok));
         family(
             &mut out,
             "pvcm_vm_attached",
@@ -842,6 +888,7 @@ mod tests {
                 wanted: 64 << 20,
                 effective: 4 << 20,
             }),
+            reloads: Reloads::default(),
             degraded: vec![Degraded {
                 setting: "wire_rx".into(),
                 configured: "auto".into(),

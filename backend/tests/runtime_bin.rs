@@ -169,6 +169,82 @@ fn sighup_applies_the_config_files_difference_and_a_bad_file_changes_nothing() {
     assert!(log.contains("removed and added anew"), "{log}");
 }
 
+/// `pvcm-backend reload` (what `systemctl reload` runs): waits for the outcome, exits 1
+/// with the reason when the file does not load (nothing changes), names the options that
+/// need a restart, and the last reload shows in `stat --json` and the metrics.
+#[test]
+fn reload_reports_its_outcome_and_fails_on_a_file_that_does_not_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ctl = d.join("ctl");
+    let conf = d.join("backend.toml");
+    let head = format!("control = \"{}\"\n", ctl.display());
+    std::fs::write(&conf, head.clone() + &toml_vm(d, "a", "127.31.2.1", "")).unwrap();
+    let child = spawn(&["--config".as_ref(), conf.as_os_str()], &ctl);
+    let reload = || {
+        let out = Command::new(BIN)
+            .args(["reload", "--config"])
+            .arg(&conf)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // A VM more: applied, and nothing that needs a restart.
+    std::fs::write(
+        &conf,
+        head.clone() + &toml_vm(d, "a", "127.31.2.1", "") + &toml_vm(d, "b", "127.31.2.2", ""),
+    )
+    .unwrap();
+    let (good, out, err) = reload();
+    assert!(good, "{out}{err}");
+    assert!(out.contains("1 change(s) to the VMs applied"), "{out}");
+    assert!(!out.contains("next start"), "{out}");
+    assert_eq!(names(&ctl), ["a", "b"]);
+    // An option that only a restart applies: named.
+    std::fs::write(
+        &conf,
+        head.clone()
+            + "rx-coalesce-us = 200\n"
+            + &toml_vm(d, "a", "127.31.2.1", "")
+            + &toml_vm(d, "b", "127.31.2.2", ""),
+    )
+    .unwrap();
+    let (good, out, err) = reload();
+    assert!(good, "{out}{err}");
+    assert!(out.contains("next start only: rx-coalesce-us"), "{out}");
+    // A file that does not parse: exit 1, the reason, nothing changed.
+    std::fs::write(&conf, "[[vm]]\nname = \n").unwrap();
+    let out = Command::new(BIN)
+        .args(["reload", "--control"])
+        .arg(&ctl)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("does not read or check") && err.contains("nothing changed"),
+        "{err}"
+    );
+    assert_eq!(names(&ctl), ["a", "b"]);
+    let s = pvcm_backend::control::query(&ctl).unwrap();
+    assert_eq!(
+        (s.reloads.ok, s.reloads.failed, s.reloads.last_ok),
+        (2, 1, false)
+    );
+    assert!(s.reloads.last_unix_seconds > 0);
+    let m = s.prometheus();
+    assert!(m.contains("pvcm_reloads_total{result=\"failed\"} 1"), "{m}");
+    assert!(m.contains("pvcm_reload_last_success 0"), "{m}");
+    // Without --config or --control: a usage error.
+    let out = Command::new(BIN).arg("reload").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    stop(child);
+}
+
 #[test]
 fn runtime_changes_are_checked_and_survive_a_restart_with_a_state_dir() {
     let dir = tempfile::tempdir().unwrap();

@@ -168,6 +168,7 @@ mod queue_tests {
             retired: DevCounters::default(),
             stop: AtomicBool::new(false),
             keeps_state: false,
+            reloads: Default::default(),
         });
         assert!(shared.attach(&port).is_some());
         let dev = PvcmDevice::new(shared, port.clone()).unwrap();
