@@ -104,12 +104,16 @@ pub enum ConfigError {
     )]
     NoVm,
     /// Two VMs share what must be theirs alone.
-    #[error("two VMs use {what} {value}")]
+    #[error("two VMs use {what} {value}: VM {first:?} and VM {second:?}")]
     Duplicate {
         /// `socket`, `GID` or `name`.
         what: &'static str,
         /// The shared value.
         value: String,
+        /// The VM named first (its name, or its table's place in the file).
+        first: String,
+        /// The VM that repeats it.
+        second: String,
     },
     /// Two VMs' ID ranges share IDs.
     #[error("the ID ranges of VMs {a:?} ({ra}) and {b:?} ({rb}) overlap")]
@@ -562,7 +566,14 @@ impl VmSpec {
 pub fn check_vm_set(vms: &[VmSpec], control: Option<&Path>) -> Result<(), ConfigError> {
     for (i, a) in vms.iter().enumerate() {
         for b in &vms[..i] {
-            let dup = |what, value: String| Err(ConfigError::Duplicate { what, value });
+            let dup = |what, value: String| {
+                Err(ConfigError::Duplicate {
+                    what,
+                    value,
+                    first: b.vm.name.clone(),
+                    second: a.vm.name.clone(),
+                })
+            };
             if a.socket == b.socket {
                 return dup("socket", a.socket.display().to_string());
             }

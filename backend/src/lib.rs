@@ -44,6 +44,7 @@ pub mod mux;
 pub mod notify;
 pub mod pcap;
 pub mod port;
+pub mod preflight;
 pub mod runtime;
 pub mod rx;
 pub mod session;
@@ -130,15 +131,24 @@ where
             let checked = config::Config::from_args(&args)
                 .map_err(|e| e.to_string())
                 .and_then(|cfg| {
-                    // The sockets' paths as the daemon would find them at its start.
-                    for p in cfg.socket_paths() {
-                        files::check_socket_path(p).map_err(|e| e.to_string())?;
+                    // The sockets' paths as the daemon would find them at its start, and
+                    // every place it writes in.
+                    let mut problems: Vec<String> = cfg
+                        .socket_paths()
+                        .filter_map(|p| files::check_socket_path(p).err())
+                        .map(|e| e.to_string())
+                        .collect();
+                    problems.extend(preflight::problems(&cfg));
+                    if problems.is_empty() {
+                        Ok(cfg)
+                    } else {
+                        let file = a.file.display();
+                        Err(format!("{file}: {}", problems.join(&format!("\n{file}: "))))
                     }
-                    Ok(cfg)
                 });
             match checked {
                 Ok(cfg) => {
-                    print!("{}: ok\n{}", a.file.display(), cfg.summary());
+                    println!("{}: ok\n{}", a.file.display(), cfg.summary().trim_end());
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

@@ -779,3 +779,67 @@ fn degraded_settings_are_logged_and_shown_in_stat_and_metrics() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("CAP_NET_RAW"), "{err}");
 }
+
+/// check-config names every place the daemon could not create its files in (each with
+/// the file, the option and the VM), and both VMs of a clash.
+#[test]
+fn check_config_names_every_place_the_daemon_cannot_write_and_both_vms_of_a_clash() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let f = d.join("c.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "control = \"{0}/nodir/ctl\"\n[[vm]]\nname = \"a\"\nsocket = \"rel.sock\"\n\
+             gid = \"127.31.9.1\"\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let (ok, code, _, err) = check_config(&f);
+    assert!(!ok && code == Some(2), "{err}");
+    assert_eq!(err.matches(&*f.display().to_string()).count(), 2, "{err}");
+    assert!(
+        err.contains("VM \"a\" socket rel.sock: a relative path"),
+        "{err}"
+    );
+    assert!(
+        err.contains("control") && err.contains("nodir does not exist"),
+        "{err}"
+    );
+    std::fs::write(
+        &f,
+        format!(
+            "[[vm]]\nname = \"a\"\nsocket = \"{0}/a.sock\"\ngid = \"127.31.9.1\"\n\
+             [[vm]]\nname = \"b\"\nsocket = \"{0}/b.sock\"\ngid = \"127.31.9.1\"\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let (ok, _, _, err) = check_config(&f);
+    assert!(!ok && err.contains("VM \"a\" and VM \"b\""), "{err}");
+}
+
+/// A VM address whose port another process holds is named as such, not as an address
+/// missing from the host.
+#[test]
+fn a_taken_wire_port_says_so() {
+    let _held = std::net::UdpSocket::bind("127.31.8.9:4791").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (code, err) = exit_of(&[
+        "--vm".into(),
+        format!(
+            "socket={},gid=127.31.8.9",
+            dir.path().join("t.sock").display()
+        )
+        .into(),
+        "--wire-rx".into(),
+        "udp".into(),
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("Address already in use") && err.contains("another --bind-port"),
+        "{err}"
+    );
+    assert!(!err.contains("not on this host"), "{err}");
+}

@@ -179,7 +179,7 @@ fn reload_reports_its_outcome_and_fails_on_a_file_that_does_not_load() {
     let ctl = d.join("ctl");
     let conf = d.join("backend.toml");
     let head = format!("control = \"{}\"\n", ctl.display());
-    std::fs::write(&conf, head.clone() + &toml_vm(d, "a", "127.31.2.1", "")).unwrap();
+    std::fs::write(&conf, head.clone() + &toml_vm(d, "a", "127.31.20.1", "")).unwrap();
     let child = spawn(&["--config".as_ref(), conf.as_os_str()], &ctl);
     let reload = || {
         let out = Command::new(BIN)
@@ -196,7 +196,7 @@ fn reload_reports_its_outcome_and_fails_on_a_file_that_does_not_load() {
     // A VM more: applied, and nothing that needs a restart.
     std::fs::write(
         &conf,
-        head.clone() + &toml_vm(d, "a", "127.31.2.1", "") + &toml_vm(d, "b", "127.31.2.2", ""),
+        head.clone() + &toml_vm(d, "a", "127.31.20.1", "") + &toml_vm(d, "b", "127.31.20.2", ""),
     )
     .unwrap();
     let (good, out, err) = reload();
@@ -209,8 +209,8 @@ fn reload_reports_its_outcome_and_fails_on_a_file_that_does_not_load() {
         &conf,
         head.clone()
             + "rx-coalesce-us = 200\n"
-            + &toml_vm(d, "a", "127.31.2.1", "")
-            + &toml_vm(d, "b", "127.31.2.2", ""),
+            + &toml_vm(d, "a", "127.31.20.1", "")
+            + &toml_vm(d, "b", "127.31.20.2", ""),
     )
     .unwrap();
     let (good, out, err) = reload();

@@ -34,7 +34,7 @@ pub enum Error {
     #[error("soft port: timerfd for the receive-loss audit: {0}")]
     AuditTimer(#[source] io::Error),
     /// A VM's address could not be bound for the soft port.
-    #[error("VM {vm}: wire port {addr} port {port} (is the address local?): {source}")]
+    #[error("VM {vm}: wire port {addr} port {port}: {source}{}", bind_hint(source))]
     WireBind {
         /// The VM's name.
         vm: String,
@@ -148,3 +148,18 @@ fn address_with_prefix(gid: &Gid) -> String {
 pub const RAW_SOCKET_HOW: &str = "it needs CAP_NET_RAW: run as root, or grant it with \
     `setcap cap_net_raw+ep pvcm-backend` (or AmbientCapabilities=CAP_NET_RAW in a systemd \
     unit); --wire-rx udp needs no privilege but accepts only pvcm peers (see docs/daemon.md)";
+
+/// What to look at when a VM's address does not bind: the port taken, or the address
+/// not on this host.
+fn bind_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::AddrInUse => {
+            " (another process, or another pvcm-backend, holds this address and port: \
+             stop it, or give this daemon another --bind-port)"
+        }
+        io::ErrorKind::AddrNotAvailable => {
+            " (the address is not on this host: add it to an interface, e.g. `ip addr add`)"
+        }
+        _ => "",
+    }
+}
