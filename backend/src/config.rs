@@ -795,9 +795,9 @@ pub struct ServeArgs {
 /// `pvcm-backend stat` options.
 #[derive(Debug, Clone, Args)]
 pub struct StatArgs {
-    /// The daemon's control socket.
-    #[arg(long, value_name = "PATH")]
-    pub control: PathBuf,
+    /// The daemon: its control socket, or its config file.
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
     /// Print JSON instead of the table (docs/operations.md describes it).
     #[arg(long)]
     pub json: bool,
@@ -829,14 +829,14 @@ pub enum Command {
     /// that take effect at the next start only are named), 1 when it did not (the file
     /// does not read or check, or the VMs break a rule: nothing changed), saying why.
     /// systemctl reload runs it.
-    Reload(ReloadArgs),
+    Reload(DaemonArgs),
 }
 
-/// `pvcm-backend reload` options: the daemon's control socket, given or named by its
-/// config file.
+/// Which running daemon a command asks (`stat`, `vm`, `reload`): its control socket,
+/// given, or named by the `control` key of its config file.
 #[derive(Debug, Clone, Args)]
 #[group(required = true, multiple = false)]
-pub struct ReloadArgs {
+pub struct DaemonArgs {
     /// The daemon's control socket.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
@@ -845,12 +845,35 @@ pub struct ReloadArgs {
     pub config: Option<PathBuf>,
 }
 
+impl DaemonArgs {
+    /// The control socket's path.
+    pub fn control_socket(&self) -> Result<PathBuf, String> {
+        match (&self.control, &self.config) {
+            (Some(c), _) => Ok(c.clone()),
+            (None, Some(file)) => Config::from_args(&ServeArgs {
+                config: Some(file.clone()),
+                ..ServeArgs::default()
+            })
+            .map_err(|e| e.to_string())
+            .and_then(|cfg| {
+                cfg.control.ok_or_else(|| {
+                    format!(
+                        "{} names no control socket (control = PATH)",
+                        file.display()
+                    )
+                })
+            }),
+            (None, None) => Err("--control or --config is needed".to_string()),
+        }
+    }
+}
+
 /// `pvcm-backend vm` options.
 #[derive(Debug, Clone, Args)]
 pub struct VmArgs {
-    /// The daemon's control socket.
-    #[arg(long, value_name = "PATH")]
-    pub control: PathBuf,
+    /// The daemon: its control socket, or its config file.
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
     /// What to do.
     #[command(subcommand)]
     pub op: VmOp,

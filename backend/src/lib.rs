@@ -74,7 +74,11 @@ where
         Err(e) => e.exit(),
     };
     match cli.command {
-        Some(config::Command::Stat(a)) => match control::stat(&a.control, a.json) {
+        Some(config::Command::Stat(a)) => match a
+            .daemon
+            .control_socket()
+            .and_then(|c| control::stat(&c, a.json).map_err(|e| e.to_string()))
+        {
             Ok(text) => {
                 print!("{text}");
                 ExitCode::SUCCESS
@@ -84,7 +88,11 @@ where
                 ExitCode::FAILURE
             }
         },
-        Some(config::Command::Vm(a)) => match control::vm(&a.control, &a.op) {
+        Some(config::Command::Vm(a)) => match a
+            .daemon
+            .control_socket()
+            .and_then(|c| control::vm(&c, &a.op).map_err(|e| e.to_string()))
+        {
             Ok(text) => {
                 print!("{text}");
                 ExitCode::SUCCESS
@@ -95,24 +103,10 @@ where
             }
         },
         Some(config::Command::Reload(a)) => {
-            let control = match (&a.control, &a.config) {
-                (Some(c), _) => Ok(c.clone()),
-                (None, Some(file)) => config::Config::from_args(&config::ServeArgs {
-                    config: Some(file.clone()),
-                    ..config::ServeArgs::default()
-                })
-                .map_err(|e| e.to_string())
-                .and_then(|cfg| {
-                    cfg.control.ok_or_else(|| {
-                        format!(
-                            "{} names no control socket (control = PATH)",
-                            file.display()
-                        )
-                    })
-                }),
-                (None, None) => Err("--control or --config is needed".to_string()),
-            };
-            match control.and_then(|c| control::reload(&c).map_err(|e| e.to_string())) {
+            match a
+                .control_socket()
+                .and_then(|c| control::reload(&c).map_err(|e| e.to_string()))
+            {
                 Ok(text) => {
                     print!("{text}");
                     ExitCode::SUCCESS
@@ -128,8 +122,13 @@ where
                 config: Some(a.file.clone()),
                 ..config::ServeArgs::default()
             };
+            let file = a.file.display().to_string();
             let checked = config::Config::from_args(&args)
-                .map_err(|e| e.to_string())
+                .map_err(|e| match e.to_string() {
+                    // An error across the file's VMs names no file by itself.
+                    e if e.contains(&file) => e,
+                    e => format!("{file}: {e}"),
+                })
                 .and_then(|cfg| {
                     // The sockets' paths as the daemon would find them at its start, and
                     // every place it writes in.

@@ -818,6 +818,7 @@ fn check_config_names_every_place_the_daemon_cannot_write_and_both_vms_of_a_clas
     .unwrap();
     let (ok, _, _, err) = check_config(&f);
     assert!(!ok && err.contains("VM \"a\" and VM \"b\""), "{err}");
+    assert!(err.contains(&*f.display().to_string()), "{err}");
 }
 
 /// A VM address whose port another process holds is named as such, not as an address

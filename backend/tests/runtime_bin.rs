@@ -216,6 +216,20 @@ fn reload_reports_its_outcome_and_fails_on_a_file_that_does_not_load() {
     let (good, out, err) = reload();
     assert!(good, "{out}{err}");
     assert!(out.contains("next start only: rx-coalesce-us"), "{out}");
+    // stat and vm find the daemon through its config file too.
+    for args in [&["stat"][..], &["vm"][..]] {
+        let mut c = Command::new(BIN);
+        c.args(args).arg("--config").arg(&conf);
+        if args == ["vm"] {
+            c.arg("list");
+        }
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     // A file that does not parse: exit 1, the reason, nothing changed.
     std::fs::write(&conf, "[[vm]]\nname = \n").unwrap();
     let out = Command::new(BIN)
