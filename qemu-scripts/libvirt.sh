@@ -419,11 +419,14 @@ fi
 
 # divert_on: the tap's divert is in place (its tc filters and its nftables table).
 divert_on() {
-    tc filter show dev "$tap" egress 2>/dev/null | grep -q mirred &&
-        nft list table netdev "pvcm-$tap" >/dev/null 2>&1
+    local filters
+    # Read whole, then matched: under pipefail, grep -q leaving early can make tc die
+    # of SIGPIPE and the pipeline fail although the filter is there.
+    filters="$(tc filter show dev "$tap" egress 2>/dev/null || true)"
+    [[ "$filters" == *mirred* ]] && nft list table netdev "pvcm-$tap" >/dev/null 2>&1
 }
 divert_at_start=no
-divert_on && divert_at_start=yes
+wait_for 10 "the hook's divert of $tap" divert_on && divert_at_start=yes
 echo "   the QP1 divert of $tap after virsh start: $divert_at_start"
 
 # 2: the VM attaches and connects through pvcm.

@@ -213,6 +213,14 @@ make_dev() {
     ip link set "$dev" up || die "cannot set $dev up"
 }
 
+# has_clsact: TAP has a clsact qdisc. The listing is read whole before it is matched:
+# under pipefail, grep -q leaving early could make tc die of SIGPIPE and fail the test.
+has_clsact() {
+    local q
+    q="$(tc qdisc show dev "$tap" 2>/dev/null || true)"
+    [[ "$q" == *"qdisc clsact"* ]]
+}
+
 del_filters() {
     tc filter del dev "$tap" egress protocol ip pref "$PREF4" 2>/dev/null || true
     tc filter del dev "$tap" egress protocol ipv6 pref "$PREF6" 2>/dev/null || true
@@ -291,7 +299,7 @@ EOF_NFT
 case "$action" in
 add)
     make_dev
-    if ! tc qdisc show dev "$tap" | grep -q 'qdisc clsact'; then
+    if ! has_clsact; then
         tc qdisc add dev "$tap" clsact || die "cannot add a clsact qdisc to $tap"
     fi
     del_filters
@@ -319,7 +327,7 @@ add)
 del)
     if ip link show dev "$tap" >/dev/null 2>&1; then
         del_filters
-        if tc qdisc show dev "$tap" | grep -q 'qdisc clsact' &&
+        if has_clsact &&
             [ -z "$(tc filter show dev "$tap" egress)$(tc filter show dev "$tap" ingress)" ]; then
             tc qdisc del dev "$tap" clsact 2>/dev/null || true
         fi
