@@ -11,7 +11,7 @@ use super::agent::{Agent, ReqValues, check_pd, pd};
 use super::config::{
     AcceptOptions, ConnectOptions, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES, SidrOptions,
 };
-use super::event::{CmError, CmId, Event, State};
+use super::event::{CmError, CmId, State};
 use super::pacing::Request;
 use super::qp_attr::{PathAv, QpAttr, QpParams, QpState};
 use super::rdma_cm;
@@ -389,16 +389,7 @@ impl Agent {
         let slot = self.slot(id)?;
         match self.conns[slot as usize].state {
             State::RepSent | State::MraRepRcvd => {
-                self.disarm(slot);
-                let c = &mut self.conns[slot as usize];
-                c.msg = None;
-                c.state = State::Established;
-                let remote_qpn = c.remote_qpn;
-                self.event(Event::Established {
-                    id,
-                    remote_qpn,
-                    private_data: Vec::new(),
-                });
+                self.establish_passive(slot, Vec::new());
                 Ok(())
             }
             s => Err(CmError::InvalidState(s)),

@@ -343,19 +343,26 @@ impl Agent {
         };
         match self.conns[slot as usize].state {
             State::RepSent | State::MraRepRcvd => {
-                self.disarm(slot);
-                let c = &mut self.conns[slot as usize];
-                c.msg = None;
-                c.state = State::Established;
-                let remote_qpn = c.remote_qpn;
-                let id = self.id_of(slot);
-                self.event(Event::Established {
-                    id,
-                    remote_qpn,
-                    private_data: r.private_data.to_vec(),
-                });
+                self.establish_passive(slot, r.private_data.to_vec());
             }
             _ => self.dup(AttributeId::Rtu),
         }
+    }
+
+    /// The passive side's connection in `slot` (REP_SENT or MRA_REP_RCVD) is
+    /// established, by the peer's RTU or by its QP seeing data (`establish`): the REP's
+    /// retries stop and `Established` is reported with `private_data` (the RTU's).
+    pub(in crate::cm) fn establish_passive(&mut self, slot: u32, private_data: Vec<u8>) {
+        self.disarm(slot);
+        let c = &mut self.conns[slot as usize];
+        c.msg = None;
+        c.state = State::Established;
+        let remote_qpn = c.remote_qpn;
+        let id = self.id_of(slot);
+        self.event(Event::Established {
+            id,
+            remote_qpn,
+            private_data,
+        });
     }
 }
