@@ -88,7 +88,8 @@ echo "== build (cached)"
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 # The pvcm VMs run what the pvcm-guest package installs: the package goes into the
 # RDMA image, and the VMs start pvcm-guestd as its systemd unit does.
-work="$PVCM_CACHE/apps"
+# One build directory per checkout: runs from two checkouts at once do not share debs.
+work="$PVCM_CACHE/apps/$(printf %s "$PVCM_REPO_DIR" | sha256sum | cut -c1-12)"
 debs="$work/debs"
 rm -rf "$debs" && mkdir -p "$debs"
 bash "$PVCM_REPO_DIR/packaging/build-debs.sh" --out "$debs" >&2 || die "packaging/build-debs.sh failed"
