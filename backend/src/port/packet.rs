@@ -9,12 +9,13 @@
 //! frames to other QPs still reach the VM. `--port packet:DEV[:IFACE]`.
 //!
 //! - **Receive**: one `AF_PACKET` socket on DEV (every protocol, the Ethernet header
-//!   included) with a classic BPF filter: IPv4 or IPv6, UDP to the RoCEv2 port
-//!   (`--bind-port`, 4791), BTH destination QP 1, and, when there are few VMs, one of
-//!   their addresses. Reads are batched (`recvmmsg`). Each frame is checked as the soft
-//!   port's raw mode checks a datagram (headers, lengths, the ICRC over the IP header as
-//!   received: [`check_ether_frame`], then [`super::frame`]'s checks) and routed to
-//!   the VM owning its destination address.
+//!   included) and no kernel filter: every frame on DEV is read, so whatever the divert
+//!   could not have produced for a configured VM is counted with its reason, not
+//!   dropped unseen by the kernel. Reads are batched (`recvmmsg`). Each frame received
+//!   is checked as the soft port's raw mode checks a datagram (IPv4 or IPv6, UDP to the
+//!   RoCEv2 port (`--bind-port`, 4791), headers, lengths, the ICRC over the IP header as
+//!   received: [`check_ether_frame`], then [`super::frame`]'s checks: BTH destination
+//!   QP 1, the GSI's DETH) and routed to the VM owning its destination address.
 //! - **Send**: the frames are built here (pvcm_wire, the ICRC over exactly the header
 //!   sent) with the VM's address as source, and go through the host's IP stack, which
 //!   picks the route and resolves the next hop: a raw IPv4 socket (`IPPROTO_RAW`, the
@@ -62,10 +63,6 @@ use pvcm_wire::roce::{
     Ipv4Repr, Ipv6Repr, UDP_HEADER_LEN, UdpRepr,
 };
 
-use super::bpf::{
-    self, Asm, BPF_ABS, BPF_ACCEPT, BPF_ALU, BPF_AND, BPF_B, BPF_H, BPF_IND, BPF_JEQ, BPF_JSET,
-    BPF_K, BPF_LD, BPF_LDX, BPF_MSH, BPF_RET, BPF_W,
-};
 use super::frame::{self, InFrame};
 use super::sys::{self, RecvBatch, cvt, setsockopt_int, socket};
 use crate::port::Error;
@@ -87,9 +84,6 @@ const SOL_PACKET: libc::c_int = 263;
 const PACKET_STATISTICS: libc::c_int = 6;
 /// `ARPHRD_ETHER` (linux/if_arp.h).
 const ARPHRD_ETHER: u32 = 1;
-/// Addresses the kernel filter checks one by one; past this it checks the protocol, the
-/// port and the QP only, and the port checks the address.
-pub const FILTER_MAX_ADDRS: usize = 24;
 /// Batches taken per readiness event before the host loop looks at its other
 /// descriptors.
 const RX_ROUNDS: usize = 16;
@@ -253,8 +247,6 @@ pub fn check_ether_frame(
 
 /// `PACKET_OUTGOING` (linux/if_packet.h): a frame transmitted on the device.
 pub const PACKET_OUTGOING: u8 = 4;
-/// Classic BPF's ancillary load of the packet type (`SKF_AD_OFF + SKF_AD_PKTTYPE`).
-const SKF_AD_PKTTYPE: u32 = 0xFFFF_F000 + 4;
 
 /// A frame transmitted on DEV: what a VM's tap divert forwards there from the VM
 /// (`qp1-divert.sh`'s nftables table), never a frame for a VM. Its IP source (the VM
@@ -320,160 +312,15 @@ fn egress_udp(frame: &[u8]) -> Option<&[u8]> {
     }
 }
 
-/// The packet filter's jump targets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Label {
-    Accept,
-    Drop,
-    Received,
-    V4,
-    V6,
-    Next(usize),
-}
-
-/// A jump target of the packet filter.
-type Target = bpf::Target<Label>;
-
-/// The packet socket's filter (see the module docs): every frame transmitted on the
-/// device (a VM's own frame, see [`check_egress_frame`]); of those received, Ethernet
-/// frames of IPv4 (no fragment) or IPv6 (next header UDP), UDP to `port`, BTH
-/// destination QP 1, and, if `addrs` is given and not empty, a destination among them.
-pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filter> {
-    let build = |addrs: Option<&[IpAddr]>| -> Option<Vec<libc::sock_filter>> {
-        let addrs = addrs.filter(|a| !a.is_empty());
-        let v4: Vec<u32> = addrs
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|a| match a {
-                IpAddr::V4(a) => Some(u32::from(*a)),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
-        let v6: Vec<[u32; 4]> = addrs
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|a| match a {
-                IpAddr::V6(a) => {
-                    let o = a.octets();
-                    Some(std::array::from_fn(|i| {
-                        u32::from_be_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
-                    }))
-                }
-                IpAddr::V4(_) => None,
-            })
-            .collect();
-        let e = ETH_HLEN as u32;
-        let mut a = Asm::<Label>::default();
-        // Transmitted on DEV: a VM's own frame its divert stopped, counted by the port.
-        a.stmt(BPF_LD | BPF_B | BPF_ABS, SKF_AD_PKTTYPE);
-        a.jump(
-            BPF_JEQ,
-            PACKET_OUTGOING.into(),
-            Target::Fall,
-            Target::To(Label::Received),
-        );
-        a.stmt(BPF_RET | BPF_K, BPF_ACCEPT);
-        a.label(Label::Received);
-        a.stmt(BPF_LD | BPF_H | BPF_ABS, 12);
-        a.jump(
-            BPF_JEQ,
-            ETH_P_IP.into(),
-            Target::To(Label::V4),
-            Target::Fall,
-        );
-        a.jump(
-            BPF_JEQ,
-            ETH_P_IPV6.into(),
-            Target::To(Label::V6),
-            Target::To(Label::Drop),
-        );
-        // IPv4: UDP, not a fragment, the port, QP 1 (X = the IPv4 header's length).
-        a.label(Label::V4);
-        a.stmt(BPF_LD | BPF_B | BPF_ABS, e + 9);
-        a.jump(
-            BPF_JEQ,
-            IP_PROTOCOL_UDP.into(),
-            Target::Fall,
-            Target::To(Label::Drop),
-        );
-        a.stmt(BPF_LD | BPF_H | BPF_ABS, e + 6);
-        a.jump(BPF_JSET, 0x1FFF, Target::To(Label::Drop), Target::Fall);
-        a.stmt(BPF_LDX | BPF_B | BPF_MSH, e);
-        a.stmt(BPF_LD | BPF_H | BPF_IND, e + 2);
-        a.jump(BPF_JEQ, port.into(), Target::Fall, Target::To(Label::Drop));
-        a.stmt(BPF_LD | BPF_W | BPF_IND, e + UDP_HEADER_LEN as u32 + 4);
-        a.stmt(BPF_ALU | BPF_AND | BPF_K, 0x00FF_FFFF);
-        a.jump(BPF_JEQ, 1, Target::Fall, Target::To(Label::Drop));
-        if addrs.is_some() {
-            a.stmt(BPF_LD | BPF_W | BPF_ABS, e + 16);
-            for w in &v4 {
-                a.jump(BPF_JEQ, *w, Target::To(Label::Accept), Target::Fall);
-            }
-            a.goto(Label::Drop);
-        } else {
-            a.goto(Label::Accept);
-        }
-        // IPv6: next header UDP, the port, QP 1 (fixed offsets: no extension header).
-        a.label(Label::V6);
-        a.stmt(BPF_LD | BPF_B | BPF_ABS, e + 6);
-        a.jump(
-            BPF_JEQ,
-            IP_PROTOCOL_UDP.into(),
-            Target::Fall,
-            Target::To(Label::Drop),
-        );
-        let udp = e + IPV6_HEADER_LEN as u32;
-        a.stmt(BPF_LD | BPF_H | BPF_ABS, udp + 2);
-        a.jump(BPF_JEQ, port.into(), Target::Fall, Target::To(Label::Drop));
-        a.stmt(BPF_LD | BPF_W | BPF_ABS, udp + UDP_HEADER_LEN as u32 + 4);
-        a.stmt(BPF_ALU | BPF_AND | BPF_K, 0x00FF_FFFF);
-        a.jump(BPF_JEQ, 1, Target::Fall, Target::To(Label::Drop));
-        if addrs.is_some() {
-            for (i, w) in v6.iter().enumerate() {
-                let next = Target::To(Label::Next(i));
-                for (j, word) in w.iter().enumerate() {
-                    a.stmt(BPF_LD | BPF_W | BPF_ABS, e + 24 + 4 * j as u32);
-                    let hit = if j == 3 {
-                        Target::To(Label::Accept)
-                    } else {
-                        Target::Fall
-                    };
-                    a.jump(BPF_JEQ, *word, hit, next);
-                }
-                a.label(Label::Next(i));
-            }
-            a.goto(Label::Drop);
-        } else {
-            a.goto(Label::Accept);
-        }
-        a.label(Label::Accept);
-        a.stmt(BPF_RET | BPF_K, BPF_ACCEPT);
-        a.label(Label::Drop);
-        a.stmt(BPF_RET | BPF_K, 0);
-        a.finish()
-    };
-    let addrs = addrs.filter(|a| a.len() <= FILTER_MAX_ADDRS);
-    build(addrs).or_else(|| build(None)).unwrap_or_else(|| {
-        vec![libc::sock_filter {
-            code: BPF_RET | BPF_K,
-            jt: 0,
-            jf: 0,
-            k: BPF_ACCEPT,
-        }]
-    })
-}
-
-/// How the packet socket filters (the daemon always filters by address when it can;
-/// tests open the port without the address check, or without a filter, to see the
-/// port's own checks at work).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RxFilter {
-    /// Protocol, port, QP 1 and (up to [`FILTER_MAX_ADDRS`]) the VMs' addresses.
-    Addresses,
-    /// Protocol, port and QP 1 only.
-    NoAddresses,
-    /// Everything the device carries.
-    Off,
+/// Warns when DEV's own IP stack talks on it: with IPv6 on, the host sends router
+/// solicitations and MLD reports there, which the port reads like any frame on DEV and
+/// counts as dropped (`wire_egress_unknown_source`, and `wire_not_roce` for what comes
+/// back). `qp1-divert.sh` turns it off when it makes DEV.
+fn warn_noisy(name: &str, dev: &str) {
+    let path = format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6");
+    if std::fs::read_to_string(&path).is_ok_and(|v| v.trim() == "0") {
+        tracing::warn!(port = %name, "{dev} has IPv6 on: the host's own IPv6 frames on it are read and counted as drops (`sysctl -w net.ipv6.conf.{dev}.disable_ipv6=1`)");
+    }
 }
 
 /// The packet port (see the module docs).
@@ -486,8 +333,6 @@ pub struct PacketPort {
     /// The scope of link-local destinations (IFACE's index), 0 without IFACE.
     scope: u32,
     port_num: u16,
-    /// The receive filter it was opened with (rebuilt when VMs come and go).
-    filter: RxFilter,
     table: RwLock<VmTable>,
     ident: AtomicU16,
     /// The packet socket's receive buffer.
@@ -503,12 +348,6 @@ struct VmTable {
     psn: Vec<AtomicU32>,
 }
 
-impl VmTable {
-    fn addrs(&self) -> Vec<IpAddr> {
-        self.vms.iter().flatten().map(|(_, a)| *a).collect()
-    }
-}
-
 impl PacketPort {
     /// Opens the port on `dev` (`iface`: the interface of link-local destinations) for
     /// these VMs (name, address), with the RoCEv2 UDP port `port_num`.
@@ -517,17 +356,6 @@ impl PacketPort {
         iface: Option<&str>,
         vms: &[(String, IpAddr)],
         port_num: u16,
-    ) -> Result<PacketPort, Error> {
-        Self::open_with(dev, iface, vms, port_num, RxFilter::Addresses)
-    }
-
-    /// [`PacketPort::open`] with the receive filter of choice.
-    pub fn open_with(
-        dev: &str,
-        iface: Option<&str>,
-        vms: &[(String, IpAddr)],
-        port_num: u16,
-        filter: RxFilter,
     ) -> Result<PacketPort, Error> {
         let name = match iface {
             Some(i) => format!("packet:{dev}:{i}"),
@@ -574,19 +402,12 @@ impl PacketPort {
             Some(i) => sys::if_index(i).map_err(|e| fail(format!("IFACE: {e}")))?,
             None => 0,
         };
-        // Bound to no protocol until the filter is on, so nothing unfiltered queues.
+        // Unfiltered: everything on DEV is read and counted (only the divert should put
+        // frames there). Bound to no protocol until the buffer is set; the bind below
+        // starts the queue.
         let rx = socket(libc::AF_PACKET, libc::SOCK_RAW, 0)
             .map_err(|e| privilege("packet socket", e))?;
-        let addrs: Vec<IpAddr> = vms.iter().map(|(_, a)| *a).collect();
-        let prog = match filter {
-            RxFilter::Addresses => Some(packet_filter(port_num, Some(&addrs))),
-            RxFilter::NoAddresses => Some(packet_filter(port_num, None)),
-            RxFilter::Off => None,
-        };
-        if let Some(prog) = prog {
-            bpf::attach(rx.as_raw_fd(), &prog)
-                .map_err(|e| fail(format!("packet socket filter: {e}")))?;
-        }
+        warn_noisy(&name, dev);
         // A large buffer absorbs bursts, sized as the soft port's raw socket for the
         // same reasons; a smaller one is reported (stat, metrics).
         let buffer = sys::set_rx_buffer(rx.as_raw_fd(), "packet socket");
@@ -623,14 +444,13 @@ impl PacketPort {
             tx6,
             scope,
             port_num,
-            filter,
             table: RwLock::new(table),
             ident: AtomicU16::new(seed as u16),
             buffer,
         };
         // Whatever queued before the bind is not ours to count.
         p.stats();
-        tracing::info!(port = %p.name, filter = ?filter, vms = vms.len(), "packet port open");
+        tracing::info!(port = %p.name, vms = vms.len(), "packet port open");
         Ok(p)
     }
 
@@ -770,20 +590,6 @@ impl PacketPort {
     fn table_mut(&self) -> std::sync::RwLockWriteGuard<'_, VmTable> {
         self.table.write().unwrap_or_else(PoisonError::into_inner)
     }
-
-    /// Puts the receive filter for the current VM set on (when opened with addresses).
-    fn refilter(&self) {
-        if self.filter != RxFilter::Addresses {
-            return;
-        }
-        let addrs = self.table().addrs();
-        if let Err(e) = bpf::attach(
-            self.rx.as_raw_fd(),
-            &packet_filter(self.port_num, Some(&addrs)),
-        ) {
-            tracing::warn!(port = %self.name, error = %e, "packet socket filter not updated for the VMs now served");
-        }
-    }
 }
 
 impl WirePort for PacketPort {
@@ -818,8 +624,8 @@ impl WirePort for PacketPort {
         true
     }
 
-    /// A VM added at runtime: its address joins the table and the receive filter
-    /// (nothing to bind: the address is the VM's NIC's).
+    /// A VM added at runtime: its address joins the table (nothing to bind: the address
+    /// is the VM's NIC's).
     fn add_vm(
         &self,
         vm: usize,
@@ -844,7 +650,6 @@ impl WirePort for PacketPort {
             t.vms[vm] = Some((spec.vm.name.clone(), a));
             t.by_addr.insert(a, vm);
         }
-        self.refilter();
         Ok(())
     }
 
@@ -856,7 +661,6 @@ impl WirePort for PacketPort {
             };
             t.by_addr.remove(&a);
         }
-        self.refilter();
     }
 
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {

@@ -11,7 +11,6 @@ use pvcm_wire::roce::{BthRepr, DethRepr, IPV4_HEADER_LEN};
 use super::*;
 use crate::config::VmSpec;
 use crate::pcap::Capture;
-use crate::port::bpf::{BPF_JA, BPF_JMP};
 use crate::port::testnet::{add_addr, in_netns, ip};
 use crate::stats::DevCounters;
 use crate::vm_port::VmPort;
@@ -222,36 +221,6 @@ fn the_frame_check() {
     assert_eq!(frame_destination(&v4[..20]), None);
 }
 
-#[test]
-fn filters_fit_or_fall_back() {
-    let many: Vec<IpAddr> = (0..FILTER_MAX_ADDRS as u16)
-        .map(|i| IpAddr::V6(Ipv6Addr::new(0xfd50, 0, 0, 0, 0, 0, 0, i + 1)))
-        .collect();
-    let with = packet_filter(PORT, Some(&many));
-    let without = packet_filter(PORT, None);
-    assert!(with.len() > without.len() + 4 * many.len());
-    // Too many addresses for the kernel check: the filter without them.
-    let more: Vec<IpAddr> = (0..300u16)
-        .map(|i| IpAddr::V6(Ipv6Addr::new(0xfd50, 0, 0, 0, 0, 0, 1, i)))
-        .collect();
-    let p = packet_filter(PORT, Some(&more));
-    assert_eq!(p.len(), without.len());
-    // Every program ends with accept and drop, and every jump stays inside it.
-    for prog in [&with, &without] {
-        for (i, ins) in prog.iter().enumerate() {
-            if ins.code & 0x07 == BPF_JMP {
-                let far = if ins.code == BPF_JMP | BPF_JA {
-                    ins.k as usize
-                } else {
-                    usize::from(ins.jt.max(ins.jf))
-                };
-                assert!(i + 1 + far < prog.len(), "jump at {i} leaves the program");
-            }
-        }
-        assert_eq!(prog[prog.len() - 1].code, BPF_RET | BPF_K);
-    }
-}
-
 /// The veth pairs of a test: `pa` (DEV) with `pb` at its far end to write frames into;
 /// `sa` (the route to the peers 10.50.0.2, fd50::2, fe80::2, static neighbours) with
 /// `sb` at its far end to read what the port sends.
@@ -443,8 +412,8 @@ fn gid(s: &str) -> Gid {
 }
 
 /// Frames written at the far end of DEV's veth, IPv4 and IPv6, reach the VM of their
-/// destination; with the address filter, frames for other addresses never reach the
-/// port.
+/// destination; frames for other addresses are counted on the host's counters
+/// (`wire_unknown_gid`) and go nowhere.
 #[test]
 fn receives_and_routes_by_gid() {
     in_netns("packet port receive", || {
@@ -452,11 +421,12 @@ fn receives_and_routes_by_gid() {
         let r = rig(&VMS);
         let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
         let pb = packet_socket("pb");
+        // No VM's address: read first (the port reads in order), counted, not routed.
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::99", 4)));
+        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.99", 5)));
         write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.11", 1)));
         write_frame(&pb, &eth(&good("fd50::2", "fd50::11", 2)));
         write_frame(&pb, &eth(&good("fd50::2", "fd50::12", 3)));
-        write_frame(&pb, &eth(&good("fd50::2", "fd50::99", 4))); // filtered out
-        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.99", 5))); // filtered out
         let mut got = r.receive(&port, 3, Duration::from_secs(2));
         got.sort_by_key(|g| g.2);
         assert_eq!(
@@ -470,9 +440,10 @@ fn receives_and_routes_by_gid() {
         for v in 0..3 {
             assert_eq!(r.vms[v].counters.io(Io::WireRxFrames), 1);
         }
-        assert_eq!(r.host.io(Io::WireRxFrames), 0);
+        assert_eq!(r.host.io(Io::WireRxFrames), 2);
         for d in DevDrop::ALL {
-            assert_eq!(r.host.dropped(*d), 0, "{}", d.name());
+            let want = if *d == DevDrop::WireUnknownGid { 2 } else { 0 };
+            assert_eq!(r.host.dropped(*d), want, "{}", d.name());
         }
         assert_eq!(port.rx_mode(), "packet pa");
     });
@@ -554,14 +525,16 @@ fn vms_added_and_removed_at_runtime_join_and_leave_the_filter() {
     });
 }
 
-/// Bad frames that reach the port are dropped with their reasons, on the VM's counters
-/// when the destination is a VM's, else on the host's; nothing is routed.
+/// Every frame on DEV reaches the port (no kernel filter): what the divert could not
+/// have produced for a configured VM (bad frames, another protocol, another UDP port,
+/// a data QP, an IPv4 fragment, another address) is dropped with its reason, on the
+/// VM's counters when the destination is a VM's, else on the host's; nothing is routed.
 #[test]
 fn drops_bad_frames_with_reasons() {
     in_netns("packet port drops", || {
         topology();
         let r = rig(&VMS);
-        let port = PacketPort::open_with("pa", None, &r.addrs(), PORT, RxFilter::Off).unwrap();
+        let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
         let pb = packet_socket("pb");
         let mut bad_icrc4 = eth(&good("10.50.0.2", "10.50.0.11", 1));
         let n = bad_icrc4.len();
@@ -578,6 +551,27 @@ fn drops_bad_frames_with_reasons() {
         };
         let mut tcp = eth(&good("fd50::2", "fd50::12", 5));
         tcp[14 + 6] = 6;
+        let mut arp = eth(&good("10.50.0.2", "10.50.0.11", 12));
+        arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+        arp.truncate(14 + 28);
+        let data_qp = {
+            let mut d = good("fd50::2", "fd50::12", 13);
+            d[IPV6_HEADER_LEN + UDP_HEADER_LEN + 7] = 0x11; // BTH destination QP 0x11
+            eth(&d)
+        };
+        let other_port = {
+            let mut d = good("fd50::2", "fd50::11", 14);
+            d[IPV6_HEADER_LEN + 2..IPV6_HEADER_LEN + 4].copy_from_slice(&4792u16.to_be_bytes());
+            eth(&d)
+        };
+        let fragment = {
+            let mut d = good("10.50.0.2", "10.50.0.11", 15);
+            d[6] = 0x20; // more fragments, header checksum fixed below
+            d[10..12].copy_from_slice(&[0, 0]);
+            let sum = pvcm_wire::roce::internet_checksum(&d[..IPV4_HEADER_LEN]);
+            d[10..12].copy_from_slice(&sum.to_be_bytes());
+            eth(&d)
+        };
         let frames: Vec<(Vec<u8>, Option<usize>, DevDrop)> = vec![
             (bad_icrc4, Some(0), DevDrop::WireBadIcrc),
             (bad_icrc6, Some(1), DevDrop::WireBadIcrc),
@@ -609,6 +603,10 @@ fn drops_bad_frames_with_reasons() {
                 DevDrop::WireUnknownGid,
             ),
             (tcp, Some(2), DevDrop::WireNotRoce),
+            (arp, None, DevDrop::WireNotRoce),
+            (data_qp, Some(2), DevDrop::WireBadBth),
+            (other_port, Some(1), DevDrop::WireNotRoce),
+            (fragment, Some(0), DevDrop::WireBadIp),
         ];
         for (f, _, _) in &frames {
             write_frame(&pb, f);
