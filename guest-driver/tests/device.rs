@@ -874,6 +874,35 @@ fn a_request_waits_its_timeout_from_when_the_device_takes_it() {
     assert_eq!(n.a.agent().counters().total(Group::TxRetries), 1);
 }
 
+#[test]
+fn a_request_to_nobody_is_retried_one_timeout_apart() {
+    // A real backend takes a MAD at once and answers nothing for an address nobody
+    // has; the driver learns of the send completion only from a notification. Each
+    // attempt must last one timeout from the send, not until the driver next happens
+    // to look at the used ring (its own timer: two timeouts per attempt).
+    let host = FakeHost::new();
+    host.lock().unwrap().silent_unknown = true;
+    let clock = ManualClock::new();
+    let (mut t, q) = vm(&host, port(1), 16, Some(clock.clone()));
+    t.wake_on_signal_only = true;
+    let mut a = Device::start(t, q, clock.clone(), opts(7)).unwrap();
+    let o = ConnectOptions {
+        max_cm_retries: 3,
+        ..ConnectOptions::default()
+    };
+    let t0 = clock.now();
+    let id = a.connect(gid(9), 5, &[], &o).unwrap();
+    let ev = a.next_cm_event(Duration::from_secs(120)).unwrap();
+    assert_eq!(ev, Some(Event::Unreachable { id }));
+    let took = clock.now().since(t0);
+    assert_eq!(took, Duration::from_millis(4 * 4608), "{took:?}");
+    assert_eq!(
+        host.lock().unwrap().devs[0].sent_mads(AttributeId::Req),
+        4,
+        "the REQ and its 3 retries"
+    );
+}
+
 // ----------------------------------------------------------------- blocking helpers
 
 #[test]

@@ -199,6 +199,9 @@ impl FakeDev {
 #[derive(Debug, Default)]
 pub struct FakeHost {
     pub devs: Vec<FakeDev>,
+    /// Drop MADs for GIDs no device has, as a real backend's wire does towards an
+    /// address nobody answers (otherwise: SEND_ERROR(WIRE_ERROR) back).
+    pub silent_unknown: bool,
 }
 
 impl FakeHost {
@@ -244,6 +247,7 @@ impl FakeHost {
                         let m = msg(&MsgHeader::mad(src), payload);
                         self.devs[j].backlog.push_back(m);
                     }
+                    None if self.silent_unknown => {}
                     None => {
                         let eh = MsgHeader {
                             msg_type: MsgType::SendError,
@@ -317,6 +321,9 @@ pub struct FakeTransport {
     pub clock: Option<ManualClock>,
     pub features: u64,
     pub waits: u64,
+    /// `wait()` returns early only for a used-buffer notification the device sent, as
+    /// a real transport (otherwise: whenever the host moved anything).
+    pub wake_on_signal_only: bool,
 }
 
 impl Notify for FakeTransport {
@@ -332,8 +339,17 @@ impl Transport for FakeTransport {
 
     fn wait(&mut self, timeout: Duration) -> Result<(), TransportError> {
         self.waits += 1;
-        let n = self.host.lock().unwrap().step();
-        if n == 0 {
+        let woke = {
+            let mut h = self.host.lock().unwrap();
+            let before = h.devs[self.idx].interrupts;
+            let n = h.step();
+            if self.wake_on_signal_only {
+                h.devs[self.idx].interrupts != before
+            } else {
+                n > 0
+            }
+        };
+        if !woke {
             match &self.clock {
                 Some(c) => c.advance(timeout),
                 None => std::thread::sleep(timeout.min(Duration::from_micros(200))),
@@ -363,6 +379,7 @@ pub fn vm(
             clock,
             features,
             waits: 0,
+            wake_on_signal_only: false,
         },
         q,
     )

@@ -546,8 +546,6 @@ pub struct Device<T: Transport, C: Clock = SystemClock> {
     port_info_pending: bool,
     /// The device announced another ABI: nothing more is sent.
     abi_mismatch: Option<u32>,
-    /// A caller waits for tx completions ([`Device::flush`]): arm tx notifications.
-    await_tx: bool,
 }
 
 impl<T: Transport, C: Clock> fmt::Debug for Device<T, C> {
@@ -667,7 +665,6 @@ impl<T: Transport, C: Clock> Device<T, C> {
             port_info_to_send: false,
             port_info_pending: false,
             abi_mismatch: None,
-            await_tx: false,
         })
     }
 
@@ -1072,7 +1069,11 @@ impl<T: Transport, C: Clock> Device<T, C> {
         if self.rx.enable_notifications() {
             return Ok(0);
         }
-        let blocked = self.tx_backlogged() || (self.await_tx && self.tx.virtq().in_flight() > 0);
+        // Sent MADs the device has not handed back yet: their completions start the
+        // agent's response timers (Agent::mad_sent), so the driver must hear of them
+        // when they happen, not when it next wakes for something else (its own timer:
+        // every attempt of a request nobody answers would last two timeouts).
+        let blocked = self.tx_backlogged() || self.tx.virtq().in_flight() > 0;
         if blocked && self.tx.enable_notifications() {
             self.tx.disable_notifications();
             return Ok(0);
@@ -1161,12 +1162,9 @@ impl<T: Transport, C: Clock> Device<T, C> {
     /// Pumps until every MAD the agent produced is on the device's queue and the device
     /// has consumed every tx buffer, or `timeout` passed. Returns whether it got there.
     pub fn flush(&mut self, timeout: Duration) -> Result<bool, DeviceError> {
-        self.await_tx = true;
-        let r = self.run_until(timeout, |d| {
+        self.run_until(timeout, |d| {
             !d.tx_backlogged() && d.tx.virtq().in_flight() == 0
-        });
-        self.await_tx = false;
-        r
+        })
     }
 }
 
