@@ -903,6 +903,52 @@ fn a_request_to_nobody_is_retried_one_timeout_apart() {
     );
 }
 
+#[test]
+fn a_thousand_connects_to_nobody_fail_within_linuxs_retry_budget() {
+    // pvcm-guest cmtime to an address nobody has, through a device that takes every MAD
+    // at once and answers none (a real backend towards a dead address), in virtual
+    // time. Linux sends all 1,000 REQs at once and fails each after 16 attempts of
+    // 4,608 ms (73.7 s); the agent's window holds back all but 32 until the first
+    // timeout shows nobody is there, so the last fails one attempt later (78.3 s),
+    // within 1.2x. More REQs than the tx ring (256) holds go out at that timeout.
+    const N: u32 = 1000;
+    let host = FakeHost::new();
+    host.lock().unwrap().silent_unknown = true;
+    let clock = ManualClock::new();
+    let info = PortInfo {
+        max_entries: 4096,
+        ..port(1)
+    };
+    let (mut t, q) = vm(&host, info, 256, Some(clock.clone()));
+    t.wake_on_signal_only = true;
+    let mut a = Device::start(t, q, clock.clone(), opts(11)).unwrap();
+    let t0 = clock.now();
+    let r = cmtime::client(
+        &mut a,
+        &ClientOptions {
+            dest: gid(9),
+            port: PORT,
+            connections: N,
+            timeout: Duration::from_secs(600),
+            hold: Duration::ZERO,
+            connect: ConnectOptions::default(),
+        },
+    )
+    .unwrap();
+    let took = clock.now().since(t0);
+    assert_eq!((r.established, r.failed), (0, N), "{r}");
+    assert_eq!(r.failures_of("unreachable"), N, "{r}");
+    let linux = Duration::from_millis(16 * 4608);
+    assert!(
+        took <= linux * 12 / 10,
+        "{took:?} against Linux's {linux:?}"
+    );
+    assert_eq!(took, linux + Duration::from_millis(4608), "{took:?}");
+    // With more REQs than the tx ring holds, the driver slept while the device had
+    // them, it did not spin.
+    assert!(a.transport().waits < 200, "waits {}", a.transport().waits);
+}
+
 // ----------------------------------------------------------------- blocking helpers
 
 #[test]

@@ -1061,7 +1061,12 @@ impl<T: Transport, C: Clock> Device<T, C> {
         // MADs the application queued since the last pump (an accept() in run_until's
         // `done`, answering requests an earlier call took in) go out before any sleep:
         // the peer is waiting for them, so nothing else would wake us until its retry.
-        if self.agent.outbox_len() > 0 {
+        // With the tx ring full they cannot: sleep until the device hands buffers back
+        // (tx notifications, below) instead of spinning.
+        if self.agent.outbox_len() > 0
+            && self.tx.virtq().num_free() > 0
+            && self.tx.pool().num_free() > 0
+        {
             return Ok(0);
         }
         // Re-arm and re-check: a used buffer that arrived before re-arming gets no
