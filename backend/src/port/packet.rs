@@ -334,34 +334,36 @@ enum Label {
 /// A jump target of the packet filter.
 type Target = bpf::Target<Label>;
 
+/// The addresses as the filter compares them: IPv4 addresses as one word each, IPv6
+/// addresses as four (network order, as `BPF_LD | BPF_W` loads them).
+fn addr_words(addrs: &[IpAddr]) -> (Vec<u32>, Vec<[u32; 4]>) {
+    let mut v4 = Vec::new();
+    let mut v6 = Vec::new();
+    for a in addrs {
+        match a {
+            IpAddr::V4(a) => v4.push(u32::from(*a)),
+            IpAddr::V6(a) => {
+                let o = a.octets();
+                v6.push(std::array::from_fn(|i| {
+                    u32::from_be_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+                }));
+            }
+        }
+    }
+    (v4, v6)
+}
+
 /// The packet socket's filter (see the module docs): every frame transmitted on the
 /// device (a VM's own frame, see [`check_egress_frame`]); of those received, Ethernet
 /// frames of IPv4 (no fragment) or IPv6 (next header UDP), UDP to `port`, BTH
 /// destination QP 1, and, if `addrs` is given and not empty, a destination among them.
+///
+/// The program is written as one listing, in the order the kernel runs it, so that its
+/// jumps can be followed from top to bottom.
 pub fn packet_filter(port: u16, addrs: Option<&[IpAddr]>) -> Vec<libc::sock_filter> {
     let build = |addrs: Option<&[IpAddr]>| -> Option<Vec<libc::sock_filter>> {
         let addrs = addrs.filter(|a| !a.is_empty());
-        let v4: Vec<u32> = addrs
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|a| match a {
-                IpAddr::V4(a) => Some(u32::from(*a)),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
-        let v6: Vec<[u32; 4]> = addrs
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|a| match a {
-                IpAddr::V6(a) => {
-                    let o = a.octets();
-                    Some(std::array::from_fn(|i| {
-                        u32::from_be_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
-                    }))
-                }
-                IpAddr::V4(_) => None,
-            })
-            .collect();
+        let (v4, v6) = addr_words(addrs.unwrap_or(&[]));
         let e = ETH_HLEN as u32;
         let mut a = Asm::<Label>::default();
         // Transmitted on DEV: a VM's own frame its divert stopped, counted by the port.
