@@ -17,13 +17,14 @@
 //!
 //! One path from both to [`Config`]: the command line is parsed by clap into
 //! [`ServeArgs`], the file by serde into the same typed [`Options`] (unknown keys
-//! refused) and [`VmSpec`]s ([`file`]); [`Config::from_args`] puts the command line's
+//! refused) and [`VmSpec`]s (`file.rs`); [`Config::from_args`] puts the command line's
 //! options over the file's ([`Options::or`]) and checks the whole. Each kind of value has
-//! one parser for both ([`values`]); a bad value is an error naming the option, or the
+//! one parser for both (`values.rs`); a bad value is an error naming the option, or the
 //! file, its line and the key ([`ConfigError`]); nothing here panics.
 //!
-//! The files: [`cli`] (clap), [`file`] (the config file), [`vm`] (one VM), [`values`]
-//! (the values' parsers), [`located`] (serde's errors with their key and line).
+//! The files: `cli.rs` (clap), `file.rs` (the config file), `vm.rs` (one VM),
+//! `values.rs` (the values' parsers), `located.rs` (serde's errors with their key and
+//! line).
 
 mod cli;
 mod file;

@@ -805,3 +805,29 @@ fn a_syntax_error_names_its_line() {
     assert!(e.contains("backend.toml: line 3: "), "{e}");
     assert!(!e.contains('\n'), "one line: {e}");
 }
+
+#[test]
+fn vm_values_are_taken_without_the_white_space_around_them() {
+    let (_d, f) = toml_file(
+        "[[vm]]\nsocket = \" /tmp/a \"\ngid = \" 127.0.0.1 \"\nname = \" a \"\n\
+         id-range = \" 0x80070000/16 \"\nincoming = \" yes \"\n",
+    );
+    let c = parse(&["--config", f.to_str().unwrap()]).unwrap();
+    let v = &c.vms[0];
+    assert_eq!(
+        (v.socket.to_str(), v.vm.name.as_str(), v.incoming),
+        (Some("/tmp/a"), "a", true)
+    );
+    let s: VmSpec = " socket = /tmp/a , gid = 127.0.0.1 , name = a "
+        .parse()
+        .unwrap();
+    assert_eq!(
+        (s.socket.to_str(), s.vm.name.as_str()),
+        (Some("/tmp/a"), "a")
+    );
+    // A key and its other name together are the key twice.
+    let e = VmSpec::from_str("socket=/a,socket-path=/b,gid=127.0.0.1").unwrap_err();
+    assert!(e.to_string().contains("given twice"), "{e}");
+    let e = toml_error("[[vm]]\nsocket = \"/a\"\nsocket-path = \"/b\"\ngid = \"127.0.0.1\"\n");
+    assert!(e.contains("[[vm]] #1: duplicate field `socket`"), "{e}");
+}

@@ -3,7 +3,7 @@
 //! that a file takes exactly what the command line takes.
 //!
 //! A parser's error says what the value takes; the caller names the option or key (clap
-//! on the command line, [`super::file`] for a file).
+//! on the command line, [`super::located`] for a file).
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -330,7 +330,7 @@ impl FromStr for PortSpec {
 /// The config file's side of the parsers: serde `deserialize_with` functions that take a
 /// TOML string, integer or boolean as the text the command line would give and parse it
 /// with the option's own parser. A value of another TOML type is refused here, and
-/// [`super::file`] names its key and type.
+/// [`super::located`] names its key and type.
 pub(super) mod de {
     use std::fmt;
     use std::str::FromStr;
@@ -417,7 +417,7 @@ pub(super) mod de {
     }
 
     /// A mode: permission bits. A TOML integer is taken as the octal literal it must be
-    /// written as (`0o660`; [`super::super::file`] refuses any other integer literal).
+    /// written as (`0o660`; `file.rs` refuses any other integer literal).
     pub(in crate::config) fn mode<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<Option<u32>, D::Error> {

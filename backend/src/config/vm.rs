@@ -118,32 +118,43 @@ pub(crate) struct VmTable {
     ca_guid: Option<u64>,
     #[serde(deserialize_with = "de::u32_number")]
     quota: Option<u32>,
-    #[serde(deserialize_with = "de::parsed")]
+    #[serde(deserialize_with = "id_range")]
     id_range: Option<IdRange>,
     #[serde(deserialize_with = "incoming")]
     incoming: Option<bool>,
 }
 
+/// A VM key's value: its text without the white space around it.
+fn text<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    de::text(d).map(|t| t.trim().to_string())
+}
+
 fn socket<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
-    match de::text(d)? {
+    match text(d)? {
         t if t.is_empty() => Err(D::Error::custom("empty")),
         t => Ok(Some(PathBuf::from(t))),
     }
 }
 
 fn gid<'de, D: Deserializer<'de>>(d: D) -> Result<Option<(Gid, Option<String>)>, D::Error> {
-    gid_value(&de::text(d)?).map(Some).map_err(D::Error::custom)
+    gid_value(&text(d)?).map(Some).map_err(D::Error::custom)
 }
 
 fn name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    match de::text(d)? {
+    match text(d)? {
         t if t.is_empty() || t.len() > 48 => Err(D::Error::custom("must be 1 to 48 bytes")),
         t => Ok(Some(t)),
     }
 }
 
+fn id_range<'de, D: Deserializer<'de>>(d: D) -> Result<Option<IdRange>, D::Error> {
+    IdRange::from_str(&text(d)?)
+        .map(Some)
+        .map_err(D::Error::custom)
+}
+
 fn incoming<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
-    match de::text(d)?.as_str() {
+    match text(d)?.as_str() {
         "yes" | "true" | "1" => Ok(Some(true)),
         "no" | "false" | "0" => Ok(Some(false)),
         _ => Err(D::Error::custom("expected yes or no")),
