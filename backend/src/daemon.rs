@@ -451,6 +451,194 @@ fn release_unreturned(shared: &Arc<Shared>, grace: Duration) {
     }
 }
 
+/// An I/O error's mapping to [`Error::Io`], saying what was being done.
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// With a state directory, applies the VM changes made at runtime (kept there) over the
+/// config file's VMs in `cfg`; returns those changes.
+fn apply_overlay(cfg: &mut Config) -> Result<Overlay, Error> {
+    let overlay = match &cfg.state_dir {
+        Some(dir) => Overlay::load(dir)?,
+        None => Overlay::default(),
+    };
+    if overlay != Overlay::default() {
+        let (vms, warnings) = overlay.apply(&cfg.vms, cfg.control.as_deref(), false)?;
+        for w in warnings {
+            tracing::warn!("{w}");
+        }
+        tracing::info!(
+            added = overlay.added.len(),
+            removed = overlay.removed.len(),
+            quotas = overlay.quotas.len(),
+            "runtime VM changes kept in the state directory applied over the config"
+        );
+        cfg.vms = vms;
+    }
+    Ok(overlay)
+}
+
+/// Opens the wire port the configuration names, for its VMs.
+fn open_port(cfg: &Config) -> Result<Box<dyn WirePort>, Error> {
+    Ok(match &cfg.port {
+        PortSpec::Soft => {
+            let addrs: Vec<(String, std::net::IpAddr, Option<String>)> = cfg
+                .vms
+                .iter()
+                .map(|v| (v.vm.name.clone(), v.addr(), v.iface.clone()))
+                .collect();
+            let incoming: Vec<bool> = cfg.vms.iter().map(|v| v.incoming).collect();
+            Box::new(SoftPort::open(
+                &addrs,
+                &incoming,
+                cfg.bind_port,
+                cfg.wire_rx,
+            )?)
+        }
+        PortSpec::Packet { dev, iface } => {
+            let vms: Vec<(String, std::net::IpAddr)> = cfg
+                .vms
+                .iter()
+                .map(|v| (v.vm.name.clone(), v.addr()))
+                .collect();
+            Box::new(PacketPort::open(
+                dev,
+                iface.as_deref(),
+                &vms,
+                cfg.bind_port,
+            )?)
+        }
+        PortSpec::Umad { device, port } => {
+            let vms: Vec<(String, Gid)> = cfg
+                .vms
+                .iter()
+                .map(|v| (v.vm.name.clone(), v.vm.gid))
+                .collect();
+            Box::new(UmadPort::open(
+                std::path::Path::new(&cfg.sysfs),
+                device,
+                *port,
+                &vms,
+            )?)
+        }
+    })
+}
+
+/// The mux, with its state journal and what was recovered from it (none without a
+/// state directory).
+type OpenedMux = (Mux<SystemClock>, Option<Journal>, Option<Recovery>);
+
+/// The mux: restored from the state directory's journal if there is one (with the
+/// journal and what was recovered), else new.
+fn open_mux(cfg: &Config) -> Result<OpenedMux, Error> {
+    let seed = cfg.seed.unwrap_or_else(pvcm_wire::seed::os_seed);
+    let mux_cfg = MuxConfig {
+        policy: cfg.policy,
+        seed,
+        ..MuxConfig::default()
+    };
+    let clock = boot_clock();
+    Ok(match &cfg.state_dir {
+        Some(dir) => {
+            let (j, mux, rec) = Journal::open(dir, mux_cfg, clock)?;
+            if cfg.seed.is_some_and(|s| s != mux.config().seed) && rec.frames > 0 {
+                tracing::warn!("--seed differs from the state journal's: keeping the journal's");
+            }
+            (mux, Some(j), Some(rec))
+        }
+        None => (Mux::new(mux_cfg, clock), None, None),
+    })
+}
+
+/// The daemon's listening sockets, bound: each VM's vhost-user socket, the control
+/// socket and the metrics endpoint. The socket files go with this (or with the daemon
+/// they are handed to).
+struct Sockets {
+    vms: Vec<(SocketFile, Listener)>,
+    control: Option<UnixListener>,
+    control_file: Option<SocketFile>,
+    metrics: Option<TcpListener>,
+}
+
+impl Sockets {
+    fn bind(cfg: &Config) -> Result<Sockets, Error> {
+        let mut vms = Vec::new();
+        for spec in &cfg.vms {
+            let (l, file) =
+                crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
+                    Error::Socket {
+                        what: format!("VM {}: vhost-user socket", spec.vm.name),
+                        source,
+                    }
+                })?;
+            vms.push((file, Listener::from(l)));
+        }
+        let (control, control_file) = match &cfg.control {
+            Some(p) => {
+                let (l, file) =
+                    crate::control::bind_control(p, &cfg.control_access).map_err(|source| {
+                        Error::Socket {
+                            what: "--control".into(),
+                            source,
+                        }
+                    })?;
+                l.set_nonblocking(true).map_err(io_err("control"))?;
+                (Some(l), Some(file))
+            }
+            None => (None, None),
+        };
+        let metrics = match cfg.metrics {
+            Some(a) => {
+                let l = TcpListener::bind(a).map_err(io_err(format!("--metrics {a}")))?;
+                l.set_nonblocking(true).map_err(io_err("metrics"))?;
+                Some(l)
+            }
+            None => None,
+        };
+        Ok(Sockets {
+            vms,
+            control,
+            control_file,
+            metrics,
+        })
+    }
+
+    /// Adds what the host loop waits on to `epoll`: the port's descriptors, the stop
+    /// and wake events, the timer, the control and metrics sockets.
+    fn watch(
+        &self,
+        epoll: &Epoll,
+        shared: &Shared,
+        stop: &EventFd,
+        timer: &Timer,
+    ) -> Result<(), Error> {
+        let add = |fd: i32, tok: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, tok),
+                )
+                .map_err(io_err("epoll_ctl"))
+        };
+        for (fd, tok) in shared.port.poll_fds() {
+            add(fd, tok)?;
+        }
+        add(stop.as_raw_fd(), TOK_STOP)?;
+        add(timer.fd.as_raw_fd(), TOK_TIMER)?;
+        add(shared.timer_wake.as_raw_fd(), TOK_WAKE)?;
+        if let Some(l) = &self.control {
+            add(l.as_raw_fd(), TOK_CONTROL)?;
+        }
+        if let Some(l) = &self.metrics {
+            add(l.as_raw_fd(), TOK_METRICS)?;
+        }
+        Ok(())
+    }
+}
+
 /// A running daemon (in-process).
 #[derive(Debug)]
 pub struct Daemon {
@@ -473,100 +661,23 @@ impl Daemon {
     pub fn start(mut cfg: Config) -> Result<Daemon, Error> {
         cfg.validate()?;
         let file_vms = cfg.vms.clone();
-        // With a state directory, the VM changes made at runtime apply over the file's.
-        let overlay = match &cfg.state_dir {
-            Some(dir) => Overlay::load(dir)?,
-            None => Overlay::default(),
-        };
-        if overlay != Overlay::default() {
-            let (vms, warnings) = overlay.apply(&cfg.vms, cfg.control.as_deref(), false)?;
-            for w in warnings {
-                tracing::warn!("{w}");
-            }
-            tracing::info!(
-                added = overlay.added.len(),
-                removed = overlay.removed.len(),
-                quotas = overlay.quotas.len(),
-                "runtime VM changes kept in the state directory applied over the config"
-            );
-            cfg.vms = vms;
-        }
-        let e = |what: String| move |source: io::Error| Error::Io { what, source };
-        let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?;
+        let overlay = apply_overlay(&mut cfg)?;
+        let timer_wake = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
         let mut ports = Vec::new();
         let host_budget = HostBudget::new(cfg.rx_host_backlog_bytes);
-        let port: Box<dyn WirePort> = match &cfg.port {
-            PortSpec::Soft => {
-                let addrs: Vec<(String, std::net::IpAddr, Option<String>)> = cfg
-                    .vms
-                    .iter()
-                    .map(|v| (v.vm.name.clone(), v.addr(), v.iface.clone()))
-                    .collect();
-                let incoming: Vec<bool> = cfg.vms.iter().map(|v| v.incoming).collect();
-                Box::new(SoftPort::open(
-                    &addrs,
-                    &incoming,
-                    cfg.bind_port,
-                    cfg.wire_rx,
-                )?)
-            }
-            PortSpec::Packet { dev, iface } => {
-                let vms: Vec<(String, std::net::IpAddr)> = cfg
-                    .vms
-                    .iter()
-                    .map(|v| (v.vm.name.clone(), v.addr()))
-                    .collect();
-                Box::new(PacketPort::open(
-                    dev,
-                    iface.as_deref(),
-                    &vms,
-                    cfg.bind_port,
-                )?)
-            }
-            PortSpec::Umad { device, port } => {
-                let vms: Vec<(String, Gid)> = cfg
-                    .vms
-                    .iter()
-                    .map(|v| (v.vm.name.clone(), v.vm.gid))
-                    .collect();
-                Box::new(UmadPort::open(
-                    std::path::Path::new(&cfg.sysfs),
-                    device,
-                    *port,
-                    &vms,
-                )?)
-            }
-        };
+        let port = open_port(&cfg)?;
         for (i, spec) in cfg.vms.iter().enumerate() {
             let port = VmPort::new(i, spec.clone(), cfg.rx_backlog_bytes, host_budget.clone())
-                .map_err(e("eventfd".into()))?;
+                .map_err(io_err("eventfd"))?;
             ports.push(Arc::new(port));
         }
         let capture = match &cfg.pcap {
-            Some(p) => Some(Capture::create(p).map_err(e(format!("--pcap {}", p.display())))?),
+            Some(p) => Some(Capture::create(p).map_err(io_err(format!("--pcap {}", p.display())))?),
             None => None,
         };
-        let seed = cfg.seed.unwrap_or_else(pvcm_wire::seed::os_seed);
-        let mux_cfg = MuxConfig {
-            policy: cfg.policy,
-            seed,
-            ..MuxConfig::default()
-        };
-        let default_quota = mux_cfg.default_quota;
-        let clock = boot_clock();
-        let (mux, journal, recovery) = match &cfg.state_dir {
-            Some(dir) => {
-                let (j, mux, rec) = Journal::open(dir, mux_cfg, clock)?;
-                if cfg.seed.is_some_and(|s| s != mux.config().seed) && rec.frames > 0 {
-                    tracing::warn!(
-                        "--seed differs from the state journal's: keeping the journal's"
-                    );
-                }
-                (mux, Some(j), Some(rec))
-            }
-            None => (Mux::new(mux_cfg, clock), None, None),
-        };
-        let epoll = Arc::new(Epoll::new().map_err(e("epoll".into()))?);
+        let (mux, journal, recovery) = open_mux(&cfg)?;
+        let default_quota = mux.config().default_quota;
+        let epoll = Arc::new(Epoll::new().map_err(io_err("epoll"))?);
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 mux,
@@ -606,72 +717,18 @@ impl Daemon {
             adopt_restored(&shared, rec);
         }
         // The socket files go with the daemon (or with this function, if it fails).
-        let mut socket_files = Vec::new();
-        let mut listeners = Vec::new();
-        for spec in &cfg.vms {
-            let (l, file) =
-                crate::files::bind_socket(&spec.socket, &cfg.vm_sockets).map_err(|source| {
-                    Error::Socket {
-                        what: format!("VM {}: vhost-user socket", spec.vm.name),
-                        source,
-                    }
-                })?;
-            listeners.push((file, Listener::from(l)));
-        }
-        let control = match &cfg.control {
-            Some(p) => {
-                let (l, file) =
-                    crate::control::bind_control(p, &cfg.control_access).map_err(|source| {
-                        Error::Socket {
-                            what: "--control".into(),
-                            source,
-                        }
-                    })?;
-                socket_files.push(file);
-                l.set_nonblocking(true).map_err(e("control".into()))?;
-                Some(l)
-            }
-            None => None,
-        };
-        let metrics = match cfg.metrics {
-            Some(a) => {
-                let l = TcpListener::bind(a).map_err(e(format!("--metrics {a}")))?;
-                l.set_nonblocking(true).map_err(e("metrics".into()))?;
-                Some(l)
-            }
-            None => None,
-        };
-        let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
-        let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(e("eventfd".into()))?);
-        let timer = Timer::new().map_err(e("timerfd".into()))?;
-        let add = |fd: i32, tok: u64| {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, tok),
-                )
-                .map_err(e("epoll_ctl".into()))
-        };
-        for (fd, tok) in shared.port.poll_fds() {
-            add(fd, tok)?;
-        }
-        add(stop.as_raw_fd(), TOK_STOP)?;
-        add(timer.fd.as_raw_fd(), TOK_TIMER)?;
-        add(shared.timer_wake.as_raw_fd(), TOK_WAKE)?;
-        if let Some(l) = &control {
-            add(l.as_raw_fd(), TOK_CONTROL)?;
-        }
-        if let Some(l) = &metrics {
-            add(l.as_raw_fd(), TOK_METRICS)?;
-        }
+        let sockets = Sockets::bind(&cfg)?;
+        let metrics_addr = sockets.metrics.as_ref().and_then(|l| l.local_addr().ok());
+        let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?);
+        let timer = Timer::new().map_err(io_err("timerfd"))?;
+        sockets.watch(&epoll, &shared, &stop, &timer)?;
         let host = HostLoop {
             shared: shared.clone(),
             runtime: runtime.clone(),
             epoll,
             timer,
-            control,
-            metrics,
+            control: sockets.control,
+            metrics: sockets.metrics,
             serving: Arc::default(),
             rx_coalesce: cfg.rx_coalesce,
         };
@@ -681,7 +738,7 @@ impl Daemon {
                 let _s = tracing::info_span!("host").entered();
                 host.run();
             })
-            .map_err(e("spawn".into()))?;
+            .map_err(io_err("spawn"))?;
         let mut grace_thread = None;
         if recovery.as_ref().is_some_and(|r| !r.attached.is_empty()) {
             let s = shared.clone();
@@ -689,12 +746,12 @@ impl Daemon {
             let t = std::thread::Builder::new()
                 .name("pvcm-grace".into())
                 .spawn(move || release_unreturned(&s, grace))
-                .map_err(e("spawn".into()))?;
+                .map_err(io_err("spawn"))?;
             grace_thread = Some(t);
         }
         {
             let mut rt = runtime.state();
-            for (port, (file, l)) in shared.vms().iter().zip(listeners) {
+            for (port, (file, l)) in shared.vms().iter().zip(sockets.vms) {
                 rt.spawn(&shared, port.clone(), l, file)?;
             }
         }
@@ -711,7 +768,7 @@ impl Daemon {
             stop,
             grace: grace_thread,
             host: Some(host),
-            socket_files,
+            socket_files: sockets.control_file.into_iter().collect(),
             metrics: metrics_addr,
         })
     }

@@ -25,7 +25,8 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::backlog::HostBudget;
 use crate::config::{
-    ConfigError, SocketAccess, VmSpec, check_sockets_outside_state, check_vm_set, toml_vm, toml_vms,
+    ConfigError, SocketAccess, VmSpec, check_sockets_outside_state, check_vm_set, toml_vms,
+    vm_tables,
 };
 use crate::files::{SocketFile, owner_only};
 use crate::mux::AttachError;
@@ -174,34 +175,36 @@ impl Overlay {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Overlay::default()),
             Err(e) => return Err(bad(e.to_string())),
         };
-        let table: toml::Table = text
-            .parse()
-            .map_err(|e: toml::de::Error| bad(e.to_string().trim_end().to_string()))?;
+        let table = toml::de::DeTable::parse(&text)
+            .map_err(|e| bad(e.to_string().trim_end().to_string()))?;
         let mut o = Overlay::default();
-        for (key, value) in &table {
-            match (key.as_str(), value) {
-                ("vm", toml::Value::Array(vms)) => {
-                    o.added = toml_vms(vms).map_err(|e| bad(e.to_string()))?;
+        for (key, value) in table.get_ref().iter() {
+            match (key.get_ref().as_ref(), value.get_ref()) {
+                ("vm", _) => {
+                    o.added = vm_tables(value).map_err(|l| bad(l.error.to_string()))?;
                 }
-                ("removed", toml::Value::Array(names)) => {
-                    for n in names {
+                ("removed", toml::de::DeValue::Array(names)) => {
+                    for n in names.iter() {
                         let n = n
+                            .get_ref()
                             .as_str()
                             .ok_or_else(|| bad("removed: expected VM names".into()))?;
                         o.removed.insert(n.to_string());
                     }
                 }
-                ("quota", toml::Value::Table(q)) => {
-                    for (n, v) in q {
+                ("quota", toml::de::DeValue::Table(q)) => {
+                    for (n, v) in q.iter() {
+                        let n = n.get_ref();
                         let v = v
+                            .get_ref()
                             .as_integer()
-                            .and_then(|v| u32::try_from(v).ok())
+                            .and_then(|v| u32::from_str_radix(v.as_str(), v.radix()).ok())
                             .filter(|&v| v > 0)
                             .ok_or_else(|| bad(format!("quota.{n}: expected 1 to 2^32-1")))?;
-                        o.quotas.insert(n.clone(), v);
+                        o.quotas.insert(n.to_string(), v);
                     }
                 }
-                _ => return Err(bad(format!("unexpected key {key:?}"))),
+                _ => return Err(bad(format!("unexpected key {:?}", key.get_ref()))),
             }
         }
         Ok(o)
@@ -233,15 +236,7 @@ impl Overlay {
             );
         }
         if !self.added.is_empty() {
-            t.insert(
-                "vm".into(),
-                toml::Value::Array(
-                    self.added
-                        .iter()
-                        .map(|s| toml::Value::Table(toml_vm(s)))
-                        .collect(),
-                ),
-            );
+            t.insert("vm".into(), toml_vms(&self.added));
         }
         let body = toml::to_string(&t)?;
         Ok(format!(

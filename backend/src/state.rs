@@ -225,6 +225,36 @@ fn frames(mut buf: &[u8]) -> (Vec<&[u8]>, usize) {
     }
 }
 
+/// Creates the state directory (mode 0700) if needed and takes its lock: the lock
+/// file, held (`flock`) while the returned file is open. Another daemon holding it is
+/// [`StateError::Locked`].
+fn lock_dir(dir: &Path) -> Result<std::fs::File, StateError> {
+    let io = |what: &'static str| {
+        let dir = dir.to_path_buf();
+        move |source| StateError::Io { dir, what, source }
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io("create"))?;
+    let lock = owner_only()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("lock"))
+        .map_err(io("lock file"))?;
+    // SAFETY: flock on a descriptor this function owns; no memory is passed.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(StateError::Locked(dir.to_path_buf()));
+        }
+        return Err(io("flock")(e));
+    }
+    Ok(lock)
+}
+
 impl Journal {
     /// Opens (creating it if needed) the state directory and returns the journal and the
     /// mux: restored from the journal if there is one from this boot, else new. The
@@ -240,25 +270,7 @@ impl Journal {
             let dir = dir.to_path_buf();
             move |source| StateError::Io { dir, what, source }
         };
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(io("create"))?;
-        let lock = owner_only()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join("lock"))
-            .map_err(io("lock file"))?;
-        // SAFETY: flock on a descriptor this function owns; no memory is passed.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                return Err(StateError::Locked(dir.to_path_buf()));
-            }
-            return Err(io("flock")(e));
-        }
+        let lock = lock_dir(dir)?;
         let path = dir.join("mux.journal");
         let boot = boot_id();
         let mut rec = Recovery::default();

@@ -497,6 +497,18 @@ impl Snapshot {
     /// and the process (`process_*`, from `/proc/self`).
     pub fn prometheus(&self) -> String {
         let mut out = String::new();
+        self.prometheus_figures(&mut out);
+        self.prometheus_reloads(&mut out);
+        self.prometheus_state(&mut out);
+        if let Some(p) = Process::read() {
+            p.render(&mut out);
+        }
+        out
+    }
+
+    /// The figures' families: each per VM (`pvcm_*`, a `vm` label) and for the host
+    /// (`pvcm_host_*`).
+    fn prometheus_figures(&self, out: &mut String) {
         let vms: Vec<(String, &Figures)> = self
             .vms
             .iter()
@@ -510,7 +522,7 @@ impl Snapshot {
                 "host-wide"
             };
             family(
-                &mut out,
+                out,
                 &format!("{prefix}_cm_messages_total"),
                 "counter",
                 &format!("CM MADs per infiniband_cm group and message type, {whose}."),
@@ -526,7 +538,7 @@ impl Snapshot {
                 }
             }
             family(
-                &mut out,
+                out,
                 &format!("{prefix}_drops_total"),
                 "counter",
                 &format!("Dropped MADs, frames and messages by layer and reason, {whose}."),
@@ -542,7 +554,7 @@ impl Snapshot {
                 }
             }
             family(
-                &mut out,
+                out,
                 &format!("{prefix}_io_total"),
                 "counter",
                 &format!("Messages and frames through the device and the wire port, {whose}."),
@@ -553,7 +565,7 @@ impl Snapshot {
                 }
             }
             family(
-                &mut out,
+                out,
                 &format!("{prefix}_on_behalf_total"),
                 "counter",
                 &format!("CM MADs the mux sent itself on a VM's behalf, {whose}."),
@@ -566,7 +578,7 @@ impl Snapshot {
                 let _ = writeln!(out, "{prefix}_on_behalf_total{labels} {}", f.on_behalf);
             }
             family(
-                &mut out,
+                out,
                 &format!("{prefix}_entries"),
                 "gauge",
                 &format!("Connection entries at the mux by state, {whose}."),
@@ -577,9 +589,13 @@ impl Snapshot {
                 }
             }
         }
+    }
+
+    /// The reloads' families.
+    fn prometheus_reloads(&self, out: &mut String) {
         let r = &self.reloads;
         family(
-            &mut out,
+            out,
             "pvcm_reloads_total",
             "counter",
             "Reloads of the configuration file (SIGHUP, pvcm-backend reload), by result.",
@@ -588,7 +604,7 @@ impl Snapshot {
             let _ = writeln!(out, "pvcm_reloads_total{{result=\"{result}\"}} {v}");
         }
         family(
-            &mut out,
+            out,
             "pvcm_reload_last_timestamp_seconds",
             "gauge",
             "When the last reload ended, seconds since the Unix epoch (0: none yet).",
@@ -599,14 +615,19 @@ impl Snapshot {
             r.last_unix_seconds
         );
         family(
-            &mut out,
+            out,
             "pvcm_reload_last_success",
             "gauge",
             "1 if the last reload loaded, 0 if it did not or none happened yet.",
         );
         let _ = writeln!(out, "pvcm_reload_last_success {}", u8::from(r.last_ok));
+    }
+
+    /// What is in effect: each VM's session and quota, the receive mode and buffer, the
+    /// degraded settings, the build.
+    fn prometheus_state(&self, out: &mut String) {
         family(
-            &mut out,
+            out,
             "pvcm_vm_attached",
             "gauge",
             "1 while the VM's vhost-user session is up.",
@@ -620,7 +641,7 @@ impl Snapshot {
             );
         }
         family(
-            &mut out,
+            out,
             "pvcm_vm_quota_connections",
             "gauge",
             "The VM's quota of live connections in effect (its own or the host's default).",
@@ -634,7 +655,7 @@ impl Snapshot {
             );
         }
         family(
-            &mut out,
+            out,
             "pvcm_wire_rx_mode",
             "gauge",
             "1 for the wire port's receive mode in effect, with the configured one.",
@@ -647,7 +668,7 @@ impl Snapshot {
         );
         if let Some(b) = self.wire_rx_buffer {
             family(
-                &mut out,
+                out,
                 "pvcm_wire_rx_buffer_bytes",
                 "gauge",
                 "The shared receive socket's buffer: state=\"wanted\" asked for, \
@@ -658,7 +679,7 @@ impl Snapshot {
             }
         }
         family(
-            &mut out,
+            out,
             "pvcm_degraded",
             "gauge",
             "1 for each setting in effect in a lesser form than configured.",
@@ -673,7 +694,7 @@ impl Snapshot {
             );
         }
         family(
-            &mut out,
+            out,
             "pvcm_build_info",
             "gauge",
             "1, labelled with the daemon's version, mux policy and platform.",
@@ -686,10 +707,6 @@ impl Snapshot {
             std::env::consts::OS,
             std::env::consts::ARCH
         );
-        if let Some(p) = Process::read() {
-            p.render(&mut out);
-        }
-        out
     }
 }
 

@@ -172,24 +172,7 @@ impl PvcmDevice {
                 MsgType::PortInfoRequest => own_rx.push(self.port_info()),
                 MsgType::Mad => {
                     let payload = m.payload(len);
-                    let reject = if len != MAD_LEN {
-                        Some(DevDrop::BadMadLength)
-                    } else if pvcm_wire::mad::field::MGMT_CLASS.get(payload)
-                        != u64::from(MGMT_CLASS_CM)
-                    {
-                        Some(DevDrop::NotCm)
-                    } else if h.remote_gid.roce_unicast_problem().is_some()
-                        || h.remote_gid.to_ipv4().is_some() != port.spec.vm.gid.to_ipv4().is_some()
-                    {
-                        // Not a unicast RoCE address, or the other IP family: no
-                        // datagram from the VM's address can carry it.
-                        Some(DevDrop::BadRemoteGid)
-                    } else if vm.is_none() {
-                        Some(DevDrop::NotAttached)
-                    } else {
-                        None
-                    };
-                    if let Some(r) = reject {
+                    if let Some(r) = mad_reject(&h, len, payload, port.spec.vm.gid, vm.is_some()) {
                         tracing::debug!(reason = r.name(), "tx MAD dropped");
                         bad += 1;
                         c.drop(r);
@@ -296,5 +279,32 @@ impl PvcmDevice {
         // The buffer has exactly the length emit checks for.
         let _ = info.emit(&mut payload);
         RxMsg::control(MsgType::PortInfo, 0, &payload)
+    }
+}
+
+/// Why the device refuses a MAD the VM sent (`len` bytes, `payload`), before the mux
+/// sees it: not a MAD's length, not the CM's class, a destination no datagram from the
+/// VM's address (`own`) can reach, or no VM attached.
+fn mad_reject(
+    h: &MsgHeader,
+    len: usize,
+    payload: &[u8],
+    own: pvcm_wire::Gid,
+    attached: bool,
+) -> Option<DevDrop> {
+    if len != MAD_LEN {
+        Some(DevDrop::BadMadLength)
+    } else if pvcm_wire::mad::field::MGMT_CLASS.get(payload) != u64::from(MGMT_CLASS_CM) {
+        Some(DevDrop::NotCm)
+    } else if h.remote_gid.roce_unicast_problem().is_some()
+        || h.remote_gid.to_ipv4().is_some() != own.to_ipv4().is_some()
+    {
+        // Not a unicast RoCE address, or the other IP family: no datagram from the VM's
+        // address can carry it.
+        Some(DevDrop::BadRemoteGid)
+    } else if !attached {
+        Some(DevDrop::NotAttached)
+    } else {
+        None
     }
 }

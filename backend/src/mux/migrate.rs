@@ -19,7 +19,8 @@ use pvcm_wire::Gid;
 use super::persist::{REC_VM, Rd, decode_entry, decode_vm, encode_vm, entry_payload, records};
 use super::table::{Entry, NO_PEER, State, flag};
 use super::{
-    AttachError, Clock, FastMap, Mux, RemoteId, Time, Vm, VmId, put_record, put_record_parts,
+    AttachError, Clock, FastMap, IdRange, Mux, RemoteId, Time, Vm, VmConfig, VmId, put_record,
+    put_record_parts,
 };
 
 /// The first record of an exported VM: the format version.
@@ -154,33 +155,34 @@ impl<C: Clock> Mux<C> {
         if !self.policy().transfers_state() {
             return Err(MigrateError::Legacy);
         }
-        let bad = |why: &str| MigrateError::Corrupt(why.to_string());
-        let mut version = None;
-        let mut vm = None;
-        let mut moved = Vec::new();
-        for r in records(state) {
-            let (kind, p) = r.map_err(|at| MigrateError::Corrupt(format!("truncated at {at}")))?;
-            match kind {
-                REC_MIG_HEADER => version = p.first().copied(),
-                REC_VM => vm = Some(decode_vm(p).ok_or_else(|| bad("short VM record"))?),
-                REC_MIG_ENTRY => moved.push(decode_moved(p).ok_or_else(|| bad("short entry"))?),
-                _ => return Err(bad(&format!("unknown record kind {kind:#x}"))),
-            }
-        }
-        if version != Some(MIG_VERSION) {
-            return Err(bad(&format!(
-                "format version {version:?}, want {MIG_VERSION}"
-            )));
-        }
-        let (_, _, cfg, next_id) = vm.ok_or_else(|| bad("no VM record"))?;
+        let (cfg, next_id, moved) = decode_import(state)?;
         let range = cfg
             .id_range
             .ok_or_else(|| MigrateError::NotMigratable(cfg.name.clone()))?;
         self.check_attach(&cfg)?;
-        // Every ID in the range and used once; every key free here.
+        self.check_moved(range, &moved)?;
+        // Checked: attach and install.
+        let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
+        let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
+        let mut v = Vm::new(cfg, quota, true, self.tids);
+        v.next_id = next_id;
+        self.gid_to_vm.insert(v.cfg.gid, id);
+        self.vms.push(v);
+        if let Some(c) = &mut self.changes {
+            c.vms.push(id);
+        }
+        self.install_moved(id, moved);
+        self.reserve_for_entry(id);
+        Ok(VmId(id))
+    }
+
+    /// Checks moved entries against this mux before any is installed: every ID in the
+    /// VM's range and used once, every key free here, room in the table.
+    fn check_moved(&self, range: IdRange, moved: &[Moved]) -> Result<(), MigrateError> {
+        let bad = |why: &str| MigrateError::Corrupt(why.to_string());
         let mut ids = FastMap::default();
         let mut remote_keys = FastMap::default();
-        for m in &moved {
+        for m in moved {
             let e = &m.e;
             if e.state == State::Free || e.has(flag::ORPHAN) {
                 return Err(bad("a free or orphaned entry"));
@@ -239,17 +241,12 @@ impl<C: Clock> Mux<C> {
                 )));
             }
         }
+        Ok(())
+    }
 
-        // Checked: attach and install.
-        let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
-        let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
-        let mut v = Vm::new(cfg, quota, true, self.tids);
-        v.next_id = next_id;
-        self.gid_to_vm.insert(v.cfg.gid, id);
-        self.vms.push(v);
-        if let Some(c) = &mut self.changes {
-            c.vms.push(id);
-        }
+    /// Installs the entries of VM `id`, checked by [`Mux::check_moved`]: their slots,
+    /// peers, indexes, deadlines and the VM's figures.
+    fn install_moved(&mut self, id: u32, mut moved: Vec<Moved>) {
         let now = self.clock.now().0;
         let mut quarantine = Vec::new();
         // Live entries first, so a comm ID a quarantined and a live entry share maps
@@ -318,9 +315,31 @@ impl<C: Clock> Mux<C> {
             q.sort_unstable();
             self.quarantine = q.into();
         }
-        self.reserve_for_entry(id);
-        Ok(VmId(id))
     }
+}
+
+/// A migration state's VM and entries, decoded; its format checked.
+fn decode_import(state: &[u8]) -> Result<(VmConfig, u32, Vec<Moved>), MigrateError> {
+    let bad = |why: &str| MigrateError::Corrupt(why.to_string());
+    let mut version = None;
+    let mut vm = None;
+    let mut moved = Vec::new();
+    for r in records(state) {
+        let (kind, p) = r.map_err(|at| MigrateError::Corrupt(format!("truncated at {at}")))?;
+        match kind {
+            REC_MIG_HEADER => version = p.first().copied(),
+            REC_VM => vm = Some(decode_vm(p).ok_or_else(|| bad("short VM record"))?),
+            REC_MIG_ENTRY => moved.push(decode_moved(p).ok_or_else(|| bad("short entry"))?),
+            _ => return Err(bad(&format!("unknown record kind {kind:#x}"))),
+        }
+    }
+    if version != Some(MIG_VERSION) {
+        return Err(bad(&format!(
+            "format version {version:?}, want {MIG_VERSION}"
+        )));
+    }
+    let (_, _, cfg, next_id) = vm.ok_or_else(|| bad("no VM record"))?;
+    Ok((cfg, next_id, moved))
 }
 
 fn decode_moved(p: &[u8]) -> Option<Moved> {

@@ -424,6 +424,40 @@ fn ioctl(fd: RawFd, req: u64, arg: *mut libc::c_void) -> io::Result<()> {
     }
 }
 
+/// Registers a CM agent (the CM class, version 2, on QP1, for the Send method that
+/// carries every CM message) on umad file `fd`. The error says why the kernel refused
+/// it, the kernel CM named when it is loaded (its module in `sysfs`).
+fn register_cm_agent(fd: &OwnedFd, sysfs: &Path) -> Result<RegReq, String> {
+    let mut req = RegReq {
+        qpn: GSI_QPN as u8,
+        mgmt_class: MGMT_CLASS_CM,
+        mgmt_class_version: CM_CLASS_VERSION,
+        ..RegReq::default()
+    };
+    // The mask is a bitmap of unsigned longs; on a little-endian host bit n of the
+    // whole is bit n%32 of word n/32.
+    req.method_mask[usize::from(METHOD_SEND / 32)] |= 1 << (METHOD_SEND % 32);
+    if let Err(e) = ioctl(
+        fd.as_raw_fd(),
+        IOCTL_REGISTER_AGENT,
+        (&mut req as *mut RegReq).cast(),
+    ) {
+        let cm_loaded = sysfs.join("module/ib_cm").exists();
+        let why = if cm_loaded {
+            "the CM class (0x07 version 2) is already taken on this port: the kernel CM \
+                 (ib_cm) is loaded and owns it. Unload the kernel CM and what uses it: \
+                 `modprobe -r rdma_ucm rdma_cm ib_cm` (ib_ipoib, ib_srp, rpcrdma, nvme_rdma, \
+                 ib_isert, iw_cm users also hold it: unload them first), and keep them \
+                 unloaded (blacklist ib_cm; see docs/umad.md)"
+        } else {
+            "the kernel refused the CM agent (another user-space CM agent may hold the \
+                 class on this port)"
+        };
+        return Err(format!("{e}: {why}"));
+    }
+    Ok(req)
+}
+
 impl UmadPort {
     /// Opens `device` port `port`, registers the CM agent and looks the VMs' GIDs up.
     pub fn open(
@@ -479,36 +513,8 @@ impl UmadPort {
                 path.display()
             ))
         })?;
-        let mut req = RegReq {
-            qpn: GSI_QPN as u8,
-            mgmt_class: MGMT_CLASS_CM,
-            mgmt_class_version: CM_CLASS_VERSION,
-            ..RegReq::default()
-        };
-        // The mask is a bitmap of unsigned longs; on a little-endian host bit n of the
-        // whole is bit n%32 of word n/32.
-        req.method_mask[usize::from(METHOD_SEND / 32)] |= 1 << (METHOD_SEND % 32);
-        if let Err(e) = ioctl(
-            fd.as_raw_fd(),
-            IOCTL_REGISTER_AGENT,
-            (&mut req as *mut RegReq).cast(),
-        ) {
-            let cm_loaded = sysfs.join("module/ib_cm").exists();
-            let why = if cm_loaded {
-                "the CM class (0x07 version 2) is already taken on this port: the kernel CM \
-                 (ib_cm) is loaded and owns it. Unload the kernel CM and what uses it: \
-                 `modprobe -r rdma_ucm rdma_cm ib_cm` (ib_ipoib, ib_srp, rpcrdma, nvme_rdma, \
-                 ib_isert, iw_cm users also hold it: unload them first), and keep them \
-                 unloaded (blacklist ib_cm; see docs/umad.md)"
-            } else {
-                "the kernel refused the CM agent (another user-space CM agent may hold the \
-                 class on this port)"
-            };
-            return Err(fail(format!(
-                "registering a CM agent on {}: {e}: {why}",
-                path.display()
-            )));
-        }
+        let req = register_cm_agent(&fd, sysfs)
+            .map_err(|e| fail(format!("registering a CM agent on {}: {e}", path.display())))?;
         let pkeys = read_pkeys(&port_dir);
         let pkey_index = default_pkey_index(&pkeys).ok_or_else(|| {
             fail(format!(
