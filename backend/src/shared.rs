@@ -218,6 +218,28 @@ impl Shared {
         port.wake_rx();
     }
 
+    /// A driver starts on the VM's device (its PORT_INFO_REQUEST) while the mux holds
+    /// entries of the VM: they belong to a CM that is gone, and are released at once as
+    /// at a detach (DREQs and REJs on the VM's behalf, TimeWait and quarantine kept).
+    /// This is how the host learns that the guest's CM stopped: the service exited or
+    /// was restarted, the guest rebooted. QEMU passes a guest's reset of a vhost-user
+    /// device on as stopped rings only, which a migration or a pause also gives. The
+    /// new driver is not told (it has nothing to forget). Returns whether it released
+    /// anything.
+    pub(crate) fn driver_started(&self, port: &VmPort) -> bool {
+        let Some(vm) = port.current_vm() else {
+            return false;
+        };
+        let held = self.lock_core().mux.vm_stats(vm).live;
+        if held == 0 {
+            return false;
+        }
+        tracing::info!(parent: &port.span, held, "a driver started on the device while the VM's connections are held: the CM that held them is gone, releasing them");
+        self.detach(port);
+        self.attach(port);
+        true
+    }
+
     /// Every figure, per VM and summed.
     pub fn snapshot(&self) -> Snapshot {
         // Lock order: a port's lifecycle, then the core (as attach and detach do).

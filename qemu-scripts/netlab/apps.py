@@ -27,6 +27,10 @@ Checks (each PASS/FAIL):
     response addresses, other files' ids and create/destroy pairs for 15 s, while
     rping -v and ucmatose run from a to k: they pass, the flood's calls all return with
     the errors they must, the service answers and holds no id afterwards
+  8 pvcm-guestd stopped (SIGTERM) under running programs in a (rping -v to k, an rping
+    server waiting): both end with an error within seconds (none hangs), k's kernel CM
+    loses the connection at once (the backend ends it on the VM's behalf when the
+    device resets), and after the service starts again a new rping works
   4 counters: the backend's drops are 0; the VMs' MADs went through the backend
   7 root in VM b goes around pvcm (after 4, with its own accounting): it stops
     pvcm-guestd and loads the kernel CM itself (busybox modprobe: insmod of ib_cm, iw_cm,
@@ -291,6 +295,64 @@ def kill_nine(lab, k, a, backend):
     result("the backend reaches 0 live entries after the quarantine", live == 0, f"live {live}")
 
 
+def nonlisteners(k):
+    """The kernel-CM guest's cm_ids that are not listeners (rdma res show cm_id)."""
+    _, res = k.run("rdma res show cm_id", 30)
+    return [l for l in res.splitlines() if "cm-idn" in l and "LISTEN" not in l]
+
+
+def guestd_restart(k, a, guestd):
+    """Section 8: pvcm-guestd stopped under running programs, then started again. The
+    programs' files fail (never hang), the kernel peer loses their connections at once
+    (the backend ends them on the VM's behalf when the device resets), and programs
+    started after the restart work. Returns the new pvcm-guestd job."""
+    ksrv = k.spawn("rping -s -v -a 10.99.0.2 -p 7561 -C 1000000")
+    before = listeners(k)
+    wait_listening(k, before - 1, ksrv)
+    client = a.spawn("rping -c -v -a 10.99.0.2 -p 7561 -C 1000000 -S 64")
+    waiting = a.spawn("rping -s -v -a 10.99.0.11 -p 7562")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not nonlisteners(k):
+        time.sleep(1)
+    time.sleep(2)
+    up = nonlisteners(k)
+    ran = "ping data" in client.text() and not client.done()
+    result("before the restart: rping a -> k is running, an rping server waits in a",
+           bool(up) and ran and not waiting.done(), f"k's connected ids {len(up)}")
+    t0 = time.monotonic()
+    guestd.kill("TERM")
+    guestd.wait(30)
+    stopped = time.monotonic() - t0
+    ends = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(ends) < 3:
+        for name, job in (("client", client), ("waiting server", waiting)):
+            if name not in ends and job.done():
+                ends[name] = time.monotonic() - t0
+        if "peer" not in ends and not nonlisteners(k):
+            ends["peer"] = time.monotonic() - t0
+        time.sleep(0.5)
+    for j in (client, waiting):
+        if not j.done():
+            j.kill("KILL")
+    figures = ", ".join(f"{n} {t:.1f} s" for n, t in ends.items())
+    result("pvcm-guestd stopped (SIGTERM): a's programs end with an error, none hangs",
+           "client" in ends and "waiting server" in ends
+           and client.wait(10) != 0 and waiting.wait(10) != 0,
+           f"stopped in {stopped:.1f} s; ended after: {figures}; client: "
+           f"{short(client.text().strip().splitlines()[-1] if client.text().strip() else '', 120)}")
+    result("the kernel peer loses the VM's connection at once (the backend ends it on the "
+           "VM's behalf), not after its CM's timeouts",
+           ends.get("peer", 99) < 15, f"k's non-listening ids gone after {ends.get('peer', 'never')}"
+           + (" s" if "peer" in ends else ""))
+    ksrv.kill("KILL")
+    guestd = start_guestd(a)
+    pair("rping -v -C 20 after the restart", k, a, "rping -s -v -a 10.99.0.2 -p 7563 -C 20",
+         "rping -c -v -a 10.99.0.2 -p 7563 -C 20",
+         lambda s: s.count("server ping data:") == 20, lambda c: c.count("ping data:") == 20)
+    return guestd
+
+
 def live_entries(st):
     """Live mux entries in a backend's stat JSON (the host's: every VM's)."""
     return st.get("host", {}).get("live")
@@ -495,7 +557,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -516,8 +578,7 @@ def main():
             vb = lab.pvcm_vm("b", B, socket=str(sb), wait=False)
             for g in (k, va, vb):
                 g.wait_ready()
-            for vm in (va, vb):
-                start_guestd(vm)
+            guestd = {vm.name: start_guestd(vm) for vm in (va, vb)}
             print(f"== lab up in {time.monotonic() - t0:.0f} s", flush=True)
 
             if "0" in only:
@@ -546,6 +607,10 @@ def main():
             if "5" in only and a.ucflood:
                 print("== 5. a misbehaving process", flush=True)
                 misbehaving(k, va)
+
+            if "8" in only:
+                print("== 8. pvcm-guestd restarted under running programs", flush=True)
+                guestd["a"] = guestd_restart(k, va, guestd["a"])
 
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)

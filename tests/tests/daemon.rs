@@ -306,6 +306,49 @@ fn reset_device_releases_connections() {
     h.shutdown();
 }
 
+/// A driver that starts on a device whose VM holds connections (the guest's CM service
+/// restarted, the guest rebooted: QEMU passes neither on as a device reset) asks for
+/// the port first: the backend releases the old connections on the VM's behalf at once
+/// and answers; the new driver connects as usual. Asking again with nothing held
+/// releases nothing.
+#[test]
+fn a_new_driver_releases_the_connections_of_the_one_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let sa = LabVmSpec::new("a", ip(13, 2, 1));
+    let sb = LabVmSpec::new("b", ip(13, 2, 2));
+    let h = backend::start(backend::config(dir.path(), "h", &[&sa, &sb], 1));
+    let mut a = connect(dir.path(), "a");
+    let mut b = connect(dir.path(), "b");
+    check_port_info(&mut b, &sb);
+    let c = handshake(&mut a, &sa, &mut b, &sb, 0x11, 0x22);
+    check_port_info(&mut a, &sa);
+    let (_, m) = recv_mad(&mut b);
+    assert_eq!(view(&m).attr(), AttributeId::Dreq, "DREQ on A's behalf");
+    assert_eq!(view(&m).remote_comm_id(), Some(c.b_sl));
+    assert_eq!(view(&m).local_comm_id(), Some(c.a_pv));
+    let s = stats(dir.path(), "h");
+    assert!(s.vm("a").unwrap().attached);
+    assert_eq!(
+        s.vm("a").unwrap().figures.io("sessions"),
+        1,
+        "the same vhost-user session"
+    );
+    // The new driver holds nothing: asking again releases nothing; it connects as usual.
+    check_port_info(&mut a, &sa);
+    assert!(
+        a.recv(Duration::from_millis(300)).is_none(),
+        "nothing more for A"
+    );
+    assert!(
+        b.recv(Duration::from_millis(300)).is_none(),
+        "nothing more for B"
+    );
+    let c2 = handshake(&mut a, &sa, &mut b, &sb, 0x31, 0x32);
+    disconnect(&mut a, &sa, &mut b, &sb, &c2);
+    drop((a, b));
+    h.shutdown();
+}
+
 /// Waits until the backend's figures satisfy `f`.
 fn wait_stats(dir: &Path, host: &str, what: &str, f: impl Fn(&Snapshot) -> bool) -> Snapshot {
     let deadline = std::time::Instant::now() + T;

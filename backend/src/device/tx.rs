@@ -126,6 +126,12 @@ impl PvcmDevice {
         let port = &self.port;
         let c = &port.counters;
         c.add(Io::TxMessages, msgs.len() as u64);
+        let starts = msgs.iter().flatten().any(|m| {
+            MsgHeader::parse(&m.head).is_ok_and(|h| h.msg_type == MsgType::PortInfoRequest)
+        });
+        if starts {
+            self.shared.driver_started(port);
+        }
         let vm = port.current_vm();
         // Messages of this round dropped (by the device or the mux).
         let mut bad = 0usize;
