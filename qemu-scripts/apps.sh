@@ -24,18 +24,22 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   5 a misbehaving process (interop/ucflood.c: garbage, bad addresses, other files'
     ids, for 15 s) beside rping and ucmatose in the same VM: all pass, the service
     survives and holds no id
-  8 pvcm-guestd stopped under running programs: they end with an error, none hangs,
-    the kernel peer loses their connections at once; started again, it serves
   4 counters: 0 drops; the VMs' MADs went through the backend
   7 root in a pvcm VM goes around pvcm: stops pvcm-guestd, loads the kernel CM
     (insmod), rping both ways with k, crafted QP1 frames (interop/rawqp1.c): nothing
     reaches another CM, the tap's egress table and the backend count what was
     stopped, pvcm's own connections from that VM go on
+  8 signals to a program blocked in rdma_get_cm_event, in a pvcm VM and in the
+    kernel guest (the reference): SIGSTOP/SIGCONT, strace -p, a debugger's attach,
+    SIGALRM handlers with and without SA_RESTART (interop/sigwait.c), SIGTERM
+  9 pvcm-guestd stopped under running programs: they end with an error, none hangs,
+    the kernel peer loses their connections at once; started again, it serves
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
-VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1. It ends with a
+VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1,
+sigwait. It ends with a
 summary, a line per check (PASS or FAIL, the check, what it found), written to the file
 PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
 ("cli_via_service: ..." with --cli).
@@ -57,7 +61,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -113,7 +117,11 @@ gcc -O2 -Wall -Wextra -Werror -pthread -o "$ucflood" "$PVCM_SCRIPTS_DIR/interop/
 rawqp1="$work/rawqp1"
 gcc -O2 -Wall -Wextra -Werror -o "$rawqp1" "$PVCM_SCRIPTS_DIR/interop/rawqp1.c" ||
     die "building rawqp1 failed"
-[ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood" --rawqp1 "$rawqp1")
+sigwait="$work/sigwait"
+gcc -O2 -Wall -Wextra -Werror -o "$sigwait" "$PVCM_SCRIPTS_DIR/interop/sigwait.c" -lrdmacm ||
+    die "building sigwait failed"
+[ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood" --rawqp1 "$rawqp1"
+    --sigwait "$sigwait")
 [ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
 export PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The benchmark prints figures and asserts none: no summary.

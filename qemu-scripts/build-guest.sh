@@ -23,8 +23,8 @@ Two flavours (each cached under its own key):
            crc32_generic rdma_rxe ib_uverbs ib_umad ib_cm iw_cm rdma_cm rdma_ucm fuse
            cuse 9p 9pnet_virtio), and Debian 12's rdma-core userland from .debs
            (apt-get download + dpkg -x, never the host's files): rdmacm-utils,
-           ibverbs-utils, perftest, ip and rdma (iproute2), the rxe provider, glibc
-           and the dynamic loader, libgcc_s, and every library their NEEDED entries
+           ibverbs-utils, perftest, ip and rdma (iproute2), strace, the rxe provider,
+           glibc and the dynamic loader, libgcc_s, and every library their NEEDED entries
            reach (dependencies of the listed packages are fetched as the closure
            finds them)
 
@@ -315,7 +315,7 @@ fi
 
 # The packages asked for; their dependencies join when the library closure needs them.
 rdma_pkgs=(rdmacm-utils ibverbs-utils ibverbs-providers librdmacm1 libibverbs1 perftest
-    iproute2 libnl-3-200 libnl-route-3-200 libc6 libgcc-s1 dash)
+    iproute2 libnl-3-200 libnl-route-3-200 libc6 libgcc-s1 dash strace)
 declare -A pkg_dir=()
 pkg_order=()
 add_pkg() { # add_pkg PKG: download and unpack PKG once
@@ -464,6 +464,8 @@ resolve_userland() {
         rdma_bins+=("$f")
     done
     [ "${#rdma_bins[@]}" -gt 10 ] || die "too few rdma-core programs found: ${rdma_bins[*]}"
+    # strace, for the apps suite's ptrace checks (strace -p on a waiting program).
+    rdma_bins+=(/usr/bin/strace)
     for b in "${rdma_bins[@]}"; do add_elf "$b"; done
     # The rxe provider (dlopened by libibverbs) and its driver file; libgcc_s, which
     # glibc dlopens for pthread_exit/pthread_cancel (rping aborts without it); the loader.

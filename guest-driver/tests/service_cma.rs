@@ -10,6 +10,7 @@ use std::net::Ipv4Addr;
 use pvcm_guest::service::abi::{
     self, AhAttr, cmd, event, ps, put_u16, put_u32, put_u64, u32_at, u64_at,
 };
+use pvcm_guest::service::caller::CallerMemory;
 use pvcm_guest::service::cma::{Env, Outcome, errno};
 use pvcm_wire::Gid;
 use service_support::*;
@@ -307,4 +308,66 @@ fn udaddy_flow_sidr() {
     assert_eq!(ah.dgid, s.gid.0);
     assert!(ah.is_global);
     assert_eq!(ah.port_num, 1);
+}
+
+/// A GET_EVENT a signal interrupted is answered with the restart event, which
+/// librdmacm's `rdma_get_cm_event` discards (uid 0, an id beyond its index map, read as a
+/// positive `int`) before writing GET_EVENT again: no event is taken, the next real one
+/// comes to the repeated GET_EVENT, and DESTROY_ID's events_reported counts real events
+/// only.
+#[test]
+fn interrupted_get_event_restarts_without_losing_events() {
+    let (mut c, mut s) = (Vm::new(11), Vm::new(12));
+    let (cf, sf) = (c.cma.open(), s.cma.open());
+    let lid = s.create_id(sf, 0x1000, ps::TCP);
+    assert_eq!(s.bind_ip(sf, lid, "0.0.0.0:7174"), Outcome::Done(Ok(())));
+    assert_eq!(s.id_arg(sf, cmd::LISTEN, lid, 3), Outcome::Done(Ok(())));
+    let mut b = [0u8; 8];
+    put_u64(&mut b, 0, RESP);
+    let Outcome::WaitEvent { response, out_len } =
+        s.write(sf, cmd::GET_EVENT, &b, abi::EventResp::LEN as u16)
+    else {
+        panic!("GET_EVENT should block");
+    };
+    let before = s.cma.stats().events_reported;
+    // The caller's buffer holds stale bytes; the restart event overwrites all of it.
+    s.mem
+        .write(RESP, &[0x5a; abi::EventResp::LEN])
+        .expect("mapped");
+    assert_eq!(s.cma.restart(response, out_len, &mut s.mem), Ok(()));
+    let e = s.resp(abi::EventResp::LEN);
+    assert_eq!(u64_at(&e, 0), 0, "uid 0: librdmacm looks the id up");
+    let id = u32_at(&e, 8) as i32;
+    assert!(
+        id > 0xFFFF,
+        "beyond librdmacm's index map, positive: {id:#x}"
+    );
+    assert!(e[12..].iter().all(|&x| x == 0), "the rest is zero");
+    assert_eq!(s.cma.stats().events_reported, before, "nothing reported");
+    // An old caller's shorter buffer gets only its length; a bad address is EFAULT.
+    s.mem
+        .write(RESP, &[0x5a; abi::EventResp::LEN])
+        .expect("mapped");
+    let short = abi::EventResp::MIN_OUT as u16;
+    assert_eq!(s.cma.restart(response, short, &mut s.mem), Ok(()));
+    assert_eq!(s.resp(abi::EventResp::LEN)[usize::from(short)], 0x5a);
+    assert_eq!(s.cma.restart(8, out_len, &mut s.mem), Err(errno::EFAULT));
+
+    // The connection that comes afterwards reaches the repeated GET_EVENT.
+    let cid = c.create_id(cf, 0x2000, ps::TCP);
+    c.resolve_ip(cf, cid, "10.99.0.12:7174");
+    c.expect_event(cf, event::ADDR_RESOLVED);
+    assert_eq!(
+        c.id_arg(cf, cmd::RESOLVE_ROUTE, cid, 2000),
+        Outcome::Done(Ok(()))
+    );
+    c.expect_event(cf, event::ROUTE_RESOLVED);
+    c.conn(cf, cmd::CONNECT, cid, 0x11, true, 8);
+    exchange(&mut c, &mut s);
+    let e = s.expect_event(sf, event::CONNECT_REQUEST);
+    assert_eq!(u64_at(&e, 0), 0x1000);
+    assert_eq!(s.get_event(sf), None);
+    let child = u32_at(&e, 8);
+    s.destroy(sf, child);
+    assert_eq!(s.destroy(sf, lid), 1, "the request only, not the restart");
 }

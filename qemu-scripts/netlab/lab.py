@@ -157,6 +157,16 @@ class Job:
         except OSError:
             return ""
 
+    def guest_pid(self, timeout=10):
+        """The PID in the guest of the job's shell (the program's, when the command
+        starts with exec). LabError if it is not known after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._pid.exists() or not self._pid.read_text().strip():
+            if time.monotonic() > deadline:
+                raise LabError(f"{self.guest.name}: job {self.jid} has no PID after {timeout} s")
+            time.sleep(0.1)
+        return int(self._pid.read_text().strip())
+
     def kill(self, sig="TERM"):
         """Send sig to its process group (the job runs in a session of its own)."""
         for _ in range(50):

@@ -638,6 +638,20 @@ impl Cma {
         Some(Ok(()))
     }
 
+    /// Answers a waiting GET_EVENT with the restart event ([`EventResp::restart`])
+    /// instead of an event: a signal interrupted it and the caller will issue it again.
+    /// No event is taken or counted as reported; an unwritable buffer is EFAULT.
+    pub fn restart(
+        &self,
+        response: u64,
+        out_len: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        let bytes = EventResp::restart().to_bytes();
+        let n = usize::from(out_len).min(EventResp::LEN);
+        mem.write(response, &bytes[..n])
+    }
+
     /// Routes one of the agent's events to the id it concerns; returns the file that
     /// got an rdma_cm event, if one did.
     pub fn on_agent_event(&mut self, ev: Event, env: &mut Env<'_>) -> Option<Fh> {

@@ -9,6 +9,8 @@
 //! - [`verbs`]: the VM's own RDMA device (the one whose GID is the pvcm GID), as
 //!   rdma_cm names it to librdmacm.
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
+//! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
+//!   or EINTR when it is fatal).
 //! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
 //! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
 //!   it (`pvcm-guest` runs its commands through it while the service owns the device).
@@ -20,4 +22,5 @@ pub mod client;
 pub mod cma;
 pub mod cuse;
 pub mod server;
+pub mod signals;
 pub mod verbs;

@@ -9,8 +9,10 @@
 //! timer is due.
 //!
 //! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
-//! kernel until the answer is written (an event), or an INTERRUPT comes (a signal;
-//! answered EINTR, so a killed process exits at once). O_NONBLOCK files get EAGAIN.
+//! kernel until the answer is written (an event), or an INTERRUPT comes (a signal):
+//! EINTR for a fatal one, so the process exits at once, and otherwise the restart event,
+//! which librdmacm answers with a new GET_EVENT once the thread has stopped, been
+//! traced or run its handler (`signals.rs`). O_NONBLOCK files get EAGAIN.
 //!
 //! MIGRATE_ID names the old file by the caller's descriptor, which only the caller's
 //! descriptor table resolves: the server duplicates that descriptor into itself
@@ -33,6 +35,7 @@ use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
+use super::signals::{self, Answer, Reason, ThreadSignals};
 use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::report::{cm_counters_json, pacing_json};
@@ -75,8 +78,11 @@ pub struct ServerStats {
     pub bad_requests: u64,
     /// GET_EVENTs that blocked.
     pub blocked: u64,
-    /// Interrupts that ended a blocked GET_EVENT.
+    /// Blocked GET_EVENTs a fatal signal ended (answered EINTR).
     pub interrupted: u64,
+    /// Blocked GET_EVENTs a signal interrupted and the restart event answered, by
+    /// [`Reason`] (stop, handler, traced, unseen).
+    pub restarted: [u64; 4],
     /// Poll wakeups sent.
     pub poll_wakeups: u64,
     /// Device resets survived.
@@ -386,17 +392,7 @@ impl<'d, T: Transport> Server<'d, T> {
                 };
                 self.reply(&Reply::poll(h.unique, ready))
             }
-            Request::Interrupt { unique } => {
-                for q in self.waiters.values_mut() {
-                    if let Some(i) = q.iter().position(|w| w.unique == unique) {
-                        q.remove(i);
-                        self.stats.interrupted += 1;
-                        return self.reply(&Reply::error(unique, errno::EINTR));
-                    }
-                }
-                // Already answered: nothing to do (no answer to an INTERRUPT itself).
-                Ok(())
-            }
+            Request::Interrupt { unique } => self.interrupt(unique),
             Request::Ioctl { fh, cmd, arg } => {
                 let m = self
                     .migrations
@@ -412,6 +408,43 @@ impl<'d, T: Transport> Server<'d, T> {
                 }
             }
             Request::Other(_) => self.reply(&Reply::error(h.unique, errno::ENOSYS)),
+        }
+    }
+
+    /// A signal came to the thread blocked in request `unique`: a GET_EVENT still
+    /// waiting is answered at once (FUSE holds the thread until it is), with EINTR when
+    /// the signal is fatal and with the restart event otherwise (`signals.rs`). A
+    /// request already answered needs nothing (an INTERRUPT itself has no answer).
+    fn interrupt(&mut self, unique: u64) -> Result<(), ServiceError> {
+        let mut found = None;
+        for q in self.waiters.values_mut() {
+            if let Some(i) = q.iter().position(|w| w.unique == unique) {
+                found = q.remove(i);
+                break;
+            }
+        }
+        let Some(w) = found else { return Ok(()) };
+        let state = ThreadSignals::of_thread(w.pid);
+        let restarted = match signals::answer(state.as_ref()) {
+            Answer::Fatal => Err(errno::EINTR),
+            Answer::Restart(reason) => {
+                let mut mem = ProcessMemory::new(w.pid);
+                self.cma
+                    .restart(w.response, w.out_len, &mut mem)
+                    .map(|()| reason)
+                    // A caller whose memory is gone is exiting.
+                    .map_err(|_| errno::EINTR)
+            }
+        };
+        match restarted {
+            Ok(reason) => {
+                self.stats.restarted[reason as usize] += 1;
+                self.reply(&Reply::write(w.unique, w.size))
+            }
+            Err(e) => {
+                self.stats.interrupted += 1;
+                self.reply(&Reply::error(w.unique, e))
+            }
         }
     }
 
@@ -561,6 +594,12 @@ impl<'d, T: Transport> Server<'d, T> {
             "bad_requests": self.stats.bad_requests,
             "blocked_get_event": self.stats.blocked,
             "interrupted": self.stats.interrupted,
+            "restarted": {
+                "stop": self.stats.restarted[Reason::Stop as usize],
+                "handler": self.stats.restarted[Reason::Handler as usize],
+                "traced": self.stats.restarted[Reason::Traced as usize],
+                "unseen": self.stats.restarted[Reason::Unseen as usize],
+            },
             "poll_wakeups": self.stats.poll_wakeups,
             "migrations": self.stats.migrations,
             "device_resets": self.stats.device_resets,

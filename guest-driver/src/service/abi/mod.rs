@@ -1073,6 +1073,26 @@ pub struct EventResp {
 }
 
 impl EventResp {
+    /// The id the restart event names (see [`EventResp::restart`]).
+    pub const RESTART_ID: u32 = 0x7FFF_FFFF;
+
+    /// The restart event: what a GET_EVENT interrupted by a signal is answered (the
+    /// kernel restarts it, which a CUSE server cannot ask for). librdmacm's
+    /// `rdma_get_cm_event` (rdma-core 17 to 64 at least) discards an event of uid 0
+    /// whose id its index map does not hold, and writes GET_EVENT again; its map holds
+    /// ids up to 0xFFFF and reads the id as an `int`, so this id is positive and beyond
+    /// it. Nothing is counted as reported.
+    pub fn restart() -> EventResp {
+        EventResp {
+            uid: 0,
+            id: Self::RESTART_ID,
+            event: 0,
+            status: 0,
+            param: EventParam::Conn(ConnParam::empty()),
+            ece: Ece::default(),
+        }
+    }
+
     /// Size.
     pub const LEN: usize = size_of::<UcmEventResp>();
     /// The least a caller's buffer must hold (the kernel takes old 32-bit callers
