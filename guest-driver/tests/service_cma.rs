@@ -249,6 +249,13 @@ fn release_destroys_and_the_peer_hears_it() {
         s.expect_event(sf, event::DISCONNECTED);
     }
     assert_eq!(c.cma.stats().released_ids, 3);
+    // The server's service stops: its files (the listener's) are released at once.
+    let mut env = Env {
+        agent: &mut s.agent,
+        now: s.now,
+    };
+    assert_eq!(s.cma.release_all(&mut env), 1);
+    assert_eq!((s.cma.ids(), s.cma.files()), (0, 0));
 }
 
 #[test]

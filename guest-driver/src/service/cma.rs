@@ -356,6 +356,17 @@ impl Cma {
         self.stats.releases += 1;
     }
 
+    /// Releases every open file, as the kernel's `ucma_close` would for each when the
+    /// service stops: their connections get their DREQs (REJs for those not yet
+    /// established) from the agent, not from a peer's timeout. Returns how many files.
+    pub fn release_all(&mut self, env: &mut Env<'_>) -> usize {
+        let fhs: Vec<Fh> = self.files.keys().copied().collect();
+        for &fh in &fhs {
+            self.release(fh, env);
+        }
+        fhs.len()
+    }
+
     // ------------------------------------------------------------ ids
 
     fn alloc_id(&mut self) -> u32 {

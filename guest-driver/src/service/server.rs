@@ -237,7 +237,24 @@ impl<'d, T: Transport> Server<'d, T> {
             // that lands between the check above and the sleep.
             ready = self.dev.sleep_with(Duration::from_secs(2), &fds)?;
         }
+        self.shut_down();
         Ok(())
+    }
+
+    /// The service stops: its callers' files die with it (the kernel fails their
+    /// pending and later calls), so every file is released here as at a close, and
+    /// what that sends (DREQs, REJs) leaves before the device is dropped: the peers
+    /// see the connections end now, not after their timeouts.
+    fn shut_down(&mut self) {
+        let now = self.dev.now();
+        let mut env = Env {
+            agent: self.dev.agent_mut(),
+            now,
+        };
+        let files = self.cma.release_all(&mut env);
+        let ids = self.cma.stats().released_ids;
+        let flushed = self.dev.flush(Duration::from_secs(2));
+        tracing::info!(files, released_ids = ids, flushed = ?flushed.ok(), "stopped serving: every file released");
     }
 
     /// The rdma_cm layer (for tests and `stat`).
