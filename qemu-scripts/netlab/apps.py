@@ -445,20 +445,39 @@ def nonlisteners(k):
     return [l for l in res.splitlines() if "cm-idn" in l and "LISTEN" not in l]
 
 
-def guestd_restart(k, a, guestd):
-    """Section 9: pvcm-guestd stopped under running programs, then started again. The
-    programs' files fail (never hang), the kernel peer loses their connections at once
-    (the backend ends them on the VM's behalf when the device resets), and programs
-    started after the restart work. Returns the new pvcm-guestd job."""
-    ksrv = k.spawn("rping -s -v -a 10.99.0.2 -p 7561 -C 1000000")
+def rping_running(k, a, port):
+    """An rping -v from a to k on port, running; returns (k's server job, a's client
+    job) once k's kernel CM shows the connection."""
+    ksrv = k.spawn(f"rping -s -v -a 10.99.0.2 -p {port} -C 1000000")
     before = listeners(k)
     wait_listening(k, before - 1, ksrv)
-    client = a.spawn("rping -c -v -a 10.99.0.2 -p 7561 -C 1000000 -S 64")
-    waiting = a.spawn("rping -s -v -a 10.99.0.11 -p 7562")
+    client = a.spawn(f"rping -c -v -a 10.99.0.2 -p {port} -C 1000000 -S 64")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not nonlisteners(k):
         time.sleep(1)
     time.sleep(2)
+    return ksrv, client
+
+
+def peer_clear_after(k, t0, timeout=60):
+    """Seconds from t0 until k's kernel CM holds no connected cm_id (None: not within
+    timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not nonlisteners(k):
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    return None
+
+
+def guestd_restart(k, a, guestd):
+    """Section 9: pvcm-guestd stopped under running programs, then started again. With
+    SIGTERM the programs' files fail (never hang) and the service's own DREQs end their
+    connections at the kernel peer at once; killed with SIGKILL, the backend ends them
+    on the VM's behalf as soon as the service starts again. Programs started after a
+    restart work. Returns the new pvcm-guestd job."""
+    ksrv, client = rping_running(k, a, 7561)
+    waiting = a.spawn("rping -s -v -a 10.99.0.11 -p 7562")
     up = nonlisteners(k)
     ran = "ping data" in client.text() and not client.done()
     result("before the restart: rping a -> k is running, an rping server waits in a",
@@ -485,12 +504,27 @@ def guestd_restart(k, a, guestd):
            and client.wait(10) != 0 and waiting.wait(10) != 0,
            f"stopped in {stopped:.1f} s; ended after: {figures}; client: "
            f"{short(client.text().strip().splitlines()[-1] if client.text().strip() else '', 120)}")
-    result("the kernel peer loses the VM's connection at once (the backend ends it on the "
-           "VM's behalf), not after its CM's timeouts",
-           ends.get("peer", 99) < 15, f"k's non-listening ids gone after {ends.get('peer', 'never')}"
-           + (" s" if "peer" in ends else ""))
+    peer = ends.get("peer")
+    result("SIGTERM: the kernel peer loses the VM's connection at once (the service's DREQ "
+           "on its way out), not after its CM's timeouts", peer is not None and peer < 15,
+           f"k's connected ids gone after {peer:.1f} s" if peer is not None else "still there after 60 s")
     ksrv.kill("KILL")
     guestd = start_guestd(a)
+    # Killed outright: nothing is sent; the next start of the service ends what it held.
+    ksrv, client = rping_running(k, a, 7564)
+    guestd.kill("KILL")
+    client.wait(30)
+    time.sleep(3)
+    held = len(nonlisteners(k))
+    t0 = time.monotonic()
+    guestd = start_guestd(a)
+    peer = peer_clear_after(k, t0)
+    result("SIGKILL: the kernel peer keeps the connection until the service starts again, "
+           "then the backend ends it on the VM's behalf at once",
+           held > 0 and peer is not None and peer < 30,
+           f"k's connected ids while the service was down: {held}; gone "
+           + (f"{peer:.1f} s after the start began" if peer is not None else "never"))
+    ksrv.kill("KILL")
     pair("rping -v -C 20 after the restart", k, a, "rping -s -v -a 10.99.0.2 -p 7563 -C 20",
          "rping -c -v -a 10.99.0.2 -p 7563 -C 20",
          lambda s: s.count("server ping data:") == 20, lambda c: c.count("ping data:") == 20)
