@@ -11,7 +11,7 @@ use pvcm_guest::service::abi::{
     self, AhAttr, cmd, event, ps, put_u16, put_u32, put_u64, u32_at, u64_at,
 };
 use pvcm_guest::service::caller::CallerMemory;
-use pvcm_guest::service::cma::{Env, Outcome, errno};
+use pvcm_guest::service::cma::{Env, Fh, Outcome, errno};
 use pvcm_wire::Gid;
 use service_support::*;
 
@@ -377,4 +377,113 @@ fn interrupted_get_event_restarts_without_losing_events() {
     let child = u32_at(&e, 8);
     s.destroy(sf, child);
     assert_eq!(s.destroy(sf, lid), 1, "the request only, not the restart");
+}
+
+/// Sets an int option on an id through the caller's memory, as librdmacm does.
+fn set_int_option(vm: &mut Vm, fh: Fh, id: u32, level: u32, name: u32, v: u32) -> Outcome {
+    const OPT: u64 = 0x20_0000;
+    vm.mem.map(OPT, 4);
+    vm.mem.write(OPT, &v.to_ne_bytes()).unwrap();
+    let mut b = [0u8; 24];
+    b[0..8].copy_from_slice(&OPT.to_ne_bytes());
+    b[8..12].copy_from_slice(&id.to_ne_bytes());
+    b[12..16].copy_from_slice(&level.to_ne_bytes());
+    b[16..20].copy_from_slice(&name.to_ne_bytes());
+    b[20..24].copy_from_slice(&4u32.to_ne_bytes());
+    vm.write(fh, cmd::SET_OPTION, &b, 0)
+}
+
+/// A connection request from `c` to a listener on `s`: (client file, id; server file,
+/// the child id of the request).
+fn one_request(c: &mut Vm, s: &mut Vm) -> (Fh, u32, Fh, u32) {
+    let (cf, sf) = (c.cma.open(), s.cma.open());
+    let lid = s.create_id(sf, 1, ps::TCP);
+    assert_eq!(s.bind_ip(sf, lid, "0.0.0.0:7471"), Outcome::Done(Ok(())));
+    assert_eq!(s.id_arg(sf, cmd::LISTEN, lid, 4), Outcome::Done(Ok(())));
+    let id = c.create_id(cf, 5, ps::TCP);
+    c.resolve_ip(cf, id, "10.99.0.12:7471");
+    c.expect_event(cf, event::ADDR_RESOLVED);
+    c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
+    c.expect_event(cf, event::ROUTE_RESOLVED);
+    c.conn(cf, cmd::CONNECT, id, 0x100, true, 8);
+    exchange(c, s);
+    let e = s.expect_event(sf, event::CONNECT_REQUEST);
+    (cf, id, sf, u32_at(&e, 8))
+}
+
+/// `rdma_reject_ece()`'s VENDOR_OPTION_NOT_SUPPORTED goes out as given (ucma_reject);
+/// any other reason but CONSUMER_DEFINED is refused.
+#[test]
+fn reject_reasons_go_out_as_given() {
+    let (mut c, mut s) = (Vm::new(11), Vm::new(12));
+    let (cf, _, sf, child) = one_request(&mut c, &mut s);
+    let reject = |vm: &mut Vm, reason: u8| {
+        let mut b = [0u8; 264];
+        b[0..4].copy_from_slice(&child.to_ne_bytes());
+        b[5] = reason;
+        vm.write(sf, cmd::REJECT, &b, 0)
+    };
+    assert_eq!(reject(&mut s, 1), Outcome::Done(Err(errno::EINVAL)));
+    assert_eq!(reject(&mut s, 35), Outcome::Done(Ok(())));
+    exchange(&mut c, &mut s);
+    let e = c.expect_event(cf, event::REJECTED);
+    assert_eq!(u32_at(&e, 16), 35, "VENDOR_OPTION_NOT_SUPPORTED");
+}
+
+/// An ACCEPT that fails past the state check rejects the connection, as rdma_accept()'s
+/// `reject:` path: a second ACCEPT of the same request (the CM is in REP_SENT) gives
+/// EINVAL and the peer gets REJ(CONSUMER_DEFINED).
+#[test]
+fn a_failed_accept_rejects() {
+    let (mut c, mut s) = (Vm::new(11), Vm::new(12));
+    let (cf, _, sf, child) = one_request(&mut c, &mut s);
+    s.conn(sf, cmd::ACCEPT, child, 0x200, true, 16);
+    let mut b = vec![0u8; 296];
+    b[0..8].copy_from_slice(&0x5eedu64.to_ne_bytes());
+    abi::ConnParam {
+        qp_num: 0x200,
+        qkey: 0,
+        private_data: vec![0xab; 8],
+        srq: false,
+        responder_resources: 1,
+        initiator_depth: 1,
+        flow_control: false,
+        retry_count: 7,
+        rnr_retry_count: 7,
+        valid: true,
+    }
+    .emit(&mut b[8..280]);
+    b[280..284].copy_from_slice(&child.to_ne_bytes());
+    assert_eq!(
+        s.write(sf, cmd::ACCEPT, &b, 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    exchange(&mut c, &mut s);
+    c.expect_event(cf, event::CONNECT_RESPONSE);
+    let e = c.expect_event(cf, event::REJECTED);
+    assert_eq!(u32_at(&e, 16), 28, "CONSUMER_DEFINED");
+}
+
+/// `rdma_set_option(RDMA_OPTION_ID_AFONLY)` is taken before bind and after it, refused
+/// once the id listens (rdma_set_afonly(): IDLE or ADDR_BOUND).
+#[test]
+fn afonly_is_taken_until_the_id_goes_past_bound() {
+    let mut s = Vm::new(12);
+    let sf = s.cma.open();
+    let id = s.create_id(sf, 1, ps::TCP);
+    let (level, afonly) = (abi::opt::LEVEL_ID, abi::opt::ID_AFONLY);
+    assert_eq!(
+        set_int_option(&mut s, sf, id, level, afonly, 1),
+        Outcome::Done(Ok(()))
+    );
+    assert_eq!(s.bind_ip(sf, id, "[::]:7471"), Outcome::Done(Ok(())));
+    assert_eq!(
+        set_int_option(&mut s, sf, id, level, afonly, 0),
+        Outcome::Done(Ok(()))
+    );
+    assert_eq!(s.id_arg(sf, cmd::LISTEN, id, 4), Outcome::Done(Ok(())));
+    assert_eq!(
+        set_int_option(&mut s, sf, id, level, afonly, 1),
+        Outcome::Done(Err(errno::EINVAL))
+    );
 }

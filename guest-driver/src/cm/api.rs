@@ -401,19 +401,47 @@ impl Agent {
     /// (CONSUMER_DEFINED) and this private data; the handle goes IDLE. On a SIDR request
     /// sends SIDR_REP(REJECT).
     pub fn reject(&mut self, id: CmId, private_data: &[u8], now: Time) -> Result<(), CmError> {
-        let r = self.reject_inner(id, private_data);
+        self.reject_with(id, RejReason::ConsumerDefined, private_data, now)
+    }
+
+    /// [`Agent::reject`] with the REJ's reason given (rdma_cm's REJECT passes
+    /// CONSUMER_DEFINED or VENDOR_OPTION_NOT_SUPPORTED on, `rdma_reject_ece`). A SIDR
+    /// request is answered with SIDR_REP(REJECT) whatever the reason.
+    pub fn reject_with(
+        &mut self,
+        id: CmId,
+        reason: RejReason,
+        private_data: &[u8],
+        now: Time,
+    ) -> Result<(), CmError> {
+        let r = self.reject_inner(id, reason, private_data, now);
         self.pace_flush(now);
         r
     }
 
-    fn reject_inner(&mut self, id: CmId, private_data: &[u8]) -> Result<(), CmError> {
+    fn reject_inner(
+        &mut self,
+        id: CmId,
+        reason: RejReason,
+        private_data: &[u8],
+        now: Time,
+    ) -> Result<(), CmError> {
         let slot = self.slot(id)?;
         let state = self.conns[slot as usize].state;
         match state {
             State::ReqRcvd | State::MraReqSent | State::RepRcvd | State::MraRepSent => {
                 check_pd(private_data, pd::REJ)?;
-                self.rej_consumer(slot, private_data);
+                self.rej_consumer(slot, reason, private_data);
                 self.go_idle(slot);
+                Ok(())
+            }
+            // After our REP, before the RTU (Linux cm_send_rej_locked in REP_SENT): the
+            // REJ, then TimeWait, as a destroy there.
+            State::RepSent | State::MraRepRcvd => {
+                check_pd(private_data, pd::REJ)?;
+                self.rej_consumer(slot, reason, private_data);
+                self.disarm(slot);
+                self.enter_timewait(slot, now);
                 Ok(())
             }
             State::SidrReqRcvd => {
@@ -425,8 +453,9 @@ impl Agent {
         }
     }
 
-    /// REJ(CONSUMER_DEFINED) as Linux `cm_format_rej()` words it for the state.
-    fn rej_consumer(&mut self, slot: u32, private_data: &[u8]) {
+    /// The application's REJ (`reason`: CONSUMER_DEFINED unless it gave another) as
+    /// Linux `cm_format_rej()` words it for the state.
+    fn rej_consumer(&mut self, slot: u32, reason: RejReason, private_data: &[u8]) {
         let c = &self.conns[slot as usize];
         let (local, msg) = match c.state {
             State::ReqRcvd => (0, MsgResponse::Req),
@@ -435,16 +464,7 @@ impl Agent {
             _ => (c.local_id, MsgResponse::Other),
         };
         let (dst, tid, remote) = (c.remote_gid, c.tid, c.remote_id);
-        self.send_rej(
-            dst,
-            tid,
-            local,
-            remote,
-            msg,
-            RejReason::ConsumerDefined,
-            &[],
-            private_data,
-        );
+        self.send_rej(dst, tid, local, remote, msg, reason, &[], private_data);
     }
 
     /// Disconnects: from ESTABLISHED sends a DREQ (DREQ_SENT, retried; `Disconnected`
@@ -532,11 +552,11 @@ impl Agent {
                 self.go_idle(slot);
             }
             State::ReqRcvd | State::MraReqSent | State::RepRcvd | State::MraRepSent => {
-                self.rej_consumer(slot, &[]);
+                self.rej_consumer(slot, RejReason::ConsumerDefined, &[]);
                 self.go_idle(slot);
             }
             State::RepSent | State::MraRepRcvd => {
-                self.rej_consumer(slot, &[]);
+                self.rej_consumer(slot, RejReason::ConsumerDefined, &[]);
                 self.disarm(slot);
                 self.enter_timewait(slot, now);
             }

@@ -1373,16 +1373,45 @@ impl Cma {
             return Err(errno::EINVAL);
         }
         let cm = c.cm.ok_or(errno::EINVAL)?;
-        if c.ud {
+        let (ud, qkey, seq_num) = (c.ud, c.qkey, c.seq_num);
+        // rdma_accept(): an accept that fails past the state check rejects the
+        // connection (REJ(CONSUMER_DEFINED), a SIDR_REP(REJECT) for UD), as the kernel's
+        // `reject:` path does, so the peer is not left waiting for its timeout.
+        if let Err(e) = Self::answer(cm, &a, ud, qkey, seq_num, env) {
+            let _ = env.agent.reject(cm, &[], env.now);
+            return Err(e);
+        }
+        let c = self.ctx_mut(a.id)?;
+        if !ud && !a.conn.valid {
+            c.established = true;
+        } else if a.conn.valid {
+            c.uid = a.uid;
+        }
+        Ok(())
+    }
+
+    /// ACCEPT's answer to the peer: a SIDR_REP for a UD id, a REP (with `conn_param`),
+    /// or the active side's RTU after CONNECT_RESPONSE (`cma_rep_recv`).
+    fn answer(
+        cm: CmId,
+        a: &Accept,
+        ud: bool,
+        qkey: u32,
+        seq_num: u32,
+        env: &mut Env<'_>,
+    ) -> Result<(), i32> {
+        if ud {
             let (qpn, pd) = if a.conn.valid {
                 (a.conn.qp_num & 0x00FF_FFFF, a.conn.private_data.clone())
             } else {
                 (0, Vec::new())
             };
-            env.agent
-                .sidr_reply(cm, SidrStatus::Success, qpn, c.qkey, &pd)
-                .map_err(cm_errno)?;
-        } else if a.conn.valid {
+            return env
+                .agent
+                .sidr_reply(cm, SidrStatus::Success, qpn, qkey, &pd)
+                .map_err(cm_errno);
+        }
+        if a.conn.valid {
             if !matches!(
                 env.agent.state(cm),
                 Some(State::ReqRcvd | State::MraReqSent)
@@ -1391,50 +1420,41 @@ impl Cma {
             }
             let opts = AcceptOptions {
                 qpn: Some(a.conn.qp_num & 0x00FF_FFFF),
-                starting_psn: Some(c.seq_num),
+                starting_psn: Some(seq_num),
                 responder_resources: a.conn.responder_resources,
                 initiator_depth: a.conn.initiator_depth,
                 flow_control: a.conn.flow_control,
                 rnr_retry_count: a.conn.rnr_retry_count.min(7),
                 srq: a.conn.srq,
             };
-            env.agent
+            return env
+                .agent
                 .accept_with(cm, &a.conn.private_data, &opts, env.now)
-                .map_err(cm_errno)?;
-        } else {
-            // The active side after CONNECT_RESPONSE: the RTU (cma.c `cma_rep_recv`).
-            if !matches!(
-                env.agent.state(cm),
-                Some(State::RepRcvd | State::MraRepSent)
-            ) {
-                return Err(errno::EINVAL);
-            }
-            env.agent.accept(cm, &[], env.now).map_err(cm_errno)?;
-            self.ctx_mut(a.id)?.established = true;
-            return Ok(());
+                .map_err(cm_errno);
         }
-        if a.conn.valid {
-            self.ctx_mut(a.id)?.uid = a.uid;
+        if !matches!(
+            env.agent.state(cm),
+            Some(State::RepRcvd | State::MraRepSent)
+        ) {
+            return Err(errno::EINVAL);
         }
-        Ok(())
+        env.agent.accept(cm, &[], env.now).map_err(cm_errno)
     }
 
     fn reject(&mut self, fh: Fh, body: &[u8], env: &mut Env<'_>) -> Result<(), i32> {
         let r = Reject::parse(body).map_err(abi_errno)?;
-        let reason = if r.reason == 0 {
-            RejReason::ConsumerDefined.code() as u8
-        } else {
-            r.reason
+        // ucma_reject(): no reason is CONSUMER_DEFINED; only it and
+        // VENDOR_OPTION_NOT_SUPPORTED (rdma_reject_ece) may be given, and go out as given.
+        let reason = match r.reason {
+            0 => RejReason::ConsumerDefined,
+            REJ_VENDOR_OPTION_NOT_SUPPORTED => RejReason::VendorOptionNotSupported,
+            x if u16::from(x) == RejReason::ConsumerDefined.code() => RejReason::ConsumerDefined,
+            _ => return Err(errno::EINVAL),
         };
-        if reason != RejReason::ConsumerDefined.code() as u8
-            && reason != REJ_VENDOR_OPTION_NOT_SUPPORTED
-        {
-            return Err(errno::EINVAL);
-        }
         let c = self.ctx_dev(fh, r.id)?;
         let cm = c.cm.ok_or(errno::EINVAL)?;
         env.agent
-            .reject(cm, &r.private_data, env.now)
+            .reject_with(cm, reason, &r.private_data, env.now)
             .map_err(cm_errno)
     }
 
@@ -1569,7 +1589,8 @@ impl Cma {
                 if val.len() != 4 {
                     return Err(errno::EINVAL);
                 }
-                if c.st != St::Idle {
+                // rdma_set_afonly(): before the id is bound, or bound but no further.
+                if !matches!(c.st, St::Idle | St::AddrBound) {
                     return Err(errno::EINVAL);
                 }
                 c.afonly = abi::u32_at(&val, 0) != 0;
