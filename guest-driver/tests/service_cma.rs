@@ -487,3 +487,39 @@ fn afonly_is_taken_until_the_id_goes_past_bound() {
         Outcome::Done(Err(errno::EINVAL))
     );
 }
+
+/// CONNECT's retry counts are clamped to 7 as `cma_connect_ib()` clamps them (not cut to
+/// their low bits): the peer's CONNECT_REQUEST shows 7 and 7 for 9 and 15.
+#[test]
+fn connect_clamps_retry_counts() {
+    let (mut c, mut s) = (Vm::new(11), Vm::new(12));
+    let (cf, sf) = (c.cma.open(), s.cma.open());
+    let lid = s.create_id(sf, 1, ps::TCP);
+    assert_eq!(s.bind_ip(sf, lid, "0.0.0.0:7471"), Outcome::Done(Ok(())));
+    assert_eq!(s.id_arg(sf, cmd::LISTEN, lid, 4), Outcome::Done(Ok(())));
+    let id = c.create_id(cf, 5, ps::TCP);
+    c.resolve_ip(cf, id, "10.99.0.12:7471");
+    c.expect_event(cf, event::ADDR_RESOLVED);
+    c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
+    c.expect_event(cf, event::ROUTE_RESOLVED);
+    let mut b = vec![0u8; 280];
+    abi::ConnParam {
+        qp_num: 0x100,
+        qkey: 0,
+        private_data: vec![0xab; 8],
+        srq: false,
+        responder_resources: 1,
+        initiator_depth: 1,
+        flow_control: false,
+        retry_count: 9,
+        rnr_retry_count: 15,
+        valid: true,
+    }
+    .emit(&mut b[..272]);
+    b[272..276].copy_from_slice(&id.to_ne_bytes());
+    c.ok(cf, cmd::CONNECT, &b, 0);
+    exchange(&mut c, &mut s);
+    let e = s.expect_event(sf, event::CONNECT_REQUEST);
+    // struct rdma_ucm_event_resp: the conn param from byte 20; retry counts at 269, 270.
+    assert_eq!((e[20 + 269], e[20 + 270]), (7, 7));
+}

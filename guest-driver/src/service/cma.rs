@@ -1306,8 +1306,9 @@ impl Cma {
                 responder_resources: c.conn.responder_resources,
                 initiator_depth: c.conn.initiator_depth,
                 flow_control: c.conn.flow_control,
-                retry_count: c.conn.retry_count,
-                rnr_retry_count: c.conn.rnr_retry_count,
+                // cma_connect_ib(): both clamped to 7 (a larger value is 7, not masked).
+                retry_count: c.conn.retry_count.min(7),
+                rnr_retry_count: c.conn.rnr_retry_count.min(7),
                 srq: c.conn.srq,
                 path_mtu: self.port.path_mtu,
                 hop_limit: 64,
