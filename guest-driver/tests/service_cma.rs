@@ -523,3 +523,26 @@ fn connect_clamps_retry_counts() {
     // struct rdma_ucm_event_resp: the conn param from byte 20; retry counts at 269, 270.
     assert_eq!((e[20 + 269], e[20 + 270]), (7, 7));
 }
+
+/// A DISCONNECT whose DREQ is never answered ends in DISCONNECTED with -ETIMEDOUT once
+/// its retries run out (cma_ib_handler: IB_CM_DREQ_ERROR); a DREQ answered gives 0.
+#[test]
+fn an_unanswered_dreq_disconnects_with_etimedout() {
+    let (mut c, mut s) = (Vm::new(11), Vm::new(12));
+    let (cf, id, sf, child) = one_request(&mut c, &mut s);
+    s.conn(sf, cmd::ACCEPT, child, 0x200, true, 16);
+    exchange(&mut c, &mut s);
+    c.expect_event(cf, event::CONNECT_RESPONSE);
+    c.conn(cf, cmd::ACCEPT, id, 0, false, 16);
+    exchange(&mut c, &mut s);
+    s.expect_event(sf, event::ESTABLISHED);
+    // The client disconnects; the server's side never sees the DREQ.
+    assert_eq!(c.id_arg(cf, cmd::DISCONNECT, id, 0), Outcome::Done(Ok(())));
+    for _ in 0..20 {
+        c.now = c.now.after_ms(5000);
+        c.agent.poll(c.now);
+        c.events_from_agent();
+    }
+    let e = c.expect_event(cf, event::DISCONNECTED);
+    assert_eq!(u32_at(&e, 16) as i32, -errno::ETIMEDOUT);
+}

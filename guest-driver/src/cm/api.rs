@@ -43,6 +43,14 @@ pub struct ConnInfo {
 }
 
 impl Agent {
+    /// Whether the connection's DISCONNECTED came from our DREQ's retries running out
+    /// (Linux IB_CM_DREQ_ERROR: rdma_cm reports it with -ETIMEDOUT), not from the
+    /// peer's DREQ or DREP. False for an unknown id.
+    pub fn disconnect_timed_out(&self, id: CmId) -> bool {
+        self.slot_of(id)
+            .is_some_and(|s| self.conns[s as usize].dreq_timed_out)
+    }
+
     fn slot(&self, id: CmId) -> Result<u32, CmError> {
         self.slot_of(id).ok_or(CmError::UnknownId)
     }

@@ -740,7 +740,13 @@ impl Cma {
                 }
                 c.st = St::Disconnect;
                 let p = self.empty_param(ctx);
-                self.emit(ctx, event::DISCONNECTED, 0, p)
+                // cma_ib_handler(): IB_CM_DREQ_ERROR is DISCONNECTED with -ETIMEDOUT.
+                let status = if env.agent.disconnect_timed_out(id) {
+                    -errno::ETIMEDOUT
+                } else {
+                    0
+                };
+                self.emit(ctx, event::DISCONNECTED, status, p)
             }
             Event::TimewaitExit { id } => {
                 let ctx = *self.by_cm.get(&id)?;

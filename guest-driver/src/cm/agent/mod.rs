@@ -100,6 +100,9 @@ pub(crate) struct Conn {
     pub in_remote_ids: bool,
     pub in_remote_qpns: bool,
     pub disconnect_reported: bool,
+    /// Our DREQ's retries ran out (Linux IB_CM_DREQ_ERROR): the DISCONNECTED it gave
+    /// carries -ETIMEDOUT in rdma_cm.
+    pub dreq_timed_out: bool,
     pub auto_rtu: bool,
     /// The REQ's responder resources and initiator depth (mirrored in the REP).
     pub req_responder_resources: u8,
@@ -144,6 +147,7 @@ impl Conn {
             in_remote_ids: false,
             in_remote_qpns: false,
             disconnect_reported: false,
+            dreq_timed_out: false,
             auto_rtu: true,
             req_responder_resources: 0,
             req_initiator_depth: 0,

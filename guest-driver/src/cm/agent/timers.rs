@@ -144,7 +144,8 @@ impl Agent {
                 self.pace_release(slot);
                 let id = self.id_of(slot);
                 if state == State::DreqSent {
-                    // Linux IB_CM_DREQ_ERROR -> rdma_cm DISCONNECTED.
+                    // Linux IB_CM_DREQ_ERROR -> rdma_cm DISCONNECTED (-ETIMEDOUT).
+                    self.conns[slot as usize].dreq_timed_out = true;
                     self.report_disconnect(slot);
                     self.enter_timewait(slot, now);
                 } else {
