@@ -55,25 +55,7 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 conns=200 timeout=300 workdir=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --conns | --timeout | --workdir)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --conns) conns="$2" ;;
-        --timeout) timeout="$2" ;;
-        --workdir) workdir="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --conns=conns --timeout=timeout --workdir=workdir -- "$@"
 [[ "$conns" =~ ^[1-9][0-9]*$ ]] || die "--conns must be a positive number"
 [[ "$timeout" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be whole seconds"
 need_root "libvirt.sh"

@@ -58,25 +58,7 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 conns=500 conns6=200 workdir=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --conns | --conns6 | --workdir)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --conns) conns="$2" ;;
-        --conns6) conns6="$2" ;;
-        --workdir) workdir="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --conns=conns --conns6=conns6 --workdir=workdir -- "$@"
 for n in "$conns" "$conns6"; do
     case "$n" in '' | *[!0-9]* | 0) die "--conns and --conns6 need a positive number, not '$n'" ;; esac
 done
