@@ -129,7 +129,7 @@ echo "   ready in $(elapsed "$t") s"
 netlab_run() {
     local t="$1" k="$2" j="$3"
     shift 3
-    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+    netlab_py netlab run \
         --workdir "$workdir" --timeout "$t" --guest "k=$k" --guest "j=$j" "$@"
 }
 

@@ -266,6 +266,13 @@ results_run() {
     fi
 }
 
+# netlab_py MODULE ARG...: python3 -m MODULE with qemu-scripts on the module path: the
+# network lab (netlab run, netlab addr) and the suites' Python (netlab.smoke,
+# netlab.umad_checks, netlab.interop_checks, netlab.libvirt_suite, ...).
+netlab_py() {
+    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m "$@"
+}
+
 # netlab_exit RC: what the exit status of `python3 -m netlab run` means.
 netlab_exit() {
     case "$1" in

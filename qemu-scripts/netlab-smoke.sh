@@ -47,8 +47,7 @@ echo "== build (cached)"
 cd "$PVCM_SCRIPTS_DIR"
 lines="$(mktemp /tmp/pvcm-netlab-smoke-results.XXXXXX)"
 rc=0
-PVCM_RESULT_LINES="$lines" PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 -m netlab.smoke ${args[@]+"${args[@]}"} || rc=$?
+PVCM_RESULT_LINES="$lines" netlab_py netlab.smoke ${args[@]+"${args[@]}"} || rc=$?
 results_run "$lines" "$rc" "netlab.smoke"
 echo "== summary"
 results_report "$lines"

@@ -103,7 +103,7 @@ echo "== run: guest a (no kernel CM: pvcm-backend on umad:rxe0:1 + pvcm VMs), gu
 rc=0
 t="$(now_s)"
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" IOP_CONNS6="$conns6" \
-    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+    netlab_py netlab run \
     --workdir "$workdir" --timeout 1800 --guest a=10.99.0.2,fd99::2:pvcm --guest b=10.99.0.3,fd99::3 \
     -- bash "$PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
 echo "   run took $(elapsed "$t") s (netlab run exit $rc)"

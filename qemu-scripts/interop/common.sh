@@ -6,12 +6,9 @@
 
 # shellcheck disable=SC2154 # $work and $share come from the script that sources this
 
-# netlab_py MODULE ARG...: python3 -m MODULE (netlab, netlab.umad_checks, ...) with
-# qemu-scripts on the module path: the checks and the address helpers the scripts call.
-_iop_scripts="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-netlab_py() {
-    PYTHONPATH="$_iop_scripts${PYTHONPATH:+:$PYTHONPATH}" python3 -m "$@"
-}
+# lib.sh: netlab_py, for the checks and the address helpers.
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 # kexec PEER NAME TIMEOUT 'CMD': runs CMD in guest PEER through its agent (the RDMA
 # image's pvcm.agent loop: /host/q/PEER.*.sh, one at a time); its output goes to
