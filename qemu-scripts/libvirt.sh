@@ -174,7 +174,7 @@ start_backend() {
     local h="$1" vm="$2" ip="$3"
     rm -f "$workdir/$vm.sock" "$workdir/$h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" \
-        --vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm" \
+        --vm "socket=$workdir/$vm.sock,gid=$(netlab_py netlab addr vm-gid "$ip"),name=$vm" \
         --control "$workdir/$h.ctl" >>"$workdir/$h.backend.log" 2>&1 &
     bg_pids+=($!)
     for _ in $(seq 100); do
