@@ -52,7 +52,9 @@ kexec b t0 30 "/host/bin/pvcm-backend --port umad:rxe0 --vm socket=/tmp/x.sock,g
 say "setup: guest a: VM addresses on eth0, pvcm-backend --port umad:rxe0:1"
 # The VMs' GIDs for aprep.sh: "ADDR SYSFS_GID VM_GID" lines.
 netlab_py netlab addr table "$vm_a" "$vm_b" "$vm_c" "$vm_a6" >"$share/gids.txt"
-kexec a setup 60 "sh /host/aprep.sh $vm_a $vm_b $vm_c $vm_a6"
+# Up to 180 s: the GIDs and the backend's start take over a minute in a TCG guest on a
+# loaded host.
+kexec a setup 180 "sh /host/aprep.sh $vm_a $vm_b $vm_c $vm_a6"
 echo $? >"$work/a.setup.rc"
 cat "$work/a.setup.out"
 kcounters b before
