@@ -38,27 +38,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 
 out="$repo/target/debian" build=1 version=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --out)
-        [ $# -ge 2 ] || die "--out needs a directory"
-        out="$2"
-        shift
-        ;;
-    --version)
-        [ $# -ge 2 ] || die "--version needs a version"
-        version="$2"
-        shift
-        ;;
-    --no-build) build=0 ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --out=out --version=version --no-build:build=0 -- "$@"
 
 command -v help2man >/dev/null || apt_install help2man
 command -v objcopy >/dev/null || apt_install binutils

@@ -70,24 +70,14 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=() module=netlab.apps
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --bench) module=netlab.bench ;;
-    --cli) module=netlab.cli_via_service ;;
-    --workdir | --pcap | --conns | --only | --rounds | --idle | --idle-windows)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        [ "$1" = --pcap ] && apt_install tshark
-        args+=("$1" "$2")
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+# pass_on OPTION VALUE: an option for the Python suite (--pcap: tshark reads the capture).
+pass_on() {
+    if [ "$1" = --pcap ]; then apt_install tshark; fi
+    args+=("$1" "$2")
+}
+parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service '--workdir=pass_on()' \
+    '--pcap=pass_on()' '--conns=pass_on()' '--only=pass_on()' '--rounds=pass_on()' '--idle=pass_on()' \
+    '--idle-windows=pass_on()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
 echo "== build (cached)"

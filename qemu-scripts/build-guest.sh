@@ -103,52 +103,27 @@ guest_bins=() extras=() debs=()
 # uio_pci_generic: pvcm-guest binds the pvcm device to it and sleeps on /dev/uioN until
 # the device interrupts (INTx), instead of a timed poll (docs/scale.md, "Idle cost").
 modules=(uio_pci_generic)
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --print-dir) print_dir=1 ;;
-    --rdma) flavour=rdma ;;
-    --no-guest-bin) guest_bin_mode=none ;;
-    --guest-bin)
-        [ $# -ge 2 ] || die "--guest-bin needs a path"
-        guest_bin_mode=given
-        guest_bins+=("$2")
-        shift
-        ;;
-    --extra)
-        [ $# -ge 2 ] || die "--extra needs SRC[:DEST]"
-        extras+=("$2")
-        shift
-        ;;
-    --deb)
-        [ $# -ge 2 ] || die "--deb needs a .deb file"
-        [ -f "$2" ] || die "--deb: no such file: $2"
-        debs+=("$2")
-        shift
-        ;;
-    --extra-list)
-        [ $# -ge 2 ] || die "--extra-list needs a file"
-        [ -f "$2" ] || die "--extra-list: no such file: $2"
-        while IFS= read -r line || [ -n "$line" ]; do
-            line="${line%%#*}"
-            line="$(echo "$line" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
-            [ -n "$line" ] && extras+=("$line")
-        done <"$2"
-        shift
-        ;;
-    --module)
-        [ $# -ge 2 ] || die "--module needs a name"
-        modules+=("$2")
-        shift
-        ;;
-    --force) force=1 ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+# Option handlers: --guest-bin, --deb, --extra-list.
+guest_bin() {
+    guest_bin_mode=given
+    guest_bins+=("$2")
+}
+deb_file() {
+    [ -f "$2" ] || die "--deb: no such file: $2"
+    debs+=("$2")
+}
+extra_list() {
+    local line
+    [ -f "$2" ] || die "--extra-list: no such file: $2"
+    while IFS= read -r line || [ -n "$line" ]; do
+        line="${line%%#*}"
+        line="$(echo "$line" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
+        if [ -n "$line" ]; then extras+=("$line"); fi
+    done <"$2"
+}
+parse_options --print-dir:print_dir=1 --rdma:flavour=rdma --no-guest-bin:guest_bin_mode=none \
+    '--guest-bin=guest_bin()' '--extra=extras[]' '--deb=deb_file()' '--extra-list=extra_list()' \
+    '--module=modules[]' --force:force=1 -- "$@"
 
 # Packages go into the RDMA flavour only (they need its glibc and userland).
 [ "$flavour" = rdma ] || debs=()
@@ -225,15 +200,7 @@ if [ "$guest_bin_mode" = build ]; then
     cargo="${CARGO:-cargo}"
     command -v "$cargo" >/dev/null || die "cargo not found (set CARGO or use --no-guest-bin)"
     bin_names="$(cd "$PVCM_REPO_DIR" && "$cargo" metadata --no-deps --format-version 1 2>/dev/null |
-        python3 -c '
-import json, sys
-m = json.load(sys.stdin)
-for p in m["packages"]:
-    if p["name"] == "pvcm-guest":
-        for t in p["targets"]:
-            if "bin" in t["kind"]:
-                print(t["name"])
-')" || die "cargo metadata failed in $PVCM_REPO_DIR"
+        python3 "$PVCM_SCRIPTS_DIR/e2e/checks.py" bin-targets pvcm-guest)" || die "cargo metadata failed in $PVCM_REPO_DIR"
     if [ -z "$bin_names" ]; then
         guest_note="pvcm-guest has no binary yet: image built without it"
         warn "$guest_note"
@@ -243,11 +210,10 @@ for p in m["packages"]:
             "$cargo" build --release -p pvcm-guest --bins --target x86_64-unknown-linux-gnu >&2) ||
             die "cargo build of pvcm-guest failed"
         tdir="${CARGO_TARGET_DIR:-$PVCM_REPO_DIR/target}/x86_64-unknown-linux-gnu/release"
-        while read -r b; do
-            [ -n "$b" ] || continue
+        for b in $bin_names; do
             [ -x "$tdir/$b" ] || die "cargo built no $tdir/$b"
             guest_bins+=("$tdir/$b")
-        done <<<"$bin_names"
+        done
     fi
 fi
 for b in "${guest_bins[@]}"; do
@@ -929,29 +895,11 @@ fi
     cpio --null -o -H newc --owner=0:0 --reproducible --quiet) | gzip -n -6 >"$tmp/initramfs.img"
 cp "$vmlinuz" "$tmp/vmlinuz"
 if [ "$flavour" = rdma ]; then
-    # The kernel's ELF image too: QEMU boots it through its PVH entry point, which skips
-    # the bzImage's self-decompression (seconds under TCG). Only when the ELF has the
-    # PVH note (Xen ELF note type 18, XEN_ELFNOTE_PHYS32_ENTRY); else vmlinuz it is.
-    python3 - "$vmlinuz" "$tmp/vmlinux" <<'PY' || true
-import lzma, sys, zlib
-data = open(sys.argv[1], "rb").read()
-def unxz(at):
-    return lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data[at:])
-def ungz(at):
-    return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data[at:])
-for magic, unpack in ((b"\xfd7zXZ\x00", unxz), (b"\x1f\x8b\x08\x00", ungz)):
-    at = data.find(magic)
-    while at >= 0:
-        try:
-            elf = unpack(at)
-        except (lzma.LZMAError, zlib.error, EOFError):
-            elf = b""
-        if elf.startswith(b"\x7fELF"):
-            open(sys.argv[2], "wb").write(elf)
-            sys.exit(0)
-        at = data.find(magic, at + 1)
-sys.exit(1)
-PY
+    # The kernel's ELF image too (netlab.kernel_image): QEMU boots it through its PVH
+    # entry point, which skips the bzImage's self-decompression (seconds under TCG). Only
+    # when the ELF has the PVH note (Xen ELF note type 18, XEN_ELFNOTE_PHYS32_ENTRY); else
+    # vmlinuz it is.
+    netlab_py netlab.kernel_image "$vmlinuz" "$tmp/vmlinux" || true
     if [ -f "$tmp/vmlinux" ] && ! readelf -n "$tmp/vmlinux" 2>/dev/null | grep -q 'Unknown note type: (0x00000012)\|XEN_ELFNOTE_PHYS32_ENTRY'; then
         warn "the kernel's ELF image has no PVH entry note; the rdma image boots vmlinuz"
         rm -f "$tmp/vmlinux"

@@ -62,24 +62,7 @@ EOF
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 print_path=0 force=0 keep=0 jobs="$(nproc)"
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --print-path) print_path=1 ;;
-    --force) force=1 ;;
-    --keep-build) keep=1 ;;
-    --jobs)
-        [ $# -ge 2 ] || die "--jobs needs a value"
-        jobs="$2"
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --print-path:print_path=1 --force:force=1 --keep-build:keep=1 --jobs=jobs -- "$@"
 
 key="$(pvcm_qemu_key)"
 prefix="$PVCM_CACHE/qemu/$key"

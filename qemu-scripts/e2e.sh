@@ -75,27 +75,7 @@ EOF
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 allow_missing=0 only="1,2,3,4,5,6,7,8,9,10" workdir="" budget=900 scale=1
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --allow-missing) allow_missing=1 ;;
-    --only | --workdir | --budget | --scale)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --only) only="$2" ;;
-        --workdir) workdir="$2" ;;
-        --budget) budget="$2" ;;
-        --scale) scale="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --allow-missing:allow_missing=1 --only=only --workdir=workdir --budget=budget --scale=scale -- "$@"
 [[ "$scale" =~ ^[1-9][0-9]*$ ]] || die "--scale: a whole number from 1 ('$scale')"
 all_tests=(1 2 3 4 5 6 7 8 9 10)
 selected() { [[ ",$only," == *",$1,"* ]]; }

@@ -82,31 +82,11 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 conns=1000 only="1,2,3,4,5,6,7,8,9,10" workdir="" pcap="" bench=0 sizes="1000,4000" trials=2 rounds=3 mtu=9000
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --bench) bench=1 ;;
-    --conns | --only | --workdir | --pcap | --sizes | --trials | --rounds | --mtu)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --conns) conns="$2" ;;
-        --only) only="$2,8" ;;
-        --workdir) workdir="$2" ;;
-        --pcap) pcap="$2" ;;
-        --sizes) sizes="$2" ;;
-        --trials) trials="$2" ;;
-        --rounds) rounds="$2" ;;
-        --mtu) mtu="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+only_given=""
+parse_options --bench:bench=1 --conns=conns --only=only_given --workdir=workdir --pcap=pcap --sizes=sizes \
+    --trials=trials --rounds=rounds --mtu=mtu -- "$@"
+# Test 8 (the counters over the others) runs whichever tests are chosen.
+[ -z "$only_given" ] || only="$only_given,8"
 case "$rounds" in '' | *[!0-9]* | 0) die "--rounds needs a positive number, not '$rounds'" ;; esac
 case "$mtu" in '' | *[!0-9]*) die "--mtu needs a number of bytes, not '$mtu'" ;; esac
 [ "$mtu" -ge 1280 ] && [ "$mtu" -le 9000 ] || die "--mtu must be 1280 to 9000, not $mtu"
@@ -149,7 +129,7 @@ echo "   ready in $(elapsed "$t") s"
 netlab_run() {
     local t="$1" k="$2" j="$3"
     shift 3
-    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+    netlab_py netlab run \
         --workdir "$workdir" --timeout "$t" --guest "k=$k" --guest "j=$j" "$@"
 }
 

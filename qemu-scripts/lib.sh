@@ -22,6 +22,82 @@ die() {
     exit 1
 }
 
+# parse_options SPEC... -- ARG...: the scripts' option loop. Each SPEC word is an option
+# and what it does:
+#
+#   --name=VAR        takes a value: VAR=VALUE
+#   --name=VAR[]      takes a value, appended to the array VAR
+#   --name=FUNC()     takes a value: calls FUNC --name VALUE
+#   --name:VAR=VALUE  a flag: VAR=VALUE
+#   --name:FUNC()     a flag: calls FUNC --name
+#
+# The ARGs are taken in order, a value being the word after its option (whatever it
+# is). -h and --help call the script's usage and exit 0. An option not in the SPEC, or
+# one that takes a value last with none, is an error: it goes to the script's
+# usage_error MESSAGE if it defines one, else the script dies with MESSAGE and "(see
+# --help)".
+parse_options() {
+    local -a _po_spec=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+        _po_spec+=("$1")
+        shift
+    done
+    [ $# -gt 0 ] || die "parse_options: no -- after the option spec"
+    shift
+    local _po_opt _po_word _po_act _po_found
+    while [ $# -gt 0 ]; do
+        _po_opt="$1"
+        shift
+        case "$_po_opt" in
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        esac
+        _po_found=0
+        for _po_word in "${_po_spec[@]}"; do
+            [ "${_po_word%%[=:]*}" = "$_po_opt" ] || continue
+            _po_found=1
+            _po_act="${_po_word:${#_po_opt}}"
+            case "$_po_act" in
+            =*)
+                [ $# -gt 0 ] || _po_error "$_po_opt needs a value"
+                _po_apply value "${_po_act#=}" "$_po_opt" "$1"
+                shift
+                ;;
+            :*) _po_apply flag "${_po_act#:}" "$_po_opt" ;;
+            *) die "parse_options: '$_po_word' is not an option spec" ;;
+            esac
+            break
+        done
+        [ "$_po_found" = 1 ] || _po_error "unknown option '$_po_opt'"
+    done
+}
+
+# _po_apply value|flag ACTION OPTION [VALUE]: one option's ACTION (with a value: VAR,
+# VAR[] or FUNC(); a flag: VAR=VALUE or FUNC()). Its locals are prefixed: the variables
+# it sets are the script's (e.g. name).
+_po_apply() {
+    local _po_kind="$1" _po_a="$2" _po_o="$3" _po_n
+    _po_n="${_po_a%%[=(\[]*}"
+    [[ "$_po_n" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "parse_options: bad name in '$_po_o$_po_a'"
+    case "$_po_kind:${_po_a:${#_po_n}}" in
+    "value:()") "$_po_n" "$_po_o" "$4" ;;
+    "value:[]") eval "$_po_n+=(\"\$4\")" ;;
+    "value:") printf -v "$_po_n" '%s' "$4" ;;
+    "flag:()") "$_po_n" "$_po_o" ;;
+    flag:=*) printf -v "$_po_n" '%s' "${_po_a#*=}" ;;
+    *) die "parse_options: '$_po_o' has no action a $_po_kind option can take ('$_po_a')" ;;
+    esac
+}
+
+_po_error() {
+    if declare -F usage_error >/dev/null; then
+        usage_error "$1"
+    fi
+    die "$1 (see --help)"
+}
+
 # now_s: seconds since the epoch with a fraction (for timings).
 now_s() { date +%s.%N; }
 # elapsed START: seconds since START, one decimal.
@@ -188,6 +264,13 @@ results_run() {
     elif ! grep -q '^PASS' "$file"; then
         echo "FAIL  $what: no test passed" >>"$file"
     fi
+}
+
+# netlab_py MODULE ARG...: python3 -m MODULE with qemu-scripts on the module path: the
+# network lab (netlab run, netlab addr) and the suites' Python (netlab.smoke,
+# netlab.umad_checks, netlab.interop_checks, netlab.libvirt_suite, ...).
+netlab_py() {
+    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m "$@"
 }
 
 # netlab_exit RC: what the exit status of `python3 -m netlab run` means.

@@ -55,25 +55,7 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 conns=200 timeout=300 workdir=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --conns | --timeout | --workdir)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --conns) conns="$2" ;;
-        --timeout) timeout="$2" ;;
-        --workdir) workdir="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --conns=conns --timeout=timeout --workdir=workdir -- "$@"
 [[ "$conns" =~ ^[1-9][0-9]*$ ]] || die "--conns must be a positive number"
 [[ "$timeout" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be whole seconds"
 need_root "libvirt.sh"
@@ -192,7 +174,7 @@ start_backend() {
     local h="$1" vm="$2" ip="$3"
     rm -f "$workdir/$vm.sock" "$workdir/$h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$backend" \
-        --vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm" \
+        --vm "socket=$workdir/$vm.sock,gid=$(netlab_py netlab addr vm-gid "$ip"),name=$vm" \
         --control "$workdir/$h.ctl" >>"$workdir/$h.backend.log" 2>&1 &
     bg_pids+=($!)
     for _ in $(seq 100); do
@@ -206,9 +188,9 @@ start_backend() {
 
 stat_json() { "$backend" stat --control "$workdir/$1.ctl" --json >"$workdir/$1.stat.json"; }
 
-# figure HOST PATH: one figure of HOST's last stat_json, PATH as Python subscripts after
-# the document, e.g. '["host"]["live"]' or '["vms"][0]["attached"]'.
-figure() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))$2)" "$workdir/$1.stat.json"; }
+# figure HOST PATH: one figure of HOST's last stat_json, PATH its keys and list indexes
+# with dots, e.g. host.live or vms.0.attached.
+figure() { netlab_py netlab.libvirt_suite figure "$workdir/$1.stat.json" "$2"; }
 
 # wait_for SECS WHAT CMD...: until CMD succeeds (every 0.5 s); says what it waited for
 # when it gives up.
@@ -224,10 +206,10 @@ wait_for() {
 }
 
 live_is() { # live_is HOST N: HOST's backend holds exactly N live entries
-    stat_json "$1" 2>/dev/null && [ "$(figure "$1" '["host"]["live"]')" = "$2" ]
+    stat_json "$1" 2>/dev/null && [ "$(figure "$1" host.live)" = "$2" ]
 }
 lv_attached_is() { # lv_attached_is true|false: VM lv's session on host A
-    stat_json a 2>/dev/null && [ "$(figure a '["vms"][0]["attached"]')" = "$1" ]
+    stat_json a 2>/dev/null && [ "$(figure a vms.0.attached)" = "$1" ]
 }
 dom_state_is() { [ "$(vsh domstate "$dom" 2>/dev/null)" = "$1" ]; }
 peer_exited() { ! kill -0 "$peer_pid" 2>/dev/null; }
@@ -245,17 +227,7 @@ dump() {
     for f in a p; do
         [ -s "$workdir/$f.stat.json" ] || continue
         echo "----- host $f: non-zero figures -----"
-        python3 - "$workdir/$f.stat.json" <<'PY' || true
-import json, sys
-def walk(v, path):
-    if isinstance(v, dict):
-        for k, x in v.items(): walk(x, path + [k])
-    elif isinstance(v, list):
-        for i, x in enumerate(v): walk(x, path + [str(i)])
-    elif v not in (0, False, None, ""):
-        print(".".join(path), "=", v)
-walk(json.load(open(sys.argv[1])), [])
-PY
+        python3 "$PVCM_SCRIPTS_DIR/e2e/checks.py" nonzero "$workdir/$f.stat.json" || true
     done
 }
 
@@ -354,35 +326,12 @@ start_libvirtd || ok=0
 guest_cmd="pvcm-guest --json cmtime --dest $ip_peer --port $port --connections $conns --hold 3600 --timeout $timeout"
 cmdline="console=ttyS0 panic=-1 hugepages=64 pvcm.cmd=$(printf '%s\n' "$guest_cmd" | base64 -w0)"
 : >"$workdir/lv.console.log"
-python3 - "$PVCM_SCRIPTS_DIR/libvirt/pvcm-domain.xml" "$workdir/$dom.xml" \
+netlab_py netlab.libvirt_suite fill "$PVCM_SCRIPTS_DIR/libvirt/pvcm-domain.xml" "$workdir/$dom.xml" \
     NAME="$dom" MEM_MIB=512 EMULATOR="$qemu" KERNEL="$guest_dir/vmlinuz" \
     INITRD="$guest_dir/initramfs.img" CMDLINE="$cmdline" \
-    CONSOLE_LOG="$workdir/lv.console.log" SOCKET="$workdir/lv.sock" <<'PY'
-import html, re, sys
-text = open(sys.argv[1]).read()
-for kv in sys.argv[3:]:
-    k, v = kv.split("=", 1)
-    text = text.replace(f"@{k}@", html.escape(v))
-left = re.findall(r"@[A-Z_]+@", text)
-assert not left, f"unfilled fields in the template: {left}"
-open(sys.argv[2], "w").write(text)
-PY
+    CONSOLE_LOG="$workdir/lv.console.log" SOCKET="$workdir/lv.sock"
 # A NIC whose QP1 frames the divert takes (test 5): its tap, and the metadata the hook reads.
-python3 - "$workdir/$dom.xml" "$tap" "$divert_dev" "$ip_lv" <<'PY'
-import sys
-path, tap, dev, ip = sys.argv[1:]
-mac = "52:54:00:12:01:01"
-text = open(path).read()
-meta = (f"  <metadata>\n    <pvcm:divert xmlns:pvcm='urn:pvcm:divert:1' dev='{dev}'>\n"
-        f"      <pvcm:nic mac='{mac}' addresses='{ip} fe80::/64'/>\n"
-        f"    </pvcm:divert>\n  </metadata>\n")
-nic = (f"    <interface type='ethernet'>\n      <mac address='{mac}'/>\n"
-       f"      <target dev='{tap}' managed='yes'/>\n      <model type='virtio'/>\n"
-       f"      <rom enabled='no'/>\n"
-       f"    </interface>\n")
-text = text.replace("</name>\n", "</name>\n" + meta, 1).replace("  </devices>", nic + "  </devices>", 1)
-open(path, "w").write(text)
-PY
+netlab_py netlab.libvirt_suite add-nic "$workdir/$dom.xml" "$tap" "$divert_dev" "$ip_lv"
 bash "$PVCM_SCRIPTS_DIR/qp1-divert.sh" dev "$divert_dev" >"$workdir/divert.log" 2>&1 ||
     die "qp1-divert.sh dev failed: $(cat "$workdir/divert.log")"
 if [ "$ok" = 1 ]; then
@@ -450,7 +399,7 @@ if [ "$ok" = 1 ]; then
 fi
 stat_json a || true
 stat_json p || true
-echo "   host A live $(figure a '["host"]["live"]'), VM lv live $(figure a '["vms"][0]["figures"]["live"]'), host P live $(figure p '["host"]["live"]')"
+echo "   host A live $(figure a host.live), VM lv live $(figure a vms.0.figures.live), host P live $(figure p host.live)"
 if [ "$ok" = 1 ] && ! dom_state_is running; then
     echo "   domain state: $(vsh domstate "$dom" 2>&1)"
     ok=0
@@ -463,52 +412,7 @@ fi
 
 # check_release: the figures of test 3 (the peer's report, both hosts' counters).
 check_release() {
-    python3 - "$workdir" "$conns" "${peer_rc:-none}" <<'PY'
-import json, sys
-wd, conns, peer_rc = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-bad = []
-rep = None
-for line in open(f"{wd}/peer.out", errors="replace"):
-    line = line.strip()
-    if line.startswith("{") and '"accepted"' in line:
-        rep = json.loads(line)
-if rep is None:
-    bad.append("the peer printed no cmtime server report")
-else:
-    print(f"   peer: accepted {rep['accepted']} established {rep['established']} "
-          f"disconnected {rep['disconnected']} failed {rep['failed']}")
-    if rep["established"] != conns or rep["disconnected"] != conns:
-        bad.append(f"peer: {rep['established']} established, {rep['disconnected']} disconnected of {conns}")
-if peer_rc != "0":
-    bad.append(f"the peer's cmtime server exited {peer_rc}")
-for h in ("a", "p"):
-    s = json.load(open(f"{wd}/{h}.stat.json"))["host"]
-    cm = s["cm"]
-    drops = {k: v for g in ("drops", "device_drops") for k, v in s[g].items() if v}
-    print(f"   host {h.upper()}: DREQ tx {cm['cm_tx_msgs']['dreq']} rx {cm['cm_rx_msgs']['dreq']}, "
-          f"DREP tx {cm['cm_tx_msgs']['drep']} rx {cm['cm_rx_msgs']['drep']}, "
-          f"retries {sum(cm['cm_tx_retries'].values())}, drops {drops or 0}, live {s['live']}")
-    other = {k: v for k, v in drops.items() if k != "absorbed"}
-    if other:
-        bad.append(f"host {h.upper()}: drops {other}")
-    if cm["cm_tx_retries"]["dreq"]:
-        bad.append(f"host {h.upper()}: {cm['cm_tx_retries']['dreq']} DREQ retries")
-a = json.load(open(f"{wd}/a.stat.json"))["host"]
-p = json.load(open(f"{wd}/p.stat.json"))["host"]
-# The VM was killed holding every connection: each DREQ of the teardown came from host A
-# on the VM's behalf, the peer answered each, and host A's mux took each DREP for the
-# departed VM (counted as absorbed).
-got = (a["cm"]["cm_tx_msgs"]["dreq"], p["cm"]["cm_rx_msgs"]["dreq"],
-       p["cm"]["cm_tx_msgs"]["drep"], a["drops"]["absorbed"])
-if got != (conns,) * 4:
-    bad.append("DREQ sent by A, received by P, DREP sent by P, absorbed by A: "
-               f"{', '.join(map(str, got))}; want {conns} each")
-if p["drops"]["absorbed"]:
-    bad.append(f"host P: {p['drops']['absorbed']} absorbed")
-for x in bad:
-    print("   check:", x)
-sys.exit(1 if bad else 0)
-PY
+    netlab_py netlab.libvirt_suite release "$workdir" "$conns" "${peer_rc:-none}"
 }
 
 # 3: virsh destroy releases its connections.

@@ -31,22 +31,12 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=()
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --workdir | --pcap)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        [ "$1" = --pcap ] && apt_install tshark
-        args+=("$1" "$2")
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+# pass_on OPTION VALUE: an option for the Python suite (--pcap: tshark reads the capture).
+pass_on() {
+    if [ "$1" = --pcap ]; then apt_install tshark; fi
+    args+=("$1" "$2")
+}
+parse_options '--workdir=pass_on()' '--pcap=pass_on()' -- "$@"
 need_root "netlab-smoke.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3
 echo "== build (cached)"
@@ -57,8 +47,7 @@ echo "== build (cached)"
 cd "$PVCM_SCRIPTS_DIR"
 lines="$(mktemp /tmp/pvcm-netlab-smoke-results.XXXXXX)"
 rc=0
-PVCM_RESULT_LINES="$lines" PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 -m netlab.smoke ${args[@]+"${args[@]}"} || rc=$?
+PVCM_RESULT_LINES="$lines" netlab_py netlab.smoke ${args[@]+"${args[@]}"} || rc=$?
 results_run "$lines" "$rc" "netlab.smoke"
 echo "== summary"
 results_report "$lines"

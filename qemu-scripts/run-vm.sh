@@ -70,50 +70,11 @@ usage_error() {
     printf '[%s] ERROR: %s (see --help)\n' "$_pvcm_prog" "$*" >&2
     exit 2
 }
-while [ $# -gt 0 ]; do
-    opt="$1"
-    case "$opt" in
-    --kvm) kvm=1 ;;
-    --quiet) quiet=1 ;;
-    --print-cmdline) print_cmdline=1 ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    --route | --socket | --cmd | --cmd-file | --file | --mem | --smp | --hugepages | --log | \
-        --timeout | --qemu | --guest-dir | --append | --virtio-id | --vq-size | --num-vqs | \
-        --config-size | --name | --reconnect-ms | --qmp | --incoming)
-        [ $# -ge 2 ] || usage_error "$opt needs a value"
-        val="$2"
-        shift
-        case "$opt" in
-        --route) route="$val" ;;
-        --socket) socket="$val" ;;
-        --cmd) cmd="$val" ;;
-        --cmd-file) cmd_file="$val" ;;
-        --file) files+=("$val") ;;
-        --mem) mem="$val" ;;
-        --smp) smp="$val" ;;
-        --hugepages) hugepages="$val" ;;
-        --log) log_file="$val" ;;
-        --timeout) timeout="$val" ;;
-        --qemu) qemu="$val" ;;
-        --guest-dir) guest_dir="$val" ;;
-        --append) append="$val" ;;
-        --virtio-id) virtio_id="$val" ;;
-        --vq-size) vq_size="$val" ;;
-        --num-vqs) num_vqs="$val" ;;
-        --config-size) config_size="$val" ;;
-        --name) name="$val" ;;
-        --reconnect-ms) reconnect_ms="$val" ;;
-        --qmp) qmp="$val" ;;
-        --incoming) incoming="$val" ;;
-        esac
-        ;;
-    *) usage_error "unknown option '$opt'" ;;
-    esac
-    shift
-done
+parse_options --kvm:kvm=1 --quiet:quiet=1 --print-cmdline:print_cmdline=1 --route=route --socket=socket \
+    --cmd=cmd --cmd-file=cmd_file '--file=files[]' --mem=mem --smp=smp --hugepages=hugepages \
+    --log=log_file --timeout=timeout --qemu=qemu --guest-dir=guest_dir --append=append \
+    --virtio-id=virtio_id --vq-size=vq_size --num-vqs=num_vqs --config-size=config_size --name=name \
+    --reconnect-ms=reconnect_ms --qmp=qmp --incoming=incoming -- "$@"
 
 say() { [ "$quiet" = 1 ] || log "$@"; }
 

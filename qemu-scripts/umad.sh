@@ -58,25 +58,7 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 conns=500 conns6=200 workdir=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-    --conns | --conns6 | --workdir)
-        [ $# -ge 2 ] || die "$1 needs a value"
-        case "$1" in
-        --conns) conns="$2" ;;
-        --conns6) conns6="$2" ;;
-        --workdir) workdir="$2" ;;
-        esac
-        shift
-        ;;
-    -h | --help)
-        usage
-        exit 0
-        ;;
-    *) die "unknown option '$1' (see --help)" ;;
-    esac
-    shift
-done
+parse_options --conns=conns --conns6=conns6 --workdir=workdir -- "$@"
 for n in "$conns" "$conns6"; do
     case "$n" in '' | *[!0-9]* | 0) die "--conns and --conns6 need a positive number, not '$n'" ;; esac
 done
@@ -121,7 +103,7 @@ echo "== run: guest a (no kernel CM: pvcm-backend on umad:rxe0:1 + pvcm VMs), gu
 rc=0
 t="$(now_s)"
 IOP_WORK="$workdir" IOP_SHARE="$share" IOP_CONNS="$conns" IOP_CONNS6="$conns6" \
-    PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}" python3 -m netlab run \
+    netlab_py netlab run \
     --workdir "$workdir" --timeout 1800 --guest a=10.99.0.2,fd99::2:pvcm --guest b=10.99.0.3,fd99::3 \
     -- bash "$PVCM_SCRIPTS_DIR/umad/host.sh" || rc=$?
 echo "   run took $(elapsed "$t") s (netlab run exit $rc)"

@@ -138,7 +138,7 @@ start_backend() {
             extra=",${ip#*:}" ip="${ip%%:*}"
         fi
         rm -f "$workdir/$vm.sock"
-        args+=(--vm "socket=$workdir/$vm.sock,gid=::ffff:$ip,name=$vm$extra")
+        args+=(--vm "socket=$workdir/$vm.sock,gid=$(netlab_py netlab addr vm-gid "$ip"),name=$vm$extra")
     done
     rm -f "$workdir/$name.ctl"
     # shellcheck disable=SC2086 # PVCM_E2E_BACKEND_ARGS is a list of words

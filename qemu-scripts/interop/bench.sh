@@ -76,75 +76,7 @@ echo "== idle: pvcm-guest listen, then the same VM without it"
 idle_run idlepvcm "pvcm-guest listen --port 7999" 'listening on'
 idle_run idlebase "echo idle-ready; sleep $((idle_secs + 60))"
 
-python3 - "$work" "$IOP_SIZES" "$(getconf CLK_TCK)" "$rounds" <<'PY' | tee "$out"
-import json, os, re, statistics, sys
-wd, sizes, tck = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
-rounds = int(sys.argv[4])
-def read(n):
-    p = f"{wd}/{n}"
-    return open(p, errors="replace").read() if os.path.exists(p) else ""
-def nums(text):
-    return [int(x) for x in re.findall(r"^(\d+)\s*$", text, re.M)]
-def totals(text, step):  # the step's total in every round's table, in order
-    return [float(x) for x in re.findall(rf"^{step}\s*:?\s+([\d.]+)", text, re.M)]
-def med(v):
-    return statistics.median(v) if v else None
-bad = []
-print(f"{rounds} round(s) per size and side, back to back in VMs that stay up; the "
-      "figures are medians of the rounds, round 1 is the cold start")
-print(f"{'N':>6} {'side':<22} {'connect ms':>11} {'disconnect ms':>14} {'CPU ms/conn':>12}  rounds (connect / disconnect ms)")
-for n in sizes:
-    kk = read(f"j.kk-{n}.out")
-    jb = nums(kk)
-    kb = nums(read(f"k.busy0-{n}.out")) + nums(read(f"k.busy1-{n}.out"))
-    kcpu = None
-    if len(jb) >= 2 and len(kb) >= 2:
-        # jiffies are 10 ms
-        kcpu = ((jb[-1] - jb[0]) + (kb[1] - kb[0])) * 10.0 / (n * rounds)
-    kcs, kds = totals(kk, "connect"), totals(kk, "disconnect")
-    cli, srv = read(f"cli{n}.out"), read(f"srv{n}.out")
-    pcs, pds = totals(cli, "establish"), totals(cli, "disconnect")
-    cb, sb = nums(cli), nums(srv)
-    ticks = read(f"backend-ticks-{n}").split()
-    pcpu = None
-    if len(cb) >= 2 and len(sb) >= 2 and len(ticks) == 2 and all(t.isdigit() for t in ticks):
-        backend_ms = (int(ticks[1]) - int(ticks[0])) * 1000.0 / tck
-        pcpu = ((cb[-1] - cb[0]) + (sb[-1] - sb[0])) * 10.0 / (n * rounds) + backend_ms / (n * rounds)
-    ok = re.findall(rf"connections {n} established {n} failed 0 disconnected {n}", cli)
-    if len(ok) != rounds:
-        bad.append(f"pvcm {n}: {len(ok)} of {rounds} rounds established and tore down every connection")
-    if len(kcs) != rounds:
-        bad.append(f"kernel {n}: {len(kcs)} of {rounds} rounds reported (cmtime output in j.kk-{n}.out)")
-    s = json.load(open(f"{wd}/after-{n}.stat.json"))["host"] if os.path.exists(f"{wd}/after-{n}.stat.json") else None
-    if s:
-        d = {k: v for g in ("drops", "device_drops") for k, v in s.get(g, {}).items() if v}
-        r = sum(s["cm"]["cm_tx_retries"].values())
-        if d or r: bad.append(f"pvcm {n}: drops {d} retries {r}")
-    f = lambda v, p=1: f"{v:.{p}f}" if v is not None else "-"
-    each = lambda c, d: " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(c, d))
-    kc, kd, pc, pd = med(kcs), med(kds), med(pcs), med(pds)
-    print(f"{n:>6} {'kernel CM <-> kernel CM':<22} {f(kc):>11} {f(kd):>14} {f(kcpu, 2):>12}  {each(kcs, kds)}")
-    print(f"{n:>6} {'pvcm VM <-> pvcm VM':<22} {f(pc):>11} {f(pd):>14} {f(pcpu, 2):>12}  {each(pcs, pds)}")
-    if kc and pc and kd and pd:
-        cold = (f"round 1 (cold): {kcs[0] / pcs[0]:.1f}x / {kds[0] / pds[0]:.1f}x"
-                if kcs and pcs and kds and pds and pcs[0] and pds[0] else "")
-        print(f"{n:>6} {'pvcm speed-up':<22} {kc / pc:>10.1f}x {kd / pd:>13.1f}x "
-              f"{(f'{kcpu / pcpu:.1f}x less' if kcpu and pcpu else '-'):>12}  {cold}")
-def idle(name):
-    v = read(f"idle-{name}").split()
-    if len(v) != 4: return None, None
-    a, b, b0, b1 = map(int, v)
-    secs = 20.0
-    return (b - a) / tck / secs * 100, (b1 - b0) / tck / secs * 100
-ip, bp = idle("idlepvcm")
-ib, _ = idle("idlebase")
-if ip is not None and ib is not None:
-    print(f"idle: QEMU VM with pvcm-guest listen {ip:.1f}% of a host core, without it {ib:.1f}%: "
-          f"the driver's poll costs {ip - ib:.1f}%; pvcm-backend {bp:.2f}%")
-for b in bad: print("bench: " + b)
-print("bench goal: pvcm at least 20x faster than the kernel CM in both steps at every size")
-sys.exit(1 if bad else 0)
-PY
+netlab_py netlab.interop_checks bench "$work" "$IOP_SIZES" "$(getconf CLK_TCK)" "$rounds" | tee "$out"
 rc=$?
 touch "$share/flag.stop"
 kill "$backend_pid" 2>/dev/null

@@ -6,6 +6,10 @@
 
 # shellcheck disable=SC2154 # $work and $share come from the script that sources this
 
+# lib.sh: netlab_py, for the checks and the address helpers.
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+
 # kexec PEER NAME TIMEOUT 'CMD': runs CMD in guest PEER through its agent (the RDMA
 # image's pvcm.agent loop: /host/q/PEER.*.sh, one at a time); its output goes to
 # $work/PEER.NAME.out; returns its status (124 on timeout).
@@ -92,24 +96,22 @@ done"
 }
 
 # start_backend NAME:ADDR...: one pvcm-backend with a VM per argument (socket
-# $work/NAME.sock, control $work/h.ctl); ADDR is IPv4 (GID ::ffff:ADDR) or IPv6 (the
-# GID itself). Addresses not yet on br0 are added to it (IPv6: a /64, nodad, so the
-# backend can bind it at once).
+# $work/NAME.sock, control $work/h.ctl); ADDR is IPv4 or IPv6, its GID what `netlab addr
+# vm-gid` makes of it. Addresses not yet on br0 are added to it (IPv6: a /64, nodad, so
+# the backend can bind it at once).
 start_backend() {
-    local spec args=() ip
+    local spec args=() ip name fam gid
     for spec in "$@"; do
-        ip="${spec#*:}"
-        rm -f "$work/${spec%%:*}.sock"
-        case "$ip" in
-        *:*)
+        name="${spec%%:*}" ip="${spec#*:}"
+        rm -f "$work/$name.sock"
+        fam="$(netlab_py netlab addr family "$ip")" && gid="$(netlab_py netlab addr vm-gid "$ip")" ||
+            return 1
+        if [ "$fam" = 6 ]; then
             ip -6 addr show dev br0 | grep -q "inet6 $ip/" || ip addr add "$ip/64" dev br0 nodad
-            args+=(--vm "socket=$work/${spec%%:*}.sock,gid=$ip,name=${spec%%:*}")
-            ;;
-        *)
+        else
             ip -4 addr show dev br0 | grep -q "inet $ip/" || ip addr add "$ip/24" dev br0
-            args+=(--vm "socket=$work/${spec%%:*}.sock,gid=::ffff:$ip,name=${spec%%:*}")
-            ;;
-        esac
+        fi
+        args+=(--vm "socket=$work/$name.sock,gid=$gid,name=$name")
     done
     rm -f "$work/h.ctl"
     RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 "$IOP_BACKEND" "${args[@]}" --control "$work/h.ctl" \

@@ -8,7 +8,8 @@
 See lab.py (Lab, Guest, Job, Backend) and docs/qemu.md, "The network lab".
 """
 
-from .lab import (  # noqa: F401
+from .addr import family, sysfs_gid, vm_gid
+from .lab import (
     BRIDGE,
     DIVERT_DEV,
     HOST_IP,
@@ -19,9 +20,28 @@ from .lab import (  # noqa: F401
     Lab,
     LabError,
     backend_path,
-    gid_of,
     mac_of,
     node_guid_of,
     qemu_path,
     rdma_image,
 )
+
+__all__ = [
+    "family",
+    "sysfs_gid",
+    "vm_gid",
+    "BRIDGE",
+    "DIVERT_DEV",
+    "HOST_IP",
+    "HOST_IP6",
+    "Backend",
+    "Guest",
+    "Job",
+    "Lab",
+    "LabError",
+    "backend_path",
+    "mac_of",
+    "node_guid_of",
+    "qemu_path",
+    "rdma_image",
+]

@@ -1,5 +1,6 @@
 """python3 -m netlab run: boot lab guests, run a host command in the lab's namespace
-while they run, tear everything down.
+while they run, tear everything down. (python3 -m netlab addr ...: the lab's
+addresses' GIDs, see addr.py.)
 
     python3 -m netlab run --workdir DIR [--pcap FILE] [--timeout SECS] [--ipv6] [--mtu N]
         --guest NAME=IP[,IP6][:CM] ... -- COMMAND [ARG...]
@@ -16,13 +17,14 @@ boot.
 """
 
 import argparse
-import ipaddress
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from . import addr
+from .addr import ipv4, ipv6_interface
 from .lab import Lab, LabError
 
 
@@ -38,17 +40,9 @@ def guest_spec(spec):
     ip, _, ip6 = rest.partition(",")
     if not eq or not name or not ip:
         raise ValueError("want NAME=IP[,IP6][:kernel|pvcm]")
-    try:
-        ipaddress.IPv4Address(ip)
-    except ValueError:
-        raise ValueError(f"{ip!r} is not an IPv4 address") from None
+    ipv4(ip)
     if ip6:
-        try:
-            a6 = ipaddress.ip_interface(ip6)
-        except ValueError:
-            raise ValueError(f"{ip6!r} is not an IPv6 address") from None
-        if a6.version != 6:
-            raise ValueError(f"{ip6!r} is not an IPv6 address")
+        ipv6_interface(ip6)
     return name, ip, ip6 or None, cm
 
 
@@ -106,8 +100,10 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return 0 if len(sys.argv) >= 2 else 2
+    if sys.argv[1] == "addr":
+        return addr.main(sys.argv[2:])
     if sys.argv[1] != "run":
-        print(f"netlab: unknown action {sys.argv[1]!r} (run)", file=sys.stderr)
+        print(f"netlab: unknown action {sys.argv[1]!r} (run, addr)", file=sys.stderr)
         return 2
     return run(sys.argv[2:])
 

@@ -67,6 +67,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .addr import vm_gid
 from .lab import SCRIPTS, Lab, LabError, mac_of
 from .results import counts, result
 
@@ -88,8 +89,8 @@ def pair_backend(lab):
     sa, sb = lab.workdir / "a.sock", lab.workdir / "b.sock"
     backend = lab.backend(
         "--port", "packet:pvcm-qp1",
-        "--vm", f"socket={sa},gid=::ffff:{A},name=a,{QPN_WINDOW}",
-        "--vm", f"socket={sb},gid=::ffff:{B},name=b,{QPN_WINDOW}",
+        "--vm", f"socket={sa},gid={vm_gid(A)},name=a,{QPN_WINDOW}",
+        "--vm", f"socket={sb},gid={vm_gid(B)},name=b,{QPN_WINDOW}",
         env={"RUST_LOG": os.environ.get("RUST_LOG", BACKEND_LOG)})
     return backend, sa, sb
 
@@ -697,9 +698,9 @@ def ipv6_lab(workdir, pcap):
         sa, sb, sc = (lab.workdir / f"{n}6.sock" for n in "abc")
         backend = lab.backend(
             "--port", "packet:pvcm-qp1",
-            "--vm", f"socket={sa},gid={A6},name=a6,{QPN_WINDOW}",
-            "--vm", f"socket={sb},gid={B6},name=b6,{QPN_WINDOW}",
-            "--vm", f"socket={sc},gid=::ffff:{C4},name=c4,{QPN_WINDOW}", name="backend6",
+            "--vm", f"socket={sa},gid={vm_gid(A6)},name=a6,{QPN_WINDOW}",
+            "--vm", f"socket={sb},gid={vm_gid(B6)},name=b6,{QPN_WINDOW}",
+            "--vm", f"socket={sc},gid={vm_gid(C4)},name=c4,{QPN_WINDOW}", name="backend6",
             env={"RUST_LOG": os.environ.get("RUST_LOG", BACKEND_LOG)})
         k = lab.kernel_guest("k6", K, K6, wait=False)
         a = lab.pvcm_vm("a6", A, A6, socket=str(sa), wait=False)

@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .addr import vm_gid
 from .apps import A, K, guestd_stat, short, start_guestd
 from .lab import Lab, LabError
 from .results import counts, result
@@ -94,7 +95,7 @@ def info(a):
     v = objs[0] if objs else {}
     result("a: pvcm-guest info goes through pvcm-guestd and reports the QPN range",
            rc == 0 and v.get("via") == "service" and v.get("qpn_base") == QPN_BASE
-           and v.get("qpn_count") == QPN_COUNT and v.get("gid") == f"::ffff:{A}",
+           and v.get("qpn_count") == QPN_COUNT and v.get("gid") == vm_gid(A),
            f"rc {rc}, via {v.get('via')}, gid {v.get('gid')}, qpns {v.get('qpn_base')} + "
            f"{v.get('qpn_count')}" + ("" if rc == 0 else f": {short(out)}"))
     rc, out = a.run("pvcm-guest info", 60)
@@ -173,7 +174,7 @@ def listen(k, a, n=10):
     objs = json_lines(srv.text())
     req = events(objs, "connect_request")
     good = (rc == 0 and src == 0 and len(req) == n
-            and all(r.get("remote_gid") == f"::ffff:{K}" for r in req)
+            and all(r.get("remote_gid") == vm_gid(K) for r in req)
             and len(events(objs, "established")) == n
             and len(events(objs, "disconnected")) == n
             and re.search(r"^disconnect\s*:", out, re.M))
@@ -245,7 +246,7 @@ def main():
             sock = lab.workdir / "a.sock"
             backend = lab.backend(
                 "--port", "packet:pvcm-qp1",
-                "--vm", f"socket={sock},gid=::ffff:{A},name=a,"
+                "--vm", f"socket={sock},gid={vm_gid(A)},name=a,"
                         f"qpn-base={QPN_BASE},qpn-count={QPN_COUNT:#x}")
             k = lab.kernel_guest("k", K, wait=False)
             va = lab.pvcm_vm("a", A, socket=str(sock), wait=False)

@@ -9,7 +9,6 @@ through the share. On exit, normal or not (an exception, SIGINT, SIGTERM), it st
 every process it started, by PID, and deletes the namespace.
 """
 
-import ipaddress
 import json
 import os
 import shlex
@@ -19,6 +18,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+
+from .addr import ipv4, sysfs_gid
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 REPO = SCRIPTS.parent
@@ -101,7 +102,7 @@ def backend_path():
 def mac_of(ip):
     """The lab's MAC for a guest address: 52:54:00:99:XX:YY from the IPv4 address's
     last two bytes."""
-    b = ipaddress.IPv4Address(ip).packed
+    b = ipv4(ip).packed
     return f"52:54:00:99:{b[2]:02x}:{b[3]:02x}"
 
 
@@ -111,15 +112,6 @@ def node_guid_of(mac):
     m = [int(x, 16) for x in mac.split(":")]
     e = [m[0] ^ 2, m[1], m[2], 0xFF, 0xFE, m[3], m[4], m[5]]
     return ":".join(f"{e[i]:02x}{e[i + 1]:02x}" for i in range(0, 8, 2))
-
-
-def gid_of(addr):
-    """The GID of an address as sysfs prints it (IPv4 as ::ffff:a.b.c.d)."""
-    a = ipaddress.ip_address(addr)
-    if a.version == 4:
-        a = ipaddress.IPv6Address("::ffff:" + str(a))
-    h = a.packed.hex()
-    return ":".join(h[i:i + 4] for i in range(0, 32, 4))
 
 
 class Job:
@@ -314,7 +306,7 @@ class Guest:
 
     def gid_index(self, addr=None):
         """The index of the RoCE v2 GID of addr (default: the guest's IPv4 address)."""
-        want = gid_of(addr or self.ip)
+        want = sysfs_gid(addr or self.ip)
         for i, (g, t) in sorted(self.gids().items()):
             if g == want and t == "RoCE v2":
                 return i

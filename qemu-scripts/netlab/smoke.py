@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from . import divert_test
-from .lab import DIVERT_DEV, Lab, LabError, gid_of
+from .addr import sysfs_gid, vm_gid
+from .lab import DIVERT_DEV, Lab, LabError
 from .results import counts, result
 
 K1, K2, VM, SPARE = "10.99.0.2", "10.99.0.3", "10.99.0.11", "10.99.0.250"
@@ -111,14 +112,14 @@ def pvcm_vm_checks(lab, k1):
     """The pvcm VM: its GID, no kernel CM, cuse, the device, verbs both ways, QP1."""
     lab.add_address(f"{SPARE}/24")
     sock = lab.workdir / "p.sock"
-    backend = lab.backend("--vm", f"socket={sock},gid=::ffff:{SPARE},name=p")
+    backend = lab.backend("--vm", f"socket={sock},gid={vm_gid(SPARE)},name=p")
     p = lab.pvcm_vm("p", VM, socket=str(sock))
 
     idx = None
     try:
         idx = p.gid_index()
         result("pvcm VM: rxe0 has the RoCE v2 GID ::ffff:10.99.0.11", True,
-               f"index {idx}, {gid_of(VM)}")
+               f"index {idx}, {sysfs_gid(VM)}")
     except LabError as e:
         result("pvcm VM: rxe0 has the RoCE v2 GID ::ffff:10.99.0.11", False, str(e))
 

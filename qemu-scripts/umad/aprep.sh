@@ -4,29 +4,16 @@
 # pvcm-backend on umad:rxe0:1 with VMs a and b (and c, whose address is NOT added: it
 # must be refused at attach), and with A6 the IPv6 VM a6 (its address added as a /128,
 # nodad, so the GID is usable at once). Sockets live in the guest's /tmp (not on 9p).
-# Usage: aprep.sh A_IP B_IP C_IP [A6_IPV6]
+# Usage: aprep.sh A_IP B_IP C_IP [A6_IPV6], each address in /host/gids.txt (below).
 set -u
 gids=/sys/class/infiniband/rxe0/ports/1/gids
 types=/sys/class/infiniband/rxe0/ports/1/gid_attrs/types
-hex() { echo "$1" | awk -F. '{ printf "%02x%02x:%02x%02x", $1, $2, $3, $4 }'; }
-# gid6 ADDR: an IPv6 address (no embedded IPv4) as sysfs prints a GID.
-gid6() {
-    echo "$1" | awk -F: '{
-        n = 0
-        for (i = 1; i <= NF; i++) if ($i != "") n++
-        out = ""; filled = 0
-        for (i = 1; i <= NF; i++) {
-            if ($i == "") {
-                if (!filled) { for (k = 0; k < 8 - n; k++) out = out ":0000"; filled = 1 }
-                continue
-            }
-            h = sprintf("%4s", $i)
-            gsub(/ /, "0", h)
-            out = out ":" h
-        }
-        print tolower(substr(out, 2))
-    }'
-}
+# The host's table of the VMs' GIDs (python3 -m netlab addr table): "ADDR SYSFS_GID
+# VM_GID" lines. sysfs_gid ADDR: the GID rxe0's table shows for ADDR; vm_gid ADDR: the
+# GID pvcm-backend's --vm takes.
+gid_table=/host/gids.txt
+sysfs_gid() { awk -v a="$1" '$1 == a { print $2 }' "$gid_table"; }
+vm_gid() { awk -v a="$1" '$1 == a { print $3 }' "$gid_table"; }
 # roce_v2 GID: is GID a RoCE v2 entry of the table (the type of the index holding it)?
 roce_v2() {
     for f in "$gids"/*; do
@@ -41,7 +28,7 @@ for ip in "$1" "$2"; do
 done
 if [ -n "$a6" ]; then
     ip -6 addr add "$a6/128" dev eth0 nodad || exit 1
-    g6="$(gid6 "$a6")"
+    g6="$(sysfs_gid "$a6")"
     i=0
     until roce_v2 "$g6"; do
         i=$((i + 1))
@@ -50,9 +37,10 @@ if [ -n "$a6" ]; then
     done
 fi
 for ip in "$1" "$2"; do
-    h="$(hex "$ip")"
+    g="$(sysfs_gid "$ip")"
+    [ -n "$g" ] || { echo "no GID for $ip in $gid_table"; exit 1; }
     i=0
-    until cat $gids/* 2>/dev/null | grep -q "ffff:$h"; do
+    until cat $gids/* 2>/dev/null | grep -q "$g"; do
         i=$((i + 1))
         [ $i -lt 100 ] || { echo "no GID for $ip"; exit 1; }
         sleep 0.1
@@ -66,10 +54,10 @@ for f in "$gids"/*; do
 done
 ls -l /dev/infiniband/
 rm -f /tmp/a.sock /tmp/b.sock /tmp/c.sock /tmp/a6.sock /tmp/h.ctl
-set -- --vm "socket=/tmp/a.sock,gid=::ffff:$1,name=a" \
-    --vm "socket=/tmp/b.sock,gid=::ffff:$2,name=b" \
-    --vm "socket=/tmp/c.sock,gid=::ffff:$3,name=c"
-[ -z "$a6" ] || set -- "$@" --vm "socket=/tmp/a6.sock,gid=$a6,name=a6"
+set -- --vm "socket=/tmp/a.sock,gid=$(vm_gid "$1"),name=a" \
+    --vm "socket=/tmp/b.sock,gid=$(vm_gid "$2"),name=b" \
+    --vm "socket=/tmp/c.sock,gid=$(vm_gid "$3"),name=c"
+[ -z "$a6" ] || set -- "$@" --vm "socket=/tmp/a6.sock,gid=$(vm_gid "$a6"),name=a6"
 LD_LIBRARY_PATH=/host/lib RUST_LOG=info NO_COLOR=1 /host/bin/pvcm-backend --port umad:rxe0:1 \
     "$@" --control /tmp/h.ctl >/host/backend.log 2>&1 &
 i=0
