@@ -379,18 +379,50 @@ fn interrupted_get_event_restarts_without_losing_events() {
     assert_eq!(s.destroy(sf, lid), 1, "the request only, not the restart");
 }
 
-/// Sets an int option on an id through the caller's memory, as librdmacm does.
-fn set_int_option(vm: &mut Vm, fh: Fh, id: u32, level: u32, name: u32, v: u32) -> Outcome {
+/// Sets an option on an id through the caller's memory, as librdmacm does.
+fn set_option(vm: &mut Vm, fh: Fh, id: u32, level: u32, name: u32, v: &[u8]) -> Outcome {
     const OPT: u64 = 0x20_0000;
-    vm.mem.map(OPT, 4);
-    vm.mem.write(OPT, &v.to_ne_bytes()).unwrap();
+    vm.mem.map(OPT, v.len());
+    vm.mem.write(OPT, v).unwrap();
     let mut b = [0u8; 24];
     b[0..8].copy_from_slice(&OPT.to_ne_bytes());
     b[8..12].copy_from_slice(&id.to_ne_bytes());
     b[12..16].copy_from_slice(&level.to_ne_bytes());
     b[16..20].copy_from_slice(&name.to_ne_bytes());
-    b[20..24].copy_from_slice(&4u32.to_ne_bytes());
+    b[20..24].copy_from_slice(&(v.len() as u32).to_ne_bytes());
     vm.write(fh, cmd::SET_OPTION, &b, 0)
+}
+
+fn set_int_option(vm: &mut Vm, fh: Fh, id: u32, level: u32, name: u32, v: u32) -> Outcome {
+    set_option(vm, fh, id, level, name, &v.to_ne_bytes())
+}
+
+/// RDMA_OPTION_ID_ACK_TIMEOUT sets the route's packet lifetime to the timeout less one
+/// (cma_resolve_iboe_route), seen in QUERY_ROUTE's path; without it, rdma_cm's 16.
+#[test]
+fn ack_timeout_sets_the_routes_packet_lifetime() {
+    let mut c = Vm::new(11);
+    let cf = c.cma.open();
+    let mut lifetime = |ack: Option<u8>| {
+        let id = c.create_id(cf, 5, ps::TCP);
+        if let Some(t) = ack {
+            let (level, name) = (abi::opt::LEVEL_ID, abi::opt::ID_ACK_TIMEOUT);
+            assert_eq!(
+                set_option(&mut c, cf, id, level, name, &[t]),
+                Outcome::Done(Ok(()))
+            );
+        }
+        c.resolve_ip(cf, id, "10.99.0.12:7471");
+        c.expect_event(cf, event::ADDR_RESOLVED);
+        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
+        c.expect_event(cf, event::ROUTE_RESOLVED);
+        // struct rdma_ucm_query_route_resp: the first path from byte 8; its
+        // packet_life_time at 62.
+        c.query_route(cf, id)[8 + 62]
+    };
+    assert_eq!(lifetime(None), 16);
+    assert_eq!(lifetime(Some(14)), 13);
+    assert_eq!(lifetime(Some(0)), 16, "0 is not a timeout");
 }
 
 /// A connection request from `c` to a listener on `s`: (client file, id; server file,

@@ -42,7 +42,7 @@ use super::abi::{
     SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
 };
 use super::caller::CallerMemory;
-use super::verbs::RdmaPort;
+use super::verbs::{self, RdmaPort};
 use crate::cm::qp_attr::{PathAv, QpState, mask};
 use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
 use crate::cm::{
@@ -885,9 +885,9 @@ impl Cma {
             pkey: 0xFFFF,
             hop_limit: 64,
             traffic_class: c.tos,
-            sl: 0,
+            sl: verbs::tos_to_sl(&self.port.netdev, c.tos),
             rate: 0,
-            packet_life_time: CMA_IBOE_PACKET_LIFETIME,
+            packet_life_time: path_lifetime(c.ack_timeout),
         }
     }
 
@@ -1319,6 +1319,8 @@ impl Cma {
                 path_mtu: self.port.path_mtu,
                 hop_limit: 64,
                 traffic_class: ctx.tos,
+                sl: verbs::tos_to_sl(&self.port.netdev, ctx.tos),
+                packet_life_time: path_lifetime(ctx.ack_timeout),
                 auto_rtu: false,
                 ..ConnectOptions::default()
             };
@@ -1730,6 +1732,15 @@ fn padded(pd: &[u8], size: usize) -> Vec<u8> {
     let mut v = pd[..pd.len().min(size)].to_vec();
     v.resize(size.min(abi::MAX_PRIVATE_DATA), 0);
     v
+}
+
+/// A route's packet lifetime (`cma_resolve_iboe_route`): the ACK_TIMEOUT option less one
+/// when it is set and not 0, else rdma_cm's RoCE default.
+fn path_lifetime(ack_timeout: Option<u8>) -> u8 {
+    match ack_timeout {
+        Some(t) if t > 0 => t - 1,
+        _ => CMA_IBOE_PACKET_LIFETIME,
+    }
 }
 
 fn rej_code(r: RejReason) -> u16 {

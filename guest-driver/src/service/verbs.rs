@@ -214,9 +214,65 @@ impl RdmaPort {
     }
 }
 
+/// `rt_tos2priority()`: the packet priority Linux gives an IPv4 TOS (`ip_tos2prio`).
+fn tos_priority(tos: u8) -> u8 {
+    const PRIO: [u8; 16] = [0, 0, 0, 0, 2, 2, 2, 2, 6, 6, 6, 6, 4, 4, 4, 4];
+    PRIO[usize::from((tos & 0x1E) >> 1)]
+}
+
+/// `iboe_tos_to_sl()`: a route's SL for `tos` over `netdev`. On a VLAN device the
+/// 802.1p priority its egress map (`ip link ... egress-qos-map`, read from
+/// `/proc/net/vlan/NETDEV`) gives the TOS's packet priority; 0 on any other device, as
+/// the kernel's.
+pub fn tos_to_sl(netdev: &str, tos: u8) -> u8 {
+    fs::read_to_string(Path::new("/proc/net/vlan").join(netdev))
+        .map(|t| sl_from_vlan_map(&t, tos))
+        .unwrap_or(0)
+}
+
+/// The SL of `tos` from a `/proc/net/vlan/NETDEV` text: the egress map's 802.1p
+/// priority (`PRIORITY:QOS` pairs) for the TOS's packet priority; 0 when it maps none.
+pub fn sl_from_vlan_map(text: &str, tos: u8) -> u8 {
+    let prio = tos_priority(tos);
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("EGRESS priority mappings:"))
+        .and_then(|m| {
+            m.split_whitespace().find_map(|pair| {
+                let (p, q) = pair.split_once(':')?;
+                (p.parse::<u32>().ok()? == u32::from(prio)).then(|| q.parse::<u8>().ok())?
+            })
+        })
+        .map_or(0, |q| q & 7)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tos_maps_to_the_vlan_egress_priority() {
+        let vlan = "eth0.100  VID: 100\t REORDER_HDR: 1  dev->priv_flags: 1001\n\
+                    Device: eth0\n\
+                    INGRESS priority mappings: 0:0  1:0  2:0  3:0  4:0  5:0  6:0 7:0\n\
+                    \x20EGRESS priority mappings: 2:5 6:7 \n";
+        // IPTOS_LOWDELAY (0x10): priority 6 (interactive), mapped to 7.
+        assert_eq!(sl_from_vlan_map(vlan, 0x10), 7);
+        // IPTOS_THROUGHPUT (0x08): priority 2 (bulk), mapped to 5.
+        assert_eq!(sl_from_vlan_map(vlan, 0x08), 5);
+        // TOS 0: priority 0, not mapped.
+        assert_eq!(sl_from_vlan_map(vlan, 0), 0);
+        // Only the TOS field counts (rt_tos2priority masks 0x1E): precedence bits above
+        // it do not; EF (0xB8) is priority 4, which this map does not name.
+        assert_eq!(sl_from_vlan_map(vlan, 0xE0 | 0x10), 7);
+        assert_eq!(sl_from_vlan_map(vlan, 0xB8), 0);
+        assert_eq!(sl_from_vlan_map("no map here", 0x10), 0);
+        assert_eq!(
+            sl_from_vlan_map(" EGRESS priority mappings: 6:x 6", 0x10),
+            0
+        );
+        // Not a VLAN device: 0.
+        assert_eq!(tos_to_sl("pvcm-no-such-netdev", 0x10), 0);
+    }
 
     fn write(p: &Path, s: &str) {
         if let Some(d) = p.parent() {
