@@ -578,3 +578,37 @@ fn an_unanswered_dreq_disconnects_with_etimedout() {
     let e = c.expect_event(cf, event::DISCONNECTED);
     assert_eq!(u32_at(&e, 16) as i32, -errno::ETIMEDOUT);
 }
+
+/// An id whose program sets no TOS takes the port's `default_roce_tos` (configfs in the
+/// kernel, `pvcm-guestd --default-roce-tos` here) as its route's traffic class; a TOS
+/// the program sets wins.
+#[test]
+fn default_roce_tos_applies_to_ids_without_a_tos() {
+    let mut c = Vm::new(11);
+    c.cma = pvcm_guest::service::cma::Cma::new(
+        pvcm_guest::service::verbs::RdmaPort {
+            default_roce_tos: 0x60,
+            ..port(11)
+        },
+        77,
+    );
+    let cf = c.cma.open();
+    let mut traffic_class = |tos: Option<u8>| {
+        let id = c.create_id(cf, 5, ps::TCP);
+        if let Some(t) = tos {
+            let (level, name) = (abi::opt::LEVEL_ID, abi::opt::ID_TOS);
+            assert_eq!(
+                set_option(&mut c, cf, id, level, name, &[t]),
+                Outcome::Done(Ok(()))
+            );
+        }
+        c.resolve_ip(cf, id, "10.99.0.12:7471");
+        c.expect_event(cf, event::ADDR_RESOLVED);
+        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
+        c.expect_event(cf, event::ROUTE_RESOLVED);
+        // The first path's traffic_class, at 55 in it.
+        c.query_route(cf, id)[8 + 55]
+    };
+    assert_eq!(traffic_class(None), 0x60);
+    assert_eq!(traffic_class(Some(0x20)), 0x20);
+}

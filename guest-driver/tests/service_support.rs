@@ -31,6 +31,7 @@ pub fn port(n: u8) -> RdmaPort {
         addr: Ipv4Addr::new(10, 99, 0, n).into(),
         netdev: "eth0".into(),
         path_mtu: 3,
+        default_roce_tos: 0,
         pkey: 0xFFFF,
         pkey_index: 0,
     }

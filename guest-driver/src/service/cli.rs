@@ -42,6 +42,12 @@ pub struct ServiceArgs {
     /// Where sysfs is (the RDMA devices' GID tables).
     #[arg(long = "rdma-sysfs", default_value = "/sys", value_name = "DIR")]
     pub rdma_sysfs: PathBuf,
+    /// The TOS of ids whose program sets none (rdma_set_option RDMA_OPTION_ID_TOS), as the
+    /// kernel's `default_roce_tos` of the port in configfs
+    /// (/sys/kernel/config/rdma_cm/DEV/ports/N/default_roce_tos): their routes' traffic
+    /// class, and SL on a VLAN device.
+    #[arg(long, default_value_t = 0, value_name = "TOS")]
+    pub default_roce_tos: u8,
 }
 
 #[derive(Debug, Parser)]
@@ -167,6 +173,10 @@ pub fn serve_on<T: Transport>(
         "the pvcm GID's RDMA port found"
     );
     let seed = dev.options().seed;
+    let port = RdmaPort {
+        default_roce_tos: args.default_roce_tos,
+        ..port
+    };
     let cma = Cma::new(port, seed);
     let opts = ServerOptions {
         cuse: args.cuse.clone(),

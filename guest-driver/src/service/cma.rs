@@ -150,6 +150,8 @@ struct Ctx {
     events_reported: u32,
     backlog: u32,
     tos: u8,
+    /// The program set the TOS (else the port's `default_roce_tos` applies).
+    tos_set: bool,
     reuseaddr: bool,
     afonly: bool,
     ack_timeout: Option<u8>,
@@ -398,6 +400,7 @@ impl Cma {
                 events_reported: 0,
                 backlog: 0,
                 tos: 0,
+                tos_set: false,
                 reuseaddr: false,
                 afonly: false,
                 ack_timeout: None,
@@ -809,7 +812,7 @@ impl Cma {
                 l.uid,
                 l.src.map_or(0, |s| s.port()),
                 l.backlog,
-                l.tos,
+                self.tos(l),
             ),
             _ => return refuse(env),
         };
@@ -827,7 +830,9 @@ impl Cma {
             c.cm = Some(conn);
             c.src = Some(SocketAddr::new(self.port.addr, lport));
             c.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
+            // The request's path gives a connection's; a UD id takes its listener's.
             c.tos = if ud { ltos } else { qp.path.traffic_class };
+            c.tos_set = true;
         }
         self.by_cm.insert(conn, child);
         if let Some(l) = self.ctxs.get_mut(&lctx) {
@@ -870,6 +875,16 @@ impl Cma {
 
     // ------------------------------------------------------------ routes
 
+    /// An id's TOS: its own when the program set one, else the port's default
+    /// (`cma_resolve_iboe_route`: `tos_set ? tos : default_roce_tos`).
+    fn tos(&self, c: &Ctx) -> u8 {
+        if c.tos_set {
+            c.tos
+        } else {
+            self.port.default_roce_tos
+        }
+    }
+
     /// The route's path (kernel `cma_resolve_iboe_route`): the VM's GID to the
     /// destination's, hop limit 64, the id's TOS as traffic class, the netdev's MTU, the
     /// rdma_cm flow label of the ports.
@@ -884,8 +899,8 @@ impl Cma {
             mtu: self.port.path_mtu,
             pkey: 0xFFFF,
             hop_limit: 64,
-            traffic_class: c.tos,
-            sl: verbs::tos_to_sl(&self.port.netdev, c.tos),
+            traffic_class: self.tos(c),
+            sl: verbs::tos_to_sl(&self.port.netdev, self.tos(c)),
             rate: 0,
             packet_life_time: path_lifetime(c.ack_timeout),
         }
@@ -1318,8 +1333,8 @@ impl Cma {
                 srq: c.conn.srq,
                 path_mtu: self.port.path_mtu,
                 hop_limit: 64,
-                traffic_class: ctx.tos,
-                sl: verbs::tos_to_sl(&self.port.netdev, ctx.tos),
+                traffic_class: self.tos(ctx),
+                sl: verbs::tos_to_sl(&self.port.netdev, self.tos(ctx)),
                 packet_life_time: path_lifetime(ctx.ack_timeout),
                 auto_rtu: false,
                 ..ConnectOptions::default()
@@ -1580,6 +1595,7 @@ impl Cma {
                     return Err(errno::EINVAL);
                 }
                 c.tos = val[0];
+                c.tos_set = true;
                 Ok(())
             }
             (opt::LEVEL_ID, opt::ID_REUSEADDR) => {

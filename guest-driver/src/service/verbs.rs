@@ -50,6 +50,9 @@ pub struct RdmaPort {
     pub netdev: String,
     /// Path MTU for routes over it (IBTA code, from the netdev's MTU).
     pub path_mtu: u8,
+    /// The TOS of ids that set none (the kernel's per-port `default_roce_tos`, set in
+    /// configfs there; `pvcm-guestd --default-roce-tos` here).
+    pub default_roce_tos: u8,
     /// The default P_Key and its index.
     pub pkey: u16,
     /// The default P_Key's index.
@@ -200,6 +203,7 @@ impl RdmaPort {
                 addr,
                 netdev,
                 path_mtu: iboe_mtu(netdev_mtu),
+                default_roce_tos: 0,
                 pkey: 0xFFFF,
                 pkey_index,
             });
