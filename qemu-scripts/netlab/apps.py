@@ -471,7 +471,12 @@ def peer_clear_after(k, t0, timeout=60):
     return None
 
 
-def guestd_restart(k, a, guestd):
+def host_drop(backend, reason):
+    """The backend's host-wide drops of one reason."""
+    return backend.stat_json().get("host", {}).get("drops", {}).get(reason, 0)
+
+
+def guestd_restart(k, a, guestd, backend):
     """Section 9: pvcm-guestd stopped under running programs, then started again. With
     SIGTERM the programs' files fail (never hang) and the service's own DREQs end their
     connections at the kernel peer at once; killed with SIGKILL, the backend ends them
@@ -517,9 +522,13 @@ def guestd_restart(k, a, guestd):
     client.wait(30)
     time.sleep(3)
     held = len(nonlisteners(k))
+    absorbed = host_drop(backend, "absorbed")
     t0 = time.monotonic()
     guestd = start_guestd(a)
     peer = peer_clear_after(k, t0)
+    time.sleep(1)
+    EXPECTED_DROPS["absorbed"] = (EXPECTED_DROPS.get("absorbed", 0)
+                                  + host_drop(backend, "absorbed") - absorbed)
     result("SIGKILL: the kernel peer keeps the connection until the service starts again, "
            "then the backend ends it on the VM's behalf at once",
            held > 0 and peer is not None and peer < 30,
@@ -542,15 +551,24 @@ def live_entries(st):
 BACKEND_LOG = "info,pvcm_backend::daemon=debug,pvcm_backend::device=debug"
 
 
+# Drops a section caused on purpose, by reason, left out of the drop check: section 9
+# kills pvcm-guestd outright, and the peer's DREP to the DREQ the backend then sends on
+# the VM's behalf is `absorbed` (docs/operations.md: expected after a VM restarts).
+EXPECTED_DROPS = {}
+
+
 def drop_reasons(st):
     """The backend's drops by reason, host-wide, the mux's and the devices', but for
     `quarantined`: late answers to connections that had ended, which the peer sent
     before our REJ or DREQ reached it (a process killed mid-handshake), dropped as the
-    kernel CM drops a message for a cm_id it destroyed."""
+    kernel CM drops a message for a cm_id it destroyed; and less EXPECTED_DROPS."""
     h = st.get("host", {})
     out = {k: v for k, v in h.get("drops", {}).items() if v and k != "quarantined"}
     out.update({k: v for k, v in h.get("device_drops", {}).items() if v})
-    return out
+    for k, n in EXPECTED_DROPS.items():
+        if k in out:
+            out[k] -= n
+    return {k: v for k, v in out.items() if v}
 
 
 def drops(st):
@@ -561,6 +579,8 @@ def drops(st):
 def drop_report(st, backend):
     """The drops by reason and the backend's last log lines about dropped MADs."""
     text = f"drops {drops(st)} {drop_reasons(st)}"
+    if EXPECTED_DROPS:
+        text += f" (left out, caused on purpose: {EXPECTED_DROPS})"
     if drops(st):
         try:
             log = backend.log.read_text(errors="replace").splitlines()
@@ -796,7 +816,7 @@ def main():
 
             if "9" in only:
                 print("== 9. pvcm-guestd restarted under running programs", flush=True)
-                guestd["a"] = guestd_restart(k, va, guestd["a"])
+                guestd["a"] = guestd_restart(k, va, guestd["a"], backend)
 
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)
