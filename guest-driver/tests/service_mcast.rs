@@ -364,3 +364,43 @@ fn a_missing_netdev_is_enodev_and_a_file_has_a_join_limit() {
         "another file's joins are its own"
     );
 }
+
+#[test]
+fn one_process_ending_its_joins_leaves_anothers_membership() {
+    let mut v = vm();
+    let (f, hostile) = (v.cma.open(), v.cma.open());
+    let g = Ipv4Addr::new(239, 77, 8, 1);
+    let id = bound_udp(&mut v, f, 1);
+    assert_eq!(
+        join_ip(&mut v, f, id, 1, "239.77.8.1:0", 4),
+        Outcome::Done(Ok(()))
+    );
+    let mine = joined(&v);
+    let hid = bound_udp(&mut v, hostile, 2);
+    for _ in 0..3 {
+        assert_eq!(
+            join_ip(&mut v, hostile, hid, 2, "239.77.8.1:0", 4),
+            Outcome::Done(Ok(()))
+        );
+        let theirs = joined(&v);
+        assert_eq!(leave(&mut v, hostile, theirs, 4), Ok(0));
+        assert_eq!(leave(&mut v, hostile, mine, 4), Err(errno::EINVAL));
+    }
+    assert_eq!(
+        join_ip(&mut v, hostile, hid, 2, "239.77.8.1:0", 4),
+        Outcome::Done(Ok(()))
+    );
+    let mut env = Env {
+        agent: &mut v.agent,
+        now: v.now,
+    };
+    v.cma.release(hostile, &mut env);
+    assert!(
+        igmp_member(g),
+        "the first process's join still holds the group"
+    );
+    let e = v.expect_event(f, event::MULTICAST_JOIN);
+    assert_eq!(u32_at(&e, 8), mine);
+    assert_eq!(leave(&mut v, f, mine, 4), Ok(1));
+    assert!(!igmp_member(g));
+}
