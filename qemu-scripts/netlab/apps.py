@@ -55,7 +55,9 @@ Checks (each PASS/FAIL):
     a -> k and k -> a: both join (the IPv4-mapped group as DGID), the receiver's VM
     holds the group's IGMP membership (/proc/net/igmp) while it runs and not after,
     the receiver gets the sender's messages ("data transfers complete" on both), and
-    pvcm-guestd holds no join afterwards
+    pvcm-guestd holds no join afterwards; in the IPv6 lab (booted for it when 6 does not
+    run), mckey with an IPv6 group fails to join in k ("Unknown error 524", the
+    kernel's ENOTSUPP) and in a (EOPNOTSUPP, docs/apps.md)
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
@@ -712,8 +714,24 @@ def multicast(k, a, group="239.1.2.3"):
            f"/{st.get('commands', {}).get('join_mcast')} join, {st.get('commands', {}).get('leave_mcast')} leave")
 
 
-def ipv6_lab(workdir, pcap):
-    """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend."""
+def ipv6_multicast(k, a, group="ff0e::db8:1"):
+    """Section 10 in the IPv6 lab: an IPv6 group on a RoCE v2 port fails to join in the
+    kernel (its internal ENOTSUPP, "Unknown error 524") and in pvcm-guestd (EOPNOTSUPP:
+    a CUSE reply cannot carry 524), before any data or membership."""
+    want = {k.name: "Unknown error 524", a.name: "Operation not supported"}
+    for g in (k, a):
+        rc, out = g.run(f"timeout 60 mckey -m {group} -b {g.ip6}", 90)
+        ok = rc != 0 and f"failure joining: {want[g.name]}" in out
+        result(f"IPv6 mckey -m {group} in {g.name}: the join fails as the kernel's", ok,
+               f"rc {rc}: {short(out, 300)}")
+    st = guestd_stat(a)
+    result("IPv6 lab: pvcm-guestd holds no join", st.get("mcast_joins") == 0
+           and not st.get("igmp_groups"), f"joins {st.get('mcast_joins')}, igmp {st.get('igmp_groups')}")
+
+
+def ipv6_lab(workdir, pcap, full=True, mcast=False):
+    """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend; with mcast, section
+    10's IPv6 check (alone when not full)."""
     K6, A6, B6, C4 = "fd99::2", "fd99::11", "fd99::12", "10.99.0.13"
     with Lab(workdir, ipv6=True, pcap=pcap) as lab:
         sa, sb, sc = (lab.workdir / f"{n}6.sock" for n in "abc")
@@ -731,6 +749,10 @@ def ipv6_lab(workdir, pcap):
             g.wait_ready()
         for vm in (a, b, c):
             start_guestd(vm)
+        if mcast:
+            ipv6_multicast(k, a)
+        if not full:
+            return
         for client, server, sip in ((a, k, K6), (k, a, A6), (a, b, B6)):
             pair(f"IPv6 rping -v -S 1024 -C 100 [{sip}]", server, client,
                  f"rping -s -a {sip} -v -C 100 -S 1024", f"rping -c -a {sip} -v -C 100 -S 1024",
@@ -849,10 +871,12 @@ def main():
                 hostile_root(lab, k, vb, backend)
     except LabError as e:
         result("lab", False, str(e))
-    if "6" in only:
-        print("== 6. IPv6 GIDs; IPv4 and IPv6 VMs on one backend", flush=True)
+    if "6" in only or "10" in only:
+        print("== 6. IPv6 GIDs; IPv4 and IPv6 VMs on one backend" if "6" in only
+              else "== 10. multicast in the IPv6 lab", flush=True)
         try:
-            ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6")
+            ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6", full="6" in only,
+                     mcast="10" in only)
         except LabError as e:
             result("IPv6 lab", False, str(e))
     passed, failed = counts()

@@ -3,10 +3,11 @@
 //! bindings, address and route resolution, the connection calls, event translation),
 //! on top of the CM [`Agent`].
 //!
-//! Pure and I/O-free, like the agent: a command is the bytes a process wrote plus its
-//! memory ([`CallerMemory`]) and the agent; the answer is an [`Outcome`]. The server
-//! (`server.rs`) does the I/O: it reads commands from CUSE, keeps blocked GET_EVENTs
-//! until [`Cma::deliver`] can fill them, and feeds the agent's events to
+//! Free of I/O, like the agent, but for the IGMP memberships of multicast joins
+//! ([`IgmpSockets`]): a command is the bytes a process wrote plus its memory
+//! ([`CallerMemory`]) and the agent; the answer is an [`Outcome`]. The server
+//! (`server.rs`) does the rest of the I/O: it reads commands from CUSE, keeps blocked
+//! GET_EVENTs until [`Cma::deliver`] can fill them, and feeds the agent's events to
 //! [`Cma::on_agent_event`].
 //!
 //! What the kernel does and this layer does the same way:
@@ -28,7 +29,7 @@
 //! UD id with a device (bound to the VM's address or resolved) gets its MULTICAST_JOIN
 //! event at once, with the IPv4-mapped group as DGID, hop limit 64, the id's Q_Key and
 //! QPN 0xFFFFFF; an IPv4 group that is not joined send-only takes the VM's IGMP
-//! membership on the port's netdev ([`Membership`]), held while a join of it lasts (its
+//! membership on the port's netdev ([`IgmpSockets`]), held while a join of it lasts (its
 //! LEAVE_MCAST, its id's destroy, its file's release). Joins have their own ids, one
 //! table for the VM, as the kernel's `multicast_table`: another file's join is EINVAL to
 //! LEAVE_MCAST, an unknown one ENOENT. IPv6 groups fail as the kernel fails them on RoCE
@@ -53,7 +54,7 @@ use super::abi::{
     RespIdArg, SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
 };
 use super::caller::CallerMemory;
-use super::mcast::{IgmpSockets, Membership};
+use super::mcast::IgmpSockets;
 use super::verbs::RdmaPort;
 use crate::cm::qp_attr::{PathAv, QpState, mask};
 use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
@@ -258,7 +259,7 @@ pub struct Cma {
     next_join_id: u32,
     /// Joins holding each IGMP membership.
     igmp_users: BTreeMap<Ipv4Addr, u32>,
-    membership: Box<dyn Membership>,
+    membership: IgmpSockets,
 }
 
 /// The agent and the time a command runs at.
@@ -319,12 +320,7 @@ impl Cma {
     /// The layer for the VM's RDMA port; `seed` seeds the starting PSNs and ephemeral
     /// ports. Multicast memberships are sockets on the port's netdev ([`IgmpSockets`]).
     pub fn new(port: RdmaPort, seed: u64) -> Cma {
-        let membership = Box::new(IgmpSockets::new(&port.netdev));
-        Cma::with_membership(port, seed, membership)
-    }
-
-    /// [`Cma::new`] with the given memberships.
-    pub fn with_membership(port: RdmaPort, seed: u64, membership: Box<dyn Membership>) -> Cma {
+        let membership = IgmpSockets::new(&port.netdev);
         Cma {
             port,
             files: BTreeMap::new(),

@@ -4,8 +4,8 @@
 //!
 //! The membership is a socket that joined the group (`IP_ADD_MEMBERSHIP` with the
 //! netdev's index) and is held open while any join of the group lasts; the kernel
-//! reports it in IGMP and keeps the NIC's multicast filter. [`Membership`] abstracts it
-//! so that [`super::cma`] stays free of I/O; [`IgmpSockets`] is the one implementation.
+//! reports it in IGMP and keeps the NIC's multicast filter. [`IgmpSockets`] holds them:
+//! the one place of the rdma_cm layer ([`super::cma`]) that does I/O.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -39,16 +39,6 @@ impl MembershipError {
             MembershipError::Join { err, .. } => err.raw_os_error().unwrap_or(libc::ENOMEM),
         }
     }
-}
-
-/// The VM's IP memberships of multicast groups.
-pub trait Membership: std::fmt::Debug + Send {
-    /// Joins `group` (called once per group: the caller counts the joins).
-    fn join(&mut self, group: Ipv4Addr) -> Result<(), MembershipError>;
-    /// Leaves `group` (once its last join ended).
-    fn leave(&mut self, group: Ipv4Addr);
-    /// The groups held.
-    fn groups(&self) -> Vec<Ipv4Addr>;
 }
 
 /// Memberships as sockets on one netdev, one per group.
@@ -114,10 +104,9 @@ impl IgmpSockets {
         }
         Ok(sock)
     }
-}
 
-impl Membership for IgmpSockets {
-    fn join(&mut self, group: Ipv4Addr) -> Result<(), MembershipError> {
+    /// Joins `group` (once per group: the caller counts the joins).
+    pub fn join(&mut self, group: Ipv4Addr) -> Result<(), MembershipError> {
         if self.held.contains_key(&group) {
             return Ok(());
         }
@@ -133,12 +122,14 @@ impl Membership for IgmpSockets {
         Ok(())
     }
 
-    fn leave(&mut self, group: Ipv4Addr) {
+    /// Leaves `group` (once its last join ended).
+    pub fn leave(&mut self, group: Ipv4Addr) {
         // Closing the socket drops its membership.
         self.held.remove(&group);
     }
 
-    fn groups(&self) -> Vec<Ipv4Addr> {
+    /// The groups held.
+    pub fn groups(&self) -> Vec<Ipv4Addr> {
         self.held.keys().copied().collect()
     }
 }
