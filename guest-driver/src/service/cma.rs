@@ -223,7 +223,7 @@ pub struct CmaStats {
     pub events: [u64; 16],
     /// Events reported by GET_EVENT.
     pub events_reported: u64,
-    /// Events dropped: of ids without a uid yet, or withdrawn by a destroy.
+    /// Events dropped: of ids without a uid yet, or withdrawn by a destroy or a leave.
     pub events_dropped: u64,
     /// Requests refused because the listener's backlog was full.
     pub backlog_full: u64,
