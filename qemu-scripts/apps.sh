@@ -34,6 +34,9 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     SIGALRM handlers with and without SA_RESTART (interop/sigwait.c), SIGTERM
   9 pvcm-guestd stopped under running programs: they end with an error, none hangs,
     the kernel peer loses their connections at once; started again, it serves
+  10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and
+    kernel -> pvcm VM: data received, the IGMP membership held while joined; an IPv6
+    group fails to join in both (the IPv6 lab, booted for it)
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
@@ -61,7 +64,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,10,4,7,6)
   -h, --help     this help
 USAGE
 }

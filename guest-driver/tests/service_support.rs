@@ -49,7 +49,19 @@ pub struct Vm {
 
 impl Vm {
     pub fn new(n: u8) -> Vm {
-        let p = port(n);
+        Vm::on(port(n))
+    }
+
+    /// A VM whose RDMA port's netdev is `netdev` (multicast memberships go there).
+    pub fn with_netdev(n: u8, netdev: &str) -> Vm {
+        let mut p = port(n);
+        p.netdev = netdev.into();
+        Vm::on(p)
+    }
+
+    fn on(p: RdmaPort) -> Vm {
+        // port() puts the VM number in the node GUID's low byte.
+        let n = p.node_guid as u8;
         let gid = p.gid;
         let mut mem = FakeMemory::new();
         mem.map(RESP, 4096);

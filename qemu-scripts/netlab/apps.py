@@ -50,6 +50,14 @@ Checks (each PASS/FAIL):
     device) go on; then crafted frames (interop/rawqp1.c: IPv4 with options, IPv6 with
     an extension header, a VLAN tag, a later fragment, another VM's source address)
     are all stopped and counted
+  10 multicast (rdma_join_multicast on RoCE v2): mckey from Debian's rdmacm-utils,
+    receiver mckey -m GROUP -b LOCAL and sender mckey -s -m GROUP -b LOCAL, for pvcm VM
+    a -> k and k -> a: both join (the IPv4-mapped group as DGID), the receiver's VM
+    holds the group's IGMP membership (/proc/net/igmp) while it runs and not after,
+    the receiver gets the sender's messages ("data transfers complete" on both), and
+    pvcm-guestd holds no join afterwards; in the IPv6 lab (booted for it when 6 does not
+    run), mckey with an IPv6 group fails to join in k ("Unknown error 524", the
+    kernel's ENOTSUPP) and in a (EOPNOTSUPP, docs/apps.md)
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
@@ -711,8 +719,74 @@ def hostile_root(lab, k, b, backend):
            f"table {stopped}, backend VM b {counted}, host {host}" + ("" if ok else f" | {short(out, 200)}"))
 
 
-def ipv6_lab(workdir, pcap):
-    """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend."""
+def igmp_member(guest, group):
+    """Whether the guest's eth0 is an IGMP member of group (/proc/net/igmp)."""
+    hexed = "".join(f"{int(o):02X}" for o in reversed(group.split(".")))
+    _, out = guest.run("cat /proc/net/igmp", 30)
+    dev = None
+    for line in out.splitlines():
+        m = re.match(r"^\d+\s+(\S+)\s*:", line)
+        if m:
+            dev = m.group(1)
+        elif dev == "eth0" and line.split() and line.split()[0] == hexed:
+            return True
+    return False
+
+
+def multicast(k, a, group="239.1.2.3"):
+    """Section 10: mckey across a pvcm VM and the kernel guest, both directions."""
+    for sender, receiver in ((a, k), (k, a)):
+        name = f"mckey -m {group}: {sender.name} -> {receiver.name}"
+        recv = receiver.spawn(f"timeout 90 mckey -m {group} -b {receiver.ip}")
+        deadline = time.monotonic() + 60
+        joined = False
+        while not recv.done() and time.monotonic() < deadline:
+            joined = igmp_member(receiver, group)
+            if joined:
+                break
+            time.sleep(0.5)
+        result(f"{name}: the receiver's VM is an IGMP member of {group} while it runs", joined,
+               "" if joined else short(recv.text(), 300))
+        rc, out = sender.run(f"timeout 60 mckey -s -m {group} -b {sender.ip}", 90)
+        try:
+            rrc = recv.wait(60)
+        except LabError:
+            recv.kill("KILL")
+            rrc = -1
+        rout = recv.text()
+        dgid = f"joined dgid: ::ffff:{group}"
+        ok = (rc == 0 and rrc == 0 and dgid in out and dgid in rout
+              and "initiating data transfers" in out and "data transfers complete" in out
+              and "receiving data transfers" in rout and "data transfers complete" in rout)
+        result(name, ok, f"sender rc {rc}: {short(out, 300)} | receiver rc {rrc}: {short(rout, 300)}")
+        left = not igmp_member(receiver, group)
+        result(f"{name}: the membership ends with the receiver", left, "")
+    st = guestd_stat(a)
+    result("pvcm-guestd: joins served, none held afterwards",
+           st.get("mcast_joined", 0) >= 2 and st.get("mcast_joins") == 0 and not st.get("igmp_groups"),
+           f"joined {st.get('mcast_joined')}, left {st.get('mcast_left')}, held {st.get('mcast_joins')}, "
+           f"igmp {st.get('igmp_groups')}, commands {st.get('commands', {}).get('join_ip_mcast')}"
+           f"/{st.get('commands', {}).get('join_mcast')} join, {st.get('commands', {}).get('leave_mcast')} leave")
+
+
+def ipv6_multicast(k, a, group="ff0e::db8:1"):
+    """Section 10 in the IPv6 lab: an IPv6 group on a RoCE v2 port fails to join in the
+    kernel (its internal ENOTSUPP, "Unknown error 524") and in pvcm-guestd (EOPNOTSUPP:
+    a CUSE reply cannot carry 524), before any data or membership."""
+    want = {k.name: "Unknown error 524", a.name: "Operation not supported"}
+    for g in (k, a):
+        rc, out = g.run(f"timeout 60 mckey -m {group} -b {g.ip6}", 90)
+        ok = rc != 0 and f"failure joining: {want[g.name]}" in out
+        result(f"IPv6 mckey -m {group} in {g.name}: the join fails as the kernel's", ok,
+               f"rc {rc}: {short(out, 300)}")
+    st = guestd_stat(a)
+    result("IPv6 lab: pvcm-guestd holds no join", st.get("mcast_joins") == 0
+           and not st.get("igmp_groups"), f"joins {st.get('mcast_joins')}, igmp {st.get('igmp_groups')}")
+
+
+def ipv6_lab(workdir, pcap, full=True, mcast=False):
+    """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend; with mcast, section
+    10's IPv6 check (alone when not full)."""
     K6, A6, B6, C4 = "fd99::2", "fd99::11", "fd99::12", "10.99.0.13"
     with Lab(workdir, ipv6=True, pcap=pcap) as lab:
         sa, sb, sc = (lab.workdir / f"{n}6.sock" for n in "abc")
@@ -730,6 +804,10 @@ def ipv6_lab(workdir, pcap):
             g.wait_ready()
         for vm in (a, b, c):
             start_guestd(vm)
+        if mcast:
+            ipv6_multicast(k, a)
+        if not full:
+            return
         for client, server, sip in ((a, k, K6), (k, a, A6), (a, b, B6)):
             pair(f"IPv6 rping -v -S 1024 -C 100 [{sip}]", server, client,
                  f"rping -s -a {sip} -v -C 100 -S 1024", f"rping -c -a {sip} -v -C 100 -S 1024",
@@ -756,7 +834,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,9,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,9,10,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -839,15 +917,21 @@ def main():
                        f"{drop_report(st, backend)}; late answers to ended connections "
                        f"{quarantined(st)}")
 
+            if "10" in only:
+                print("== 10. multicast: mckey", flush=True)
+                multicast(k, va)
+
             if "7" in only and a.rawqp1:
                 print("== 7. root in VM b goes around pvcm", flush=True)
                 hostile_root(lab, k, vb, backend)
     except LabError as e:
         result("lab", False, str(e))
-    if "6" in only:
-        print("== 6. IPv6 GIDs; IPv4 and IPv6 VMs on one backend", flush=True)
+    if "6" in only or "10" in only:
+        print("== 6. IPv6 GIDs; IPv4 and IPv6 VMs on one backend" if "6" in only
+              else "== 10. multicast in the IPv6 lab", flush=True)
         try:
-            ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6")
+            ipv6_lab(workdir / "ipv6", a.pcap and str(a.pcap) + ".ipv6", full="6" in only,
+                     mcast="10" in only)
         except LabError as e:
             result("IPv6 lab", False, str(e))
     passed, failed = counts()

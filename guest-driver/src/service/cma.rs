@@ -3,10 +3,11 @@
 //! bindings, address and route resolution, the connection calls, event translation),
 //! on top of the CM [`Agent`].
 //!
-//! Pure and I/O-free, like the agent: a command is the bytes a process wrote plus its
-//! memory ([`CallerMemory`]) and the agent; the answer is an [`Outcome`]. The server
-//! (`server.rs`) does the I/O: it reads commands from CUSE, keeps blocked GET_EVENTs
-//! until [`Cma::deliver`] can fill them, and feeds the agent's events to
+//! Free of I/O, like the agent, but for the IGMP memberships of multicast joins
+//! ([`IgmpSockets`]): a command is the bytes a process wrote plus its memory
+//! ([`CallerMemory`]) and the agent; the answer is an [`Outcome`]. The server
+//! (`server.rs`) does the rest of the I/O: it reads commands from CUSE, keeps blocked
+//! GET_EVENTs until [`Cma::deliver`] can fill them, and feeds the agent's events to
 //! [`Cma::on_agent_event`].
 //!
 //! What the kernel does and this layer does the same way:
@@ -24,8 +25,19 @@
 //!   (REJ(TIMEOUT) for a pending REQ, DREQ for a connection, REJ for an unanswered
 //!   request); the agent keeps their TimeWait.
 //!
-//! Not served: multicast (JOIN_IP_MCAST, JOIN_MCAST: ENOSYS; LEAVE_MCAST: ENOENT, no
-//! group was joined), AF_IB addresses (EAFNOSUPPORT, so librdmacm turns AF_IB off and
+//! Multicast, as `cma_iboe_join_multicast()` on a RoCE v2 port: no MAD; a join of a
+//! UD id with a device (bound to the VM's address or resolved) gets its MULTICAST_JOIN
+//! event at once, with the IPv4-mapped group as DGID, hop limit 64, the id's Q_Key and
+//! QPN 0xFFFFFF; an IPv4 group that is not joined send-only takes the VM's IGMP
+//! membership on the port's netdev ([`IgmpSockets`]), held while a join of it lasts (its
+//! LEAVE_MCAST, its id's destroy, its file's release). Joins have their own ids, one
+//! table for the VM, as the kernel's `multicast_table`: another file's join is EINVAL to
+//! LEAVE_MCAST, an unknown one ENOENT. IPv6 groups fail as the kernel fails them on RoCE
+//! v2 (its ENOTSUPP, which CUSE cannot carry: EOPNOTSUPP here). A file holds at most
+//! [`MAX_JOINS_PER_FILE`] joins (ENOMEM past it): the service is the VM's, and its
+//! memberships are its sockets.
+//!
+//! Not served: AF_IB addresses (EAFNOSUPPORT, so librdmacm turns AF_IB off and
 //! uses BIND_IP/RESOLVE_IP/QUERY_ROUTE), and SET_OPTION's RDMA_OPTION_IB_PATH (ENOSYS;
 //! librdmacm sets it only with an ibacm service, and resolves the route itself
 //! otherwise).
@@ -38,10 +50,11 @@ use pvcm_wire::cm::{RejReason, SidrStatus};
 
 use super::abi::{
     self, AbiError, Accept, AhAttr, Bind, CmdHdr, ConnParam, Connect, CreateId, DestroyId, Ece,
-    EventParam, EventResp, IdArg, QueryAddrResp, QueryRouteResp, Reject, ResolveAddr, RespIdArg,
-    SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
+    EventParam, EventResp, IdArg, JoinMcast, QueryAddrResp, QueryRouteResp, Reject, ResolveAddr,
+    RespIdArg, SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
 };
 use super::caller::CallerMemory;
+use super::mcast::IgmpSockets;
 use super::verbs::{self, RdmaPort};
 use crate::cm::qp_attr::{PathAv, QpState, mask};
 use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
@@ -57,10 +70,17 @@ pub type Fh = u64;
 /// errno values the commands return.
 pub mod errno {
     pub use libc::{
-        EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EINTR, EINVAL, EISCONN, ENOENT,
-        ENOMEM, ENOSPC, ENOSYS, ETIMEDOUT,
+        EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EINTR, EINVAL, EISCONN, ENODEV,
+        ENOENT, ENOMEM, ENOSPC, ENOSYS, EOPNOTSUPP, ETIMEDOUT,
     };
 }
+
+/// The most multicast joins one file holds at a time.
+pub const MAX_JOINS_PER_FILE: usize = 1024;
+/// The QPN a MULTICAST_JOIN reports (`0xFFFFFF`, the multicast QPN).
+pub const MCAST_QPN: u32 = 0x00FF_FFFF;
+/// The hop limit of a RoCE v2 group's address handle (`IPV6_DEFAULT_HOPLIMIT`).
+const MCAST_HOP_LIMIT: u8 = 64;
 
 /// `RDMA_UDP_QKEY`: the Q_Key of rdma_cm's UDP port space.
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
@@ -159,6 +179,19 @@ struct Ctx {
     qkey: u32,
     /// The connection was established (ESTABLISHED reported, or the RTU sent).
     established: bool,
+    /// The multicast joins of the id, in join order.
+    joins: Vec<u32>,
+}
+
+/// A multicast join (the kernel's `ucma_multicast`).
+#[derive(Debug)]
+struct Join {
+    /// The id that joined.
+    ctx: u32,
+    /// The IGMP membership the join holds.
+    igmp: Option<Ipv4Addr>,
+    /// Events of the join reported by GET_EVENT.
+    events_reported: u32,
 }
 
 #[derive(Debug)]
@@ -167,6 +200,8 @@ struct Queued {
     ctx: u32,
     /// The new id a CONNECT_REQUEST announces.
     child: Option<u32>,
+    /// The multicast join a MULTICAST_JOIN concerns.
+    join: Option<u32>,
     resp: EventResp,
 }
 
@@ -190,7 +225,7 @@ pub struct CmaStats {
     pub events: [u64; 16],
     /// Events reported by GET_EVENT.
     pub events_reported: u64,
-    /// Events dropped: of ids without a uid yet, or withdrawn by a destroy.
+    /// Events dropped: of ids without a uid yet, or withdrawn by a destroy or a leave.
     pub events_dropped: u64,
     /// Requests refused because the listener's backlog was full.
     pub backlog_full: u64,
@@ -200,6 +235,10 @@ pub struct CmaStats {
     pub releases: u64,
     /// Ids destroyed by a file's release (the process exited or closed it).
     pub released_ids: u64,
+    /// Multicast joins made.
+    pub joins: u64,
+    /// Multicast joins ended (LEAVE_MCAST, or their id's destroy).
+    pub leaves: u64,
 }
 
 /// The service's rdma_cm state: files, ids, bindings.
@@ -216,6 +255,13 @@ pub struct Cma {
     ephemeral: BTreeMap<u16, EphemeralPorts>,
     rng: SplitMix64,
     stats: CmaStats,
+    /// Multicast joins by their id (one table for the VM, as the kernel's).
+    joins: BTreeMap<u32, Join>,
+    free_join_ids: BTreeSet<u32>,
+    next_join_id: u32,
+    /// Joins holding each IGMP membership.
+    igmp_users: BTreeMap<Ipv4Addr, u32>,
+    membership: IgmpSockets,
 }
 
 /// The agent and the time a command runs at.
@@ -233,6 +279,14 @@ fn cm_errno(e: CmError) -> i32 {
         CmError::ServiceIdInUse(_) => errno::EADDRINUSE,
         CmError::InvalidState(State::Established) => errno::EISCONN,
         _ => errno::EINVAL,
+    }
+}
+
+/// A JOIN's group in a family the kernel's RoCE join refuses (AF_IB: `-ENOTSUPP`).
+fn join_errno(e: AbiError) -> i32 {
+    match e {
+        AbiError::AfIb => errno::EOPNOTSUPP,
+        e => abi_errno(e),
     }
 }
 
@@ -266,8 +320,9 @@ fn unspecified(family_of: &SocketAddr) -> IpAddr {
 
 impl Cma {
     /// The layer for the VM's RDMA port; `seed` seeds the starting PSNs and ephemeral
-    /// ports.
+    /// ports. Multicast memberships are sockets on the port's netdev ([`IgmpSockets`]).
     pub fn new(port: RdmaPort, seed: u64) -> Cma {
+        let membership = IgmpSockets::new(&port.netdev);
         Cma {
             port,
             files: BTreeMap::new(),
@@ -280,7 +335,22 @@ impl Cma {
             ephemeral: BTreeMap::new(),
             rng: SplitMix64::new(seed),
             stats: CmaStats::default(),
+            joins: BTreeMap::new(),
+            free_join_ids: BTreeSet::new(),
+            next_join_id: 0,
+            igmp_users: BTreeMap::new(),
+            membership,
         }
+    }
+
+    /// Live multicast joins.
+    pub fn joins(&self) -> usize {
+        self.joins.len()
+    }
+
+    /// The IGMP memberships held.
+    pub fn igmp_groups(&self) -> Vec<Ipv4Addr> {
+        self.membership.groups()
     }
 
     /// The port it serves.
@@ -407,6 +477,7 @@ impl Cma {
                 seq_num,
                 qkey: if ud { RDMA_UDP_QKEY } else { 0 },
                 established: false,
+                joins: Vec::new(),
             },
         );
         if let Some(f) = self.files.get_mut(&file) {
@@ -466,6 +537,9 @@ impl Cma {
         if let Some(cm) = c.cm {
             self.by_cm.remove(&cm);
             handles.push(cm);
+        }
+        for j in &c.joins {
+            self.end_join(*j);
         }
         self.unbind(id, c.port);
         self.free_ids.insert(id);
@@ -585,7 +659,12 @@ impl Cma {
         if let Some(n) = self.stats.events.get_mut(resp.event as usize) {
             *n += 1;
         }
-        f.events.push_back(Queued { ctx, child, resp });
+        f.events.push_back(Queued {
+            ctx,
+            child,
+            join: None,
+            resp,
+        });
         Some(file)
     }
 
@@ -648,6 +727,9 @@ impl Cma {
             if q.child.is_some() {
                 c.backlog += 1;
             }
+        }
+        if let Some(j) = q.join.and_then(|j| self.joins.get_mut(&j)) {
+            j.events_reported += 1;
         }
         Some(Ok(()))
     }
@@ -873,6 +955,195 @@ impl Cma {
         )
     }
 
+    // ------------------------------------------------------------ multicast
+
+    /// JOIN_IP_MCAST and JOIN_MCAST (kernel `ucma_process_join`, `rdma_join_multicast`,
+    /// `cma_iboe_join_multicast`): the join's id goes to the caller, its MULTICAST_JOIN
+    /// event to the id's file.
+    fn join(
+        &mut self,
+        fh: Fh,
+        j: JoinMcast,
+        out: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        if usize::from(out) < 4 {
+            return Err(errno::ENOSPC);
+        }
+        // RDMA_MC_JOIN_FLAG_FULLMEMBER, RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER.
+        let send_only = match j.join_flags {
+            0 => false,
+            1 => true,
+            _ => return Err(errno::EINVAL),
+        };
+        let c = self.ctx_dev(fh, j.id)?;
+        if !matches!(c.st, St::AddrBound | St::AddrResolved) || !c.ud {
+            return Err(errno::EINVAL);
+        }
+        if j.addr.ip().is_unspecified() {
+            return Err(errno::EINVAL);
+        }
+        let IpAddr::V4(group) = j.addr.ip() else {
+            // A RoCE v2 port joins IPv4 groups only.
+            return Err(errno::EOPNOTSUPP);
+        };
+        if self.port.path_mtu == 0 {
+            return Err(errno::EINVAL);
+        }
+        let file = c.file;
+        let held = self.files.get(&file).map_or(0, |f| {
+            f.ctxs
+                .iter()
+                .filter_map(|i| self.ctxs.get(i))
+                .map(|c| c.joins.len())
+                .sum::<usize>()
+        });
+        if held >= MAX_JOINS_PER_FILE {
+            return Err(errno::ENOMEM);
+        }
+        let igmp = if send_only {
+            None
+        } else {
+            self.take_igmp(group)?;
+            Some(group)
+        };
+        let jid = self.alloc_join_id();
+        self.joins.insert(
+            jid,
+            Join {
+                ctx: j.id,
+                igmp,
+                events_reported: 0,
+            },
+        );
+        self.stats.joins += 1;
+        if let Err(e) = mem.write(j.response, &jid.to_le_bytes()) {
+            self.end_join(jid);
+            return Err(e);
+        }
+        let c = self.ctx_mut(j.id)?;
+        c.joins.push(jid);
+        let (uid, qkey) = (c.uid, c.qkey);
+        if uid == 0 {
+            // The kernel drops the events of an id without a uid.
+            self.stats.events_dropped += 1;
+            return Ok(());
+        }
+        let param = UdParam {
+            qp_num: MCAST_QPN,
+            qkey,
+            ah_attr: AhAttr {
+                dgid: Gid::from_ipv4(group).0,
+                flow_label: 0,
+                sgid_index: self.port.gid_index,
+                hop_limit: MCAST_HOP_LIMIT,
+                traffic_class: 0,
+                dlid: 0,
+                sl: 0,
+                static_rate: 0,
+                is_global: true,
+                port_num: self.port.port_num,
+            },
+            private_data: Vec::new(),
+        };
+        let resp = EventResp {
+            uid: j.uid,
+            id: jid,
+            event: event::MULTICAST_JOIN,
+            status: 0,
+            param: EventParam::Ud(param),
+            ece: Ece::default(),
+        };
+        if let Some(n) = self.stats.events.get_mut(event::MULTICAST_JOIN as usize) {
+            *n += 1;
+        }
+        if let Some(f) = self.files.get_mut(&file) {
+            f.events.push_back(Queued {
+                ctx: j.id,
+                child: None,
+                join: Some(jid),
+                resp,
+            });
+        }
+        Ok(())
+    }
+
+    /// LEAVE_MCAST (kernel `ucma_leave_multicast`): ends the join, withdraws its
+    /// unreported events and answers its `events_reported`.
+    fn leave(
+        &mut self,
+        fh: Fh,
+        body: &[u8],
+        out: u16,
+        mem: &mut dyn CallerMemory,
+    ) -> Result<(), i32> {
+        if usize::from(out) < 4 {
+            return Err(errno::ENOSPC);
+        }
+        let d = DestroyId::parse(body).map_err(abi_errno)?;
+        let j = self.joins.get(&d.id).ok_or(errno::ENOENT)?;
+        if self.ctxs.get(&j.ctx).map(|c| c.file) != Some(fh) {
+            return Err(errno::EINVAL);
+        }
+        let ctx = j.ctx;
+        if let Some(c) = self.ctxs.get_mut(&ctx) {
+            c.joins.retain(|&x| x != d.id);
+        }
+        if let Some(f) = self.files.get_mut(&fh) {
+            let before = f.events.len();
+            f.events.retain(|q| q.join != Some(d.id));
+            self.stats.events_dropped += (before - f.events.len()) as u64;
+        }
+        let n = self.end_join(d.id);
+        mem.write(d.response, &n.to_le_bytes())
+    }
+
+    fn alloc_join_id(&mut self) -> u32 {
+        if let Some(id) = self.free_join_ids.pop_first() {
+            return id;
+        }
+        let id = self.next_join_id;
+        self.next_join_id = self.next_join_id.wrapping_add(1);
+        id
+    }
+
+    /// Ends join `jid` (its membership, its id); returns its `events_reported`. Its id's
+    /// list and queued events are the caller's to clean.
+    fn end_join(&mut self, jid: u32) -> u32 {
+        let Some(j) = self.joins.remove(&jid) else {
+            return 0;
+        };
+        if let Some(g) = j.igmp {
+            self.drop_igmp(g);
+        }
+        self.free_join_ids.insert(jid);
+        self.stats.leaves += 1;
+        j.events_reported
+    }
+
+    /// Counts a join of `group`, taking the membership for the first.
+    fn take_igmp(&mut self, group: Ipv4Addr) -> Result<(), i32> {
+        if let Some(n) = self.igmp_users.get_mut(&group) {
+            *n += 1;
+            return Ok(());
+        }
+        self.membership.join(group).map_err(|e| e.errno())?;
+        self.igmp_users.insert(group, 1);
+        Ok(())
+    }
+
+    /// Ends a join of `group`, leaving the membership with the last.
+    fn drop_igmp(&mut self, group: Ipv4Addr) {
+        let Some(n) = self.igmp_users.get_mut(&group) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            self.igmp_users.remove(&group);
+            self.membership.leave(group);
+        }
+    }
+
     // ------------------------------------------------------------ routes
 
     /// An id's TOS: its own when the program set one, else the port's default
@@ -1043,14 +1314,18 @@ impl Cma {
                 },
                 Err(e) => done(Err(abi_errno(e))),
             },
-            cmd::LEAVE_MCAST => done(DestroyId::parse(body).map_err(abi_errno).and_then(|_| {
-                if usize::from(out) < 4 {
-                    Err(errno::ENOSPC)
-                } else {
-                    Err(errno::ENOENT)
-                }
-            })),
-            // GET_OPTION has no handler in the kernel either; multicast is not served.
+            cmd::JOIN_IP_MCAST => done(
+                JoinMcast::parse_ip(body)
+                    .map_err(join_errno)
+                    .and_then(|j| self.join(fh, j, out, mem)),
+            ),
+            cmd::JOIN_MCAST => done(
+                JoinMcast::parse(body)
+                    .map_err(join_errno)
+                    .and_then(|j| self.join(fh, j, out, mem)),
+            ),
+            cmd::LEAVE_MCAST => done(self.leave(fh, body, out, mem)),
+            // GET_OPTION has no handler in the kernel either.
             _ => done(Err(errno::ENOSYS)),
         }
     }

@@ -9,6 +9,7 @@
 //! - [`verbs`]: the VM's own RDMA device (the one whose GID is the pvcm GID), as
 //!   rdma_cm names it to librdmacm.
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
+//! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
 //!   or EINTR when it is fatal).
 //! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
@@ -21,6 +22,7 @@ pub mod cli;
 pub mod client;
 pub mod cma;
 pub mod cuse;
+pub mod mcast;
 pub mod server;
 pub mod signals;
 pub mod verbs;
