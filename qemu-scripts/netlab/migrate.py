@@ -241,13 +241,13 @@ class Lines:
 
 
 def log_time(log, pattern):
-    """The wall time of the first line of a backend log matching pattern (its RFC 3339
+    """The wall time of the last line of a backend log matching pattern (its RFC 3339
     timestamp), or None."""
     try:
         text = Path(log).read_text(errors="replace")
     except OSError:
         return None
-    for line in text.splitlines():
+    for line in reversed(text.splitlines()):
         if re.search(pattern, line):
             m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z", line)
             if m:
@@ -282,6 +282,7 @@ def migrate_once(vm, dest, timeout=180):
     wait until it ends. (status, query-migrate's last answer, host wall time it
     started, ended)."""
     q = Qmp(str(vm.qmp))
+    q.cmd("migrate-set-capabilities", capabilities=RETURN_PATH)
     vm.pause_share(hold=4)
     deadline = time.monotonic() + 30
     while True:
@@ -304,11 +305,26 @@ def migrate_once(vm, dest, timeout=180):
         time.sleep(0.05)
 
 
+# QEMU's return path: the destination tells the source whether it loaded the state
+# (SHUT with an error when a device's load failed, the pvcm device's included), and the
+# source fails the migration and runs the VM on, instead of completing and leaving it
+# paused with nowhere to run.
+RETURN_PATH = [{"capability": "return-path", "state": True}]
+
+
 def start_destination(lab, vm, socket, dev, tag):
+    """The destination QEMU (-incoming defer), the return path on, listening on a unix
+    socket; the Destination, with .uri."""
     uri = lab.workdir / f"mig.{tag}.sock"
     uri.unlink(missing_ok=True)
-    dest = lab.destination(vm, socket, dev, f"unix:{uri}", tag=tag)
+    dest = lab.destination(vm, socket, dev, "defer", tag=tag)
     dest.uri = uri
+    try:
+        q = Qmp(str(dest.qmp))
+        q.cmd("migrate-set-capabilities", capabilities=RETURN_PATH)
+        q.cmd("migrate-incoming", uri=f"unix:{uri}")
+    except (OSError, EOFError, RuntimeError) as e:
+        raise LabError(f"destination QEMU: {e}") from None
     for _ in range(300):
         if uri.exists():
             return dest
@@ -346,8 +362,10 @@ def failed_migration(lab, k, m, a_backend, v6):
         log = m.share_back(180)
     except LabError as e:
         log = str(e)
-    dest.proc.wait(30) if dest.proc.poll() is None else None
+    if dest.proc.poll() is None:
+        dest.proc.wait(30)
     lab.undivert(dest.tap, "pvcm-qp1c")
+    lab.host(f"ip link del {dest.tap}")
     alive = m.proc.poll() is None
     qs = Qmp(str(m.qmp)).cmd("query-status")
     result("a migration the destination refuses fails; the VM runs on at the source",
@@ -362,8 +380,8 @@ def failed_migration(lab, k, m, a_backend, v6):
         print(e)
     out = cli.text()
     result("rping m -> k across the refused migration: all 300 iterations, no error",
-           rc_c == 0 and rc_s == 0 and out.count("ping data:") == 300,
-           f"client rc {rc_c} ({out.count('ping data:')} lines), server rc {rc_s}")
+           rc_c == 0 and rc_s == 0 and pings(out) == 300 and "mismatch" not in out,
+           f"client rc {rc_c} ({pings(out)} iterations), server rc {rc_s}")
     attached = vm_attached(lab, a_backend, "m")
     result("the source backend holds the VM again (its state loaded back)", attached is True,
            f"attached {attached}")
@@ -429,8 +447,11 @@ def run(workdir, v6, failed, hold):
             time.sleep(0.5)
         m_cli = m.spawn(f"rping -c -a {kip} -v -V -C {n} -p 7701", local=True)
         k_cli = k.spawn(f"rping -c -a {mip} -v -V -C {n} -p 7702")
+        # pvcm-guest's connect through pvcm-guestd to an IPv6 peer is rejected (see
+        # docs/migration.md): the held connections run over IPv4 only.
+        held_n = 0 if v6 else HELD
         m_held = m.spawn(f"pvcm-guest cmtime --dest {kip} --port 7703 --connections {HELD} "
-                         f"--hold {hold + 20} --timeout {hold + 120}", local=True)
+                         f"--hold {hold + 20} --timeout {hold + 120}", local=True) if held_n else None
         loop = ("end=$(( $(cut -d. -f1 /proc/uptime) + {secs} )); i=0; bad=0; "
                 "while [ $(cut -d. -f1 /proc/uptime) -lt $end ]; do i=$((i + 1)); "
                 "cmtime -s {ip} -p {port} -c 5 >/tmp/loop.$$.out 2>&1 || "
@@ -441,15 +462,18 @@ def run(workdir, v6, failed, hold):
         watch = Lines([k_srv.output, k_cli.output], "ping data:").start()
         # Wait for the held connections (k's cm_ids on 7703) and rping's first lines.
         deadline = time.monotonic() + 120
-        held = 0
+        held = kheld = 0
         while time.monotonic() < deadline:
-            _, res = k.run("rdma res show cm_id", 30)
-            held = sum(1 for l in res.splitlines() if ":7703" in l and "CONNECT" in l)
-            if held >= HELD and k_cli.text().count("ping data:") > 10:
+            held = guestd(m).get("agent", {}).get("connections", 0)
+            if held >= held_n + 2 and pings(k_cli.text()) > 10:
                 break
             time.sleep(1)
-        result(f"{fam}: before the move, {HELD} held connections up at k and rping running",
-               held >= HELD, f"k's connected cm_ids on 7703: {held}")
+        _, res = k.run("rdma res show cm_id", 30)
+        kheld = sum(1 for l in res.splitlines() if "7703" in l and "LISTEN" not in l)
+        result(f"{fam}: before the move, {held_n} held connections up and rping running",
+               held >= held_n + 2 and kheld >= held_n,
+               f"pvcm-guestd's connections {held} (the held ones and rping's 2), k's cm_ids on "
+               f"port 7703 but its listener {kheld}")
         kc0, ga0 = kernel_cm(k), agent_retries(guestd(m))
         rx0 = {"k": rxe_counters(k), "m": rxe_counters(m)}
         sa0, sb0 = a.stat_json(), b.stat_json()
@@ -516,6 +540,8 @@ def run(workdir, v6, failed, hold):
                            ("m rping server", m_srv, 60), ("k rping server", k_srv, 60),
                            ("m cmtime loop", m_loop, 300), ("k cmtime loop", k_loop, 300),
                            ("m held", m_held, 300)):
+            if j is None:
+                continue
             try:
                 rcs[nm] = j.wait(tmo)
             except LabError as e:
@@ -541,12 +567,14 @@ def run(workdir, v6, failed, hold):
             before, after = watch.around(f, t_start, t_end)
             result(f"{fam}: rping {label} ran before and after the move", before > 0 and after > 0,
                    f"{before} iterations printed before, {after} after")
-        out_h = m_held.text()
-        result(f"{fam}: {HELD} connections set up before the move, held through it, torn "
-               "down from the destination",
-               rcs["m held"] == 0 and re.search(
-                   rf"connections {HELD} established {HELD} failed 0 disconnected {HELD}", out_h)
-               is not None, short(out_h, 200))
+        out_h = m_held.text() if m_held else ""
+        summary = re.search(r"connections \d+ established \d+ failed \d+ disconnected \d+", out_h)
+        if m_held:
+            result(f"{fam}: {HELD} connections set up before the move, held through it, torn "
+                   "down from the destination",
+                   rcs["m held"] == 0 and summary is not None and summary.group(0) ==
+                   f"connections {HELD} established {HELD} failed 0 disconnected {HELD}",
+                   f"rc {rcs['m held']}: " + (summary.group(0) if summary else short(out_h, 300)))
         for nm, j in (("m cmtime loop", m_loop), ("k cmtime loop", k_loop)):
             o = j.text()
             mm = re.search(r"loop runs=(\d+) failed=(\d+)", o)
@@ -574,7 +602,7 @@ def run(workdir, v6, failed, hold):
              f"rping -s -a {mip} -v -V -C 50 -p 7708", f"rping -c -a {mip} -v -V -C 50 -p 7708",
              lambda s: s.count("server ping data:") == 50, lambda c: c.count("ping data:") == 50)
         pair(f"{fam} after: ucmatose -c 20 -C 10 m -> k", k, m,
-             "ucmatose -c 20 -C 10", f"ucmatose -s {kip} -c 20 -C 10",
+             f"ucmatose -b {kip} -c 20 -C 10", f"ucmatose -s {kip} -c 20 -C 10",
              lambda s: "test complete" in s and "return status 0" in s,
              lambda c: "test complete" in c and "return status 0" in c)
         # Counters and figures.
