@@ -88,8 +88,8 @@ def delta(after, before):
 
 def kernel_cm(guest):
     """A kernel-CM guest's infiniband_cm retries and duplicates: {group: total}."""
-    _, out = guest.run("cd /sys/class/infiniband_cm/rxe0/1 2>/dev/null && "
-                       "grep -H . cm_tx_retries/* cm_rx_duplicates/* 2>/dev/null; true", 30)
+    _, out = guest.run("cd /sys/class/infiniband/rxe0/ports/1 && "
+                       "grep -H . cm_tx_retries/* cm_rx_duplicates/*", 30)
     tot = {}
     for line in out.splitlines():
         path, _, v = line.partition(":")
@@ -475,7 +475,9 @@ def run(workdir, v6, failed, hold):
                held >= held_n + 2 and kheld >= held_n,
                f"pvcm-guestd's connections {held} (the held ones and rping's 2), k's cm_ids on "
                f"port 7703 but its listener {kheld}")
-        kc0, ga0 = kernel_cm(k), agent_retries(guestd(m))
+        g0 = guestd(m)
+        kc0, ga0 = kernel_cm(k), agent_retries(g0)
+        (lab.workdir / "guestd.before.json").write_text(json.dumps(g0, indent=1))
         rx0 = {"k": rxe_counters(k), "m": rxe_counters(m)}
         sa0, sb0 = a.stat_json(), b.stat_json()
         # The destination: its tap diverted to B's device before its QEMU starts.
@@ -607,7 +609,9 @@ def run(workdir, v6, failed, hold):
              lambda s: "test complete" in s and "return status 0" in s,
              lambda c: "test complete" in c and "return status 0" in c)
         # Counters and figures.
-        kc1, ga1 = kernel_cm(k), agent_retries(guestd(m))
+        g1 = guestd(m)
+        kc1, ga1 = kernel_cm(k), agent_retries(g1)
+        (lab.workdir / "guestd.after.json").write_text(json.dumps(g1, indent=1))
         rx1 = {"k": rxe_counters(k), "m": rxe_counters(m)}
         rxd = {g: delta(rx1[g], rx0[g]) for g in rx1}
         sa2, sb2 = a.stat_json(), b.stat_json()
