@@ -402,6 +402,9 @@ def vm_attached(lab, backend, name):
 
 
 def run(workdir, v6, failed, hold):
+    """One family's lab: the programs, the move, the checks and the figures. One
+    function of about 280 lines: its steps run in the order the migration happens and
+    each check reads the times, counters and jobs of the steps before it."""
     fam = "IPv6" if v6 else "IPv4"
     kip, mip = (K6, M6) if v6 else (K, M)
     gid = M6 if v6 else f"::ffff:{M}"
