@@ -8,6 +8,7 @@ Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LI
        qemu-scripts/apps.sh --cli [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
        qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
                              [--idle-windows N]
+       qemu-scripts/apps.sh --migrate [--workdir DIR] [--only LIST] [--hold SECS] [--failed]
 
 Runs qemu-scripts/netlab/apps.py (python3 -m netlab.apps) as root: a kernel-CM guest
 (10.99.0.2) and two pvcm VMs (10.99.0.11, .12: the pvcm device on one pvcm-backend
@@ -51,6 +52,15 @@ PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
 netlab.cli_via_service): pvcm-guest's own commands in a pvcm VM going through
 pvcm-guestd (its default --via auto) against the kernel CM; sections 0-5 there.
 
+--migrate runs qemu-scripts/netlab/migrate.py instead (python3 -m netlab.migrate): a
+pvcm VM running rping both ways, 50 held connections and cmtime loops against the
+kernel-CM guest is live-migrated (QMP migrate) from one pvcm-backend to a second one
+with its own divert device and the destination QEMU's own tap on the bridge; the
+programs go on, the host side follows the VM, the source releases everything; it
+prints the figures (downtime, the CM's pause, rping's stall, retries). Sections: 4
+IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refuses;
+--hold SECS how long the runs around the move last (default 30).
+
 --bench runs qemu-scripts/netlab/bench.py instead (python3 -m netlab.bench): cmtime -c N
 between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
 drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
@@ -58,6 +68,9 @@ drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
 Options:
   --cli          pvcm-guest through the service (above)
   --bench        the benchmark (above)
+  --migrate      the live migration suite (above)
+  --failed       (--migrate) a refused migration first
+  --hold SECS    (--migrate) how long the runs around the move last
   --rounds N     benchmark rounds of both pairs (default 2)
   --idle SECS    benchmark idle-cost window (default 20; 0 skips it)
   --idle-windows N  benchmark idle-cost windows of each state (default 4)
@@ -73,16 +86,20 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=() module=netlab.apps
-# pass_on OPTION VALUE: an option for the Python suite (--pcap: tshark reads the capture).
+# pass_on OPTION [VALUE]: an option for the Python suite (--pcap: tshark reads the
+# capture).
 pass_on() {
     if [ "$1" = --pcap ]; then apt_install tshark; fi
-    args+=("$1" "$2")
+    args+=("$@")
 }
-parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service '--workdir=pass_on()' \
+parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
+    --migrate:module=netlab.migrate '--failed:pass_on()' '--workdir=pass_on()' \
     '--pcap=pass_on()' '--conns=pass_on()' '--only=pass_on()' '--rounds=pass_on()' '--idle=pass_on()' \
-    '--idle-windows=pass_on()' -- "$@"
+    '--idle-windows=pass_on()' '--hold=pass_on()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
+# --migrate captures k's tap (rping's data frames: the stall across the move).
+[ "$module" = netlab.migrate ] && apt_install tcpdump
 echo "== build (cached)"
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 # The pvcm VMs run what the pvcm-guest package installs: the package goes into the
@@ -128,5 +145,6 @@ results_report "$lines"
 rm -f "$lines"
 suite=apps
 [ "$module" = netlab.cli_via_service ] && suite=cli_via_service
+[ "$module" = netlab.migrate ] && suite=migrate
 echo "$suite: $results_passed passed, $results_failed failed"
 [ "$results_failed" = 0 ]

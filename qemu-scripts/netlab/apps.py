@@ -103,9 +103,10 @@ def pair_backend(lab):
     return backend, sa, sb
 
 
-def start_guestd(vm):
+def start_guestd(vm, local=False):
     """pvcm-guestd in a pvcm VM, as the pvcm-guest package's systemd unit starts it (its
-    EnvironmentFile and ExecStart; the image has no systemd); waits for the node."""
+    EnvironmentFile and ExecStart; the image has no systemd); waits for the node. local:
+    its job and log in the guest's own files (/run/guestd.log), none in the share."""
     out = vm.check(f"grep -E '^(ExecStart|EnvironmentFile)=' {UNIT}")
     start = re.search(r"^ExecStart=(.*)$", out, re.M)
     env = re.search(r"^EnvironmentFile=-?(.*)$", out, re.M)
@@ -116,15 +117,16 @@ def start_guestd(vm):
         cmd = f"[ -f {env.group(1)} ] && . {env.group(1)}; exec {cmd}"
     else:
         cmd = f"exec {cmd}"
-    job = vm.spawn(f"{cmd} >/host/guestd.{vm.name}.log 2>&1")
+    log = "/run/guestd.log" if local else f"/host/guestd.{vm.name}.log"
+    job = vm.spawn(f"{cmd} >{log} 2>&1", local=local)
     deadline = time.monotonic() + 90
     while True:
         rc, _ = vm.run("[ -c /dev/infiniband/rdma_cm ] && [ -S /run/pvcm-guestd.sock ]", 30)
         if rc == 0:
             return job
         if job.done() or time.monotonic() > deadline:
-            log = (vm.lab.share / f"guestd.{vm.name}.log").read_text(errors="replace")
-            raise LabError(f"{vm.name}: pvcm-guestd did not come up: {log[-1500:]}")
+            text = vm.run(f"cat {log}", 30)[1]
+            raise LabError(f"{vm.name}: pvcm-guestd did not come up: {text[-1500:]}")
         time.sleep(0.5)
 
 

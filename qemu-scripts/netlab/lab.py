@@ -171,6 +171,54 @@ class Job:
         self.guest.run(f"kill -{sig} -{pid} 2>/dev/null || kill -{sig} {pid} 2>/dev/null; true", 30)
 
 
+class LocalJob(Job):
+    """A job whose script, output and exit status live in the guest (/run/jobs), not in
+    the share: it holds no file of the 9p mount, so it goes on while the share is
+    unmounted (a live migration, Guest.pause_share). Read through Guest.run."""
+
+    def __init__(self, guest, jid):
+        self.guest = guest
+        self.jid = jid
+        self.base = f"/run/jobs/{guest.name}.{jid}"
+        self.output = None
+
+    def done(self):
+        return self.guest.run(f"[ -e {self.base}.rc ]", 30)[0] == 0
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            _, out = self.guest.run(f"cat {self.base}.rc 2>/dev/null", 30)
+            if out.strip():
+                return int(out.strip() or "255")
+            if time.monotonic() > deadline:
+                raise LabError(
+                    f"{self.guest.name}: job {self.jid} still running after {timeout} s; "
+                    f"output:\n{self.text()[-2000:]}")
+            time.sleep(0.5)
+
+    def text(self):
+        return self.guest.run(f"cat {self.base}.out 2>/dev/null", 60)[1]
+
+    def kill(self, sig="TERM"):
+        b = self.base
+        self.guest.run(f"[ -e {b}.rc ] || {{ p=$(cat {b}.pid 2>/dev/null) && "
+                       f"{{ kill -{sig} -$p 2>/dev/null || kill -{sig} $p 2>/dev/null; }}; }}; true",
+                       30)
+
+
+class Destination:
+    """A migration destination's QEMU (Lab.destination): its process, tap, console,
+    QMP socket and divert device."""
+
+    def __init__(self, proc, tap, console, qmp, dev):
+        self.proc = proc
+        self.tap = tap
+        self.console = console
+        self.qmp = qmp
+        self.dev = dev
+
+
 class Guest:
     """A VM on the lab's bridge that runs the RDMA image's agent. `run` and `spawn`
     hand it shell commands (dash) through the 9p share."""
@@ -185,9 +233,19 @@ class Guest:
         self.tap = tap
         self.console = console
         self.cm = cm
+        self.qmp = None
+        self.qemu_args = None
         self.proc = None
         self._seq = 0
         self._lock = threading.Lock()
+
+    def move_to(self, dest):
+        """The guest runs in dest's QEMU now (its migration completed): the source's
+        QEMU is kept for the lab to stop at exit; returns it and its tap."""
+        old = (self.proc, self.tap)
+        self.lab._procs.append(self.proc)
+        self.proc, self.tap, self.console, self.qmp = dest.proc, dest.tap, dest.console, dest.qmp
+        return old
 
     @property
     def pid(self):
@@ -253,19 +311,60 @@ class Guest:
             raise LabError(f"{self.name}: {cmd!r} exited {rc}:\n{out[-2000:]}")
         return out
 
-    def spawn(self, cmd):
-        """Start cmd (sh) in the background, in a session of its own; a Job."""
+    def spawn(self, cmd, local=False):
+        """Start cmd (sh) in the background, in a session of its own; a Job. local: its
+        files in the guest (a LocalJob), so that it holds nothing on the share."""
         with self._lock:
             self._seq += 1
             jid = self._seq
         jobs = self.lab.share / "jobs"
         jobs.mkdir(exist_ok=True)
         g = f"/host/jobs/{self.name}.{jid}"
+        if local:
+            b = f"/run/jobs/{self.name}.{jid}"
+            (jobs / f"{self.name}.{jid}.sh").write_text(f"echo $$ >{b}.pid\n{cmd}\n")
+            (jobs / f"{self.name}.{jid}.wrap").write_text(
+                f"setsid sh {b}.sh >{b}.out 2>&1 </dev/null\necho $? >{b}.rc.tmp\n"
+                f"mv {b}.rc.tmp {b}.rc\n")
+            # The wrapper is a program of its own (sh execs), so it keeps no descriptor
+            # of the request's file on the share open.
+            self.check(f"mkdir -p /run/jobs && cp {g}.sh {b}.sh && cp {g}.wrap {b}.wrap && "
+                       f"{{ sh {b}.wrap >/dev/null 2>&1 </dev/null & }}", 60)
+            return LocalJob(self, jid)
         (jobs / f"{self.name}.{jid}.sh").write_text(f"echo $$ >{g}.pid\n{cmd}\n")
         self._request(
             f"( setsid sh {g}.sh >{g}.out 2>&1 </dev/null; echo $? >{g}.rc.tmp; "
             f"mv {g}.rc.tmp {g}.rc ) >/dev/null 2>&1 </dev/null &", "spawn")
         return Job(self, jid)
+
+    def pause_share(self, hold):
+        """Unmount the share in the guest, for a live migration: QEMU refuses to migrate
+        while a virtio-9p export is mounted, and adds that blocker back when the guest
+        mounts it, refusing the mount while a migration runs. So the guest unmounts it
+        (retrying while a request of the agent touches it), waits hold seconds, then
+        mounts it again, every 0.5 s until QEMU lets it: on the destination once the
+        migration completed, or on the source if it failed. Meanwhile the agent serves
+        nothing (its requests are in the share) and nothing may hold a file there: run
+        what must go on with spawn(local=True), and log to the guest's own files.
+        share_back() waits for the agent."""
+        script = (
+            "sleep 0.5\ni=0\n"
+            "until umount /host 2>/dev/null; do i=$((i + 1)); "
+            "if [ $i -ge 300 ]; then echo 'umount /host failed'; grep ' /host ' /proc/mounts; "
+            "exit 1; fi; sleep 0.1; done\n"
+            "echo \"unmounted $(cut -d' ' -f1 /proc/uptime)\"\n"
+            f"sleep {hold}\nn=0\n"
+            f"until mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 {SHARE_TAG} /host "
+            "2>/dev/null; do n=$((n + 1)); sleep 0.5; done\n"
+            "echo \"mounted $(cut -d' ' -f1 /proc/uptime) after $n refused\"\n")
+        (self.lab.share / f"share-pause.{self.name}.sh").write_text(script)
+        # sh execs: the pause keeps no descriptor of the request's file open.
+        self.check(f"cp /host/share-pause.{self.name}.sh /run/share-pause.sh && "
+                   "{ setsid sh /run/share-pause.sh >/run/share-pause.log 2>&1 </dev/null & }", 60)
+
+    def share_back(self, timeout=120):
+        """Wait until the agent answers again after pause_share; the pause's log."""
+        return self.check("cat /run/share-pause.log", timeout)
 
     def wait_file(self, path, timeout=60):
         """Wait until path exists in the guest (a path under /host is watched from
@@ -493,27 +592,25 @@ class Lab:
         return tap
 
     def guest(self, name, ip, ip6=None, cm="kernel", socket=None, divert=False,
-              boot_timeout=180, mem="512M", append="", wait=True):
+              boot_timeout=180, mem="512M", append="", wait=True, qmp=None):
         """Boot a guest of the RDMA image on br0 (rxe on eth0, agent mode) and wait for
         its agent (unless wait=False: then call its wait_ready). cm: "kernel" (the
         kernel CM loaded), "pvcm" (kept out), None; socket: a pvcm-backend vhost-user
         socket to attach the pvcm device to; divert: install the QP1 divert of its tap
-        to pvcm-qp1 before it boots; append: more kernel command line."""
+        to pvcm-qp1 before it boots; append: more kernel command line; qmp: a path for
+        QEMU's QMP monitor (Guest.qmp)."""
         if name in self.guests:
             raise LabError(f"guest {name} exists")
         ip = ip.split("/")[0]
         ips = [f"{ip}/24"] + ([ip6 if "/" in ip6 else f"{ip6}/64"] if ip6 else [])
         ip6 = ip6.split("/")[0] if ip6 else None
         tap = self._tap()
-        if divert:
-            # Both directions: its QP1 frames to pvcm-qp1, and what it sends checked
-            # (its MAC and addresses only; its own QP1 frames stopped).
-            own = " ".join([ip] + ([ip6] if ip6 else []) + ["fe80::/64"])
-            self.host(f"bash {SCRIPTS / 'qp1-divert.sh'} add {tap} {DIVERT_DEV} "
-                      f"{mac_of(ip)} {own}", check=True)
         console = self.workdir / f"{name}.console.log"
         console.unlink(missing_ok=True)
         g = Guest(self, name, ip, ip6, tap, console, cm)
+        g.qmp = qmp
+        if divert:
+            self.divert(g, tap, DIVERT_DEV)
         image = Path(rdma_image())
         kcmd = ["console=ttyS0", "panic=-1", "hugepages=64" if socket else "hugepages=0",
                 f"pvcm.ip={','.join(ips)}", "pvcm.rxe=1", f"pvcm.share={SHARE_TAG}",
@@ -527,14 +624,26 @@ class Lab:
         if append:
             kcmd.append(append)
         kernel = image / "vmlinux" if (image / "vmlinux").exists() else image / "vmlinuz"
-        argv = [qemu_path(), "-name", name, "-nodefaults", "-no-user-config", "-nographic",
+        g.qemu_args = (str(kernel), str(image / "initramfs.img"), " ".join(kcmd), mem)
+        argv = self._qemu_argv(g, tap, console, socket, qmp)
+        g.proc = self._popen_ns(argv, f"{console}.qemu-stderr")
+        self.guests[name] = g
+        if wait:
+            g.wait_ready(boot_timeout)
+        return g
+
+    def _qemu_argv(self, g, tap, console, socket, qmp, incoming=None):
+        """QEMU's command line for guest g on tap, its pvcm device (if any) on socket,
+        its QMP monitor (if any) at qmp; incoming: -incoming's URI (a migration's
+        destination)."""
+        kernel, initrd, append, mem = g.qemu_args
+        argv = [qemu_path(), "-name", g.name, "-nodefaults", "-no-user-config", "-nographic",
                 "-no-reboot", "-accel", "tcg",
                 "-machine", "q35,memory-backend=mem",
                 "-object", f"memory-backend-memfd,id=mem,size={mem},share=on",
                 "-m", mem, "-smp", "1",
                 "-serial", f"file:{console}", "-monitor", "none",
-                "-kernel", str(kernel), "-initrd", str(image / "initramfs.img"),
-                "-append", " ".join(kcmd),
+                "-kernel", kernel, "-initrd", initrd, "-append", append,
                 "-netdev", f"tap,id=n0,ifname={tap},script=no,downscript=no",
                 "-device", f"virtio-net-pci,netdev=n0,mac={g.mac},romfile=",
                 "-virtfs", f"local,path={self.share},mount_tag={SHARE_TAG},"
@@ -544,11 +653,39 @@ class Lab:
             argv += ["-chardev", f"socket,id=pvcm,path={socket},reconnect-ms=1000",
                      "-device", "vhost-user-device-pci,chardev=pvcm,virtio-id=63,num_vqs=2,"
                                 "vq_size=1024,config_size=8"]
-        g.proc = self._popen_ns(argv, f"{console}.qemu-stderr")
-        self.guests[name] = g
-        if wait:
-            g.wait_ready(boot_timeout)
-        return g
+        if qmp:
+            argv += ["-qmp", f"unix:{qmp},server=on,wait=off"]
+        if incoming:
+            argv += ["-incoming", incoming]
+        return argv
+
+    def divert(self, g, tap, dev):
+        """Install guest g's QP1 divert on tap, to dev (qp1-divert.sh add): both
+        directions, its QP1 frames to dev, and what it sends checked (its MAC and
+        addresses only; its own QP1 frames stopped)."""
+        own = " ".join([g.ip] + ([g.ip6] if g.ip6 else []) + ["fe80::/64"])
+        self.host(f"bash {SCRIPTS / 'qp1-divert.sh'} add {tap} {dev} {g.mac} {own}",
+                  check=True)
+
+    def undivert(self, tap, dev):
+        """Remove a tap's QP1 divert (qp1-divert.sh del; the tap may be gone)."""
+        self.host(f"bash {SCRIPTS / 'qp1-divert.sh'} del {tap} {dev}", check=True)
+
+    def destination(self, g, socket, dev, uri, tag="dst"):
+        """A live migration's destination for guest g, as a second host would run it:
+        a tap of its own on br0 with g's QP1 divert to dev (installed before QEMU
+        starts), and QEMU with g's machine, its pvcm device on socket (the destination
+        backend's), QMP at workdir/NAME.TAG.qmp, waiting on -incoming uri. Returns a
+        Destination; Guest.move_to() makes g that QEMU once the migration completed."""
+        tap = self._tap()
+        self.divert(g, tap, dev)
+        console = self.workdir / f"{g.name}.{tag}.console.log"
+        console.unlink(missing_ok=True)
+        qmp = self.workdir / f"{g.name}.{tag}.qmp"
+        qmp.unlink(missing_ok=True)
+        argv = self._qemu_argv(g, tap, console, socket, qmp, incoming=uri)
+        proc = self._popen_ns(argv, f"{console}.qemu-stderr")
+        return Destination(proc, tap, console, qmp, dev)
 
     def kernel_guest(self, name, ip, ip6=None, **kw):
         """A kernel-CM peer: the RDMA image with pvcm.cm=kernel pvcm.rxe=1, agent mode."""
