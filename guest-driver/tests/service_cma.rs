@@ -398,29 +398,34 @@ fn set_int_option(vm: &mut Vm, fh: Fh, id: u32, level: u32, name: u32, v: u32) -
     set_option(vm, fh, id, level, name, &v.to_ne_bytes())
 }
 
+/// A new TCP id of `fh`, given an id-level u8 option if any, resolved to 10.99.0.12 and
+/// routed: the first path of its QUERY_ROUTE (`struct ib_user_path_rec`, from byte 8 of
+/// `struct rdma_ucm_query_route_resp`).
+fn routed_path(c: &mut Vm, fh: Fh, option: Option<(u32, u8)>) -> Vec<u8> {
+    let id = c.create_id(fh, 5, ps::TCP);
+    if let Some((name, v)) = option {
+        let level = abi::opt::LEVEL_ID;
+        assert_eq!(
+            set_option(c, fh, id, level, name, &[v]),
+            Outcome::Done(Ok(()))
+        );
+    }
+    c.resolve_ip(fh, id, "10.99.0.12:7471");
+    c.expect_event(fh, event::ADDR_RESOLVED);
+    c.id_arg(fh, cmd::RESOLVE_ROUTE, id, 0);
+    c.expect_event(fh, event::ROUTE_RESOLVED);
+    c.query_route(fh, id)[8..].to_vec()
+}
+
 /// RDMA_OPTION_ID_ACK_TIMEOUT sets the route's packet lifetime to the timeout less one
 /// (cma_resolve_iboe_route), seen in QUERY_ROUTE's path; without it, rdma_cm's 16.
 #[test]
 fn ack_timeout_sets_the_routes_packet_lifetime() {
     let mut c = Vm::new(11);
     let cf = c.cma.open();
-    let mut lifetime = |ack: Option<u8>| {
-        let id = c.create_id(cf, 5, ps::TCP);
-        if let Some(t) = ack {
-            let (level, name) = (abi::opt::LEVEL_ID, abi::opt::ID_ACK_TIMEOUT);
-            assert_eq!(
-                set_option(&mut c, cf, id, level, name, &[t]),
-                Outcome::Done(Ok(()))
-            );
-        }
-        c.resolve_ip(cf, id, "10.99.0.12:7471");
-        c.expect_event(cf, event::ADDR_RESOLVED);
-        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
-        c.expect_event(cf, event::ROUTE_RESOLVED);
-        // struct rdma_ucm_query_route_resp: the first path from byte 8; its
-        // packet_life_time at 62.
-        c.query_route(cf, id)[8 + 62]
-    };
+    // The path's packet_life_time, at 62 in it.
+    let mut lifetime =
+        |ack: Option<u8>| routed_path(&mut c, cf, ack.map(|t| (abi::opt::ID_ACK_TIMEOUT, t)))[62];
     assert_eq!(lifetime(None), 16);
     assert_eq!(lifetime(Some(14)), 13);
     assert_eq!(lifetime(Some(0)), 16, "0 is not a timeout");
@@ -594,22 +599,9 @@ fn default_roce_tos_applies_to_ids_without_a_tos() {
         77,
     );
     let cf = c.cma.open();
-    let mut traffic_class = |tos: Option<u8>| {
-        let id = c.create_id(cf, 5, ps::TCP);
-        if let Some(t) = tos {
-            let (level, name) = (abi::opt::LEVEL_ID, abi::opt::ID_TOS);
-            assert_eq!(
-                set_option(&mut c, cf, id, level, name, &[t]),
-                Outcome::Done(Ok(()))
-            );
-        }
-        c.resolve_ip(cf, id, "10.99.0.12:7471");
-        c.expect_event(cf, event::ADDR_RESOLVED);
-        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
-        c.expect_event(cf, event::ROUTE_RESOLVED);
-        // The first path's traffic_class, at 55 in it.
-        c.query_route(cf, id)[8 + 55]
-    };
+    // The path's traffic_class, at 55 in it.
+    let mut traffic_class =
+        |tos: Option<u8>| routed_path(&mut c, cf, tos.map(|t| (abi::opt::ID_TOS, t)))[55];
     assert_eq!(traffic_class(None), 0x60);
     assert_eq!(traffic_class(Some(0x20)), 0x20);
 }
