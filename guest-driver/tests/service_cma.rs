@@ -476,24 +476,8 @@ fn a_failed_accept_rejects() {
     let (mut c, mut s) = (Vm::new(11), Vm::new(12));
     let (cf, _, sf, child) = one_request(&mut c, &mut s);
     s.conn(sf, cmd::ACCEPT, child, 0x200, true, 16);
-    let mut b = vec![0u8; 296];
-    b[0..8].copy_from_slice(&0x5eedu64.to_ne_bytes());
-    abi::ConnParam {
-        qp_num: 0x200,
-        qkey: 0,
-        private_data: vec![0xab; 8],
-        srq: false,
-        responder_resources: 1,
-        initiator_depth: 1,
-        flow_control: false,
-        retry_count: 7,
-        rnr_retry_count: 7,
-        valid: true,
-    }
-    .emit(&mut b[8..280]);
-    b[280..284].copy_from_slice(&child.to_ne_bytes());
     assert_eq!(
-        s.write(sf, cmd::ACCEPT, &b, 0),
+        s.conn_with(sf, cmd::ACCEPT, child, 0x200, true, 16, (7, 7)),
         Outcome::Done(Err(errno::EINVAL))
     );
     exchange(&mut c, &mut s);
@@ -540,22 +524,8 @@ fn connect_clamps_retry_counts() {
     c.expect_event(cf, event::ADDR_RESOLVED);
     c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0);
     c.expect_event(cf, event::ROUTE_RESOLVED);
-    let mut b = vec![0u8; 280];
-    abi::ConnParam {
-        qp_num: 0x100,
-        qkey: 0,
-        private_data: vec![0xab; 8],
-        srq: false,
-        responder_resources: 1,
-        initiator_depth: 1,
-        flow_control: false,
-        retry_count: 9,
-        rnr_retry_count: 15,
-        valid: true,
-    }
-    .emit(&mut b[..272]);
-    b[272..276].copy_from_slice(&id.to_ne_bytes());
-    c.ok(cf, cmd::CONNECT, &b, 0);
+    let o = c.conn_with(cf, cmd::CONNECT, id, 0x100, true, 8, (9, 15));
+    assert_eq!(o, Outcome::Done(Ok(())));
     exchange(&mut c, &mut s);
     let e = s.expect_event(sf, event::CONNECT_REQUEST);
     // struct rdma_ucm_event_resp: the conn param from byte 20; retry counts at 269, 270.

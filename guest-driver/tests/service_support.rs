@@ -191,6 +191,23 @@ impl Vm {
     }
 
     pub fn conn(&mut self, fh: Fh, c: u32, id: u32, qpn: u32, valid: bool, extra: usize) {
+        let o = self.conn_with(fh, c, id, qpn, valid, extra, (7, 7));
+        assert_eq!(o, Outcome::Done(Ok(())), "{}", cmd::name(c));
+    }
+
+    /// CONNECT or ACCEPT with a conn_param (`retries`: retry and RNR retry counts), its
+    /// outcome as it is.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conn_with(
+        &mut self,
+        fh: Fh,
+        c: u32,
+        id: u32,
+        qpn: u32,
+        valid: bool,
+        extra: usize,
+        retries: (u8, u8),
+    ) -> Outcome {
         let mut b = vec![0u8; 280 + extra];
         let off = if c == cmd::ACCEPT { 8 } else { 0 };
         ConnParam {
@@ -201,8 +218,8 @@ impl Vm {
             responder_resources: 1,
             initiator_depth: 1,
             flow_control: false,
-            retry_count: 7,
-            rnr_retry_count: 7,
+            retry_count: retries.0,
+            rnr_retry_count: retries.1,
             valid,
         }
         .emit(&mut b[off..off + 272]);
@@ -212,7 +229,7 @@ impl Vm {
         } else {
             put_u32(&mut b, 272, id);
         }
-        self.ok(fh, c, &b, 0);
+        self.write(fh, c, &b, 0)
     }
 
     pub fn destroy(&mut self, fh: Fh, id: u32) -> u32 {
