@@ -8,6 +8,7 @@
 //! - [`caller`]: the calling process's memory, where answers go.
 //! - [`verbs`]: the VM's own RDMA device (the one whose GID is the pvcm GID), as
 //!   rdma_cm names it to librdmacm.
+//! - [`nldev`]: the RDMA devices the kernel has registered (RDMA netlink).
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
 //! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
@@ -23,6 +24,7 @@ pub mod client;
 pub mod cma;
 pub mod cuse;
 pub mod mcast;
+pub mod nldev;
 pub mod server;
 pub mod signals;
 pub mod verbs;

@@ -8,7 +8,14 @@
 //! pvcm GID. [`RdmaPort::find`] reads it from sysfs:
 //! `class/infiniband/DEV/node_guid`, `ports/N/gids/I`, `ports/N/gid_attrs/types/I`
 //! (`RoCE v2`), `ports/N/gid_attrs/ndevs/I` (the netdev), and the netdev's `mtu`.
+//!
+//! The device, its GID table and the netdev's MTU change while the service runs (rxe
+//! removed and added again, a VF hot-plugged around a migration, an address taken off
+//! and put back): [`PortView::read`] reads them again, among the devices the kernel
+//! has registered (`nldev.rs`), with the VM's other RoCE v2 addresses and the netdev's
+//! link, for the rdma_cm layer to follow (`Cma::update_port`).
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -116,10 +123,277 @@ pub fn gid_addr(gid: Gid) -> Option<IpAddr> {
     }
 }
 
+/// The RDMA devices under `sysfs` (path and name), sorted, limited to `only` when given.
+fn sysfs_devices(sysfs: &Path, only: Option<&BTreeSet<String>>) -> Vec<(PathBuf, String)> {
+    let Ok(rd) = fs::read_dir(sysfs.join("class/infiniband")) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(PathBuf, String)> = rd
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().to_str()?.to_string();
+            Some((e.path(), name))
+        })
+        .filter(|(_, n)| only.is_none_or(|o| o.contains(n)))
+        .collect();
+    v.sort();
+    v
+}
+
+/// A device's ports (path and number), sorted.
+fn ports(dev: &Path) -> Vec<(PathBuf, u8)> {
+    let Ok(rd) = fs::read_dir(dev.join("ports")) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(PathBuf, u8)> = rd
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let n = e.file_name().to_str()?.parse::<u8>().ok()?;
+            Some((e.path(), n))
+        })
+        .collect();
+    v.sort_by_key(|p| p.1);
+    v
+}
+
+/// One RoCE v2 entry of a port's GID table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GidEntry {
+    index: u16,
+    gid: Gid,
+    netdev: String,
+}
+
+/// The RoCE v2 entries of a port's GID table, by index.
+fn roce_v2_entries(port: &Path) -> Vec<GidEntry> {
+    let Ok(gids) = fs::read_dir(port.join("gids")) else {
+        return Vec::new();
+    };
+    let mut idx: Vec<u16> = gids
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    idx.sort_unstable();
+    idx.into_iter()
+        .filter_map(|i| {
+            let gid =
+                read_trim(&port.join(format!("gids/{i}"))).and_then(|s| parse_sysfs_gid(&s))?;
+            if gid.0 == [0; 16] {
+                return None;
+            }
+            let ty = read_trim(&port.join(format!("gid_attrs/types/{i}")))?;
+            if !ty.eq_ignore_ascii_case("RoCE v2") {
+                return None;
+            }
+            let netdev = read_trim(&port.join(format!("gid_attrs/ndevs/{i}"))).unwrap_or_default();
+            Some(GidEntry {
+                index: i,
+                gid,
+                netdev,
+            })
+        })
+        .collect()
+}
+
+/// A netdev's link layer: its hardware address and whether it is a bond (the kernel's
+/// rdma_cm reports a bond's failover to the ids bound to it, `ADDR_CHANGE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    /// The hardware address (`class/net/NETDEV/address`).
+    pub hw_addr: String,
+    /// A bond master (`class/net/NETDEV/bonding` exists).
+    pub bond: bool,
+}
+
+impl Link {
+    /// The link of `netdev` under `sysfs`; `None` when the netdev is not there.
+    pub fn read(sysfs: &Path, netdev: &str) -> Option<Link> {
+        if netdev.is_empty() {
+            return None;
+        }
+        let dir = sysfs.join("class/net").join(netdev);
+        Some(Link {
+            hw_addr: read_trim(&dir.join("address"))?,
+            bond: dir.join("bonding").is_dir(),
+        })
+    }
+}
+
+/// The VM's RDMA side as it is now, for the pvcm GID: what the service re-reads while
+/// it runs ([`PortView::read`]) and hands to the rdma_cm layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortView {
+    /// The registered RDMA devices.
+    pub devices: BTreeSet<String>,
+    /// The port whose GID table holds the pvcm GID as RoCE v2, among them.
+    pub port: Option<RdmaPort>,
+    /// The link of that port's netdev.
+    pub link: Option<Link>,
+    /// The addresses of the other RoCE v2 GIDs of those devices: the VM's other
+    /// addresses, which the pvcm device does not serve.
+    pub other_addrs: BTreeSet<IpAddr>,
+}
+
+impl PortView {
+    /// Reads the view under `sysfs` for `gid`; `devices` are the registered devices
+    /// (RDMA netlink), or `None` to take every device sysfs lists.
+    pub fn read(sysfs: &Path, gid: Gid, devices: Option<BTreeSet<String>>) -> PortView {
+        let listed = sysfs_devices(sysfs, devices.as_ref());
+        let port = RdmaPort::find_among(sysfs, gid, devices.as_ref()).ok();
+        let link = port.as_ref().and_then(|p| Link::read(sysfs, &p.netdev));
+        let other_addrs = listed
+            .iter()
+            .flat_map(|(dev, _)| ports(dev))
+            .flat_map(|(p, _)| roce_v2_entries(&p))
+            .filter(|e| e.gid != gid)
+            .filter_map(|e| gid_addr(e.gid))
+            .collect();
+        PortView {
+            devices: devices.unwrap_or_else(|| listed.into_iter().map(|(_, n)| n).collect()),
+            port,
+            link,
+            other_addrs,
+        }
+    }
+}
+
+/// What the service watches while it runs: the VM's RDMA side for the pvcm GID.
+///
+/// A GID table is long (rxe's has 1024 entries, a file each), so it is read again only
+/// when a cheap look says something moved: the registered devices (RDMA netlink), the
+/// VM's interface addresses and hardware addresses (`getifaddrs`), the port's
+/// netdev's MTU. The kernel fills a GID table a moment after an address changes, so
+/// after a move the table is read again for [`SETTLE`] more looks.
+#[derive(Debug, Clone)]
+pub struct PortWatch {
+    /// Where sysfs is.
+    pub sysfs: PathBuf,
+    /// The pvcm GID.
+    pub gid: Gid,
+    /// How often to look.
+    pub every: std::time::Duration,
+    last: Option<Fingerprint>,
+    settle: u32,
+    netdev: String,
+}
+
+/// Looks after a move during which the GID table is read again.
+pub const SETTLE: u32 = 6;
+
+/// The cheap look: what moves when the device, an address or the link changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fingerprint {
+    devices: Option<BTreeSet<String>>,
+    addrs: Vec<(String, String)>,
+    mtu: Option<String>,
+}
+
+impl PortWatch {
+    /// Watches the port of `gid` under `sysfs`, looking every `every`.
+    pub fn new(sysfs: PathBuf, gid: Gid, every: std::time::Duration) -> PortWatch {
+        PortWatch {
+            sysfs,
+            gid,
+            every,
+            last: None,
+            settle: 0,
+            netdev: String::new(),
+        }
+    }
+
+    /// The view now when something may have moved since the last look, `None` when
+    /// nothing did. The devices are those RDMA netlink lists as registered, or every
+    /// device sysfs lists when netlink cannot be asked.
+    pub fn view(&mut self) -> Option<PortView> {
+        let devices = match super::nldev::registered_devices() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::debug!(error = %e, "RDMA netlink: taking the devices sysfs lists");
+                None
+            }
+        };
+        let f = Fingerprint {
+            devices: devices.clone(),
+            addrs: interface_addrs(),
+            mtu: read_trim(&self.sysfs.join(format!("class/net/{}/mtu", self.netdev))),
+        };
+        if self.last.as_ref() != Some(&f) {
+            self.settle = SETTLE;
+        } else if self.settle == 0 {
+            return None;
+        } else {
+            self.settle -= 1;
+        }
+        self.last = Some(f);
+        let v = PortView::read(&self.sysfs, self.gid, devices);
+        if let Some(p) = &v.port {
+            self.netdev.clone_from(&p.netdev);
+        }
+        Some(v)
+    }
+}
+
+/// The VM's interfaces' addresses and hardware addresses (`getifaddrs`), as text, sorted.
+fn interface_addrs() -> Vec<(String, String)> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list head to the pointer it is given, or fails.
+    if unsafe { libc::getifaddrs(&raw mut head) } != 0 {
+        return Vec::new();
+    }
+    let mut v = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is an element of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: the name is a NUL-terminated string of the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `ifa_addr` is non-null and points at a sockaddr of the family it
+        // names; each arm reads the structure of that family.
+        let addr = unsafe {
+            match i32::from((*ifa.ifa_addr).sa_family) {
+                libc::AF_INET => {
+                    let a = &*ifa.ifa_addr.cast::<libc::sockaddr_in>();
+                    std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)).to_string()
+                }
+                libc::AF_INET6 => {
+                    let a = &*ifa.ifa_addr.cast::<libc::sockaddr_in6>();
+                    std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).to_string()
+                }
+                libc::AF_PACKET => {
+                    let a = &*ifa.ifa_addr.cast::<libc::sockaddr_ll>();
+                    let n = usize::from(a.sll_halen).min(a.sll_addr.len());
+                    a.sll_addr[..n].iter().map(|b| format!("{b:02x}")).collect()
+                }
+                _ => continue,
+            }
+        };
+        v.push((name, addr));
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once, after the last use.
+    unsafe { libc::freeifaddrs(head) };
+    v.sort();
+    v
+}
+
 impl RdmaPort {
     /// Finds the port whose GID table has `gid` as a RoCE v2 entry, under `sysfs`
-    /// (normally `/sys`).
+    /// (normally `/sys`), among every device sysfs lists.
     pub fn find(sysfs: &Path, gid: Gid) -> Result<RdmaPort, PortError> {
+        Self::find_among(sysfs, gid, None)
+    }
+
+    /// [`RdmaPort::find`] among the devices named in `devices` only (the registered
+    /// ones), or every device sysfs lists when `None`.
+    pub fn find_among(
+        sysfs: &Path,
+        gid: Gid,
+        devices: Option<&BTreeSet<String>>,
+    ) -> Result<RdmaPort, PortError> {
         let addr = gid_addr(gid).ok_or(PortError::NotIp(gid))?;
         let ib = sysfs.join("class/infiniband");
         let not_found = || PortError::NotFound {
@@ -127,88 +401,43 @@ impl RdmaPort {
             gid,
             addr: addr.to_string(),
         };
-        let mut devices: Vec<PathBuf> = fs::read_dir(&ib)
-            .map_err(|_| not_found())?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .collect();
-        devices.sort();
-        for dev in devices {
-            let Some(name) = dev.file_name().map(|n| n.to_string_lossy().into_owned()) else {
-                continue;
-            };
-            let Ok(ports) = fs::read_dir(dev.join("ports")) else {
-                continue;
-            };
-            let mut ports: Vec<PathBuf> = ports.filter_map(|e| e.ok().map(|e| e.path())).collect();
-            ports.sort();
-            for port in ports {
-                let Some(port_num) = port
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .and_then(|n| n.parse::<u8>().ok())
-                else {
+        for (dev, name) in sysfs_devices(sysfs, devices) {
+            for (port, port_num) in ports(&dev) {
+                let Some(e) = roce_v2_entries(&port).into_iter().find(|e| e.gid == gid) else {
                     continue;
                 };
-                if let Some(p) = Self::match_port(&dev, &name, &port, port_num, gid, addr, sysfs) {
-                    return Ok(p);
-                }
+                let netdev_mtu = read_trim(&sysfs.join(format!("class/net/{}/mtu", e.netdev)))
+                    .and_then(|s| s.parse::<u32>().ok())
+                    .unwrap_or(1500);
+                let pkey_index = (0..u16::MAX)
+                    .map_while(|k| {
+                        let p = read_trim(&port.join(format!("pkeys/{k}")))?;
+                        Some((k, u16::from_str_radix(p.trim_start_matches("0x"), 16).ok()?))
+                    })
+                    .find(|&(_, p)| p & 0x7FFF == 0x7FFF)
+                    .map_or(0, |(k, _)| k);
+                let Ok(gid_index) = u8::try_from(e.index) else {
+                    continue;
+                };
+                return Ok(RdmaPort {
+                    device: name,
+                    port_num,
+                    node_guid: read_trim(&dev.join("node_guid"))
+                        .and_then(|s| parse_guid(&s))
+                        .unwrap_or(0),
+                    ibdev_index: NO_DEVICE_INDEX,
+                    gid,
+                    gid_index,
+                    addr,
+                    netdev: e.netdev,
+                    path_mtu: iboe_mtu(netdev_mtu),
+                    default_roce_tos: 0,
+                    pkey: 0xFFFF,
+                    pkey_index,
+                });
             }
         }
         Err(not_found())
-    }
-
-    fn match_port(
-        dev: &Path,
-        name: &str,
-        port: &Path,
-        port_num: u8,
-        gid: Gid,
-        addr: IpAddr,
-        sysfs: &Path,
-    ) -> Option<RdmaPort> {
-        let gids = fs::read_dir(port.join("gids")).ok()?;
-        let mut idx: Vec<u16> = gids
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-            .collect();
-        idx.sort_unstable();
-        for i in idx {
-            let g = read_trim(&port.join(format!("gids/{i}"))).and_then(|s| parse_sysfs_gid(&s));
-            if g != Some(gid) {
-                continue;
-            }
-            let ty = read_trim(&port.join(format!("gid_attrs/types/{i}"))).unwrap_or_default();
-            if !ty.eq_ignore_ascii_case("RoCE v2") {
-                continue;
-            }
-            let netdev = read_trim(&port.join(format!("gid_attrs/ndevs/{i}"))).unwrap_or_default();
-            let netdev_mtu = read_trim(&sysfs.join(format!("class/net/{netdev}/mtu")))
-                .and_then(|s| s.parse::<u32>().ok())
-                .unwrap_or(1500);
-            let pkey_index = (0..u16::MAX)
-                .map_while(|k| {
-                    let p = read_trim(&port.join(format!("pkeys/{k}")))?;
-                    Some((k, u16::from_str_radix(p.trim_start_matches("0x"), 16).ok()?))
-                })
-                .find(|&(_, p)| p & 0x7FFF == 0x7FFF)
-                .map_or(0, |(k, _)| k);
-            return Some(RdmaPort {
-                device: name.to_string(),
-                port_num,
-                node_guid: read_trim(&dev.join("node_guid"))
-                    .and_then(|s| parse_guid(&s))
-                    .unwrap_or(0),
-                ibdev_index: NO_DEVICE_INDEX,
-                gid,
-                gid_index: u8::try_from(i).ok()?,
-                addr,
-                netdev,
-                path_mtu: iboe_mtu(netdev_mtu),
-                default_roce_tos: 0,
-                pkey: 0xFFFF,
-                pkey_index,
-            });
-        }
-        None
     }
 
     /// The node GUID as the kernel hands it to user space: the big-endian GUID's bytes
@@ -322,6 +551,111 @@ mod tests {
         let other = Gid::from_ipv4([10, 99, 0, 12].into());
         let e = RdmaPort::find(&root, other).expect_err("not there");
         assert!(e.to_string().contains("10.99.0.12"), "{e}");
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    /// A device `rxe0` on `eth0` with `addrs` as RoCE v2 GIDs (index 1, 2, ...) and the
+    /// netdev's MTU and hardware address.
+    fn fixture(root: &Path, addrs: &[[u8; 4]], mtu: u32, mac: &str) {
+        let _ = fs::remove_dir_all(root);
+        let port = root.join("class/infiniband/rxe0/ports/1");
+        write(
+            &root.join("class/infiniband/rxe0/node_guid"),
+            "5054:00ff:fe99:000b",
+        );
+        write(
+            &port.join("gids/0"),
+            "fe80:0000:0000:0000:5054:00ff:fe99:000b",
+        );
+        write(&port.join("gid_attrs/types/0"), "RoCE v2");
+        write(&port.join("gid_attrs/ndevs/0"), "eth0");
+        for (i, a) in addrs.iter().enumerate() {
+            let g = Gid::from_ipv4((*a).into()).0;
+            let text: Vec<String> = g
+                .chunks(2)
+                .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+                .collect();
+            write(&port.join(format!("gids/{}", i + 1)), &text.join(":"));
+            write(&port.join(format!("gid_attrs/types/{}", i + 1)), "RoCE v2");
+            write(&port.join(format!("gid_attrs/ndevs/{}", i + 1)), "eth0");
+        }
+        write(&root.join("class/net/eth0/mtu"), &mtu.to_string());
+        write(&root.join("class/net/eth0/address"), mac);
+    }
+
+    #[test]
+    fn the_view_follows_the_gid_table_the_mtu_and_the_registered_devices() {
+        let root = std::env::temp_dir().join(format!("pvcm-view-{}", std::process::id()));
+        let gid = Gid::from_ipv4([10, 99, 0, 11].into());
+        fixture(
+            &root,
+            &[[10, 99, 0, 11], [10, 99, 0, 21]],
+            1500,
+            "52:54:00:99:00:0b",
+        );
+        let v = PortView::read(&root, gid, None);
+        let p = v.port.clone().unwrap_or_else(|| panic!("no port"));
+        assert_eq!((p.gid_index, p.path_mtu), (1, mtu::MTU_1024));
+        assert_eq!(v.devices.iter().collect::<Vec<_>>(), ["rxe0"]);
+        // The link-local entry and the second address are the VM's other addresses.
+        let other: Vec<String> = v.other_addrs.iter().map(|a| a.to_string()).collect();
+        assert_eq!(other, ["10.99.0.21", "fe80::5054:ff:fe99:b"]);
+        assert_eq!(
+            v.link,
+            Some(Link {
+                hw_addr: "52:54:00:99:00:0b".into(),
+                bond: false
+            })
+        );
+        // The address moved in the table and the MTU changed: the view says so.
+        fixture(
+            &root,
+            &[[10, 99, 0, 21], [10, 99, 0, 11]],
+            9000,
+            "52:54:00:99:00:0b",
+        );
+        let p = PortView::read(&root, gid, None)
+            .port
+            .unwrap_or_else(|| panic!("no port"));
+        assert_eq!((p.gid_index, p.path_mtu), (2, mtu::MTU_4096));
+        // The address is gone from the table: the device is there, the port is not.
+        fixture(&root, &[[10, 99, 0, 21]], 9000, "52:54:00:99:00:0b");
+        let v = PortView::read(&root, gid, None);
+        assert!(v.port.is_none() && v.devices.contains("rxe0"));
+        // A device sysfs still shows but netlink no longer lists (being unregistered)
+        // holds nothing.
+        fixture(&root, &[[10, 99, 0, 11]], 9000, "52:54:00:99:00:0b");
+        let v = PortView::read(&root, gid, Some(BTreeSet::new()));
+        assert!(v.port.is_none() && v.devices.is_empty() && v.other_addrs.is_empty());
+        let v = PortView::read(&root, gid, Some(BTreeSet::from(["rxe0".to_string()])));
+        assert!(v.port.is_some());
+        // A bond master says so.
+        fs::create_dir_all(root.join("class/net/eth0/bonding")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            PortView::read(&root, gid, None)
+                .link
+                .is_some_and(|l| l.bond)
+        );
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn the_watch_reads_the_table_again_only_after_a_move() {
+        let root = std::env::temp_dir().join(format!("pvcm-watch-{}", std::process::id()));
+        let gid = Gid::from_ipv4([10, 99, 0, 11].into());
+        fixture(&root, &[[10, 99, 0, 11]], 1500, "52:54:00:99:00:0b");
+        let mut w = PortWatch::new(root.clone(), gid, std::time::Duration::from_millis(500));
+        let first = w.view().unwrap_or_else(|| panic!("the first look reads"));
+        assert!(first.port.is_some());
+        // Nothing moves here (but the netdev's MTU, first read once the port names the
+        // netdev): the table is read for SETTLE more looks, then no more.
+        let reads = (0..3 * SETTLE).take_while(|_| w.view().is_some()).count();
+        assert!(reads <= SETTLE as usize + 1, "{reads}");
+        assert!(w.view().is_none());
+        // The netdev's MTU moves: the table is read again, with the new MTU.
+        write(&root.join("class/net/eth0/mtu"), "9000");
+        let v = w.view().unwrap_or_else(|| panic!("the MTU moved"));
+        assert_eq!(v.port.map(|p| p.path_mtu), Some(mtu::MTU_4096));
         let _ = fs::remove_dir_all(&root);
     }
 
