@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 
 use super::cma::Cma;
 use super::server::{Server, ServerOptions, ServiceError};
-use super::verbs::{PortError, RdmaPort};
+use super::verbs::{PortError, PortWatch, RdmaPort};
 use crate::device::args::DeviceArgs;
 use crate::device::{Device, Transport};
 use crate::time::SystemClock;
@@ -183,6 +183,11 @@ pub fn serve_on<T: Transport>(
         devname: args.devname.clone(),
         mode: args.mode,
         control: Some(args.control.clone()),
+        watch: Some(PortWatch::new(
+            args.rdma_sysfs.clone(),
+            gid,
+            Duration::from_millis(500),
+        )),
     };
     let mut server = Server::start(dev, cma, &opts, stop)?;
     tracing::info!(

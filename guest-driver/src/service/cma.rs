@@ -55,7 +55,7 @@ use super::abi::{
 };
 use super::caller::CallerMemory;
 use super::mcast::IgmpSockets;
-use super::verbs::{self, RdmaPort};
+use super::verbs::{self, Link, PortView, RdmaPort};
 use crate::cm::qp_attr::{PathAv, QpState, mask};
 use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
 use crate::cm::{
@@ -71,7 +71,7 @@ pub type Fh = u64;
 pub mod errno {
     pub use libc::{
         EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EINTR, EINVAL, EISCONN, ENODEV,
-        ENOENT, ENOMEM, ENOSPC, ENOSYS, EOPNOTSUPP, ETIMEDOUT,
+        ENOENT, ENOMEM, ENOSPC, ENOSYS, ENXIO, EOPNOTSUPP, ETIMEDOUT,
     };
 }
 
@@ -132,6 +132,27 @@ fn done(r: Result<(), i32>) -> Outcome {
     Outcome::Done(r)
 }
 
+/// What [`Cma::update_port`] found changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortUpdate {
+    /// Files that got events.
+    pub files: Vec<Fh>,
+    /// The device went.
+    pub removed: bool,
+    /// Ids that got DEVICE_REMOVAL.
+    pub removed_ids: usize,
+    /// A device holds the GID again.
+    pub arrived: bool,
+    /// The GID's index, the netdev or its MTU changed on the same device.
+    pub changed: bool,
+    /// The address left the GID table.
+    pub addr_gone: bool,
+    /// The address is back in the GID table.
+    pub addr_back: bool,
+    /// Ids that got ADDR_CHANGE.
+    pub addr_change_ids: usize,
+}
+
 /// Who wrote a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Caller {
@@ -149,6 +170,9 @@ enum St {
     Connect,
     Disconnect,
     Listen,
+    /// Its device went: DEVICE_REMOVAL was queued and the id closed, as ucma's
+    /// `close_work`; every command but DESTROY_ID is ENXIO.
+    Removed,
 }
 
 #[derive(Debug)]
@@ -239,12 +263,28 @@ pub struct CmaStats {
     pub joins: u64,
     /// Multicast joins ended (LEAVE_MCAST, or their id's destroy).
     pub leaves: u64,
+    /// Times the VM's RDMA device went (DEVICE_REMOVAL to the ids bound to it).
+    pub device_removals: u64,
+    /// Times a device holding the pvcm GID came (at start, or again).
+    pub device_arrivals: u64,
+    /// Binds to another address of the VM, which the pvcm device does not serve
+    /// (EADDRNOTAVAIL).
+    pub other_addr_binds: u64,
 }
 
 /// The service's rdma_cm state: files, ids, bindings.
 #[derive(Debug)]
 pub struct Cma {
+    /// The port the pvcm GID is on (the last one seen, while `attached` is false).
     port: RdmaPort,
+    /// A registered device holds the port.
+    attached: bool,
+    /// Its GID table holds the pvcm GID (the VM has the address).
+    addr_present: bool,
+    /// The port's netdev's link.
+    link: Option<Link>,
+    /// The VM's other RoCE v2 addresses (not the pvcm GID's).
+    other_addrs: BTreeSet<IpAddr>,
     files: BTreeMap<Fh, File>,
     next_fh: Fh,
     ctxs: BTreeMap<u32, Ctx>,
@@ -325,6 +365,10 @@ impl Cma {
         let membership = IgmpSockets::new(&port.netdev);
         Cma {
             port,
+            attached: true,
+            addr_present: true,
+            link: None,
+            other_addrs: BTreeSet::new(),
             files: BTreeMap::new(),
             next_fh: 1,
             ctxs: BTreeMap::new(),
@@ -486,8 +530,16 @@ impl Cma {
         id
     }
 
-    /// The id `id` of file `fh` (kernel `ucma_get_ctx`).
+    /// The id `id` of file `fh` (kernel `ucma_get_ctx`): ENXIO once its device went.
     fn ctx_of(&self, fh: Fh, id: u32) -> Result<&Ctx, i32> {
+        match self.ctx_in(fh, id)? {
+            c if c.st == St::Removed => Err(errno::ENXIO),
+            c => Ok(c),
+        }
+    }
+
+    /// The id `id` of file `fh`, closed or not (DESTROY_ID's lookup).
+    fn ctx_in(&self, fh: Fh, id: u32) -> Result<&Ctx, i32> {
         match self.ctxs.get(&id) {
             None => Err(errno::ENOENT),
             Some(c) if c.file != fh => Err(errno::EINVAL),
@@ -609,8 +661,18 @@ impl Cma {
         let has_dev = if ip.is_unspecified() {
             false
         } else if ip == ours || ip_mapped_eq(ip, ours) {
+            self.check_device()?;
             true
         } else {
+            if self.other_addrs.contains(&ip) {
+                self.stats.other_addr_binds += 1;
+                tracing::warn!(
+                    addr = %ip,
+                    served = %ours,
+                    "bind to another address of the VM: the backend serves one GID for this \
+                     VM (the pvcm device's), so only its address binds (EADDRNOTAVAIL)"
+                );
+            }
             return Err(errno::EADDRNOTAVAIL);
         };
         let (ps, reuse) = {
@@ -649,6 +711,148 @@ impl Cma {
         c.has_dev = has_dev;
         c.st = St::AddrBound;
         Ok(())
+    }
+
+    /// Whether the VM's address has a device now: ENODEV while no registered device
+    /// holds the port (the kernel's `cma_acquire_dev_by_src_ip` finding none),
+    /// EADDRNOTAVAIL while its GID table lacks the address (the VM no longer has it).
+    fn check_device(&self) -> Result<(), i32> {
+        if !self.attached {
+            Err(errno::ENODEV)
+        } else if !self.addr_present {
+            Err(errno::EADDRNOTAVAIL)
+        } else {
+            Ok(())
+        }
+    }
+
+    // ------------------------------------------------------------ the device
+
+    /// Follows the VM's RDMA device as `view` shows it now, as the kernel's cma follows
+    /// its devices and netdevs:
+    /// - the device that held the port is no longer registered, or another device
+    ///   holds the GID now: every id bound to it gets DEVICE_REMOVAL and is closed
+    ///   (`cma_process_remove`, ucma's `close_work`); ids bound to a wildcard address
+    ///   stay (a listener's per-device child goes silently in the kernel);
+    /// - a device holds the GID again: new ids use it (`cma_add_one`);
+    /// - the GID table no longer has the address (it was taken off the netdev): binds
+    ///   to it are EADDRNOTAVAIL, requests are refused, bound ids stay, with no event,
+    ///   as the kernel's;
+    /// - the GID's table index, the netdev or its MTU changed: routes from now on use
+    ///   the new values;
+    /// - the netdev is a bond whose hardware address changed (a failover): the ids
+    ///   bound to the device get ADDR_CHANGE (`cma_netdev_callback`,
+    ///   `cma_ndev_work_handler`).
+    ///
+    /// Returns what changed, with the files that got events.
+    pub fn update_port(&mut self, view: &PortView, env: &mut Env<'_>) -> PortUpdate {
+        let mut u = PortUpdate::default();
+        let gone = self.attached
+            && (!view.devices.contains(&self.port.device)
+                || view.port.as_ref().is_some_and(|p| {
+                    p.device != self.port.device || p.node_guid != self.port.node_guid
+                }));
+        if gone {
+            u.removed_ids = self.remove_device(&mut u.files, env);
+            self.stats.device_removals += 1;
+            self.attached = false;
+            self.link = None;
+            u.removed = true;
+        }
+        match &view.port {
+            Some(p) => {
+                let new = RdmaPort {
+                    default_roce_tos: self.port.default_roce_tos,
+                    ..p.clone()
+                };
+                if !self.attached {
+                    self.attached = true;
+                    self.stats.device_arrivals += 1;
+                    u.arrived = true;
+                } else if new != self.port {
+                    u.changed = true;
+                }
+                u.addr_back = !self.addr_present;
+                self.addr_present = true;
+                self.port = new;
+            }
+            None => {
+                u.addr_gone = self.attached && self.addr_present;
+                if self.attached {
+                    self.addr_present = false;
+                }
+            }
+        }
+        if self.attached {
+            let failover = matches!((&self.link, &view.link),
+                (Some(old), Some(new)) if new.bond && old.hw_addr != new.hw_addr);
+            if failover {
+                u.addr_change_ids = self.addr_change(&mut u.files);
+            }
+            if view.link.is_some() {
+                self.link.clone_from(&view.link);
+            }
+        }
+        self.other_addrs.clone_from(&view.other_addrs);
+        u.files.sort_unstable();
+        u.files.dedup();
+        u
+    }
+
+    /// The ids bound to the device, in id order.
+    fn device_ids(&self) -> Vec<u32> {
+        self.ctxs
+            .iter()
+            .filter(|(_, c)| c.has_dev && c.st != St::Removed)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// DEVICE_REMOVAL to each id bound to the device, which is then closed: its agent
+    /// handle destroyed (a listener stops, a connection gets its DREQ or REJ), its
+    /// joins and its port released. Returns how many.
+    fn remove_device(&mut self, files: &mut Vec<Fh>, env: &mut Env<'_>) -> usize {
+        let ids = self.device_ids();
+        let mut handles = Vec::new();
+        for &id in &ids {
+            let p = self.empty_param(id);
+            files.extend(self.emit(id, event::DEVICE_REMOVAL, 0, p));
+            let Some(c) = self.ctxs.get_mut(&id) else {
+                continue;
+            };
+            c.st = St::Removed;
+            let (cm, joins, port) = (c.cm.take(), std::mem::take(&mut c.joins), c.port.take());
+            if let Some(cm) = cm {
+                self.by_cm.remove(&cm);
+                handles.push(cm);
+            }
+            for j in joins {
+                self.end_join(j);
+            }
+            self.unbind(id, port);
+        }
+        env.agent.destroy_all(&handles, env.now);
+        ids.len()
+    }
+
+    /// ADDR_CHANGE to each id bound to the device; returns how many.
+    fn addr_change(&mut self, files: &mut Vec<Fh>) -> usize {
+        let ids = self.device_ids();
+        for &id in &ids {
+            let p = self.empty_param(id);
+            files.extend(self.emit(id, event::ADDR_CHANGE, 0, p));
+        }
+        ids.len()
+    }
+
+    /// Whether a device holds the pvcm GID now.
+    pub fn attached(&self) -> bool {
+        self.attached
+    }
+
+    /// Whether the device's GID table holds the pvcm GID's address now.
+    pub fn addr_present(&self) -> bool {
+        self.attached && self.addr_present
     }
 
     // ------------------------------------------------------------ events
@@ -884,6 +1088,10 @@ impl Cma {
         let Some(&lctx) = self.by_cm.get(&listen) else {
             return refuse(env);
         };
+        // No device, or no address on it: nothing could carry the connection.
+        if self.check_device().is_err() {
+            return refuse(env);
+        }
         let Ok((hdr, user)) = rdma_cm::split_private_data(private_data) else {
             return refuse(env);
         };
@@ -1378,7 +1586,7 @@ impl Cma {
             return Err(errno::ENOSPC);
         }
         let d = DestroyId::parse(body).map_err(abi_errno)?;
-        self.ctx_of(fh, d.id)?;
+        self.ctx_in(fh, d.id)?;
         let n = self.destroy_ctx(d.id, env);
         mem.write(d.response, &n.to_le_bytes())
     }

@@ -26,7 +26,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pvcm_wire::abi::PortInfo;
 use serde_json::{Value, json};
@@ -36,6 +36,7 @@ use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
 use super::signals::{self, Answer, Reason, ThreadSignals};
+use super::verbs::PortWatch;
 use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::report::{cm_counters_json, pacing_json};
@@ -126,6 +127,9 @@ pub struct ServerOptions {
     pub mode: u32,
     /// The control socket for `stat`.
     pub control: Option<PathBuf>,
+    /// The VM's RDMA device to follow while serving (`None`: the port given at start
+    /// stays as it is).
+    pub watch: Option<PortWatch>,
 }
 
 impl Default for ServerOptions {
@@ -135,6 +139,7 @@ impl Default for ServerOptions {
             devname: "infiniband/rdma_cm".into(),
             mode: 0o666,
             control: Some(PathBuf::from("/run/pvcm-guestd.sock")),
+            watch: None,
         }
     }
 }
@@ -152,6 +157,10 @@ pub struct Server<'d, T: Transport> {
     seed: u64,
     /// The node's device number: a MIGRATE_ID descriptor must be one of its files.
     rdev: Option<u64>,
+    /// The VM's RDMA device, followed.
+    watch: Option<PortWatch>,
+    /// When to read it next.
+    next_watch: Instant,
 }
 
 impl<T: Transport> std::fmt::Debug for Server<'_, T> {
@@ -204,6 +213,8 @@ impl<'d, T: Transport> Server<'d, T> {
             stop,
             seed,
             rdev,
+            watch: opts.watch.clone(),
+            next_watch: Instant::now(),
         })
     }
 
@@ -233,9 +244,17 @@ impl<'d, T: Transport> Server<'d, T> {
                 self.serve_control();
             }
             self.pump()?;
+            self.follow_port()?;
             // A stop signal cuts the sleep short (EINTR); the bound only covers one
             // that lands between the check above and the sleep.
-            ready = self.dev.sleep_with(Duration::from_secs(2), &fds)?;
+            let sleep = match &self.watch {
+                Some(_) => self
+                    .next_watch
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_secs(2)),
+                None => Duration::from_secs(2),
+            };
+            ready = self.dev.sleep_with(sleep, &fds)?;
         }
         self.shut_down();
         Ok(())
@@ -301,6 +320,50 @@ impl<'d, T: Transport> Server<'d, T> {
                 return Ok(());
             }
         }
+    }
+
+    /// Reads the VM's RDMA device again when it is time, and hands what it found to the
+    /// rdma_cm layer ([`Cma::update_port`]): the files that got events are served.
+    fn follow_port(&mut self) -> Result<(), ServiceError> {
+        let Some(w) = &mut self.watch else {
+            return Ok(());
+        };
+        if Instant::now() < self.next_watch {
+            return Ok(());
+        }
+        self.next_watch = Instant::now() + w.every;
+        let Some(view) = w.view() else {
+            return Ok(());
+        };
+        let now = self.dev.now();
+        let mut env = Env {
+            agent: self.dev.agent_mut(),
+            now,
+        };
+        let u = self.cma.update_port(&view, &mut env);
+        let p = self.cma.port();
+        if u.removed {
+            tracing::warn!(device = %p.device, ids = u.removed_ids, "the RDMA device went: DEVICE_REMOVAL to the ids bound to it");
+        }
+        if u.arrived {
+            tracing::info!(device = %p.device, port = p.port_num, gid_index = p.gid_index, netdev = %p.netdev, path_mtu = p.path_mtu, "an RDMA device holds the pvcm GID: new ids use it");
+        }
+        if u.changed {
+            tracing::info!(device = %p.device, gid_index = p.gid_index, netdev = %p.netdev, path_mtu = p.path_mtu, "the RDMA port changed");
+        }
+        if u.addr_gone {
+            tracing::warn!(addr = %p.addr, device = %p.device, "the pvcm GID's address left the RDMA device's GID table: binds to it fail until it is back");
+        }
+        if u.addr_back {
+            tracing::info!(addr = %p.addr, device = %p.device, "the pvcm GID's address is back");
+        }
+        if u.addr_change_ids > 0 {
+            tracing::info!(netdev = %p.netdev, ids = u.addr_change_ids, "the bond failed over: ADDR_CHANGE to the ids bound to it");
+        }
+        for fh in u.files {
+            self.serve_waiters(fh)?;
+        }
+        Ok(())
     }
 
     fn reply(&self, r: &Reply) -> Result<(), ServiceError> {
@@ -595,7 +658,11 @@ impl<'d, T: Transport> Server<'d, T> {
             "port": {
                 "device": p.device, "port": p.port_num, "gid": p.gid.to_string(),
                 "gid_index": p.gid_index, "netdev": p.netdev, "path_mtu": p.path_mtu,
+                "attached": self.cma.attached(), "addr_present": self.cma.addr_present(),
             },
+            "device_removals": c.device_removals,
+            "device_arrivals": c.device_arrivals,
+            "other_addr_binds": c.other_addr_binds,
             "files": self.cma.files(),
             "ids": self.cma.ids(),
             "mcast_joins": self.cma.joins(),
