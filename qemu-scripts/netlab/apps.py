@@ -35,6 +35,12 @@ Checks (each PASS/FAIL):
     an SA_RESTART handler, then connected to (no EINTR); the same without SA_RESTART
     (the kernel: EINTR; pvcm: the call waits on, docs/apps.md); SIGTERM to a waiting
     rping -s: it exits, its listener goes, pvcm-guestd holds no id or file
+  11 the VM's RDMA device changes under a waiting rping -s, in pvcm VM a (client k) and
+    then in the kernel guest as the reference (k, client a): rdma link delete rxe0: the
+    program gets DEVICE_REMOVAL ("cma detected device removal") and exits, the delete
+    completes; rdma link add rxe0 again: a new rping -s is connected to, pvcm-guestd not
+    restarted; ip addr del and add of the server's address: no ADDR_CHANGE (the kernel
+    sends it at a bond's failover only), the waiting rping -s is connected to afterwards
   9 pvcm-guestd stopped (SIGTERM) under running programs in a (rping -v to k, an rping
     server waiting): both end with an error within seconds (none hangs), k's kernel CM
     loses the connection at once (the backend ends it on the VM's behalf when the
@@ -397,6 +403,90 @@ def signals(server, client):
                    f"{st.get('restarted')}")
     result(f"{tag}: SIGTERM (default action) to a waiting rping -s: it exits, its ids are "
            "freed", ok, detail)
+
+
+def wait_for(pred, timeout):
+    """Polls pred every 0.5 s until it is true or timeout seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(0.5)
+
+
+def rxe_gid_present(guest):
+    """Whether rxe0 is registered and its GID table holds the guest's address as RoCE v2
+    (and, in a pvcm VM, pvcm-guestd serves it again)."""
+    rc, _ = guest.run("rdma dev show rxe0 >/dev/null 2>&1", 30)
+    if rc != 0:
+        return False
+    try:
+        guest.gid_index()
+    except LabError:
+        return False
+    if guest.cm != "pvcm":
+        return True
+    port = guestd_stat(guest).get("port", {})
+    return bool(port.get("attached") and port.get("addr_present"))
+
+
+def device_change(server, client):
+    """Section 11 for one server guest: a pvcm VM, or the kernel guest as the reference.
+    rxe0 deleted under a waiting rping -s, added again, a new rping; the server's
+    address deleted and added again under a waiting rping -s, which is then connected to."""
+    kind = "pvcm VM" if server.cm == "pvcm" else "kernel reference"
+    tag = f"{kind} {server.name}"
+    st0 = guestd_stat(server) if server.cm == "pvcm" else {}
+
+    job, _ = rping_waiting(server)
+    t0 = time.monotonic()
+    delete = server.spawn("exec rdma link delete rxe0")
+    try:
+        rc = job.wait(60)
+    except LabError:
+        job.kill("KILL")
+        rc = -1
+    secs = time.monotonic() - t0
+    try:
+        drc = delete.wait(60)
+    except LabError:
+        drc = -1
+    out = job.text()
+    detail = (f"rping exit status {rc} after {secs:.1f} s: {short(out, 160)}; "
+              f"rdma link delete status {drc}")
+    if server.cm == "pvcm":
+        st = guestd_stat(server)
+        detail += (f"; service device_removals {st0.get('device_removals')} -> "
+                   f"{st.get('device_removals')}, DEVICE_REMOVAL events "
+                   f"{st.get('events', {}).get('DEVICE_REMOVAL')}")
+    result(f"{tag}: rdma link delete rxe0 under a waiting rping -s: it gets DEVICE_REMOVAL "
+           "and exits", "device removal" in out and rc not in (0, -1) and drc == 0, detail)
+
+    server.run("rdma link add rxe0 type rxe netdev eth0", 60)
+    back = wait_for(lambda: rxe_gid_present(server), 60)
+    job, _ = rping_waiting(server)
+    ok, what = rping_to(server, client, job)
+    result(f"{tag}: rxe0 added again: a new rping -s is connected to from {client.name}, "
+           "the service not restarted" if server.cm == "pvcm" else
+           f"{tag}: rxe0 added again: a new rping -s is connected to from {client.name}",
+           back and ok, f"GID back {bool(back)}; {what}")
+
+    job, pid = rping_waiting(server)
+    _, out = server.run(f"ip addr del {server.ip}/24 dev eth0; sleep 3; "
+                        f"ip addr add {server.ip}/24 dev eth0; echo done", 60)
+    back = wait_for(lambda: rxe_gid_present(server), 60)
+    time.sleep(2)
+    alive = not job.done()
+    ok, what = rping_to(server, client, job)
+    said = job.text()
+    events = ""
+    if server.cm == "pvcm":
+        events = f"; service ADDR_CHANGE events {guestd_stat(server).get('events', {}).get('ADDR_CHANGE')}"
+    result(f"{tag}: ip addr del and add of {server.ip} under a waiting rping -s: no ADDR_CHANGE "
+           f"(no bond failover), it waits on and is connected to from {client.name}",
+           alive and back and ok and "unhandled event" not in said,
+           f"alive {alive}, GID back {bool(back)}; {what}{events}")
 
 
 def kill_nine(lab, k, a, backend):
@@ -836,7 +926,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,9,10,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,11,9,10,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -893,6 +983,11 @@ def main():
                 print("== 8. signals to a program waiting for an event", flush=True)
                 signals(va, k)
                 signals(k, va)
+
+            if "11" in only:
+                print("== 11. the VM's RDMA device changes under running programs", flush=True)
+                device_change(va, k)
+                device_change(k, va)
 
             if "9" in only:
                 print("== 9. pvcm-guestd restarted under running programs", flush=True)
