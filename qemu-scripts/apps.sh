@@ -33,7 +33,7 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   8 signals to a program blocked in rdma_get_cm_event, in a pvcm VM and in the
     kernel guest (the reference): SIGSTOP/SIGCONT, strace -p, a debugger's attach,
     SIGALRM handlers with and without SA_RESTART (interop/sigwait.c), SIGTERM
-  11 the VM's RDMA device changes under a waiting rping -s, in a pvcm VM and in the
+  12 the VM's RDMA device changes under a waiting rping -s, in a pvcm VM and in the
     kernel guest (the reference): rdma link delete rxe0 (DEVICE_REMOVAL, the program
     exits), rdma link add again (a new rping works, pvcm-guestd not restarted), ip addr
     del and add of the server's address (no ADDR_CHANGE; connected to afterwards)
@@ -81,7 +81,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,11,9,10,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,10,4,7,6)
   -h, --help     this help
 USAGE
 }

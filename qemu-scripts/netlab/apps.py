@@ -35,7 +35,7 @@ Checks (each PASS/FAIL):
     an SA_RESTART handler, then connected to (no EINTR); the same without SA_RESTART
     (the kernel: EINTR; pvcm: the call waits on, docs/apps.md); SIGTERM to a waiting
     rping -s: it exits, its listener goes, pvcm-guestd holds no id or file
-  11 the VM's RDMA device changes under a waiting rping -s, in pvcm VM a (client k) and
+  12 the VM's RDMA device changes under a waiting rping -s, in pvcm VM a (client k) and
     then in the kernel guest as the reference (k, client a): rdma link delete rxe0: the
     program gets DEVICE_REMOVAL ("cma detected device removal") and exits, the delete
     completes; rdma link add rxe0 again: a new rping -s is connected to, pvcm-guestd not
@@ -432,7 +432,7 @@ def rxe_gid_present(guest):
 
 
 def device_change(server, client):
-    """Section 11 for one server guest: a pvcm VM, or the kernel guest as the reference.
+    """Section 12 for one server guest: a pvcm VM, or the kernel guest as the reference.
     rxe0 deleted under a waiting rping -s, added again, a new rping; the server's
     address deleted and added again under a waiting rping -s, which is then connected to."""
     kind = "pvcm VM" if server.cm == "pvcm" else "kernel reference"
@@ -926,7 +926,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,11,9,10,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,10,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -984,8 +984,8 @@ def main():
                 signals(va, k)
                 signals(k, va)
 
-            if "11" in only:
-                print("== 11. the VM's RDMA device changes under running programs", flush=True)
+            if "12" in only:
+                print("== 12. the VM's RDMA device changes under running programs", flush=True)
                 device_change(va, k)
                 device_change(k, va)
 
