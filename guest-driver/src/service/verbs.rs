@@ -274,6 +274,8 @@ pub struct PortWatch {
     last: Option<Fingerprint>,
     settle: u32,
     netdev: String,
+    /// Ask RDMA netlink for the registered devices (sysfs is the system's own).
+    netlink: bool,
 }
 
 /// Looks after a move during which the GID table is read again.
@@ -288,9 +290,12 @@ struct Fingerprint {
 }
 
 impl PortWatch {
-    /// Watches the port of `gid` under `sysfs`, looking every `every`.
+    /// Watches the port of `gid` under `sysfs`, looking every `every`. RDMA netlink
+    /// speaks for the system's own devices: a `sysfs` other than `/sys` (a test's tree)
+    /// is read alone.
     pub fn new(sysfs: PathBuf, gid: Gid, every: std::time::Duration) -> PortWatch {
         PortWatch {
+            netlink: sysfs == Path::new("/sys"),
             sysfs,
             gid,
             every,
@@ -304,9 +309,10 @@ impl PortWatch {
     /// nothing did. The devices are those RDMA netlink lists as registered, or every
     /// device sysfs lists when netlink cannot be asked.
     pub fn view(&mut self) -> Option<PortView> {
-        let devices = match super::nldev::registered_devices() {
-            Ok(d) => Some(d),
-            Err(e) => {
+        let devices = match self.netlink.then(super::nldev::registered_devices) {
+            None => None,
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "RDMA netlink: taking the devices sysfs lists");
                 None
             }
