@@ -332,7 +332,7 @@ impl<'d, T: Transport> Server<'d, T> {
             return Ok(());
         }
         self.next_watch = Instant::now() + w.every;
-        let Some(view) = w.view() else {
+        let Some(view) = w.view(!self.cma.addr_present()) else {
             return Ok(());
         };
         let now = self.dev.now();

@@ -305,10 +305,11 @@ impl PortWatch {
         }
     }
 
-    /// The view now when something may have moved since the last look, `None` when
+    /// The view now when something may have moved since the last look, or `always`
+    /// (the port is missing: the kernel may fill the table any time); `None` when
     /// nothing did. The devices are those RDMA netlink lists as registered, or every
     /// device sysfs lists when netlink cannot be asked.
-    pub fn view(&mut self) -> Option<PortView> {
+    pub fn view(&mut self, always: bool) -> Option<PortView> {
         let devices = match self.netlink.then(super::nldev::registered_devices) {
             None => None,
             Some(Ok(d)) => Some(d),
@@ -324,10 +325,10 @@ impl PortWatch {
         };
         if self.last.as_ref() != Some(&f) {
             self.settle = SETTLE;
-        } else if self.settle == 0 {
-            return None;
-        } else {
+        } else if self.settle > 0 {
             self.settle -= 1;
+        } else if !always {
+            return None;
         }
         self.last = Some(f);
         let v = PortView::read(&self.sysfs, self.gid, devices);
@@ -651,16 +652,24 @@ mod tests {
         let gid = Gid::from_ipv4([10, 99, 0, 11].into());
         fixture(&root, &[[10, 99, 0, 11]], 1500, "52:54:00:99:00:0b");
         let mut w = PortWatch::new(root.clone(), gid, std::time::Duration::from_millis(500));
-        let first = w.view().unwrap_or_else(|| panic!("the first look reads"));
+        let first = w
+            .view(false)
+            .unwrap_or_else(|| panic!("the first look reads"));
         assert!(first.port.is_some());
         // Nothing moves here (but the netdev's MTU, first read once the port names the
         // netdev): the table is read for SETTLE more looks, then no more.
-        let reads = (0..3 * SETTLE).take_while(|_| w.view().is_some()).count();
+        let reads = (0..3 * SETTLE)
+            .take_while(|_| w.view(false).is_some())
+            .count();
         assert!(reads <= SETTLE as usize + 1, "{reads}");
-        assert!(w.view().is_none());
+        assert!(w.view(false).is_none());
+        assert!(
+            w.view(true).is_some(),
+            "a missing port is looked for at each look"
+        );
         // The netdev's MTU moves: the table is read again, with the new MTU.
         write(&root.join("class/net/eth0/mtu"), "9000");
-        let v = w.view().unwrap_or_else(|| panic!("the MTU moved"));
+        let v = w.view(false).unwrap_or_else(|| panic!("the MTU moved"));
         assert_eq!(v.port.map(|p| p.path_mtu), Some(mtu::MTU_4096));
         let _ = fs::remove_dir_all(&root);
     }
