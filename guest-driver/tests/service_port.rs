@@ -17,6 +17,7 @@ use service_support::{Vm, exchange, port};
 fn view(p: Option<RdmaPort>, devices: &[&str], mac: &str, bond: bool) -> PortView {
     PortView {
         devices: devices.iter().map(|d| d.to_string()).collect(),
+        index: None,
         port: p,
         link: Some(Link {
             hw_addr: mac.into(),
@@ -168,6 +169,24 @@ fn another_device_with_the_gid_replaces_the_old_one() {
     assert!(u.removed && u.arrived);
     s.expect_event(sf, event::DEVICE_REMOVAL);
     assert_eq!(s.cma.port().device, "mlx5_0");
+}
+
+/// The same device deleted and added again between two looks (another kernel index,
+/// the same name and GUID) is a removal and an arrival.
+#[test]
+fn a_device_registered_again_is_a_removal() {
+    let mut s = Vm::new(12);
+    let mut v = view(Some(port(12)), &["rxe0"], MAC, false);
+    v.index = Some(3);
+    assert_eq!(update(&mut s, &v), PortUpdate::default());
+    let sf = s.cma.open();
+    let id = s.create_id(sf, 1, ps::TCP);
+    assert_eq!(s.bind_ip(sf, id, "10.99.0.12:7000"), Outcome::Done(Ok(())));
+    assert_eq!(update(&mut s, &v), PortUpdate::default(), "the same index");
+    v.index = Some(4);
+    let u = update(&mut s, &v);
+    assert!(u.removed && u.arrived);
+    s.expect_event(sf, event::DEVICE_REMOVAL);
 }
 
 /// `ip addr del` and `add` of the VM's address: no event to a bound listener (the

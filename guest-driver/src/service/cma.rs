@@ -281,6 +281,8 @@ pub struct Cma {
     attached: bool,
     /// Its GID table holds the pvcm GID (the VM has the address).
     addr_present: bool,
+    /// The kernel's index of the device, when known.
+    dev_index: Option<u32>,
     /// The port's netdev's link.
     link: Option<Link>,
     /// The VM's other RoCE v2 addresses (not the pvcm GID's).
@@ -367,6 +369,7 @@ impl Cma {
             port,
             attached: true,
             addr_present: true,
+            dev_index: None,
             link: None,
             other_addrs: BTreeSet::new(),
             files: BTreeMap::new(),
@@ -730,8 +733,8 @@ impl Cma {
 
     /// Follows the VM's RDMA device as `view` shows it now, as the kernel's cma follows
     /// its devices and netdevs:
-    /// - the device that held the port is no longer registered, or another device
-    ///   holds the GID now: every id bound to it gets DEVICE_REMOVAL and is closed
+    /// - the device that held the port is no longer registered, was registered again
+    ///   (another index), or another device holds the GID now: every id bound to it gets DEVICE_REMOVAL and is closed
     ///   (`cma_process_remove`, ucma's `close_work`); ids bound to a wildcard address
     ///   stay (a listener's per-device child goes silently in the kernel);
     /// - a device holds the GID again: new ids use it (`cma_add_one`);
@@ -751,7 +754,8 @@ impl Cma {
             && (!view.devices.contains(&self.port.device)
                 || view.port.as_ref().is_some_and(|p| {
                     p.device != self.port.device || p.node_guid != self.port.node_guid
-                }));
+                })
+                || matches!((self.dev_index, view.index), (Some(a), Some(b)) if a != b));
         if gone {
             u.removed_ids = self.remove_device(&mut u.files, env);
             self.stats.device_removals += 1;
@@ -775,6 +779,7 @@ impl Cma {
                 u.addr_back = !self.addr_present;
                 self.addr_present = true;
                 self.port = new;
+                self.dev_index = view.index;
             }
             None => {
                 u.addr_gone = self.attached && self.addr_present;

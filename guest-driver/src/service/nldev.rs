@@ -8,7 +8,7 @@
 //! until then. The kernel's rdma_cm hears of the removal at that point
 //! (`cma_remove_one`); the service hears of it from this dump.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
@@ -21,6 +21,8 @@ const RDMA_NL_NLDEV: u16 = 5;
 const RDMA_NLDEV_CMD_GET: u16 = 1;
 /// `RDMA_NL_GET_TYPE(RDMA_NL_NLDEV, RDMA_NLDEV_CMD_GET)`.
 pub const NLDEV_GET: u16 = (RDMA_NL_NLDEV << 10) + RDMA_NLDEV_CMD_GET;
+/// `RDMA_NLDEV_ATTR_DEV_INDEX`.
+pub const ATTR_DEV_INDEX: u16 = 1;
 /// `RDMA_NLDEV_ATTR_DEV_NAME`.
 pub const ATTR_DEV_NAME: u16 = 2;
 const NLMSG_HDR: usize = 16;
@@ -49,9 +51,9 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
-/// Reads the device names of one datagram of the dump into `names`; whether it ended
-/// the dump (`NLMSG_DONE`).
-pub fn parse_dump(buf: &[u8], names: &mut BTreeSet<String>) -> Result<bool, NldevError> {
+/// Reads the devices (name and index) of one datagram of the dump into `devices`;
+/// whether it ended the dump (`NLMSG_DONE`).
+pub fn parse_dump(buf: &[u8], devices: &mut BTreeMap<String, u32>) -> Result<bool, NldevError> {
     let mut at = 0;
     while at + NLMSG_HDR <= buf.len() {
         let len = u32_at(buf, at).ok_or(NldevError::Malformed(at))? as usize;
@@ -68,8 +70,8 @@ pub fn parse_dump(buf: &[u8], names: &mut BTreeSet<String>) -> Result<bool, Nlde
                 }
             }
             NLDEV_GET => {
-                if let Some(name) = dev_name(&buf[at + NLMSG_HDR..at + len]) {
-                    names.insert(name);
+                if let Some((name, index)) = device(&buf[at + NLMSG_HDR..at + len]) {
+                    devices.insert(name, index);
                 }
             }
             _ => {}
@@ -79,26 +81,33 @@ pub fn parse_dump(buf: &[u8], names: &mut BTreeSet<String>) -> Result<bool, Nlde
     Ok(false)
 }
 
-/// The `RDMA_NLDEV_ATTR_DEV_NAME` among a message's attributes.
-fn dev_name(mut attrs: &[u8]) -> Option<String> {
+/// The `RDMA_NLDEV_ATTR_DEV_NAME` and `RDMA_NLDEV_ATTR_DEV_INDEX` among a message's
+/// attributes.
+fn device(mut attrs: &[u8]) -> Option<(String, u32)> {
+    let (mut name, mut index) = (None, None);
     while attrs.len() >= 4 {
         let len = usize::from(u16_at(attrs, 0)?);
         let ty = u16_at(attrs, 2)? & 0x3FFF;
         if len < 4 || len > attrs.len() {
             return None;
         }
-        if ty == ATTR_DEV_NAME {
-            let v = &attrs[4..len];
-            let end = v.iter().position(|&b| b == 0).unwrap_or(v.len());
-            return std::str::from_utf8(&v[..end]).ok().map(str::to_string);
+        let v = &attrs[4..len];
+        match ty {
+            ATTR_DEV_NAME => {
+                let end = v.iter().position(|&b| b == 0).unwrap_or(v.len());
+                name = std::str::from_utf8(&v[..end]).ok().map(str::to_string);
+            }
+            ATTR_DEV_INDEX => index = u32_at(v, 0),
+            _ => {}
         }
         attrs = attrs.get((len + 3) & !3..).unwrap_or_default();
     }
-    None
+    Some((name?, index?))
 }
 
-/// The names of the registered RDMA devices (`rdma dev`).
-pub fn registered_devices() -> Result<BTreeSet<String>, NldevError> {
+/// The registered RDMA devices (`rdma dev`): name and index. A device registered again
+/// (deleted and added) has a new index.
+pub fn registered_devices() -> Result<BTreeMap<String, u32>, NldevError> {
     // SAFETY: socket() takes integers and returns a new descriptor or -1.
     let fd = unsafe {
         libc::socket(
@@ -150,7 +159,7 @@ pub fn registered_devices() -> Result<BTreeSet<String>, NldevError> {
     if n < 0 {
         return Err(io::Error::last_os_error().into());
     }
-    let mut names = BTreeSet::new();
+    let mut names = BTreeMap::new();
     let mut buf = vec![0u8; 32 * 1024];
     loop {
         // SAFETY: `buf` is writable for its length.
@@ -190,9 +199,10 @@ mod tests {
             NLDEV_GET,
             &[(1, &4u32.to_ne_bytes()), (2, b"mlx5_0\0")],
         ));
-        let mut names = BTreeSet::new();
+        let mut names = BTreeMap::new();
         assert!(!parse_dump(&buf, &mut names).unwrap_or_else(|e| panic!("{e}")));
-        assert_eq!(names.iter().collect::<Vec<_>>(), ["mlx5_0", "rxe0"]);
+        let got: Vec<(&str, u32)> = names.iter().map(|(n, i)| (n.as_str(), *i)).collect();
+        assert_eq!(got, [("mlx5_0", 4), ("rxe0", 3)]);
         let done = msg(NLMSG_DONE, &[(0, &[0; 4])]);
         assert!(parse_dump(&done, &mut names).unwrap_or_else(|e| panic!("{e}")));
         // An error message is the kernel's errno; a truncated message is malformed.
@@ -209,8 +219,10 @@ mod tests {
             parse_dump(&short, &mut names),
             Err(NldevError::Malformed(0))
         ));
-        // A message without a name, or with a bad attribute, names nothing.
-        let mut n2 = BTreeSet::new();
+        // A message without a name or an index, or with a bad attribute, names nothing.
+        let mut n2 = BTreeMap::new();
+        let no_index = msg(NLDEV_GET, &[(2, b"rxe2\0")]);
+        assert!(!parse_dump(&no_index, &mut n2).unwrap_or_else(|e| panic!("{e}")));
         let bad = msg(NLDEV_GET, &[(1, &[0; 4])]);
         assert!(!parse_dump(&bad, &mut n2).unwrap_or_else(|e| panic!("{e}")));
         assert!(n2.is_empty());

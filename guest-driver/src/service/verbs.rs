@@ -15,7 +15,7 @@
 //! has registered (`nldev.rs`), with the VM's other RoCE v2 addresses and the netdev's
 //! link, for the rdma_cm layer to follow (`Cma::update_port`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -224,6 +224,9 @@ impl Link {
 pub struct PortView {
     /// The registered RDMA devices.
     pub devices: BTreeSet<String>,
+    /// The kernel's index of the port's device, when RDMA netlink gave it: a device
+    /// deleted and added again between two looks has another.
+    pub index: Option<u32>,
     /// The port whose GID table holds the pvcm GID as RoCE v2, among them.
     pub port: Option<RdmaPort>,
     /// The link of that port's netdev.
@@ -236,7 +239,8 @@ pub struct PortView {
 impl PortView {
     /// Reads the view under `sysfs` for `gid`; `devices` are the registered devices
     /// (RDMA netlink), or `None` to take every device sysfs lists.
-    pub fn read(sysfs: &Path, gid: Gid, devices: Option<BTreeSet<String>>) -> PortView {
+    pub fn read(sysfs: &Path, gid: Gid, registered: Option<&BTreeMap<String, u32>>) -> PortView {
+        let devices: Option<BTreeSet<String>> = registered.map(|r| r.keys().cloned().collect());
         let listed = sysfs_devices(sysfs, devices.as_ref());
         let port = RdmaPort::find_among(sysfs, gid, devices.as_ref()).ok();
         let link = port.as_ref().and_then(|p| Link::read(sysfs, &p.netdev));
@@ -247,8 +251,12 @@ impl PortView {
             .filter(|e| e.gid != gid)
             .filter_map(|e| gid_addr(e.gid))
             .collect();
+        let index = port
+            .as_ref()
+            .and_then(|p| registered.and_then(|r| r.get(&p.device)).copied());
         PortView {
             devices: devices.unwrap_or_else(|| listed.into_iter().map(|(_, n)| n).collect()),
+            index,
             port,
             link,
             other_addrs,
@@ -284,7 +292,7 @@ pub const SETTLE: u32 = 6;
 /// The cheap look: what moves when the device, an address or the link changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Fingerprint {
-    devices: Option<BTreeSet<String>>,
+    devices: Option<BTreeMap<String, u32>>,
     addrs: Vec<(String, String)>,
     mtu: Option<String>,
 }
@@ -331,7 +339,7 @@ impl PortWatch {
             return None;
         }
         self.last = Some(f);
-        let v = PortView::read(&self.sysfs, self.gid, devices);
+        let v = PortView::read(&self.sysfs, self.gid, devices.as_ref());
         if let Some(p) = &v.port {
             self.netdev.clone_from(&p.netdev);
         }
@@ -632,10 +640,11 @@ mod tests {
         // A device sysfs still shows but netlink no longer lists (being unregistered)
         // holds nothing.
         fixture(&root, &[[10, 99, 0, 11]], 9000, "52:54:00:99:00:0b");
-        let v = PortView::read(&root, gid, Some(BTreeSet::new()));
+        let v = PortView::read(&root, gid, Some(&BTreeMap::new()));
         assert!(v.port.is_none() && v.devices.is_empty() && v.other_addrs.is_empty());
-        let v = PortView::read(&root, gid, Some(BTreeSet::from(["rxe0".to_string()])));
+        let v = PortView::read(&root, gid, Some(&BTreeMap::from([("rxe0".to_string(), 7)])));
         assert!(v.port.is_some());
+        assert_eq!(v.index, Some(7));
         // A bond master says so.
         fs::create_dir_all(root.join("class/net/eth0/bonding")).unwrap_or_else(|e| panic!("{e}"));
         assert!(
