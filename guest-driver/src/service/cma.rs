@@ -25,6 +25,13 @@
 //!   (REJ(TIMEOUT) for a pending REQ, DREQ for a connection, REJ for an unanswered
 //!   request); the agent keeps their TimeWait.
 //!
+//! The VM's RDMA device is followed while the service runs ([`Cma::update_port`], fed
+//! by the server's look at the device): a device that goes gives DEVICE_REMOVAL to the
+//! ids bound to it and closes them (ENXIO to all but DESTROY_ID), one that comes back
+//! serves new ids, an address gone from its GID table stops binds to it, a bond's
+//! failover gives ADDR_CHANGE; a bind to another address of the VM is EADDRNOTAVAIL
+//! (the pvcm device serves one GID per VM), logged and counted.
+//!
 //! Multicast, as `cma_iboe_join_multicast()` on a RoCE v2 port: no MAD; a join of a
 //! UD id with a device (bound to the VM's address or resolved) gets its MULTICAST_JOIN
 //! event at once, with the IPv4-mapped group as DGID, hop limit 64, the id's Q_Key and

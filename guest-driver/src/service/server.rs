@@ -2,11 +2,12 @@
 //!
 //! One thread does everything, in this order, over and over: take every CUSE request
 //! waiting (run commands, open and release files, arm poll handles, answer
-//! interrupts), answer `stat` on the control socket, pump the device (MADs in and out,
+//! interrupts), answer `stat` on the control socket, follow the VM's RDMA device (every
+//! 500 ms: `Cma::update_port`), pump the device (MADs in and out,
 //! the agent's timers), route the agent's events into the files' queues, fill the
 //! GET_EVENTs blocked on those files and wake their pollers; then sleep until the
 //! device notifies, a CUSE request or a control connection arrives, or the agent's next
-//! timer is due.
+//! timer or the next look at the device is due.
 //!
 //! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
 //! kernel until the answer is written (an event), or an INTERRUPT comes (a signal):
@@ -243,8 +244,10 @@ impl<'d, T: Transport> Server<'d, T> {
             if ready & CONTROL != 0 {
                 self.serve_control();
             }
-            self.pump()?;
+            // What following the device makes the agent send (a closed connection's DREQ)
+            // leaves in the pump.
             self.follow_port()?;
+            self.pump()?;
             // A stop signal cuts the sleep short (EINTR); the bound only covers one
             // that lands between the check above and the sleep.
             let sleep = match &self.watch {
