@@ -34,9 +34,11 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     kernel guest (the reference): SIGSTOP/SIGCONT, strace -p, a debugger's attach,
     SIGALRM handlers with and without SA_RESTART (interop/sigwait.c), SIGTERM
   12 the VM's RDMA device changes under a waiting rping -s, in a pvcm VM and in the
-    kernel guest (the reference): rdma link delete rxe0 (DEVICE_REMOVAL, the program
-    exits), rdma link add again (a new rping works, pvcm-guestd not restarted), ip addr
-    del and add of the server's address (no ADDR_CHANGE; connected to afterwards)
+    kernel guest (the reference): rdma link delete rxe0 (pvcm: DEVICE_REMOVAL, the
+    program exits; the kernel with rxe: the delete waits for the program), rdma link
+    add again (a new rping works, pvcm-guestd not restarted), ip addr del and add of
+    the server's address (no ADDR_CHANGE; connected to afterwards), a second address
+    (the kernel binds it; pvcm: EADDRNOTAVAIL, the cause logged)
   9 pvcm-guestd stopped under running programs: they end with an error, none hangs,
     the kernel peer loses their connections at once; started again, it serves
   10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and

@@ -36,11 +36,15 @@ Checks (each PASS/FAIL):
     (the kernel: EINTR; pvcm: the call waits on, docs/apps.md); SIGTERM to a waiting
     rping -s: it exits, its listener goes, pvcm-guestd holds no id or file
   12 the VM's RDMA device changes under a waiting rping -s, in pvcm VM a (client k) and
-    then in the kernel guest as the reference (k, client a): rdma link delete rxe0: the
-    program gets DEVICE_REMOVAL ("cma detected device removal") and exits, the delete
-    completes; rdma link add rxe0 again: a new rping -s is connected to, pvcm-guestd not
-    restarted; ip addr del and add of the server's address: no ADDR_CHANGE (the kernel
-    sends it at a bond's failover only), the waiting rping -s is connected to afterwards
+    then in the kernel guest as the reference (k, client a): rdma link delete rxe0: in a
+    the program gets DEVICE_REMOVAL ("cma detected device removal") and exits, the
+    delete completes; in k the delete waits for the program (rxe cannot disassociate
+    it), which gets no event until it is killed; rdma link add rxe0 again: a new
+    rping -s is connected to, pvcm-guestd not restarted; ip addr del and add of the
+    server's address: no ADDR_CHANGE (the kernel sends it at a bond's failover only),
+    the waiting rping -s is connected to afterwards; a second address on the NIC:
+    rping -s -a binds it in k, fails with EADDRNOTAVAIL in a (the backend serves one
+    GID per VM), logged with the cause and counted
   9 pvcm-guestd stopped (SIGTERM) under running programs in a (rping -v to k, an rping
     server waiting): both end with an error within seconds (none hangs), k's kernel CM
     loses the connection at once (the backend ends it on the VM's behalf when the
@@ -431,50 +435,72 @@ def rxe_gid_present(guest):
     return bool(port.get("attached") and port.get("addr_present"))
 
 
-def device_change(server, client):
-    """Section 12 for one server guest: a pvcm VM, or the kernel guest as the reference.
-    rxe0 deleted under a waiting rping -s, added again, a new rping; the server's
-    address deleted and added again under a waiting rping -s, which is then connected to."""
-    kind = "pvcm VM" if server.cm == "pvcm" else "kernel reference"
-    tag = f"{kind} {server.name}"
+def device_removal(server, tag):
+    """rdma link delete rxe0 under a waiting rping -s on the server guest: a check."""
     st0 = guestd_stat(server) if server.cm == "pvcm" else {}
-
     job, _ = rping_waiting(server)
     t0 = time.monotonic()
     delete = server.spawn("exec rdma link delete rxe0")
-    try:
-        rc = job.wait(60)
-    except LabError:
-        job.kill("KILL")
-        rc = -1
-    secs = time.monotonic() - t0
+    if server.cm == "pvcm":
+        try:
+            rc = job.wait(60)
+        except LabError:
+            job.kill("KILL")
+            rc = -1
+        secs = time.monotonic() - t0
+        try:
+            drc = delete.wait(60)
+        except LabError:
+            drc = -1
+        out = job.text()
+        st = guestd_stat(server)
+        result(f"{tag}: rdma link delete rxe0 under a waiting rping -s: it gets DEVICE_REMOVAL "
+               "and exits, the delete completes",
+               "device removal" in out and rc not in (0, -1) and drc == 0,
+               f"rping exit status {rc} after {secs:.1f} s: {short(out, 160)}; rdma link delete "
+               f"status {drc}; service device_removals {st0.get('device_removals')} -> "
+               f"{st.get('device_removals')}, DEVICE_REMOVAL events "
+               f"{st.get('events', {}).get('DEVICE_REMOVAL')}")
+        return
+    # The kernel: rxe cannot disassociate a program's verbs context, so the delete waits
+    # in the verbs client's removal for the program to close the device, before the
+    # rdma_cm client's removal would send DEVICE_REMOVAL.
+    time.sleep(20)
+    waiting = not job.done() and not delete.done()
+    said = job.text()
+    job.kill("KILL")
     try:
         drc = delete.wait(60)
     except LabError:
         drc = -1
-    out = job.text()
-    detail = (f"rping exit status {rc} after {secs:.1f} s: {short(out, 160)}; "
-              f"rdma link delete status {drc}")
-    if server.cm == "pvcm":
-        st = guestd_stat(server)
-        detail += (f"; service device_removals {st0.get('device_removals')} -> "
-                   f"{st.get('device_removals')}, DEVICE_REMOVAL events "
-                   f"{st.get('events', {}).get('DEVICE_REMOVAL')}")
-    result(f"{tag}: rdma link delete rxe0 under a waiting rping -s: it gets DEVICE_REMOVAL "
-           "and exits", "device removal" in out and rc not in (0, -1) and drc == 0, detail)
+    secs = time.monotonic() - t0
+    result(f"{tag}: rdma link delete rxe0 under a waiting rping -s: the delete waits for the "
+           "program (rxe has no disassociate), which gets no event; killed, the delete completes",
+           waiting and "device removal" not in said and drc == 0,
+           f"after 20 s rping waiting and the delete pending: {waiting}; rping said "
+           f"{short(said, 120)!r}; delete status {drc} after {secs:.1f} s")
+
+
+def device_change(server, client, other_ip):
+    """Section 12 for one server guest: a pvcm VM, or the kernel guest as the reference.
+    rxe0 deleted under a waiting rping -s, added again, a new rping; the server's
+    address deleted and added again under a waiting rping -s, which is then connected to;
+    a second address (other_ip) on the server's NIC, bound by rping -s."""
+    kind = "pvcm VM" if server.cm == "pvcm" else "kernel reference"
+    tag = f"{kind} {server.name}"
+    device_removal(server, tag)
 
     server.run("rdma link add rxe0 type rxe netdev eth0", 60)
     back = wait_for(lambda: rxe_gid_present(server), 60)
     job, _ = rping_waiting(server)
     ok, what = rping_to(server, client, job)
-    result(f"{tag}: rxe0 added again: a new rping -s is connected to from {client.name}, "
-           "the service not restarted" if server.cm == "pvcm" else
-           f"{tag}: rxe0 added again: a new rping -s is connected to from {client.name}",
+    result(f"{tag}: rxe0 added again: a new rping -s is connected to from {client.name}"
+           + (", the service not restarted" if server.cm == "pvcm" else ""),
            back and ok, f"GID back {bool(back)}; {what}")
 
-    job, pid = rping_waiting(server)
-    _, out = server.run(f"ip addr del {server.ip}/24 dev eth0; sleep 3; "
-                        f"ip addr add {server.ip}/24 dev eth0; echo done", 60)
+    job, _ = rping_waiting(server)
+    server.run(f"ip addr del {server.ip}/24 dev eth0; sleep 3; "
+               f"ip addr add {server.ip}/24 dev eth0", 60)
     back = wait_for(lambda: rxe_gid_present(server), 60)
     time.sleep(2)
     alive = not job.done()
@@ -487,6 +513,41 @@ def device_change(server, client):
            f"(no bond failover), it waits on and is connected to from {client.name}",
            alive and back and ok and "unhandled event" not in said,
            f"alive {alive}, GID back {bool(back)}; {what}{events}")
+
+    server.run(f"ip addr add {other_ip}/24 dev eth0", 30)
+    wait_for(lambda: server.run(f"grep -qi ':{sysfs_tail(other_ip)}$' "
+                                "/sys/class/infiniband/rxe0/ports/1/gids/* 2>/dev/null",
+                                30)[0] == 0, 30)
+    time.sleep(1)
+    job = server.spawn(f"exec timeout 5 rping -s -a {other_ip} -v -C 1")
+    try:
+        rc = job.wait(30)
+    except LabError:
+        job.kill("KILL")
+        rc = -1
+    said = job.text()
+    server.run(f"ip addr del {other_ip}/24 dev eth0", 30)
+    if server.cm == "pvcm":
+        st = guestd_stat(server)
+        log = server.run(f"grep -c 'serves one GID for this VM' /host/guestd.{server.name}.log",
+                         30)[1]
+        result(f"{tag}: rping -s -a {other_ip} (a second address on the NIC, not the pvcm "
+               "GID's): the bind fails with EADDRNOTAVAIL, the service logs the cause "
+               "(the backend serves one GID for this VM) and counts it",
+               rc not in (0, 124, -1) and "rdma_bind_addr" in said
+               and st.get("other_addr_binds", 0) >= 1 and log.strip() not in ("", "0"),
+               f"rping status {rc}: {short(said, 120)}; other_addr_binds "
+               f"{st.get('other_addr_binds')}; log lines {log.strip()}")
+    else:
+        result(f"{tag}: rping -s -a {other_ip} (a second address on the NIC): the kernel binds "
+               "it and listens", rc == 124 and "rdma_bind_addr" not in said,
+               f"rping status {rc} (124: still listening at the timeout): {short(said, 120)}")
+
+
+def sysfs_tail(ip):
+    """The last two groups of an IPv4 address's GID as sysfs writes them (0a63:010b)."""
+    o = [int(x) for x in ip.split(".")]
+    return f"{o[0]:02x}{o[1]:02x}:{o[2]:02x}{o[3]:02x}"
 
 
 def kill_nine(lab, k, a, backend):
@@ -986,8 +1047,8 @@ def main():
 
             if "12" in only:
                 print("== 12. the VM's RDMA device changes under running programs", flush=True)
-                device_change(va, k)
-                device_change(k, va)
+                device_change(va, k, "10.99.1.11")
+                device_change(k, va, "10.99.1.2")
 
             if "9" in only:
                 print("== 9. pvcm-guestd restarted under running programs", flush=True)
