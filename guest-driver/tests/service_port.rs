@@ -171,6 +171,30 @@ fn another_device_with_the_gid_replaces_the_old_one() {
     assert_eq!(s.cma.port().device, "mlx5_0");
 }
 
+/// A port on another netdev takes the multicast memberships there: a join's IGMP
+/// membership is taken on the new netdev (one that does not exist here: ENODEV, as
+/// `cma_igmp_send()` without the device).
+#[test]
+fn memberships_follow_the_ports_netdev() {
+    // At start on the loopback netdev, where a membership would be taken.
+    let mut s = Vm::with_netdev(12, "lo");
+    let mut vf = port(12);
+    vf.netdev = "pvcm-no-such-netdev".into();
+    update(&mut s, &view(Some(vf), &["rxe0"], MAC, false));
+    let sf = s.cma.open();
+    let id = s.create_id(sf, 1, ps::UDP);
+    assert_eq!(s.bind_ip(sf, id, "10.99.0.12:7000"), Outcome::Done(Ok(())));
+    let mut b = [0u8; 48];
+    pvcm_guest::service::abi::put_u64(&mut b, 0, service_support::RESP);
+    pvcm_guest::service::abi::put_u64(&mut b, 8, 0x55);
+    pvcm_guest::service::abi::emit_sockaddr(&"239.1.2.3:0".parse().unwrap(), &mut b[16..44]);
+    pvcm_guest::service::abi::put_u32(&mut b, 44, id);
+    assert_eq!(
+        s.write(sf, cmd::JOIN_IP_MCAST, &b[..48], 4),
+        Outcome::Done(Err(errno::ENODEV))
+    );
+}
+
 /// The same device deleted and added again between two looks (another kernel index,
 /// the same name and GUID) is a removal and an arrival.
 #[test]

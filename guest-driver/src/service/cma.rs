@@ -787,6 +787,10 @@ impl Cma {
                 self.addr_present = true;
                 self.port = new;
                 self.dev_index = view.index;
+                // Memberships follow the port's netdev once none is held there.
+                if self.membership.netdev() != self.port.netdev && self.igmp_users.is_empty() {
+                    self.membership = IgmpSockets::new(&self.port.netdev);
+                }
             }
             None => {
                 u.addr_gone = self.attached && self.addr_present;

@@ -128,6 +128,11 @@ impl IgmpSockets {
         self.held.remove(&group);
     }
 
+    /// The netdev the memberships are taken on.
+    pub fn netdev(&self) -> &str {
+        &self.netdev
+    }
+
     /// The groups held.
     pub fn groups(&self) -> Vec<Ipv4Addr> {
         self.held.keys().copied().collect()
