@@ -272,7 +272,7 @@ pub struct CmaStats {
     pub leaves: u64,
     /// Times the VM's RDMA device went (DEVICE_REMOVAL to the ids bound to it).
     pub device_removals: u64,
-    /// Times a device holding the pvcm GID came (at start, or again).
+    /// Times a device holding the pvcm GID came after one went.
     pub device_arrivals: u64,
     /// Binds to another address of the VM, which the pvcm device does not serve
     /// (EADDRNOTAVAIL).
@@ -741,9 +741,10 @@ impl Cma {
     /// Follows the VM's RDMA device as `view` shows it now, as the kernel's cma follows
     /// its devices and netdevs:
     /// - the device that held the port is no longer registered, was registered again
-    ///   (another index), or another device holds the GID now: every id bound to it gets DEVICE_REMOVAL and is closed
-    ///   (`cma_process_remove`, ucma's `close_work`); ids bound to a wildcard address
-    ///   stay (a listener's per-device child goes silently in the kernel);
+    ///   (another index), or another device holds the GID now: every id bound to it
+    ///   gets DEVICE_REMOVAL and is closed (`cma_process_remove`, ucma's
+    ///   `close_work`); ids bound to a wildcard address stay (a listener's per-device
+    ///   child goes silently in the kernel);
     /// - a device holds the GID again: new ids use it (`cma_add_one`);
     /// - the GID table no longer has the address (it was taken off the netdev): binds
     ///   to it are EADDRNOTAVAIL, requests are refused, bound ids stay, with no event,
