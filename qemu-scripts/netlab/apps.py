@@ -525,7 +525,9 @@ def device_change(server, client, other_ip):
     wait_for(lambda: server.run(f"grep -qi ':{sysfs_tail(other_ip)}$' "
                                 "/sys/class/infiniband/rxe0/ports/1/gids/* 2>/dev/null",
                                 30)[0] == 0, 30)
-    time.sleep(1)
+    if server.cm == "pvcm":
+        wait_for(lambda: other_ip in guestd_stat(server).get("port", {}).get("other_addrs", []),
+                 30)
     job = server.spawn(f"exec timeout 5 rping -s -a {other_ip} -v -C 1")
     try:
         rc = job.wait(30)

@@ -867,6 +867,11 @@ impl Cma {
         self.attached
     }
 
+    /// The VM's other RoCE v2 addresses, which do not bind.
+    pub fn other_addrs(&self) -> &BTreeSet<IpAddr> {
+        &self.other_addrs
+    }
+
     /// Whether the device's GID table holds the pvcm GID's address now.
     pub fn addr_present(&self) -> bool {
         self.attached && self.addr_present

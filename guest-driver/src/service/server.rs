@@ -662,6 +662,7 @@ impl<'d, T: Transport> Server<'d, T> {
                 "device": p.device, "port": p.port_num, "gid": p.gid.to_string(),
                 "gid_index": p.gid_index, "netdev": p.netdev, "path_mtu": p.path_mtu,
                 "attached": self.cma.attached(), "addr_present": self.cma.addr_present(),
+                "other_addrs": self.cma.other_addrs().iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             },
             "device_removals": c.device_removals,
             "device_arrivals": c.device_arrivals,

@@ -287,7 +287,7 @@ pub struct PortWatch {
 }
 
 /// Looks after a move during which the GID table is read again.
-pub const SETTLE: u32 = 6;
+pub const SETTLE: u32 = 10;
 
 /// The cheap look: what moves when the device, an address or the link changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
