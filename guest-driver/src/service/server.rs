@@ -664,6 +664,10 @@ impl<'d, T: Transport> Server<'d, T> {
                 "attached": self.cma.attached(), "addr_present": self.cma.addr_present(),
                 "other_addrs": self.cma.other_addrs().iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             },
+            "port_watch": {
+                "looks": self.watch.as_ref().map_or(0, |w| w.looks),
+                "reads": self.watch.as_ref().map_or(0, |w| w.reads),
+            },
             "device_removals": c.device_removals,
             "device_arrivals": c.device_arrivals,
             "other_addr_binds": c.other_addr_binds,

@@ -164,7 +164,14 @@ struct GidEntry {
     netdev: String,
 }
 
-/// The RoCE v2 entries of a port's GID table, by index.
+/// Unused entries in a row after which a GID table is read no further. The kernel
+/// gives a new GID the lowest free index (`find_gid()`'s first empty entry), so the
+/// used entries sit at the start with the holes deletions left; rxe's table has 1024
+/// entries, a file each, which all read would cost about a second of CPU in a TCG VM.
+pub const GID_SCAN_GAP: usize = 64;
+
+/// The RoCE v2 entries of a port's GID table, by index, up to [`GID_SCAN_GAP`] unused
+/// entries in a row.
 fn roce_v2_entries(port: &Path) -> Vec<GidEntry> {
     let Ok(gids) = fs::read_dir(port.join("gids")) else {
         return Vec::new();
@@ -173,13 +180,18 @@ fn roce_v2_entries(port: &Path) -> Vec<GidEntry> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
     idx.sort_unstable();
+    let mut unused = 0;
     idx.into_iter()
-        .filter_map(|i| {
-            let gid =
-                read_trim(&port.join(format!("gids/{i}"))).and_then(|s| parse_sysfs_gid(&s))?;
-            if gid.0 == [0; 16] {
-                return None;
+        .map_while(|i| {
+            let gid = read_trim(&port.join(format!("gids/{i}"))).and_then(|s| parse_sysfs_gid(&s));
+            match gid {
+                Some(g) if g.0 != [0; 16] => unused = 0,
+                _ => unused += 1,
             }
+            (unused <= GID_SCAN_GAP).then_some((i, gid))
+        })
+        .filter_map(|(i, gid)| {
+            let gid = gid.filter(|g| g.0 != [0; 16])?;
             let ty = read_trim(&port.join(format!("gid_attrs/types/{i}")))?;
             if !ty.eq_ignore_ascii_case("RoCE v2") {
                 return None;
@@ -284,6 +296,10 @@ pub struct PortWatch {
     netdev: String,
     /// Ask RDMA netlink for the registered devices (sysfs is the system's own).
     netlink: bool,
+    /// Looks taken.
+    pub looks: u64,
+    /// Looks that read the GID tables.
+    pub reads: u64,
 }
 
 /// Looks after a move during which the GID table is read again.
@@ -310,6 +326,8 @@ impl PortWatch {
             last: None,
             settle: 0,
             netdev: String::new(),
+            looks: 0,
+            reads: 0,
         }
     }
 
@@ -326,6 +344,7 @@ impl PortWatch {
                 None
             }
         };
+        self.looks += 1;
         let f = Fingerprint {
             devices: devices.clone(),
             addrs: interface_addrs(),
@@ -339,6 +358,7 @@ impl PortWatch {
             return None;
         }
         self.last = Some(f);
+        self.reads += 1;
         let v = PortView::read(&self.sysfs, self.gid, devices.as_ref());
         if let Some(p) = &v.port {
             self.netdev.clone_from(&p.netdev);
@@ -652,6 +672,31 @@ mod tests {
                 .link
                 .is_some_and(|l| l.bond)
         );
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_table_is_read_up_to_a_gap_of_unused_entries() {
+        let root = std::env::temp_dir().join(format!("pvcm-gap-{}", std::process::id()));
+        let gid = Gid::from_ipv4([10, 99, 0, 11].into());
+        fixture(&root, &[[10, 99, 0, 21]], 1500, "52:54:00:99:00:0b");
+        let port = root.join("class/infiniband/rxe0/ports/1");
+        let put = |i: usize, g: &str| {
+            write(&port.join(format!("gids/{i}")), g);
+            write(&port.join(format!("gid_attrs/types/{i}")), "RoCE v2");
+        };
+        let zero = "0000:0000:0000:0000:0000:0000:0000:0000";
+        let pvcm = "0000:0000:0000:0000:0000:ffff:0a63:000b";
+        // A hole of GID_SCAN_GAP unused entries, then the GID: found.
+        for i in 2..2 + GID_SCAN_GAP {
+            put(i, zero);
+        }
+        put(2 + GID_SCAN_GAP, pvcm);
+        assert!(RdmaPort::find(&root, gid).is_ok());
+        // One more unused entry in the hole: the table is read no further.
+        put(2 + GID_SCAN_GAP, zero);
+        put(3 + GID_SCAN_GAP, pvcm);
+        assert!(RdmaPort::find(&root, gid).is_err());
         let _ = fs::remove_dir_all(&root);
     }
 
