@@ -10,6 +10,7 @@
 //!   rdma_cm names it to librdmacm.
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
 //! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
+//! - [`neigh`]: the route and the neighbour of an address resolution (rtnetlink).
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
 //!   or EINTR when it is fatal).
 //! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
@@ -23,6 +24,7 @@ pub mod client;
 pub mod cma;
 pub mod cuse;
 pub mod mcast;
+pub mod neigh;
 pub mod server;
 pub mod signals;
 pub mod verbs;

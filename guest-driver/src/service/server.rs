@@ -4,9 +4,11 @@
 //! waiting (run commands, open and release files, arm poll handles, answer
 //! interrupts), answer `stat` on the control socket, pump the device (MADs in and out,
 //! the agent's timers), route the agent's events into the files' queues, fill the
-//! GET_EVENTs blocked on those files and wake their pollers; then sleep until the
-//! device notifies, a CUSE request or a control connection arrives, or the agent's next
-//! timer is due.
+//! GET_EVENTs blocked on those files and wake their pollers; try the address
+//! resolutions that wait for a neighbour (`Cma::poll_addr`); then sleep until the
+//! device notifies, a CUSE request or a control connection arrives, a neighbour changes
+//! (the rtnetlink socket of the resolutions), or the agent's next timer or a
+//! resolution's timeout is due.
 //!
 //! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
 //! kernel until the answer is written (an event), or an INTERRUPT comes (a signal):
@@ -40,6 +42,9 @@ use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::report::{cm_counters_json, pacing_json};
 use crate::time::SystemClock;
+
+/// The longest sleep of the loop.
+const MAX_SLEEP: Duration = Duration::from_secs(2);
 
 /// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
 pub const PROBE_IOCTL: u32 = (b'p' as u32) << 8 | 0xC1;
@@ -216,6 +221,7 @@ impl<'d, T: Transport> Server<'d, T> {
         if let Some(c) = &self.control {
             fds.push(c.as_raw_fd());
         }
+        let base = fds.len();
         // Readable descriptors after a sleep; a sleep cut short by device work (0)
         // still looks at CUSE, so a busy device never starves the processes.
         let mut ready = CUSE | CONTROL;
@@ -233,9 +239,18 @@ impl<'d, T: Transport> Server<'d, T> {
                 self.serve_control();
             }
             self.pump()?;
+            self.poll_addr()?;
+            // The neighbour socket is there from the first resolution on.
+            fds.truncate(base);
+            fds.extend(self.cma.addr_fd());
             // A stop signal cuts the sleep short (EINTR); the bound only covers one
             // that lands between the check above and the sleep.
-            ready = self.dev.sleep_with(Duration::from_secs(2), &fds)?;
+            let now = self.dev.now();
+            let sleep = self
+                .cma
+                .next_addr_deadline()
+                .map_or(MAX_SLEEP, |d| d.since(now).min(MAX_SLEEP));
+            ready = self.dev.sleep_with(sleep, &fds)?;
         }
         self.shut_down();
         Ok(())
@@ -301,6 +316,15 @@ impl<'d, T: Transport> Server<'d, T> {
                 return Ok(());
             }
         }
+    }
+
+    /// The address resolutions that a neighbour's change or their timeout ends.
+    fn poll_addr(&mut self) -> Result<(), ServiceError> {
+        let now = self.dev.now();
+        for fh in self.cma.poll_addr(now) {
+            self.serve_waiters(fh)?;
+        }
+        Ok(())
     }
 
     fn reply(&self, r: &Reply) -> Result<(), ServiceError> {
@@ -598,6 +622,7 @@ impl<'d, T: Transport> Server<'d, T> {
             },
             "files": self.cma.files(),
             "ids": self.cma.ids(),
+            "resolving": self.cma.resolving(),
             "mcast_joins": self.cma.joins(),
             "mcast_joined": c.joins,
             "mcast_left": c.leaves,
