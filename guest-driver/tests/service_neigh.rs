@@ -214,3 +214,108 @@ fn the_kernel_answers_for_the_loopback() {
     // An interface that does not exist.
     assert!(nl.link_flags(0x7FFF_FFF0).is_err());
 }
+
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ip {args:?}: {out:?}");
+}
+
+/// Runs `f` on a thread of its own in a fresh network namespace (where `ip` commands it
+/// starts run too); `None`, after printing SKIP, where there can be none (not root, no
+/// `ip`).
+fn in_netns<T: Send>(what: &str, f: impl FnOnce() -> T + Send) -> Option<T> {
+    // SAFETY: geteuid(2) cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP {what}: not root (needs a network namespace)");
+        return None;
+    }
+    if std::process::Command::new("ip").arg("-V").output().is_err() {
+        eprintln!("SKIP {what}: no `ip` command (iproute2)");
+        return None;
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: unshare(2) moves only this thread into a new namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                eprintln!("SKIP {what}: unshare: {}", std::io::Error::last_os_error());
+                return None;
+            }
+            ip(&["link", "set", "lo", "up"]);
+            Some(f())
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+/// The kernel for real, in a namespace with a veth pair (v0 10.77.0.1/24, its peer v1):
+/// an address nobody has is solicited and waits (the entry not valid); once v1 takes
+/// the address, ARP's next probe is answered, the entry becomes valid with the peer's
+/// MAC and the neighbour socket tells of it; a destination with no route fails with
+/// ENETUNREACH; behind a gateway, the gateway is the neighbour solicited.
+#[test]
+fn the_kernel_solicits_and_tells_when_the_neighbour_is_valid() {
+    in_netns("neighbour solicitation", || {
+        ip(&["link", "add", "v0", "type", "veth", "peer", "name", "v1"]);
+        ip(&["addr", "add", "10.77.0.1/24", "dev", "v0"]);
+        ip(&["link", "set", "v0", "up"]);
+        ip(&["link", "set", "v1", "up"]);
+        // Both ends are in this namespace: v1 answers an ARP request from a local
+        // source only with accept_local.
+        let conf = "/proc/sys/net/ipv4/conf/v1/accept_local";
+        std::fs::write(conf, "1").unwrap();
+        let mut nl = Netlink::new();
+        let dst: IpAddr = Ipv4Addr::new(10, 77, 0, 2).into();
+        let src: IpAddr = Ipv4Addr::new(10, 77, 0, 1).into();
+        assert_eq!(
+            neigh::resolve(&mut nl, None, Ipv4Addr::new(10, 78, 0, 1).into()),
+            Attempt::Failed(libc::ENETUNREACH)
+        );
+        let r = nl.route(dst, None).unwrap();
+        assert_eq!((r.kind, r.gateway, r.src), (1, None, Some(src)));
+        assert_eq!(neigh::resolve(&mut nl, None, dst), Attempt::Waiting);
+        let n = nl
+            .neighbour(r.ifindex, dst)
+            .unwrap()
+            .expect("the entry solicited");
+        assert!(!n.valid(), "state {:#x}", n.state);
+        // v1 takes the address: ARP is answered (v0 probes again each second).
+        ip(&["addr", "add", "10.77.0.2/24", "dev", "v1"]);
+        let fd = nl.fd().unwrap();
+        let mut valid = false;
+        for _ in 0..50 {
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd that outlives the call.
+            unsafe { libc::poll(&mut p, 1, 100) };
+            if nl.changed() {
+                valid = true;
+                break;
+            }
+        }
+        assert!(valid, "a notification of the valid neighbour");
+        let n = nl.neighbour(r.ifindex, dst).unwrap().unwrap();
+        assert!(n.valid(), "state {:#x}", n.state);
+        assert_eq!(n.lladdr.map(|l| l.len()), Some(6));
+        // A gateway route: the gateway (10.77.0.3, nobody) is the neighbour solicited,
+        // not the destination.
+        ip(&["route", "add", "10.79.0.0/24", "via", "10.77.0.3"]);
+        let far: IpAddr = Ipv4Addr::new(10, 79, 0, 5).into();
+        let gw: IpAddr = Ipv4Addr::new(10, 77, 0, 3).into();
+        let r = nl.route(far, Some(src)).unwrap();
+        assert_eq!((r.gateway, r.src), (Some(gw), Some(src)));
+        assert_eq!(neigh::resolve(&mut nl, Some(src), far), Attempt::Waiting);
+        assert!(
+            nl.neighbour(r.ifindex, gw)
+                .unwrap()
+                .is_some_and(|n| !n.valid())
+        );
+        assert_eq!(nl.neighbour(r.ifindex, far).unwrap(), None);
+    });
+}
