@@ -461,7 +461,13 @@ pub fn any_valid(datagram: &[u8]) -> bool {
 pub struct Netlink {
     socks: Option<(OwnedFd, OwnedFd)>,
     seq: u32,
+    /// What the sockets read into (kept: the loop drains the group at every turn).
+    buf: Vec<u8>,
 }
+
+/// The receive buffer's size (the kernel's answers to these requests are far smaller;
+/// notifications come several to a datagram at most).
+const RECV_BUFFER: usize = 16384;
 
 fn socket(what: &'static str, groups: u32) -> Result<OwnedFd, NeighError> {
     let err = |err| NeighError::Socket { what, err };
@@ -564,26 +570,37 @@ impl Netlink {
                 err: io::Error::last_os_error(),
             });
         }
-        let mut buf = vec![0u8; 16384];
-        loop {
-            let n = recv(fd, &mut buf).map_err(|err| NeighError::Socket { what: "recv", err })?;
-            for m in messages(&buf[..n])? {
-                if m.seq != seq {
-                    continue;
+        self.buf.resize(RECV_BUFFER, 0);
+        answer(fd, seq, want, &mut self.buf)
+    }
+}
+
+/// Reads from the request socket `fd` until the answer to request `seq`: the payload
+/// of its message of type `want`, or its acknowledgement (`None`), or its error.
+fn answer(
+    fd: RawFd,
+    seq: u32,
+    want: Option<u16>,
+    buf: &mut [u8],
+) -> Result<Option<Vec<u8>>, NeighError> {
+    loop {
+        let n = recv(fd, buf).map_err(|err| NeighError::Socket { what: "recv", err })?;
+        for m in messages(&buf[..n])? {
+            if m.seq != seq {
+                continue;
+            }
+            match m.kind {
+                NLMSG_ERROR => {
+                    let e = error_of(m.payload)?;
+                    return if e == 0 {
+                        Ok(None)
+                    } else {
+                        Err(NeighError::Kernel(e))
+                    };
                 }
-                match m.kind {
-                    NLMSG_ERROR => {
-                        let e = error_of(m.payload)?;
-                        return if e == 0 {
-                            Ok(None)
-                        } else {
-                            Err(NeighError::Kernel(e))
-                        };
-                    }
-                    NLMSG_DONE => return Err(NeighError::Malformed("no answer")),
-                    k if Some(k) == want => return Ok(Some(m.payload.to_vec())),
-                    _ => {}
-                }
+                NLMSG_DONE => return Err(NeighError::Malformed("no answer")),
+                k if Some(k) == want => return Ok(Some(m.payload.to_vec())),
+                _ => {}
             }
         }
     }
@@ -621,10 +638,11 @@ impl Lookup for Netlink {
         let Some((_, mon)) = &self.socks else {
             return false;
         };
-        let mut buf = vec![0u8; 16384];
+        let buf = &mut self.buf;
+        buf.resize(RECV_BUFFER, 0);
         let mut valid = false;
         loop {
-            match recv(mon.as_raw_fd(), &mut buf) {
+            match recv(mon.as_raw_fd(), buf) {
                 Ok(n) => valid |= any_valid(&buf[..n]),
                 // Notifications were lost (the socket's queue overflowed): one of them
                 // may have been the one awaited.
