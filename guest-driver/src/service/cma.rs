@@ -26,12 +26,14 @@
 //!   destination, gives ADDR_RESOLVED at once; otherwise the neighbour is solicited and
 //!   the id waits (the server's loop goes on) until it becomes valid (ADDR_RESOLVED) or
 //!   the command's `timeout_ms` is up (ADDR_ERROR, -ETIMEDOUT), and is back in its bound
-//!   state after an error. An unbound id whose route's source is not the VM's address
-//!   (127.0.0.1, another NIC's) gets ADDR_ERROR -ENODEV, as the kernel finds no RDMA
-//!   device for it; a wildcard destination resolves to the id's own address (the
-//!   kernel's `cma_resolve_loopback`). Destroying a waiting id ends its resolution;
+//!   state after an error. A wildcard destination resolves to the id's own address
+//!   (the kernel's `cma_resolve_loopback`). Destroying a waiting id ends its
+//!   resolution;
 //! - route resolution completes at once (the route is the VM's own RoCE port), with
-//!   its event queued;
+//!   its event queued; an id whose address is another local one than the VM's
+//!   (127.0.0.1, which it may bind or resolve, as the kernel on rdma_rxe allows) has no
+//!   RoCE netdev: RESOLVE_ROUTE fails with ENODEV, and its listener gets no request
+//!   (they come for the VM's address);
 //! - releasing a file destroys all its ids, sending what the CM sends for each
 //!   (REJ(TIMEOUT) for a pending REQ, DREQ for a connection, REJ for an unanswered
 //!   request); the agent keeps their TimeWait.
