@@ -14,8 +14,9 @@ use pvcm_guest::service::abi::{
     put_u64, u32_at,
 };
 use pvcm_guest::service::caller::FakeMemory;
+use pvcm_guest::service::cma::errno;
 use pvcm_guest::service::cma::{Caller, Cma, Env, Fh, Outcome};
-use pvcm_guest::service::neigh::{Lookup, NeighError, Neighbour, Route, nud};
+use pvcm_guest::service::neigh::{Lookup, NeighError, Neighbour, Route, iff, nud};
 use pvcm_guest::service::verbs::{NO_DEVICE_INDEX, RdmaPort};
 use pvcm_guest::time::Time;
 use pvcm_wire::Gid;
@@ -104,7 +105,7 @@ impl Lookup for LabNet {
         st.routes.push((dst, src));
         let own = st.own;
         if st.unreachable.contains(&dst) {
-            return Err(NeighError::Kernel(libc::EHOSTUNREACH));
+            return Err(NeighError::Kernel(errno::EHOSTUNREACH));
         }
         let local = |src| Route {
             kind: 2,
@@ -137,15 +138,15 @@ impl Lookup for LabNet {
             {
                 Ok(nic(None))
             }
-            _ => Err(NeighError::Kernel(libc::ENETUNREACH)),
+            _ => Err(NeighError::Kernel(errno::ENETUNREACH)),
         }
     }
 
     fn link_flags(&mut self, ifindex: u32) -> Result<u32, NeighError> {
         Ok(if ifindex == LO {
-            (libc::IFF_UP | libc::IFF_LOOPBACK) as u32
+            iff::UP | iff::LOOPBACK
         } else {
-            libc::IFF_UP as u32
+            iff::UP
         })
     }
 

@@ -77,6 +77,16 @@ pub mod nud {
 /// `RTN_LOCAL`: the route of a local address (through the loopback).
 pub const RTN_LOCAL: u8 = 2;
 
+/// `IFF_*` interface flags the resolution reads.
+pub mod iff {
+    /// The interface is up.
+    pub const UP: u32 = libc::IFF_UP as u32;
+    /// The loopback: its destinations are local, their own neighbours.
+    pub const LOOPBACK: u32 = libc::IFF_LOOPBACK as u32;
+    /// No ARP: no neighbour to resolve.
+    pub const NOARP: u32 = libc::IFF_NOARP as u32;
+}
+
 /// The route to a destination, as RTM_GETROUTE answers it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
@@ -162,7 +172,7 @@ pub fn resolve(net: &mut dyn Lookup, src: Option<IpAddr>, dst: IpAddr) -> Attemp
         Ok(f) => f,
         Err(e) => return Attempt::Failed(e.errno()),
     };
-    if flags & (libc::IFF_LOOPBACK | libc::IFF_NOARP) as u32 != 0 {
+    if flags & (iff::LOOPBACK | iff::NOARP) != 0 {
         return Attempt::Resolved { src: from };
     }
     let hop = route.next_hop(dst);
