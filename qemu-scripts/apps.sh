@@ -41,6 +41,11 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     (the kernel binds it; pvcm: EADDRNOTAVAIL, the cause logged)
   9 pvcm-guestd stopped under running programs: they end with an error, none hangs,
     the kernel peer loses their connections at once; started again, it serves
+  11 address resolution next to the kernel guest: rping -c to an address nobody has
+    (ADDR_ERROR -110 within rping's 2000 ms; both times printed), to an address with no
+    route, through a gateway nobody has; a process killed while it resolves; rping
+    client and server in one VM on its own address and on 127.0.0.1; rping through a
+    gateway (a second subnet of k reached via the host side of the bridge)
   10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and
     kernel -> pvcm VM: data received, the IGMP membership held while joined; an IPv6
     group fails to join in both (the IPv6 lab, booted for it)
@@ -83,7 +88,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,10,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,11,10,4,7,6)
   -h, --help     this help
 USAGE
 }

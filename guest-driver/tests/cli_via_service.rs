@@ -67,6 +67,8 @@ impl World {
                 moved += mads.len();
                 for vm in &mut self.vms {
                     vm.events_from_agent();
+                    let now = vm.now;
+                    vm.cma.poll_addr(now);
                 }
             }
             if moved == 0 {
@@ -498,7 +500,9 @@ fn rejected_and_refused_connections_exit_3_with_the_reason() {
 #[test]
 fn unanswered_and_unroutable_connections_exit_3() {
     let w = world();
-    // Nobody at 10.99.0.99: no answer within the timeout; destroying sends REJ(TIMEOUT).
+    // 10.99.0.99 answers ARP but runs no CM: no answer within the timeout; destroying
+    // sends REJ(TIMEOUT).
+    w.world.lock().unwrap().vms[0].net.answer("10.99.0.99");
     let (code, rep) = run(
         &w,
         0,
@@ -530,7 +534,31 @@ fn unanswered_and_unroutable_connections_exit_3() {
         assert_eq!(a.get(Group::TxMsgs, AttributeId::Rej), 1);
         assert_eq!(w.vms[0].cma.ids(), 0);
     }
-    // An IPv6 destination from an IPv4 VM: no route (ADDR_ERROR), unreachable.
+    // Nobody at 10.99.0.98, not even for ARP: address resolution fails when its
+    // 2000 ms are up (ADDR_ERROR), unreachable, and no REQ leaves.
+    let (code, rep) = run(
+        &w,
+        0,
+        Cmd::Connect {
+            dest: gid(98),
+            port: 7471,
+            data: None,
+            timeout: Duration::from_secs(5),
+            hold: Duration::ZERO,
+            src_port: None,
+        },
+    );
+    assert!(code3(code), "{:?}", rep.lines);
+    assert_eq!(rep.events("unreachable").len(), 1, "{:?}", rep.lines);
+    assert_eq!(
+        w.world.lock().unwrap().vms[0]
+            .agent
+            .counters()
+            .get(Group::TxMsgs, AttributeId::Req),
+        1,
+        "no REQ for an unresolved address"
+    );
+    // An IPv6 destination from an IPv4 VM: no route (RESOLVE_IP fails), unreachable.
     let (code, rep) = run(
         &w,
         0,

@@ -561,12 +561,13 @@ fn an_unanswered_dreq_disconnects_with_etimedout() {
 #[test]
 fn default_roce_tos_applies_to_ids_without_a_tos() {
     let mut c = Vm::new(11);
-    c.cma = pvcm_guest::service::cma::Cma::new(
+    c.cma = pvcm_guest::service::cma::Cma::with_lookup(
         pvcm_guest::service::verbs::RdmaPort {
             default_roce_tos: 0x60,
             ..port(11)
         },
         77,
+        Box::new(c.net.clone()),
     );
     let cf = c.cma.open();
     // The path's traffic_class, at 55 in it.

@@ -3,7 +3,10 @@
 //! built as librdmacm writes them, and MADs handed between two VMs in memory.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
 
 use pvcm_guest::cm::{Agent, AgentConfig};
 use pvcm_guest::service::abi::{
@@ -11,7 +14,9 @@ use pvcm_guest::service::abi::{
     put_u64, u32_at,
 };
 use pvcm_guest::service::caller::FakeMemory;
+use pvcm_guest::service::cma::errno;
 use pvcm_guest::service::cma::{Caller, Cma, Env, Fh, Outcome};
+use pvcm_guest::service::neigh::{Lookup, NeighError, Neighbour, Route, iff, nud};
 use pvcm_guest::service::verbs::{NO_DEVICE_INDEX, RdmaPort};
 use pvcm_guest::time::Time;
 use pvcm_wire::Gid;
@@ -37,6 +42,144 @@ pub fn port(n: u8) -> RdmaPort {
     }
 }
 
+/// The lab's network as a VM sees it, for the address resolution's rules: the loopback
+/// (ifindex 1) with 127.0.0.0/8 and the VM's own address local; the VM's NIC (ifindex 2)
+/// on 10.99.0.0/24 (and fd99::/64) with the VM's address as source, and IPv4 multicast
+/// (whose neighbours are NOARP once solicited); 10.98.0.0/24 routed via the gateway
+/// 10.99.0.1; nothing else routed (ENETUNREACH). Neighbours 10.99.0.1 to
+/// .20 answer (valid); the others are solicited and stay incomplete until
+/// [`LabNet::answer`]. Shared: the test keeps a handle while the service owns one.
+#[derive(Debug, Clone)]
+pub struct LabNet(pub Arc<Mutex<LabState>>);
+
+/// What [`LabNet`] holds.
+#[derive(Debug, Default)]
+pub struct LabState {
+    /// The VM's own address.
+    pub own: Option<IpAddr>,
+    /// Neighbour states by (interface, address).
+    pub neigh: BTreeMap<(u32, IpAddr), u16>,
+    /// Neighbours solicited, in order.
+    pub solicited: Vec<(u32, IpAddr)>,
+    /// A neighbour became valid since the service last asked.
+    pub changed: bool,
+    /// Route lookups asked (destination, source).
+    pub routes: Vec<(IpAddr, Option<IpAddr>)>,
+    /// Destinations whose route is `unreachable` (EHOSTUNREACH).
+    pub unreachable: BTreeSet<IpAddr>,
+}
+
+const LO: u32 = 1;
+const ETH0: u32 = 2;
+
+impl LabNet {
+    pub fn new(own: IpAddr) -> LabNet {
+        let mut st = LabState {
+            own: Some(own),
+            ..LabState::default()
+        };
+        for n in 1..=20 {
+            st.neigh
+                .insert((ETH0, Ipv4Addr::new(10, 99, 0, n).into()), nud::REACHABLE);
+        }
+        LabNet(Arc::new(Mutex::new(st)))
+    }
+
+    /// The neighbour `addr` on the NIC answers (REACHABLE), as its ARP reply would
+    /// make it.
+    pub fn answer(&self, addr: &str) {
+        let mut st = self.0.lock().unwrap();
+        st.neigh
+            .insert((ETH0, addr.parse().unwrap()), nud::REACHABLE);
+        st.changed = true;
+    }
+
+    pub fn state(&self) -> std::sync::MutexGuard<'_, LabState> {
+        self.0.lock().unwrap()
+    }
+}
+
+impl Lookup for LabNet {
+    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NeighError> {
+        let mut st = self.0.lock().unwrap();
+        st.routes.push((dst, src));
+        let own = st.own;
+        if st.unreachable.contains(&dst) {
+            return Err(NeighError::Kernel(errno::EHOSTUNREACH));
+        }
+        let local = |src| Route {
+            kind: 2,
+            ifindex: LO,
+            gateway: None,
+            src,
+        };
+        let nic = |gateway| Route {
+            kind: 1,
+            ifindex: ETH0,
+            gateway,
+            src: src.or(own),
+        };
+        match dst {
+            d if Some(d) == own => Ok(local(src.or(own))),
+            IpAddr::V4(v) if v.octets()[0] == 127 => Ok(local(src.or(Some(dst)))),
+            // Multicast goes out of the NIC (a VM with a multicast or default route).
+            IpAddr::V4(v) if v.is_multicast() && own.is_some_and(|o| o.is_ipv4()) => Ok(Route {
+                kind: 5,
+                ..nic(None)
+            }),
+            IpAddr::V4(v) if v.octets()[..3] == [10, 99, 0] && own.is_some_and(|o| o.is_ipv4()) => {
+                Ok(nic(None))
+            }
+            IpAddr::V4(v) if v.octets()[..3] == [10, 98, 0] && own.is_some_and(|o| o.is_ipv4()) => {
+                Ok(nic(Some(Ipv4Addr::new(10, 99, 0, 1).into())))
+            }
+            IpAddr::V6(v)
+                if v.segments()[..4] == [0xfd99, 0, 0, 0] && own.is_some_and(|o| o.is_ipv6()) =>
+            {
+                Ok(nic(None))
+            }
+            _ => Err(NeighError::Kernel(errno::ENETUNREACH)),
+        }
+    }
+
+    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NeighError> {
+        Ok(if ifindex == LO {
+            iff::UP | iff::LOOPBACK
+        } else {
+            iff::UP
+        })
+    }
+
+    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NeighError> {
+        let st = self.0.lock().unwrap();
+        Ok(st.neigh.get(&(ifindex, addr)).map(|&state| Neighbour {
+            state,
+            lladdr: (state & nud::VALID != 0).then(|| vec![0x52, 0x54, 0, 0, 0, 1]),
+        }))
+    }
+
+    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NeighError> {
+        let mut st = self.0.lock().unwrap();
+        st.solicited.push((ifindex, addr));
+        // A multicast group's entry is created NOARP (arp_constructor).
+        let state = if addr.is_multicast() {
+            nud::NOARP
+        } else {
+            nud::INCOMPLETE
+        };
+        st.neigh.entry((ifindex, addr)).or_insert(state);
+        Ok(())
+    }
+
+    fn fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    fn changed(&mut self) -> bool {
+        std::mem::take(&mut self.0.lock().unwrap().changed)
+    }
+}
+
 /// One VM: its agent, its service, one process's memory.
 #[derive(Debug)]
 pub struct Vm {
@@ -45,6 +188,8 @@ pub struct Vm {
     pub mem: FakeMemory,
     pub gid: Gid,
     pub now: Time,
+    /// Its network, as its service's address resolution sees it.
+    pub net: LabNet,
 }
 
 impl Vm {
@@ -63,6 +208,7 @@ impl Vm {
         // port() puts the VM number in the node GUID's low byte.
         let n = p.node_guid as u8;
         let gid = p.gid;
+        let net = LabNet::new(p.addr);
         let mut mem = FakeMemory::new();
         mem.map(RESP, 4096);
         mem.map(0x20_0000, 64);
@@ -74,10 +220,11 @@ impl Vm {
                 0x20000,
                 u64::from(n),
             )),
-            cma: Cma::new(p, u64::from(n) * 7),
+            cma: Cma::with_lookup(p, u64::from(n) * 7, Box::new(net.clone())),
             mem,
             gid,
             now: Time::from_millis(1),
+            net,
         }
     }
 
@@ -128,11 +275,17 @@ impl Vm {
     }
 
     pub fn resolve_ip(&mut self, fh: Fh, id: u32, dst: &str) {
+        let o = self.resolve_ip_within(fh, id, dst, 2000);
+        assert_eq!(o, Outcome::Done(Ok(())), "resolve_ip {dst}");
+    }
+
+    /// RESOLVE_IP to `dst` (no source) with `timeout_ms`.
+    pub fn resolve_ip_within(&mut self, fh: Fh, id: u32, dst: &str, timeout_ms: u32) -> Outcome {
         let mut b = [0u8; 64];
         emit_sockaddr(&dst.parse::<SocketAddr>().unwrap(), &mut b[28..56]);
         put_u32(&mut b, 56, id);
-        put_u32(&mut b, 60, 2000);
-        self.ok(fh, cmd::RESOLVE_IP, &b, 0);
+        put_u32(&mut b, 60, timeout_ms);
+        self.write(fh, cmd::RESOLVE_IP, &b, 0)
     }
 
     pub fn id_arg(&mut self, fh: Fh, c: u32, id: u32, arg: u32) -> Outcome {

@@ -60,6 +60,16 @@ Checks (each PASS/FAIL):
     device) go on; then crafted frames (interop/rawqp1.c: IPv4 with options, IPv6 with
     an extension header, a VLAN tag, a later fragment, another VM's source address)
     are all stopped and counted
+  11 address resolution, in pvcm VM a and in k (the kernel's rdma_resolve_ip(), the
+    reference) alike: rping -c -a 10.99.0.99 (nobody has it: ADDR_ERROR -110 when
+    rping's 2000 ms are up; both times printed), rping -c -a 203.0.113.1 (no route:
+    rdma_resolve_addr fails, ENETUNREACH), rping -c through a route whose gateway
+    nobody has (ADDR_ERROR -110); an rping killed while its resolution waits leaves no
+    id in pvcm-guestd; rping -s and rping -c in one VM on its own address (a -> a, and
+    k -> k) carry data; rping -c -a 127.0.0.1 (the route fails: No such device) and
+    rping -s -a 127.0.0.1 (binds and listens) as in k; rping -v from a to k's second
+    subnet 10.98.0.0/24, routed via the host side of the bridge (10.99.0.1,
+    forwarding), carries data and a's resolved neighbour is the gateway
   10 multicast (rdma_join_multicast on RoCE v2): mckey from Debian's rdmacm-utils,
     receiver mckey -m GROUP -b LOCAL and sender mckey -s -m GROUP -b LOCAL, for pvcm VM
     a -> k and k -> a: both join (the IPv4-mapped group as DGID), the receiver's VM
@@ -951,6 +961,101 @@ def ipv6_multicast(k, a, group="ff0e::db8:1"):
            and not st.get("igmp_groups"), f"joins {st.get('mcast_joins')}, igmp {st.get('igmp_groups')}")
 
 
+NOBODY = "10.99.0.99"      # on the lab's subnet, no guest has it
+GW_NET, GW_K = "10.98.0.0/24", "10.98.0.2"   # k's second subnet, reached via the host
+SILENT_NET, SILENT_GW = "10.97.0.0/24", "10.99.0.97"  # routed via a gateway nobody has
+
+
+def outcome(out):
+    """What an rping run came to, in words both CMs print alike: the error event and its
+    status, the failed call and its errno text, or the data it carried."""
+    m = re.search(r"cma event (RDMA_CM_EVENT_\w+), error (-?\d+)", out)
+    if m:
+        return f"{m.group(1)} {m.group(2)}"
+    m = re.search(r"^(rdma_\w+): (.+)$", out, re.M)
+    if m:
+        return f"{m.group(1)} fails: {m.group(2).strip()}"
+    if "ping data:" in out:
+        return "connected, data"
+    return "other: " + short(out, 120)
+
+
+def timed(guest, cmd, timeout=30):
+    """cmd in the guest, timed there (/proc/uptime around it, 10 ms steps): (outcome, ms,
+    output)."""
+    up = "u=$(cut -d' ' -f1 /proc/uptime); u=${u%.*}${u#*.}"
+    _, out = guest.run(f"{up}; s=$u; timeout {timeout} {cmd} 2>&1; r=$?; {up}; "
+                       f"echo \"rc=$r ms=$(( (u - s) * 10 ))\"", timeout + 30)
+    m = re.search(r"rc=(\d+) ms=(\d+)\s*$", out)
+    if not m:
+        return outcome(out), -1, out
+    text = out[:m.start()]
+    return outcome(text) + ("" if m.group(1) != "124" else " (still running when stopped)"), \
+        int(m.group(2)), out
+
+
+def same_as_kernel(what, k, a, cmd, limit_ms=None, timeout=30):
+    """cmd in k (the kernel's rdma_cm, the reference) and in a (pvcm-guestd): the same
+    outcome, both times printed; with limit_ms, a's within it."""
+    ko, kms, _ = timed(k, cmd, timeout)
+    ao, ams, aout = timed(a, cmd, timeout)
+    ok = ao == ko and (limit_ms is None or 0 <= ams <= limit_ms)
+    result(f"{what}: pvcm VM a as the kernel guest k ({cmd})", ok,
+           f"k: {ko} in {kms} ms; a: {ao} in {ams} ms" + ("" if ok else f" | {short(aout, 200)}"))
+
+
+def resolution(lab, k, a):
+    """Section 11: address resolution as the kernel's rdma_resolve_ip() does it."""
+    # An address of the VM's subnet nobody has: ARP goes unanswered, ADDR_ERROR when
+    # rping's 2000 ms are up (TCG guests: 2 s more for the programs' start).
+    same_as_kernel(f"no neighbour ({NOBODY})", k, a, f"rping -c -a {NOBODY} -C 1", 4000)
+    same_as_kernel("no route (203.0.113.1)", k, a, "rping -c -a 203.0.113.1 -C 1")
+    # A program that ends while its resolution waits: the service drops it, holds
+    # nothing, and the next resolution is served.
+    job = a.spawn(f"exec rping -c -a {NOBODY} -C 1")
+    waiting = 0
+    deadline = time.monotonic() + 10
+    while not waiting and not job.done() and time.monotonic() < deadline:
+        waiting = guestd_stat(a).get("resolving", 0)
+    job.kill("KILL")
+    try:
+        job.wait(30)
+    except LabError:
+        pass
+    st = guestd_stat(a)
+    result("an rping killed while its resolution waits (pvcm-guestd: resolving 1): its id "
+           "goes, nothing waits", waiting == 1 and st.get("ids") == 0
+           and st.get("files") == 0 and st.get("resolving") == 0,
+           f"resolving {waiting} before, {st.get('resolving')} after; ids {st.get('ids')}, "
+           f"files {st.get('files')}")
+    # Client and server in one VM, on its own address (the REQ leaves the VM and comes
+    # back to it through the backend); the kernel guest is the reference.
+    for g in (k, a):
+        pair(f"rping -v -C 10 in one VM on its own address ({g.ip})", g, g,
+             f"rping -s -a {g.ip} -v -C 10", f"rping -c -a {g.ip} -v -C 10",
+             lambda s: s.count("server ping data:") == 10, lambda c: c.count("ping data:") == 10)
+    same_as_kernel("loopback client", k, a, "rping -c -a 127.0.0.1 -C 1")
+    same_as_kernel("loopback server", k, a, "rping -s -a 127.0.0.1 -C 1", timeout=5)
+    # A route through a gateway: k has a second subnet, which a reaches through the host
+    # side of the bridge (forwarding there); the neighbour a resolves is the gateway's.
+    lab.add_address("10.98.0.1/24")
+    lab.host("sysctl -qw net.ipv4.ip_forward=1", check=True)
+    k.check(f"ip addr add {GW_K}/24 dev eth0")
+    for g in (k, a):
+        g.check(f"ip route add {SILENT_NET} via {SILENT_GW}")
+    a.check(f"ip route add {GW_NET} via 10.99.0.1")
+    a.run("ip neigh flush dev eth0", 30)
+    pair(f"rping -v -C 10 through a gateway (a: {GW_NET} via 10.99.0.1)", k, a,
+         f"rping -s -a {GW_K} -v -C 10", f"rping -c -a {GW_K} -v -C 10",
+         lambda s: s.count("server ping data:") == 10, lambda c: c.count("ping data:") == 10)
+    _, neigh = a.run("ip neigh show dev eth0", 30)
+    gw = re.search(r"^10\.99\.0\.1 lladdr \S+", neigh, re.M) is not None
+    result("through a gateway: the gateway 10.99.0.1 is a's resolved neighbour", gw,
+           short(neigh, 200))
+    same_as_kernel(f"a gateway nobody has ({SILENT_NET} via {SILENT_GW})", k, a,
+                   "rping -c -a 10.97.0.1 -C 1", 4000)
+
+
 def ipv6_lab(workdir, pcap, full=True, mcast=False):
     """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend; with mcast, section
     10's IPv6 check (alone when not full)."""
@@ -1001,7 +1106,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,10,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,11,10,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -1067,6 +1172,10 @@ def main():
             if "9" in only:
                 print("== 9. pvcm-guestd restarted under running programs", flush=True)
                 guestd["a"] = guestd_restart(k, va, guestd["a"], backend)
+
+            if "11" in only:
+                print("== 11. address resolution", flush=True)
+                resolution(lab, k, va)
 
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)

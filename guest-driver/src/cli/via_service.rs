@@ -64,8 +64,7 @@ use crate::time::{Clock, SystemClock, Time};
 /// The rdma_cm device node pvcm-guestd serves.
 pub const DEFAULT_RDMA_CM: &str = "/dev/infiniband/rdma_cm";
 
-/// How long a client waits for ADDR_RESOLVED and ROUTE_RESOLVED (librdmacm's
-/// programs' usual 2000 ms; pvcm-guestd resolves at once).
+/// How long address resolution may take (librdmacm's programs' usual 2000 ms).
 const RESOLVE_MS: u32 = 2000;
 
 /// The event loop reads the events that came in after every this many calls.
@@ -729,7 +728,13 @@ impl<C: Channel> Session<'_, C> {
         dst: SocketAddr,
         timeout: Duration,
     ) -> Result<Result<(), Failure>, ViaError> {
-        self.cm.resolve_ip(id, src, dst, RESOLVE_MS)?;
+        if let Err(e) = self.cm.resolve_ip(id, src, dst, RESOLVE_MS) {
+            // No route: the command itself fails, as the kernel's does.
+            return match e.errno() {
+                Some(libc::ENETUNREACH | libc::EHOSTUNREACH) => Ok(Err(Failure::Unreachable)),
+                _ => Err(e.into()),
+            };
+        }
         let e = self.wait_for(id, timeout, |e| {
             matches!(e.event, event::ADDR_RESOLVED | event::ADDR_ERROR)
         })?;

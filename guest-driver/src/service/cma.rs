@@ -19,8 +19,21 @@
 //! - CONNECT_REQUEST creates the new id in the listener's file, counts against the
 //!   listener's backlog until reported, and carries the listener's uid; other events
 //!   of an id that has no uid yet (a new connection before ACCEPT) are dropped;
-//! - address and route resolution complete at once (the VM has one address, its
-//!   RoCE v2 GID; the route is its own NIC's), with their events queued;
+//! - address resolution is the kernel's `rdma_resolve_ip()` ([`neigh`]): the route to
+//!   the destination, then the neighbour of its next hop (the gateway, or the
+//!   destination) on the route's interface. No route fails RESOLVE_IP/RESOLVE_ADDR
+//!   itself with the lookup's errno (ENETUNREACH); a valid neighbour, or a local
+//!   destination, gives ADDR_RESOLVED at once; otherwise the neighbour is solicited and
+//!   the id waits (the server's loop goes on) until it becomes valid (ADDR_RESOLVED) or
+//!   the command's `timeout_ms` is up (ADDR_ERROR, -ETIMEDOUT), and is back in its bound
+//!   state after an error. A wildcard destination resolves to the id's own address
+//!   (the kernel's `cma_resolve_loopback`). Destroying a waiting id ends its
+//!   resolution;
+//! - route resolution completes at once (the route is the VM's own RoCE port), with
+//!   its event queued; an id whose address is another local one than the VM's
+//!   (127.0.0.1, which it may bind or resolve, as the kernel on rdma_rxe allows) has no
+//!   RoCE netdev: RESOLVE_ROUTE fails with ENODEV, and its listener gets no request
+//!   (they come for the VM's address);
 //! - releasing a file destroys all its ids, sending what the CM sends for each
 //!   (REJ(TIMEOUT) for a pending REQ, DREQ for a connection, REJ for an unanswered
 //!   request); the agent keeps their TimeWait.
@@ -62,6 +75,7 @@ use super::abi::{
 };
 use super::caller::CallerMemory;
 use super::mcast::IgmpSockets;
+use super::neigh::{self, Attempt, Lookup, Netlink};
 use super::verbs::{self, Link, PortView, RdmaPort};
 use crate::cm::qp_attr::{PathAv, QpState, mask};
 use crate::cm::rdma_cm::{self, CmaHdr, EphemeralPorts};
@@ -77,8 +91,8 @@ pub type Fh = u64;
 /// errno values the commands return.
 pub mod errno {
     pub use libc::{
-        EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EINTR, EINVAL, EISCONN, ENODEV,
-        ENOENT, ENOMEM, ENOSPC, ENOSYS, ENXIO, EOPNOTSUPP, ETIMEDOUT,
+        EADDRINUSE, EADDRNOTAVAIL, EAFNOSUPPORT, EAGAIN, EFAULT, EHOSTUNREACH, EINTR, EINVAL,
+        EISCONN, ENETUNREACH, ENODEV, ENOENT, ENOMEM, ENOSPC, ENOSYS, ENXIO, EOPNOTSUPP, ETIMEDOUT,
     };
 }
 
@@ -172,6 +186,8 @@ pub struct Caller {
 enum St {
     Idle,
     AddrBound,
+    /// Address resolution waits for the neighbour.
+    AddrQuery,
     AddrResolved,
     RouteResolved,
     Connect,
@@ -212,6 +228,8 @@ struct Ctx {
     established: bool,
     /// The multicast joins of the id, in join order.
     joins: Vec<u32>,
+    /// While address resolution waits: when its `timeout_ms` is up.
+    query_deadline: Option<Time>,
 }
 
 /// A multicast join (the kernel's `ucma_multicast`).
@@ -311,6 +329,10 @@ pub struct Cma {
     /// Joins holding each IGMP membership.
     igmp_users: BTreeMap<Ipv4Addr, u32>,
     membership: IgmpSockets,
+    /// The network address resolution asks ([`Netlink`] in the service).
+    net: Box<dyn Lookup>,
+    /// Ids whose address resolution waits.
+    querying: BTreeSet<u32>,
 }
 
 /// The agent and the time a command runs at.
@@ -369,8 +391,14 @@ fn unspecified(family_of: &SocketAddr) -> IpAddr {
 
 impl Cma {
     /// The layer for the VM's RDMA port; `seed` seeds the starting PSNs and ephemeral
-    /// ports. Multicast memberships are sockets on the port's netdev ([`IgmpSockets`]).
+    /// ports. Multicast memberships are sockets on the port's netdev ([`IgmpSockets`]);
+    /// address resolution asks the VM's network through rtnetlink ([`Netlink`]).
     pub fn new(port: RdmaPort, seed: u64) -> Cma {
+        Cma::with_lookup(port, seed, Box::new(Netlink::new()))
+    }
+
+    /// [`Cma::new`] with address resolution asking `net`.
+    pub fn with_lookup(port: RdmaPort, seed: u64, net: Box<dyn Lookup>) -> Cma {
         let membership = IgmpSockets::new(&port.netdev);
         Cma {
             port,
@@ -394,6 +422,8 @@ impl Cma {
             next_join_id: 0,
             igmp_users: BTreeMap::new(),
             membership,
+            net,
+            querying: BTreeSet::new(),
         }
     }
 
@@ -532,6 +562,7 @@ impl Cma {
                 qkey: if ud { RDMA_UDP_QKEY } else { 0 },
                 established: false,
                 joins: Vec::new(),
+                query_deadline: None,
             },
         );
         if let Some(f) = self.files.get_mut(&file) {
@@ -603,6 +634,7 @@ impl Cma {
         for j in &c.joins {
             self.end_join(*j);
         }
+        self.querying.remove(&id);
         self.unbind(id, c.port);
         self.free_ids.insert(id);
         for ch in children {
@@ -668,10 +700,14 @@ impl Cma {
     fn bind_addr(&mut self, id: u32, addr: SocketAddr, caller: Caller) -> Result<(), i32> {
         let ours = self.port.addr;
         let ip = addr.ip();
+        let own = ip == ours || ip_mapped_eq(ip, ours);
         let has_dev = if ip.is_unspecified() {
             false
-        } else if ip == ours || ip_mapped_eq(ip, ours) {
+        } else if own {
             self.check_device()?;
+            true
+        } else if ip.is_loopback() && self.is_local(ip) {
+            // The kernel binds a loopback address to any device (`cma_bind_loopback`).
             true
         } else {
             if self.other_addrs.contains(&ip) {
@@ -717,7 +753,7 @@ impl Cma {
         self.binds.entry((ps, port)).or_default().push(id);
         let c = self.ctx_mut(id)?;
         c.port = Some((ps, port));
-        c.src = Some(SocketAddr::new(if has_dev { ours } else { ip }, port));
+        c.src = Some(SocketAddr::new(if own { ours } else { ip }, port));
         c.has_dev = has_dev;
         c.st = St::AddrBound;
         Ok(())
@@ -875,6 +911,14 @@ impl Cma {
     /// Whether the device's GID table holds the pvcm GID's address now.
     pub fn addr_present(&self) -> bool {
         self.attached && self.addr_present
+    }
+
+    /// Whether `ip` is one of the VM's local addresses (its route is `RTN_LOCAL`: the
+    /// loopback's, another NIC's), which the kernel's `rdma_translate_ip()` accepts.
+    fn is_local(&mut self, ip: IpAddr) -> bool {
+        self.net
+            .route(ip, None)
+            .is_ok_and(|r| r.kind == neigh::RTN_LOCAL)
     }
 
     // ------------------------------------------------------------ events
@@ -1117,15 +1161,23 @@ impl Cma {
         let Ok((hdr, user)) = rdma_cm::split_private_data(private_data) else {
             return refuse(env);
         };
+        // Requests come for the VM's address: a listener bound to another local one
+        // (127.0.0.1) is not theirs, as the kernel matches a bound listener's address.
         let (file, lps, luid, lport, backlog, ltos) = match self.ctxs.get(&lctx) {
-            Some(l) if l.st == St::Listen => (
-                l.file,
-                l.ps,
-                l.uid,
-                l.src.map_or(0, |s| s.port()),
-                l.backlog,
-                self.tos(l),
-            ),
+            Some(l)
+                if l.st == St::Listen
+                    && l.src
+                        .is_none_or(|s| s.ip().is_unspecified() || self.is_ours(s.ip())) =>
+            {
+                (
+                    l.file,
+                    l.ps,
+                    l.uid,
+                    l.src.map_or(0, |s| s.port()),
+                    l.backlog,
+                    self.tos(l),
+                )
+            }
             _ => return refuse(env),
         };
         if backlog == 0 {
@@ -1500,12 +1552,12 @@ impl Cma {
             cmd::RESOLVE_IP => done(
                 ResolveAddr::parse_ip(body)
                     .map_err(abi_errno)
-                    .and_then(|r| self.resolve_addr(fh, r, caller)),
+                    .and_then(|r| self.resolve_addr(fh, r, caller, env.now)),
             ),
             cmd::RESOLVE_ADDR => done(
                 ResolveAddr::parse(body)
                     .map_err(abi_errno)
-                    .and_then(|r| self.resolve_addr(fh, r, caller)),
+                    .and_then(|r| self.resolve_addr(fh, r, caller, env.now)),
             ),
             cmd::RESOLVE_ROUTE => done(
                 IdArg::parse(body)
@@ -1558,6 +1610,11 @@ impl Cma {
             // GET_OPTION has no handler in the kernel either.
             _ => done(Err(errno::ENOSYS)),
         }
+    }
+
+    /// Whether `ip` is the VM's address (the RDMA port's).
+    fn is_ours(&self, ip: IpAddr) -> bool {
+        ip == self.port.addr || ip_mapped_eq(ip, self.port.addr)
     }
 
     fn create_id(
@@ -1618,7 +1675,15 @@ impl Cma {
         self.bind_addr(b.id, b.addr, caller)
     }
 
-    fn resolve_addr(&mut self, fh: Fh, r: ResolveAddr, caller: Caller) -> Result<(), i32> {
+    /// Kernel `rdma_resolve_addr()` (see the module docs): binds an idle id, then tries
+    /// the resolution once; a route lookup that fails is the command's error.
+    fn resolve_addr(
+        &mut self,
+        fh: Fh,
+        r: ResolveAddr,
+        caller: Caller,
+        now: Time,
+    ) -> Result<(), i32> {
         let st = self.ctx_of(fh, r.id)?.st;
         if st == St::Idle {
             let src = r
@@ -1641,28 +1706,125 @@ impl Cma {
             return Err(errno::EINVAL);
         }
         let ours = self.port.addr;
-        let reachable = ours.is_ipv4() == r.dst.ip().is_ipv4() && !r.dst.ip().is_unspecified();
         let c = self.ctx_mut(r.id)?;
-        c.dst = Some(r.dst);
-        if !reachable {
-            // Nothing routes there from the VM's one address: the kernel's resolution
-            // fails asynchronously the same way.
-            let p = self.empty_param(r.id);
-            self.emit(r.id, event::ADDR_ERROR, -libc::EHOSTUNREACH, p);
+        if r.dst.ip().is_unspecified() {
+            // Kernel `cma_resolve_loopback`: the id's own address is the destination.
+            c.dst = Some(SocketAddr::new(ours, r.dst.port()));
+            self.addr_done(r.id, Ok(ours));
             return Ok(());
         }
-        let port = c.src.map_or(0, |s| s.port());
-        c.src = Some(SocketAddr::new(ours, port));
-        c.has_dev = true;
-        c.st = St::AddrResolved;
-        let p = self.empty_param(r.id);
-        self.emit(r.id, event::ADDR_RESOLVED, 0, p);
+        c.dst = Some(r.dst);
+        match self.attempt(r.id) {
+            Attempt::Failed(e) => return Err(e),
+            Attempt::Resolved { src } => {
+                self.addr_done(r.id, Ok(src));
+            }
+            Attempt::Waiting => {
+                let c = self.ctx_mut(r.id)?;
+                c.st = St::AddrQuery;
+                c.query_deadline = Some(now.after_ms(u64::from(r.timeout_ms)));
+                self.querying.insert(r.id);
+            }
+        }
         Ok(())
     }
 
+    /// One attempt of id `id`'s address resolution (`addr_resolve()`).
+    fn attempt(&mut self, id: u32) -> Attempt {
+        let Some(c) = self.ctxs.get(&id) else {
+            return Attempt::Failed(errno::ENOENT);
+        };
+        let Some(dst) = c.dst.map(|d| d.ip()) else {
+            return Attempt::Failed(errno::EINVAL);
+        };
+        let src = c.src.map(|s| s.ip()).filter(|a| !a.is_unspecified());
+        neigh::resolve(self.net.as_mut(), src, dst)
+    }
+
+    /// Kernel `addr_handler()`: the resolution of id `id` ended, with the source the
+    /// route gave or an errno. An unbound id takes the route's source: the VM's
+    /// address, or another local one (127.0.0.1), whose route RESOLVE_ROUTE refuses.
+    /// Returns the file that got the event.
+    fn addr_done(&mut self, id: u32, r: Result<IpAddr, i32>) -> Option<Fh> {
+        self.querying.remove(&id);
+        let ours = self.port.addr;
+        let c = self.ctxs.get_mut(&id)?;
+        c.query_deadline = None;
+        let (ev, status) = match r {
+            Ok(src) => {
+                let port = c.src.map_or(0, |s| s.port());
+                if !c.has_dev {
+                    let own = src == ours || ip_mapped_eq(src, ours);
+                    c.src = Some(SocketAddr::new(if own { ours } else { src }, port));
+                }
+                c.has_dev = true;
+                c.st = St::AddrResolved;
+                (event::ADDR_RESOLVED, 0)
+            }
+            Err(e) => {
+                c.st = St::AddrBound;
+                (event::ADDR_ERROR, -e)
+            }
+        };
+        let p = self.empty_param(id);
+        self.emit(id, ev, status, p)
+    }
+
+    /// Tries the waiting resolutions again where the kernel's `process_one_req()`
+    /// would: all of them when a neighbour became valid, and each at its deadline, when
+    /// one still without its neighbour fails with ETIMEDOUT. Reads the neighbour
+    /// notifications in any case. Returns the files that got events.
+    pub fn poll_addr(&mut self, now: Time) -> Vec<Fh> {
+        let changed = self.net.changed();
+        let due: Vec<(u32, bool)> = self
+            .querying
+            .iter()
+            .filter_map(|id| {
+                let late = self.ctxs.get(id)?.query_deadline.is_none_or(|d| d <= now);
+                (changed || late).then_some((*id, late))
+            })
+            .collect();
+        let mut files = Vec::new();
+        for (id, late) in due {
+            let r = match self.attempt(id) {
+                Attempt::Resolved { src } => Ok(src),
+                _ if late => Err(errno::ETIMEDOUT),
+                Attempt::Waiting => continue,
+                Attempt::Failed(e) => Err(e),
+            };
+            files.extend(self.addr_done(id, r));
+        }
+        files
+    }
+
+    /// When the next waiting resolution times out.
+    pub fn next_addr_deadline(&self) -> Option<Time> {
+        self.querying
+            .iter()
+            .filter_map(|id| self.ctxs.get(id)?.query_deadline)
+            .min()
+    }
+
+    /// The descriptor that becomes readable when a neighbour changes (once a
+    /// resolution has asked the network).
+    pub fn addr_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.net.fd()
+    }
+
+    /// Ids whose address resolution waits.
+    pub fn resolving(&self) -> usize {
+        self.querying.len()
+    }
+
+    /// Kernel `cma_resolve_iboe_route()`: the route is the VM's RoCE port; an id whose
+    /// address is another local one (127.0.0.1) has no RoCE netdev (ENODEV).
     fn resolve_route(&mut self, fh: Fh, id: u32) -> Result<(), i32> {
-        if self.ctx_dev(fh, id)?.st != St::AddrResolved {
+        let c = self.ctx_dev(fh, id)?;
+        if c.st != St::AddrResolved {
             return Err(errno::EINVAL);
+        }
+        if !c.src.is_some_and(|s| self.is_ours(s.ip())) {
+            return Err(errno::ENODEV);
         }
         let c = self.ctx_mut(id)?;
         c.route = true;

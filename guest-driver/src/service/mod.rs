@@ -11,6 +11,7 @@
 //! - [`nldev`]: the RDMA devices the kernel has registered (RDMA netlink).
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
 //! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
+//! - [`neigh`]: the route and the neighbour of an address resolution (rtnetlink).
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
 //!   or EINTR when it is fatal).
 //! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
@@ -24,6 +25,7 @@ pub mod client;
 pub mod cma;
 pub mod cuse;
 pub mod mcast;
+pub mod neigh;
 pub mod nldev;
 pub mod server;
 pub mod signals;

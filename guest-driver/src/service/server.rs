@@ -5,9 +5,11 @@
 //! interrupts), answer `stat` on the control socket, follow the VM's RDMA device (every
 //! 500 ms: `Cma::update_port`), pump the device (MADs in and out,
 //! the agent's timers), route the agent's events into the files' queues, fill the
-//! GET_EVENTs blocked on those files and wake their pollers; then sleep until the
-//! device notifies, a CUSE request or a control connection arrives, or the agent's next
-//! timer or the next look at the device is due.
+//! GET_EVENTs blocked on those files and wake their pollers; try the address
+//! resolutions that wait for a neighbour (`Cma::poll_addr`); then sleep until the
+//! device notifies, a CUSE request or a control connection arrives, a neighbour changes
+//! (the rtnetlink socket of the resolutions), or the agent's next timer, a
+//! resolution's timeout or the next look at the device is due.
 //!
 //! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
 //! kernel until the answer is written (an event), or an INTERRUPT comes (a signal):
@@ -42,6 +44,9 @@ use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::report::{cm_counters_json, pacing_json};
 use crate::time::SystemClock;
+
+/// The longest sleep of the loop.
+const MAX_SLEEP: Duration = Duration::from_secs(2);
 
 /// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
 pub const PROBE_IOCTL: u32 = (b'p' as u32) << 8 | 0xC1;
@@ -228,6 +233,7 @@ impl<'d, T: Transport> Server<'d, T> {
         if let Some(c) = &self.control {
             fds.push(c.as_raw_fd());
         }
+        let base = fds.len();
         // Readable descriptors after a sleep; a sleep cut short by device work (0)
         // still looks at CUSE, so a busy device never starves the processes.
         let mut ready = CUSE | CONTROL;
@@ -248,15 +254,20 @@ impl<'d, T: Transport> Server<'d, T> {
             // leaves in the pump.
             self.follow_port()?;
             self.pump()?;
+            self.poll_addr()?;
+            // The neighbour socket is there from the first resolution on.
+            fds.truncate(base);
+            fds.extend(self.cma.addr_fd());
             // A stop signal cuts the sleep short (EINTR); the bound only covers one
             // that lands between the check above and the sleep.
-            let sleep = match &self.watch {
-                Some(_) => self
-                    .next_watch
-                    .saturating_duration_since(Instant::now())
-                    .min(Duration::from_secs(2)),
-                None => Duration::from_secs(2),
-            };
+            let now = self.dev.now();
+            let mut sleep = self
+                .cma
+                .next_addr_deadline()
+                .map_or(MAX_SLEEP, |d| d.since(now).min(MAX_SLEEP));
+            if self.watch.is_some() {
+                sleep = sleep.min(self.next_watch.saturating_duration_since(Instant::now()));
+            }
             ready = self.dev.sleep_with(sleep, &fds)?;
         }
         self.shut_down();
@@ -323,6 +334,15 @@ impl<'d, T: Transport> Server<'d, T> {
                 return Ok(());
             }
         }
+    }
+
+    /// The address resolutions that a neighbour's change or their timeout ends.
+    fn poll_addr(&mut self) -> Result<(), ServiceError> {
+        let now = self.dev.now();
+        for fh in self.cma.poll_addr(now) {
+            self.serve_waiters(fh)?;
+        }
+        Ok(())
     }
 
     /// Reads the VM's RDMA device again when it is time, and hands what it found to the
@@ -673,6 +693,7 @@ impl<'d, T: Transport> Server<'d, T> {
             "other_addr_binds": c.other_addr_binds,
             "files": self.cma.files(),
             "ids": self.cma.ids(),
+            "resolving": self.cma.resolving(),
             "mcast_joins": self.cma.joins(),
             "mcast_joined": c.joins,
             "mcast_left": c.leaves,
