@@ -110,6 +110,12 @@ fn a_removed_device_gives_device_removal_and_a_new_one_serves() {
         s.bind_ip(sf, idle, "10.99.0.12:7002"),
         Outcome::Done(Err(errno::ENODEV))
     );
+    // An unbound id's resolution finds no device for the VM's address: ADDR_ERROR,
+    // ENODEV, as `addr_handler()` reports `cma_acquire_dev_by_src_ip()` failing.
+    let lone = s.create_id(sf, 0xD0, ps::TCP);
+    s.resolve_ip(sf, lone, "10.99.0.11:7000");
+    let e = s.expect_event(sf, event::ADDR_ERROR);
+    assert_eq!(u32_at(&e, 16) as i32, -errno::ENODEV);
     // A request for the wildcard listener is refused: nothing carries it.
     let cid2 = c.create_id(cf, 6, ps::TCP);
     c.resolve_ip(cf, cid2, "10.99.0.12:7001");

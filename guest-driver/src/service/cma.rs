@@ -1748,14 +1748,21 @@ impl Cma {
     fn addr_done(&mut self, id: u32, r: Result<IpAddr, i32>) -> Option<Fh> {
         self.querying.remove(&id);
         let ours = self.port.addr;
+        let attached = self.attached;
         let c = self.ctxs.get_mut(&id)?;
         c.query_deadline = None;
+        let own = |a: IpAddr| a == ours || ip_mapped_eq(a, ours);
+        // No device holds the VM's address (removed): `cma_acquire_dev_by_src_ip()`
+        // finds none, and the resolution fails with ENODEV.
+        let r = match r {
+            Ok(src) if own(src) && !attached => Err(errno::ENODEV),
+            r => r,
+        };
         let (ev, status) = match r {
             Ok(src) => {
                 let port = c.src.map_or(0, |s| s.port());
                 if !c.has_dev {
-                    let own = src == ours || ip_mapped_eq(src, ours);
-                    c.src = Some(SocketAddr::new(if own { ours } else { src }, port));
+                    c.src = Some(SocketAddr::new(if own(src) { ours } else { src }, port));
                 }
                 c.has_dev = true;
                 c.st = St::AddrResolved;
