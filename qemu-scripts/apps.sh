@@ -4,7 +4,8 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
+Usage: qemu-scripts/apps.sh [--rdma-suite SUITE] [--workdir DIR] [--pcap FILE] [--conns N]
+                             [--only LIST]
        qemu-scripts/apps.sh --cli [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
        qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
                              [--idle-windows N]
@@ -65,7 +66,13 @@ IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refu
 between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
 drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
 
+--rdma-suite SUITE (any mode) gives every guest, the pvcm VMs and the kernel guest k,
+the rdma-core userland of that Debian suite: bookworm (Debian 12, rdma-core 44, the
+default), trixie (Debian 13, rdma-core 56) or sid (unstable); the kernel stays Debian
+12's (build-guest.sh --rdma-suite; docs/apps.md lists the versions tried).
+
 Options:
+  --rdma-suite SUITE  the guests' rdma-core: bookworm, trixie or sid (default bookworm)
   --cli          pvcm-guest through the service (above)
   --bench        the benchmark (above)
   --migrate      the live migration suite (above)
@@ -86,6 +93,11 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=() module=netlab.apps
+# rdma_suite --rdma-suite SUITE: the guests' rdma-core suite, for build-guest.sh here and
+# in the lab (netlab.lab builds the image through it too).
+rdma_suite() {
+    export PVCM_RDMA_SUITE="$2"
+}
 # pass_on OPTION [VALUE]: an option for the Python suite (--pcap: tshark reads the
 # capture).
 pass_on() {
@@ -95,7 +107,7 @@ pass_on() {
 parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
     --migrate:module=netlab.migrate '--failed:pass_on()' '--workdir=pass_on()' \
     '--pcap=pass_on()' '--conns=pass_on()' '--only=pass_on()' '--rounds=pass_on()' '--idle=pass_on()' \
-    '--idle-windows=pass_on()' '--hold=pass_on()' -- "$@"
+    '--idle-windows=pass_on()' '--hold=pass_on()' '--rdma-suite=rdma_suite()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
 # --migrate captures k's tap (rping's data frames: the stall across the move).
