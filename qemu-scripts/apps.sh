@@ -39,12 +39,16 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and
     kernel -> pvcm VM: data received, the IGMP membership held while joined; an IPv6
     group fails to join in both (the IPv6 lab, booted for it)
+  13 librdmacm 60's commands (interop/usrevent.c): rdma_write_cm_event to a thread
+    waiting in rdma_get_cm_event and rdma_resolve_addrinfo (an INTERNAL event), and
+    RESOLVE_IB_SERVICE's errno, in pvcm VM a and in the kernel guest (the reference);
+    with a librdmacm that has them (--rdma-suite sid)
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1,
-sigwait. It ends with a
+sigwait, usrevent. It ends with a
 summary, a line per check (PASS or FAIL, the check, what it found), written to the file
 PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
 ("cli_via_service: ..." with --cli).
@@ -84,7 +88,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,10,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,10,13,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -142,8 +146,11 @@ gcc -O2 -Wall -Wextra -Werror -o "$rawqp1" "$PVCM_SCRIPTS_DIR/interop/rawqp1.c" 
 sigwait="$work/sigwait"
 gcc -O2 -Wall -Wextra -Werror -o "$sigwait" "$PVCM_SCRIPTS_DIR/interop/sigwait.c" -lrdmacm ||
     die "building sigwait failed"
+usrevent="$work/usrevent"
+gcc -O2 -Wall -Wextra -Werror -pthread -o "$usrevent" "$PVCM_SCRIPTS_DIR/interop/usrevent.c" -lrdmacm ||
+    die "building usrevent failed"
 [ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood" --rawqp1 "$rawqp1"
-    --sigwait "$sigwait")
+    --sigwait "$sigwait" --usrevent "$usrevent")
 [ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
 export PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The benchmark prints figures and asserts none: no summary.

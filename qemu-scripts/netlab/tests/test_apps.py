@@ -1,0 +1,59 @@
+"""The apps suite's readers of program output: cmtime's step tables (rdma-core 44's
+and 59's and later's) and the image's userland line."""
+
+import unittest
+
+from netlab.apps import cmtime_steps, userland
+
+CMTIME_44 = """\
+step              total ms     max ms     min us  us / conn
+create id    :       12.34       0.10       1.00      12.34
+disconnect   :      100.00       1.00       1.00     100.00
+"""
+
+CMTIME_65 = """\
+Connect (1000) QPs test
+qp_conn              1000
+threads                 1
+step             avg/conn  total(us)    us/conn    sum(us)    max(us)    min(us)
+full connect          120     120000          0          0        500         10
+create id               1       1500          1       1000         10          1
+disconnect              5       5000          5       5000         10          1
+Connect (1000) test - no QPs
+cm_conn              1000
+threads                 1
+step             avg/conn  total(us)    us/conn    sum(us)    max(us)    min(us)
+full connect           90      90000          0          0        500         10
+"""
+
+
+class CmtimeSteps(unittest.TestCase):
+    def test_rdma_core_44(self):
+        self.assertEqual(cmtime_steps(CMTIME_44), [("create id", "12.34"), ("disconnect", "100.00")])
+
+    def test_rdma_core_59_and_later_first_table_in_ms(self):
+        self.assertEqual(cmtime_steps(CMTIME_65),
+                         [("full connect", "120.00"), ("create id", "1.50"), ("disconnect", "5.00")])
+
+    def test_no_table(self):
+        self.assertEqual(cmtime_steps("rdma_resolve_addr: Connection refused\n"), [])
+
+
+class Userland(unittest.TestCase):
+    def test_versions_of_the_suite(self):
+        info = ("flavour=rdma\nrdma_suite=sid\ndeb=rdmacm-utils_65.0-1.1_amd64\n"
+                "deb=perftest_25.01.0+0.80-1_amd64\ndeb=libc6_2.43-7_amd64\n")
+        self.assertEqual(userland(info),
+                         "suite sid, rdmacm-utils 65.0-1.1, perftest 25.01.0+0.80-1, libc6 2.43-7")
+
+    def test_an_image_from_before_suites_is_bookworm(self):
+        self.assertEqual(userland("deb=rdmacm-utils_44.0-2_amd64\ndeb=perftest_4.5-0.17-2_amd64\n"),
+                         "suite bookworm, rdmacm-utils 44.0-2, perftest 4.5-0.17-2")
+
+    def test_epoch_and_no_packages(self):
+        self.assertIn("libc6 1:2.0", userland("deb=rdmacm-utils_1_amd64\ndeb=libc6_1%3a2.0_amd64\n"))
+        self.assertEqual(userland("flavour=rdma\n"), "")
+
+
+if __name__ == "__main__":
+    unittest.main()
