@@ -207,23 +207,34 @@ def userland(info):
                       if p in vers))
 
 
-def cmtime_mesh(guest):
-    """Whether the guest's cmtime is rdma-core 59's and later's (-C controller, -b bind
-    address, -L listener, a TCP rendezvous on the -p port, the listener's own RDMA port)
-    rather than the older one (-s server, -p the RDMA port). Asked once per guest."""
-    if not hasattr(guest, "cmtime_mesh"):
+def cmtime_kind(guest):
+    """Which cmtime the guest has, from its usage text (asked once per guest): "mesh",
+    rdma-core 59's and later's (-C controller, -b bind address, -L listener, a TCP
+    rendezvous on the -p port, the listener on an RDMA port of its own); "oob", 52's to
+    58's (-s server, -p the RDMA port and a TCP rendezvous on it, the server sized by its
+    own -c, one client); "old", before 52 (a server for any number of clients)."""
+    if not hasattr(guest, "cmtime_kind"):
         _, out = guest.run("cmtime -h 2>&1", 30)
-        guest.cmtime_mesh = "controller_address" in out
-    return guest.cmtime_mesh
+        guest.cmtime_kind = ("mesh" if "controller_address" in out
+                             else "oob" if "socket baseline" in out else "old")
+    return guest.cmtime_kind
+
+
+def cmtime_one_client(guest):
+    """Whether a cmtime server of the guest serves one client only (and exits after)."""
+    return cmtime_kind(guest) != "old"
 
 
 def cmtime_cmds(server, client, conns, port=7471):
     """cmtime's server and client commands for conns connections from client to server,
-    whichever cmtime the guests have (cmtime_mesh); port is the RDMA port (older) or the
-    rendezvous port (newer)."""
-    if cmtime_mesh(client):
+    whichever cmtime the guests have (cmtime_kind); port is the RDMA port (old, oob) or
+    the rendezvous port (mesh)."""
+    kind = cmtime_kind(client)
+    if kind == "mesh":
         return (f"cmtime -b {server.ip} -C {server.ip} -L -c {conns} -p {port}",
                 f"cmtime -b {client.ip} -C {server.ip} -c {conns} -p {port}")
+    if kind == "oob":
+        return f"cmtime -p {port} -c {conns}", f"cmtime -s {server.ip} -p {port} -c {conns}"
     return f"cmtime -p {port}", f"cmtime -s {server.ip} -p {port} -c {conns}"
 
 
@@ -487,9 +498,9 @@ def signals(server, client):
 
 def kill_nine(lab, k, a, backend):
     """Section 3: 16 processes, 8 killed."""
-    # The older cmtime: one server for the 12; the newer one pairs a server with each
-    # client (its rendezvous waits for every peer it was told of).
-    if cmtime_mesh(k):
+    # The oldest cmtime: one server for the 12; the newer ones pair a server with each
+    # client (their rendezvous waits for the peers they were told of).
+    if cmtime_one_client(k):
         servers = [cmtime_cmds(k, a, 50, 7480 + i) for i in range(12)]
     else:
         servers = [cmtime_cmds(k, a, 50, 7480)] * 12
@@ -507,7 +518,8 @@ def kill_nine(lab, k, a, backend):
         "ok=0; bad=0; n=0\n"
         "for p in $pids; do n=$((n+1)); wait $p; rc=$?; "
         "if [ $((n % 2)) = 1 ]; then if [ $rc = 0 ]; then ok=$((ok+1)); "
-        "else bad=$((bad+1)); echo survivor $n rc=$rc; fi; fi; done\n"
+        "else bad=$((bad+1)); echo survivor $n rc=$rc; "
+        "[ $n -le 12 ] && tail -n 2 /tmp/k9.$n; fi; fi; done\n"
         "echo survivors ok=$ok bad=$bad\n")
     rc, out = a.run(script, 400)
     m = re.search(r"survivors ok=(\d+) bad=(\d+)", out)
@@ -754,9 +766,9 @@ def hostile_root(lab, k, b, backend):
     if rc != 0:
         return
     # pvcm's own connections from b meanwhile: the CLI drives the device itself.
-    # A listener on port 7477 that accepts them: the older cmtime's server, or (the newer
-    # cmtime's listens on a port of its own) interop/kcm.c's.
-    kc = k.spawn("/host/bin/kcm listen -p 7477" if cmtime_mesh(k) else "cmtime -p 7477")
+    # A listener on port 7477 that accepts them: the oldest cmtime's server, or (the newer
+    # ones wait for their own client first) interop/kcm.c's.
+    kc = k.spawn("/host/bin/kcm listen -p 7477" if cmtime_one_client(k) else "cmtime -p 7477")
     time.sleep(1)
     own = b.spawn(f"pvcm-guest cmtime --dest {k.ip} --port 7477 --connections 50 --timeout 90")
     srv = k.spawn(f"rping -s -a {k.ip} -C 1 -v")
