@@ -3,7 +3,7 @@ and 59's and later's) and the image's userland line."""
 
 import unittest
 
-from netlab.apps import cmtime_steps, userland
+from netlab.apps import cmtime_cmds, cmtime_kind, cmtime_steps, userland
 
 CMTIME_44 = """\
 step              total ms     max ms     min us  us / conn
@@ -37,6 +37,37 @@ class CmtimeSteps(unittest.TestCase):
 
     def test_no_table(self):
         self.assertEqual(cmtime_steps("rdma_resolve_addr: Connection refused\n"), [])
+
+
+class Guest:
+    """A guest whose cmtime prints the given usage text."""
+
+    def __init__(self, ip, usage):
+        self.ip, self.usage = ip, usage
+
+    def run(self, cmd, timeout):
+        return 1, self.usage
+
+
+USAGE_44 = "usage: cmtime\n\t[-s server_address]\n\t[-b bind_address]\n\t[-c connections]\n"
+USAGE_56 = "usage: cmtime\n\t[-S] (run socket baseline test)\n\t[-s server_address]\n"
+USAGE_65 = "usage: cmtime\n\t-B bind_interface\n\t-C controller_address\n\t[-L] run as listening server\n"
+
+
+class Cmtime(unittest.TestCase):
+    def test_kinds_from_the_usage(self):
+        self.assertEqual(cmtime_kind(Guest("k", USAGE_44)), "old")
+        self.assertEqual(cmtime_kind(Guest("k", USAGE_56)), "oob")
+        self.assertEqual(cmtime_kind(Guest("k", USAGE_65)), "mesh")
+
+    def test_commands_of_each_kind(self):
+        for usage, want in (
+                (USAGE_44, ("cmtime -p 7471", "cmtime -s 10.0.0.2 -p 7471 -c 50")),
+                (USAGE_56, ("cmtime -p 7471 -c 50", "cmtime -s 10.0.0.2 -p 7471 -c 50")),
+                (USAGE_65, ("cmtime -b 10.0.0.2 -C 10.0.0.2 -L -c 50 -p 7471",
+                            "cmtime -b 10.0.0.11 -C 10.0.0.2 -c 50 -p 7471"))):
+            server, client = Guest("10.0.0.2", usage), Guest("10.0.0.11", usage)
+            self.assertEqual(cmtime_cmds(server, client, 50), want)
 
 
 class Userland(unittest.TestCase):
