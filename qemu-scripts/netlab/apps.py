@@ -225,16 +225,20 @@ def cmtime_one_client(guest):
     return cmtime_kind(guest) != "old"
 
 
-def cmtime_cmds(server, client, conns, port=7471):
+def cmtime_cmds(server, client, conns, port=7471, qpn=None):
     """cmtime's server and client commands for conns connections from client to server,
     whichever cmtime the guests have (cmtime_kind); port is the RDMA port (old, oob) or
-    the rendezvous port (mesh)."""
+    the rendezvous port (mesh). qpn: the first QPN of the newer ones' pass without QPs
+    (-q; else their default), which pairs running at once from one guest must not share:
+    the peer's CM rejects a second connection from the same QPN as stale."""
     kind = cmtime_kind(client)
+    q = f" -q {qpn}" if qpn is not None and kind != "old" else ""
     if kind == "mesh":
-        return (f"cmtime -b {server.ip} -C {server.ip} -L -c {conns} -p {port}",
-                f"cmtime -b {client.ip} -C {server.ip} -c {conns} -p {port}")
+        return (f"cmtime -b {server.ip} -C {server.ip} -L -c {conns} -p {port}{q}",
+                f"cmtime -b {client.ip} -C {server.ip} -c {conns} -p {port}{q}")
     if kind == "oob":
-        return f"cmtime -p {port} -c {conns}", f"cmtime -s {server.ip} -p {port} -c {conns}"
+        return (f"cmtime -p {port} -c {conns}{q}",
+                f"cmtime -s {server.ip} -p {port} -c {conns}{q}")
     return f"cmtime -p {port}", f"cmtime -s {server.ip} -p {port} -c {conns}"
 
 
@@ -499,9 +503,11 @@ def signals(server, client):
 def kill_nine(lab, k, a, backend):
     """Section 3: 16 processes, 8 killed."""
     # The oldest cmtime: one server for the 12; the newer ones pair a server with each
-    # client (their rendezvous waits for the peers they were told of).
+    # client (their rendezvous waits for the peers they were told of), on ports of their
+    # own (7500-7511; ucmatose's are 7490-7493), each pair's simulated QPNs its own (in
+    # the VM's QPN window, 16 to 0x2000F).
     if cmtime_one_client(k):
-        servers = [cmtime_cmds(k, a, 50, 7480 + i) for i in range(12)]
+        servers = [cmtime_cmds(k, a, 50, 7500 + i, 0x10000 + 0x100 * i) for i in range(12)]
     else:
         servers = [cmtime_cmds(k, a, 50, 7480)] * 12
     srvs = [k.spawn(s) for s in sorted({s for s, _ in servers})]

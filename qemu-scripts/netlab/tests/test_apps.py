@@ -69,6 +69,14 @@ class Cmtime(unittest.TestCase):
             server, client = Guest("10.0.0.2", usage), Guest("10.0.0.11", usage)
             self.assertEqual(cmtime_cmds(server, client, 50), want)
 
+    def test_qpn_only_for_the_newer_kinds(self):
+        old = (Guest("10.0.0.2", USAGE_44), Guest("10.0.0.11", USAGE_44))
+        self.assertNotIn("-q", " ".join(cmtime_cmds(*old, 50, qpn=0x10000)))
+        for usage in (USAGE_56, USAGE_65):
+            s, c = cmtime_cmds(Guest("10.0.0.2", usage), Guest("10.0.0.11", usage), 50,
+                               qpn=0x10100)
+            self.assertTrue(s.endswith(" -q 65792") and c.endswith(" -q 65792"), (s, c))
+
 
 class Userland(unittest.TestCase):
     def test_versions_of_the_suite(self):
