@@ -4,7 +4,8 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: qemu-scripts/apps.sh [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
+Usage: qemu-scripts/apps.sh [--rdma-suite SUITE] [--workdir DIR] [--pcap FILE] [--conns N]
+                             [--only LIST]
        qemu-scripts/apps.sh --cli [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
        qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
                              [--idle-windows N]
@@ -49,12 +50,16 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and
     kernel -> pvcm VM: data received, the IGMP membership held while joined; an IPv6
     group fails to join in both (the IPv6 lab, booted for it)
+  13 librdmacm 60's commands (interop/usrevent.c): rdma_write_cm_event to a thread
+    waiting in rdma_get_cm_event and rdma_resolve_addrinfo (an INTERNAL event), and
+    RESOLVE_IB_SERVICE's errno, in pvcm VM a and in the kernel guest (the reference);
+    with a librdmacm that has them (--rdma-suite sid)
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1,
-sigwait. It ends with a
+sigwait, usrevent. It ends with a
 summary, a line per check (PASS or FAIL, the check, what it found), written to the file
 PVCM_RESULTS names if it is set; the last line reads "apps: N passed, N failed"
 ("cli_via_service: ..." with --cli).
@@ -76,7 +81,13 @@ IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refu
 between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
 drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
 
+--rdma-suite SUITE (any mode) gives every guest, the pvcm VMs and the kernel guest k,
+the rdma-core userland of that Debian suite: bookworm (Debian 12, rdma-core 44, the
+default), trixie (Debian 13, rdma-core 56) or sid (unstable); the kernel stays Debian
+12's (build-guest.sh --rdma-suite; docs/apps.md lists the versions tried).
+
 Options:
+  --rdma-suite SUITE  the guests' rdma-core: bookworm, trixie or sid (default bookworm)
   --cli          pvcm-guest through the service (above)
   --bench        the benchmark (above)
   --migrate      the live migration suite (above)
@@ -88,7 +99,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,11,10,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,11,13,10,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -97,6 +108,11 @@ USAGE
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=() module=netlab.apps
+# rdma_suite --rdma-suite SUITE: the guests' rdma-core suite, for build-guest.sh here and
+# in the lab (netlab.lab builds the image through it too).
+rdma_suite() {
+    export PVCM_RDMA_SUITE="$2"
+}
 # pass_on OPTION [VALUE]: an option for the Python suite (--pcap: tshark reads the
 # capture).
 pass_on() {
@@ -106,7 +122,7 @@ pass_on() {
 parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
     --migrate:module=netlab.migrate '--failed:pass_on()' '--workdir=pass_on()' \
     '--pcap=pass_on()' '--conns=pass_on()' '--only=pass_on()' '--rounds=pass_on()' '--idle=pass_on()' \
-    '--idle-windows=pass_on()' '--hold=pass_on()' -- "$@"
+    '--idle-windows=pass_on()' '--hold=pass_on()' '--rdma-suite=rdma_suite()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
 # --migrate captures k's tap (rping's data frames: the stall across the move).
@@ -141,8 +157,11 @@ gcc -O2 -Wall -Wextra -Werror -o "$rawqp1" "$PVCM_SCRIPTS_DIR/interop/rawqp1.c" 
 sigwait="$work/sigwait"
 gcc -O2 -Wall -Wextra -Werror -o "$sigwait" "$PVCM_SCRIPTS_DIR/interop/sigwait.c" -lrdmacm ||
     die "building sigwait failed"
+usrevent="$work/usrevent"
+gcc -O2 -Wall -Wextra -Werror -pthread -o "$usrevent" "$PVCM_SCRIPTS_DIR/interop/usrevent.c" -lrdmacm ||
+    die "building usrevent failed"
 [ "$module" = netlab.apps ] && args+=(--kcm "$kcm" --ucflood "$ucflood" --rawqp1 "$rawqp1"
-    --sigwait "$sigwait")
+    --sigwait "$sigwait" --usrevent "$usrevent")
 [ "$module" = netlab.bench ] && args+=(--ucbench "$ucbench")
 export PYTHONPATH="$PVCM_SCRIPTS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The benchmark prints figures and asserts none: no summary.

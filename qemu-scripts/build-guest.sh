@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: qemu-scripts/build-guest.sh [--rdma] [options]
+Usage: qemu-scripts/build-guest.sh [--rdma [--rdma-suite SUITE]] [options]
 
 Builds a guest image for run-vm.sh and the network lab (qemu-scripts/netlab): Debian's
 kernel (linux-image-amd64, unpacked with dpkg -x) and an initramfs (cpio newc, gzip)
@@ -21,12 +21,19 @@ Two flavours (each cached under its own key):
   --rdma   also an RDMA guest: kernel modules under /lib/modules/<kver> with their
            dependencies and a modules.dep, so modprobe works (virtio_pci virtio_net
            crc32_generic rdma_rxe ib_uverbs ib_umad ib_cm iw_cm rdma_cm rdma_ucm fuse
-           cuse 9p 9pnet_virtio), and Debian 12's rdma-core userland from .debs
-           (apt-get download + dpkg -x, never the host's files): rdmacm-utils,
-           ibverbs-utils, perftest, ip and rdma (iproute2), strace, the rxe provider,
-           glibc and the dynamic loader, libgcc_s, and every library their NEEDED entries
-           reach (dependencies of the listed packages are fetched as the closure
-           finds them)
+           cuse 9p 9pnet_virtio), and the rdma-core userland of a Debian suite
+           from .debs (apt-get download + dpkg -x, never the host's files):
+           rdmacm-utils, ibverbs-utils, perftest, ip and rdma (iproute2), strace,
+           the rxe provider, glibc and the dynamic loader, libgcc_s, and every
+           library their NEEDED entries reach (dependencies of the listed packages
+           are fetched as the closure finds them). The kernel stays Debian 12's
+           whatever the suite.
+
+The RDMA userland's suite (--rdma-suite, or PVCM_RDMA_SUITE): bookworm (Debian 12,
+rdma-core 44, the default), trixie (Debian 13, rdma-core 56) or sid (unstable). Its
+packages are looked up and downloaded with a private apt configuration and state
+under $PVCM_CACHE/apt/<suite>/ (sources at deb.debian.org, lists, no dpkg status),
+never the host's; its lists are refreshed when a week old or when a download fails.
 
 Kernel command line of the /init (both flavours; the network, RDMA and share
 parameters need --rdma):
@@ -64,13 +71,14 @@ PVCM-END rc=254 without running the command or the agent.
 
 Output goes to $PVCM_CACHE/guest/<key>/ (vmlinuz, initramfs.img, info; --rdma adds
 vmlinux, the kernel's ELF image, which QEMU boots faster through its PVH entry);
-$PVCM_CACHE/guest/current (default flavour) or current-rdma (--rdma) links to it.
-<key> hashes the flavour, the kernel, busybox and (--rdma) userland package
-versions, this script, the guest binaries and the extra files, so a re-run with
+$PVCM_CACHE/guest/current (default flavour), current-rdma (--rdma, bookworm) or
+current-rdma-<suite> links to it. <key> hashes the flavour, the kernel, busybox and
+(--rdma) the suite and its userland package versions, this script, the guest binaries and the extra files, so a re-run with
 nothing changed reuses the image (cargo still checks pvcm-guest is up to date).
 
 Options:
   --rdma               build the RDMA flavour (see above)
+  --rdma-suite SUITE   the RDMA userland's Debian suite: bookworm, trixie or sid
   --print-dir          print only the image directory on stdout
   --no-guest-bin       do not build or include pvcm-guest
   --guest-bin PATH     include PATH as /usr/bin/<name> instead of building
@@ -89,14 +97,14 @@ Options:
   -h, --help           this help
 
 Environment: PVCM_CACHE (default ~/.cache/pvcm), PVCM_KERNEL_PKG (default
-linux-image-amd64), CARGO (default cargo).
+linux-image-amd64), PVCM_RDMA_SUITE (default bookworm), CARGO (default cargo).
 EOF
 }
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-print_dir=0 guest_bin_mode=build force=0 flavour=default
+print_dir=0 guest_bin_mode=build force=0 flavour=default rdma_suite="${PVCM_RDMA_SUITE:-bookworm}"
 guest_bins=() extras=() debs=()
 # shellcheck disable=SC2206 # a list of paths, split on spaces on purpose
 [ -n "${PVCM_GUEST_DEBS:-}" ] && debs=($PVCM_GUEST_DEBS)
@@ -121,12 +129,17 @@ extra_list() {
         if [ -n "$line" ]; then extras+=("$line"); fi
     done <"$2"
 }
-parse_options --print-dir:print_dir=1 --rdma:flavour=rdma --no-guest-bin:guest_bin_mode=none \
+parse_options --print-dir:print_dir=1 --rdma:flavour=rdma --rdma-suite=rdma_suite \
+    --no-guest-bin:guest_bin_mode=none \
     '--guest-bin=guest_bin()' '--extra=extras[]' '--deb=deb_file()' '--extra-list=extra_list()' \
     '--module=modules[]' --force:force=1 -- "$@"
 
 # Packages go into the RDMA flavour only (they need its glibc and userland).
 [ "$flavour" = rdma ] || debs=()
+case "$rdma_suite" in
+bookworm | trixie | sid) ;;
+*) die "--rdma-suite $rdma_suite: bookworm, trixie or sid" ;;
+esac
 exec 3>&1 1>&2
 t0="$(now_s)"
 dl="$PVCM_CACHE/downloads"
@@ -135,13 +148,16 @@ apt_install cpio gzip xz-utils binutils python3
 
 # ---- Debian packages: kernel and busybox-static (downloaded once, by version) ----
 
-# deb_fetch PKG: download PKG's candidate .deb into $dl/debs (if not there); print path.
+# deb_fetch PKG [APT-OPTION...]: download PKG's candidate .deb into $dl/debs (if not
+# there); print its path. With no options, the host's apt answers (the kernel and
+# busybox); the RDMA userland passes the suite's private apt options ($suite_apt).
 deb_fetch() {
     local pkg="$1" ver file
-    ver="$(apt-cache policy "$pkg" 2>/dev/null | awk '/Candidate:/ { print $2 }')"
+    shift
+    ver="$(apt-cache "$@" policy "$pkg" 2>/dev/null | awk '/Candidate:/ { print $2 }')"
     if [ -z "$ver" ] || [ "$ver" = "(none)" ]; then
-        apt_update_once
-        ver="$(apt-cache policy "$pkg" 2>/dev/null | awk '/Candidate:/ { print $2 }')"
+        apt_refresh "$@"
+        ver="$(apt-cache "$@" policy "$pkg" 2>/dev/null | awk '/Candidate:/ { print $2 }')"
     fi
     [ -n "$ver" ] && [ "$ver" != "(none)" ] || die "apt knows no package $pkg"
     # .deb file names encode the epoch's colon as %3a.
@@ -149,14 +165,59 @@ deb_fetch() {
     [ -f "$file" ] || file="$dl/debs/${pkg}_${ver//:/%3a}_all.deb"
     if [ ! -f "$file" ]; then
         log "apt-get download $pkg=$ver"
-        (cd "$dl/debs" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2) || {
-            apt_update_once
-            (cd "$dl/debs" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2) || die "apt-get download $pkg=$ver failed"
+        (cd "$dl/debs" && apt-get download -qq -o APT::Sandbox::User=root "$@" "$pkg=$ver" >&2) || {
+            apt_refresh "$@"
+            (cd "$dl/debs" && apt-get download -qq -o APT::Sandbox::User=root "$@" "$pkg=$ver" >&2) || die "apt-get download $pkg=$ver failed"
         }
         file="$(ls "$dl/debs/${pkg}_${ver//:/%3a}_"*.deb 2>/dev/null | head -n1)"
         [ -f "$file" ] || die "apt-get download $pkg=$ver produced no .deb"
     fi
     echo "$file"
+}
+
+# apt_refresh [APT-OPTION...]: apt-get update, once a run: the host's (no options) or
+# the suite's private one.
+suite_updated=0
+apt_refresh() {
+    if [ $# = 0 ]; then
+        apt_update_once
+    elif [ "$suite_updated" = 0 ]; then
+        log "apt-get update ($rdma_suite, private state under $suite_apt_dir)"
+        apt-get "$@" update -qq >&2 || die "apt-get update for $rdma_suite failed"
+        suite_updated=1
+    fi
+}
+
+# The suite's private apt: sources.list, lists, archives and an empty dpkg status under
+# $PVCM_CACHE/apt/<suite>; the host's sources, preferences and state are not read.
+# $suite_apt holds the options every apt-get and apt-cache call of the userland passes.
+suite_apt_dir="$PVCM_CACHE/apt/$rdma_suite"
+suite_apt=(-o "Dir::Etc::SourceList=$suite_apt_dir/sources.list"
+    -o "Dir::Etc::SourceParts=$suite_apt_dir/empty" -o "Dir::Etc::Preferences=$suite_apt_dir/empty/none"
+    -o "Dir::Etc::PreferencesParts=$suite_apt_dir/empty" -o "Dir::State=$suite_apt_dir/state"
+    -o "Dir::State::status=$suite_apt_dir/status" -o "Dir::Cache=$suite_apt_dir/cache"
+    -o APT::Architecture=amd64 -o APT::Architectures::=amd64 -o Acquire::Languages=none
+    -o Debug::NoLocking=1)
+suite_apt_init() {
+    local s="$rdma_suite" lists
+    mkdir -p "$suite_apt_dir"/{empty,state/lists/partial,cache/archives/partial}
+    [ -f "$suite_apt_dir/status" ] || : >"$suite_apt_dir/status"
+    {
+        case "$s" in
+        sid) echo "deb http://deb.debian.org/debian sid main" ;;
+        *)
+            echo "deb http://deb.debian.org/debian $s $s-updates main"
+            echo "deb http://deb.debian.org/debian-security $s-security main"
+            ;;
+        esac
+    } >"$suite_apt_dir/sources.list.new"
+    if ! cmp -s "$suite_apt_dir/sources.list.new" "$suite_apt_dir/sources.list"; then
+        mv "$suite_apt_dir/sources.list.new" "$suite_apt_dir/sources.list"
+        rm -f "$suite_apt_dir"/state/lists/*_Packages*
+    fi
+    rm -f "$suite_apt_dir/sources.list.new"
+    lists="$(find "$suite_apt_dir/state/lists" -maxdepth 1 -name '*_Packages*' -mtime -7 | head -n1)"
+    [ -n "$lists" ] || apt_refresh "${suite_apt[@]}"
 }
 
 # unpack_deb DEB: dpkg -x DEB into a cache dir named after it (once); print the dir.
@@ -277,17 +338,32 @@ if [ "$flavour" = rdma ]; then
     done
 fi
 
-# ---- RDMA flavour: Debian 12's rdma-core userland, from .debs ----
+# ---- RDMA flavour: the suite's rdma-core userland, from .debs ----
 
 # The packages asked for; their dependencies join when the library closure needs them.
+# librdmacm1 is librdmacm1t64 from trixie on (the 64-bit time_t transition's name):
+# suite_pkgs maps each name to the one the suite has.
 rdma_pkgs=(rdmacm-utils ibverbs-utils ibverbs-providers librdmacm1 libibverbs1 perftest
     iproute2 libnl-3-200 libnl-route-3-200 libc6 libgcc-s1 dash strace)
+suite_pkgs() {
+    local p known
+    known="$(apt-cache "${suite_apt[@]}" pkgnames 2>/dev/null)"
+    for p in "${rdma_pkgs[@]}"; do
+        if grep -qx "$p" <<<"$known"; then
+            echo "$p"
+        elif grep -qx "${p}t64" <<<"$known"; then
+            echo "${p}t64"
+        else
+            die "the $rdma_suite suite has no package $p (nor ${p}t64)"
+        fi
+    done
+}
 declare -A pkg_dir=()
 pkg_order=()
 add_pkg() { # add_pkg PKG: download and unpack PKG once
     local deb
     [ -n "${pkg_dir[$1]:-}" ] && return 0
-    deb="$(deb_fetch "$1")"
+    deb="$(deb_fetch "$1" "${suite_apt[@]}")"
     pkg_dir[$1]="$(unpack_deb "$deb")"
     pkg_order+=("$1")
 }
@@ -318,7 +394,7 @@ pkg_resolve() { # pkg_resolve /PATH: follow symlinks inside the unpacked package
     return 1
 }
 pkg_deps() { # pkg_deps PKG: PKG's Depends and Pre-Depends (first of alternatives)
-    apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks \
+    apt-cache "${suite_apt[@]}" depends --no-recommends --no-suggests --no-conflicts --no-breaks \
         --no-replaces --no-enhances "$1" 2>/dev/null |
         awk '$1 == "Depends:" || $1 == "PreDepends:" { print $2 }' | grep -v '^<' || true
 }
@@ -440,21 +516,37 @@ resolve_userland() {
     [ -n "$provider" ] || die "ibverbs-providers has no librxe-rdmav*.so"
     add_elf "/$provider"
     add_file /etc/libibverbs.d/rxe.driver || die "ibverbs-providers has no rxe.driver"
-    add_elf /lib/x86_64-linux-gnu/libgcc_s.so.1
-    add_elf /lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
+    add_elf "$(usr_path /lib/x86_64-linux-gnu/libgcc_s.so.1)"
+    add_elf "$(usr_path /lib/x86_64-linux-gnu/ld-linux-x86-64.so.2)"
     # /bin/sh: Debian's busybox-static runs its own applet for any command of that name,
     # whatever PATH says (FEATURE_SH_STANDALONE), so under busybox sh "ip" would never be
     # iproute2's and "modprobe" never the wrapper below. dash looks commands up in PATH.
-    add_elf /bin/dash
+    add_elf "$(usr_path /bin/dash)"
+}
+# usr_path /PATH: /PATH, or /usr/PATH where the packages have it there (trixie's
+# packages ship their files under /usr).
+usr_path() {
+    if pkg_find "/usr$1" >/dev/null && ! pkg_find "$1" >/dev/null; then
+        echo "/usr$1"
+    else
+        echo "$1"
+    fi
+}
+# in_image /PATH: /PATH or /usr/PATH, whichever the image's userland has.
+in_image() {
+    if [ -n "${rdma_have[$1]:-}" ]; then echo "$1"; else echo "/usr$1"; fi
 }
 rdma_bins=()
 if [ "$flavour" = rdma ]; then
     apt_install binutils kmod libc-bin
-    versions="$(apt-cache policy "${rdma_pkgs[@]}" 2>/dev/null | awk '
+    suite_apt_init
+    mapfile -t rdma_pkgs < <(suite_pkgs)
+    versions="$(apt-cache "${suite_apt[@]}" policy "${rdma_pkgs[@]}" 2>/dev/null | awk '
         /^[^ ].*:$/ { p = substr($0, 1, length($0) - 1) }
         /^  Candidate:/ { print p "=" $2 }')"
     closure="$PVCM_CACHE/guest/rdma-closure.$({
         sha256sum <"${BASH_SOURCE[0]}"
+        echo "suite=$rdma_suite"
         echo "$versions"
     } | short_hash)"
     if [ "$force" = 0 ] && [ -f "$closure" ] && closure_load "$closure"; then
@@ -764,6 +856,7 @@ key="$({
     sha256sum <"${BASH_SOURCE[0]}"
     echo "modules=${mod_files[*]}"
     if [ "$flavour" = rdma ]; then
+        echo "rdma_suite=$rdma_suite"
         echo "rdma_modules=${rdma_mod_files[*]}"
         for p in "${pkg_order[@]}"; do echo "deb $(basename "${pkg_dir[$p]}")"; done
         printf 'file %s\n' "${rdma_files[@]}"
@@ -777,6 +870,7 @@ key="$({
 out="$PVCM_CACHE/guest/$key"
 link=current
 [ "$flavour" = rdma ] && link=current-rdma
+[ "$flavour" = rdma ] && [ "$rdma_suite" != bookworm ] && link="current-rdma-$rdma_suite"
 
 if [ "$force" = 0 ] && [ -f "$out/.pvcm-built" ]; then
     ln -sfn "$key" "$PVCM_CACHE/guest/$link"
@@ -852,7 +946,7 @@ if [ "$flavour" = rdma ]; then
     done
     mkdir -p "$root/lib64"
     [ -e "$root/lib64/ld-linux-x86-64.so.2" ] ||
-        ln -s /lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$root/lib64/ld-linux-x86-64.so.2"
+        ln -s "$(in_image /lib/x86_64-linux-gnu/ld-linux-x86-64.so.2)" "$root/lib64/ld-linux-x86-64.so.2"
     printf '%s\n' /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu >"$root/etc/ld.so.conf"
     ldconfig -r "$root" || die "ldconfig -r $root failed"
     echo "root:x:0:" >"$root/etc/group"
@@ -864,7 +958,7 @@ if [ "$flavour" = rdma ]; then
     for d in "${debs[@]}"; do
         dpkg -x "$d" "$root" || die "dpkg -x $d failed"
     done
-    ln -sfn dash "$root/bin/sh"
+    ln -sfn "$(in_image /bin/dash)" "$root/bin/sh"
     rm -f "$root/sbin/modprobe"
     printf '%s\n' "$MODPROBE_WRAPPER" >"$root/sbin/modprobe"
     chmod 755 "$root/sbin/modprobe"
@@ -883,6 +977,7 @@ fi
     echo "kernel=$kver ($(basename "$kernel_deb"))"
     echo "busybox=$(basename "$busybox_deb")"
     if [ "$flavour" = rdma ]; then
+        echo "rdma_suite=$rdma_suite"
         for p in "${pkg_order[@]}"; do echo "deb=$(basename "${pkg_dir[$p]}")"; done
     fi
     for b in "${guest_bins[@]}"; do echo "bin=/usr/bin/$(basename "$b")"; done

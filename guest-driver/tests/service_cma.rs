@@ -576,3 +576,150 @@ fn default_roce_tos_applies_to_ids_without_a_tos() {
     assert_eq!(traffic_class(None), 0x60);
     assert_eq!(traffic_class(Some(0x20)), 0x20);
 }
+
+/// WRITE_CM_EVENT as librdmacm 60 and later writes it (`rdma_write_cm_event`).
+fn write_cm_event(v: &mut Vm, fh: Fh, id: u32, ev: u32, status: i32, arg: u64) -> Outcome {
+    let w = abi::WriteCmEvent {
+        id,
+        event: ev,
+        status,
+        arg,
+    };
+    v.write(fh, cmd::WRITE_CM_EVENT, &w.to_bytes(), 0)
+}
+
+#[test]
+fn written_events_reach_a_waiting_get_event_as_the_kernel_reports_them() {
+    let mut v = Vm::new(11);
+    let (f, g) = (v.cma.open(), v.cma.open());
+    let id = v.create_id(f, 0xabc0, ps::TCP);
+    // Another thread waits in GET_EVENT on the file.
+    let mut b = [0u8; 8];
+    put_u64(&mut b, 0, RESP);
+    let Outcome::WaitEvent { response, out_len } =
+        v.write(f, cmd::GET_EVENT, &b, abi::EventResp::LEN as u16)
+    else {
+        panic!("GET_EVENT should block");
+    };
+    let arg = 0x1122_3344_5566_7788;
+    assert_eq!(
+        write_cm_event(&mut v, f, id, event::USER, -5, arg),
+        Outcome::Done(Ok(()))
+    );
+    assert!(v.cma.has_events(f), "the waiting GET_EVENT is served");
+    assert_eq!(
+        v.cma.deliver(f, response, out_len, &mut v.mem),
+        Some(Ok(()))
+    );
+    let e = v.resp(abi::EventResp::LEN);
+    assert_eq!(u64_at(&e, 0), 0xabc0, "the id's uid");
+    assert_eq!(u32_at(&e, 8), id);
+    assert_eq!(u32_at(&e, 12), event::USER);
+    assert_eq!(u32_at(&e, 16) as i32, -5);
+    assert_eq!(u64_at(&e, 20), arg, "param.arg32 holds the argument");
+    assert!(e[28..].iter().all(|&x| x == 0), "the rest is zero");
+    // INTERNAL is taken too; the next GET_EVENT has it at once.
+    assert_eq!(
+        write_cm_event(&mut v, f, id, event::INTERNAL, 0, 16),
+        Outcome::Done(Ok(()))
+    );
+    let e = v.expect_event(f, event::INTERNAL);
+    assert_eq!(u64_at(&e, 20), 16);
+    // Any other event is EINVAL, even for an id that does not exist; another file's id
+    // is EINVAL, an unknown one ENOENT; the structure must reach the argument.
+    for ev in [event::CONNECT_REQUEST, event::ADDRINFO_RESOLVED, 99] {
+        assert_eq!(
+            write_cm_event(&mut v, f, id, ev, 0, 0),
+            Outcome::Done(Err(errno::EINVAL)),
+            "event {ev}"
+        );
+    }
+    assert_eq!(
+        write_cm_event(&mut v, f, 9999, event::ESTABLISHED, 0, 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(
+        write_cm_event(&mut v, g, id, event::USER, 0, 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(
+        write_cm_event(&mut v, f, 9999, event::USER, 0, 0),
+        Outcome::Done(Err(errno::ENOENT))
+    );
+    let w = abi::WriteCmEvent {
+        id,
+        event: event::USER,
+        status: 0,
+        arg: 7,
+    }
+    .to_bytes();
+    assert_eq!(
+        v.write(f, cmd::WRITE_CM_EVENT, &w[..20], 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(
+        v.write(f, cmd::WRITE_CM_EVENT, &w[..24], 0),
+        Outcome::Done(Ok(()))
+    );
+    assert_eq!(u64_at(&v.expect_event(f, event::USER), 20), 7);
+    // One more stays queued: the destroy withdraws it and reports the three delivered.
+    assert_eq!(
+        write_cm_event(&mut v, f, id, event::USER, 0, 1),
+        Outcome::Done(Ok(()))
+    );
+    assert_eq!(v.destroy(f, id), 3);
+    assert!(!v.cma.has_events(f));
+    let st = v.cma.stats();
+    assert_eq!(st.events[event::USER as usize], 3);
+    assert_eq!(st.events[event::INTERNAL as usize], 1);
+    assert_eq!(st.errors[cmd::WRITE_CM_EVENT as usize], 7);
+}
+
+#[test]
+fn resolve_ib_service_is_refused_as_on_a_roce_device() {
+    let mut v = Vm::new(11);
+    let f = v.cma.open();
+    let ibs = |id: u32| {
+        let mut b = [0u8; abi::ResolveIbService::LEN];
+        put_u32(&mut b, 0, id);
+        put_u64(&mut b, 8, 0x1_0000_0000_0001);
+        b[16..20].copy_from_slice(b"svc\0");
+        put_u32(&mut b, 80, 3);
+        b
+    };
+    let id = v.create_id(f, 1, ps::TCP);
+    // Not bound, or bound to the wildcard (no device): EINVAL.
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(id), 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(v.bind_ip(f, id, "0.0.0.0:7300"), Outcome::Done(Ok(())));
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(id), 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    // Bound to the VM's address: the device has no SA (rdma_cap_ib_sa): EOPNOTSUPP, and
+    // the id stays bound (its address resolves afterwards).
+    let id2 = v.create_id(f, 2, ps::TCP);
+    assert_eq!(v.bind_ip(f, id2, "10.99.0.11:7301"), Outcome::Done(Ok(())));
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(id2), 0),
+        Outcome::Done(Err(errno::EOPNOTSUPP))
+    );
+    v.resolve_ip(f, id2, "10.99.0.12:7174");
+    v.expect_event(f, event::ADDR_RESOLVED);
+    // After resolution, an unknown id, a short structure: EINVAL, ENOENT, EINVAL.
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(id2), 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(999), 0),
+        Outcome::Done(Err(errno::ENOENT))
+    );
+    assert_eq!(
+        v.write(f, cmd::RESOLVE_IB_SERVICE, &ibs(id2)[..80], 0),
+        Outcome::Done(Err(errno::EINVAL))
+    );
+    assert_eq!(v.cma.stats().commands[cmd::RESOLVE_IB_SERVICE as usize], 6);
+}

@@ -78,6 +78,14 @@ Checks (each PASS/FAIL):
     pvcm-guestd holds no join afterwards; in the IPv6 lab (booted for it when 6 does not
     run), mckey with an IPv6 group fails to join in k ("Unknown error 524", the
     kernel's ENOTSUPP) and in a (EOPNOTSUPP, docs/apps.md)
+  13 librdmacm 60's commands (interop/usrevent.c, with an rdma-core that has them:
+    apps.sh --rdma-suite sid), in pvcm VM a and in the kernel guest k as the reference:
+    rdma_write_cm_event(USER, status -7, an argument) while another thread waits in
+    rdma_get_cm_event: that thread gets the event, status and argument; then
+    rdma_resolve_addrinfo, answered by an INTERNAL event librdmacm writes: the next
+    event is ADDRINFO_RESOLVED; RESOLVE_IB_SERVICE on an id bound to the guest's address:
+    EOPNOTSUPP (a RoCE device has no SA). A kernel before 6.17 (Debian 12's) has neither
+    command: EINVAL for both, which k's check expects then
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
@@ -207,6 +215,67 @@ def pair(name, server, client, scmd, ccmd, ok_server, ok_client, timeout=120, ke
     return out
 
 
+def userland(info):
+    """The image's rdma-core userland from its /etc/pvcm-image-info: "suite S, rdmacm-utils
+    V, perftest V, libc6 V" ("" without the packages)."""
+    suite = re.search(r"^rdma_suite=(\S+)", info, re.M)
+    vers = dict(re.findall(r"^deb=([^_\s]+)_([^_\s]+)_", info, re.M))
+    if "rdmacm-utils" not in vers:
+        return ""
+    return (f"suite {suite.group(1) if suite else 'bookworm'}, " +
+            ", ".join(f"{p} {vers[p].replace('%3a', ':')}" for p in ("rdmacm-utils", "perftest", "libc6")
+                      if p in vers))
+
+
+def cmtime_kind(guest):
+    """Which cmtime the guest has, from its usage text (asked once per guest): "mesh",
+    rdma-core 59's and later's (-C controller, -b bind address, -L listener, a TCP
+    rendezvous on the -p port, the listener on an RDMA port of its own); "oob", 52's to
+    58's (-s server, -p the RDMA port and a TCP rendezvous on it, the server sized by its
+    own -c, one client); "old", before 52 (a server for any number of clients)."""
+    if not hasattr(guest, "cmtime_kind"):
+        _, out = guest.run("cmtime -h 2>&1", 30)
+        guest.cmtime_kind = ("mesh" if "controller_address" in out
+                             else "oob" if "socket baseline" in out else "old")
+    return guest.cmtime_kind
+
+
+def cmtime_one_client(guest):
+    """Whether a cmtime server of the guest serves one client only (and exits after)."""
+    return cmtime_kind(guest) != "old"
+
+
+def cmtime_cmds(server, client, conns, port=7471, qpn=None):
+    """cmtime's server and client commands for conns connections from client to server,
+    whichever cmtime the guests have (cmtime_kind); port is the RDMA port (old, oob) or
+    the rendezvous port (mesh). qpn: the first QPN of the newer ones' pass without QPs
+    (-q; else their default), which pairs running at once from one guest must not share:
+    the peer's CM rejects a second connection from the same QPN as stale."""
+    kind = cmtime_kind(client)
+    q = f" -q {qpn}" if qpn is not None and kind != "old" else ""
+    if kind == "mesh":
+        return (f"cmtime -b {server.ip} -C {server.ip} -L -c {conns} -p {port}{q}",
+                f"cmtime -b {client.ip} -C {server.ip} -c {conns} -p {port}{q}")
+    if kind == "oob":
+        return (f"cmtime -p {port} -c {conns}{q}",
+                f"cmtime -s {server.ip} -p {port} -c {conns}{q}")
+    return f"cmtime -p {port}", f"cmtime -s {server.ip} -p {port} -c {conns}"
+
+
+def cmtime_steps(out):
+    """cmtime's steps and their totals in ms, from either cmtime's table ("step : total
+    ms ..." or "step avg/conn total(us) ..."; the newer one's first table)."""
+    old = re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)
+    if old:
+        return old
+    steps = []
+    for name, total in re.findall(r"^([a-z][a-z ]*[a-z])\s+\d+\s+(\d+)\s+\d+", out, re.M):
+        if any(name == n for n, _ in steps):
+            break
+        steps.append((name, f"{int(total) / 1000:.2f}"))
+    return steps
+
+
 def programs(k, a, b, pairs, conns):
     """Section 1: the programs for each (client, server) pair."""
     for client, server in pairs:
@@ -234,11 +303,11 @@ def programs(k, a, b, pairs, conns):
              "ib_send_bw -R -n 1000", f"ib_send_bw -R -n 1000 {server.ip}",
              lambda s: re.search(r"^\s*65536\s+1000\s", s, re.M),
              lambda c: re.search(r"^\s*65536\s+1000\s", c, re.M), attempts=3)
-        out = pair(f"cmtime -c {conns}", server, client,
-                   "cmtime", f"cmtime -s {server.ip} -c {conns}",
-                   lambda s: True, lambda c: re.search(r"^disconnect\s*:", c, re.M) is not None,
+        scmd, ccmd = cmtime_cmds(server, client, conns)
+        out = pair(f"cmtime -c {conns}", server, client, scmd, ccmd,
+                   lambda s: True, lambda c: any(n == "disconnect" for n, _ in cmtime_steps(c)),
                    timeout=300, keep_server=True)
-        steps = re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)
+        steps = cmtime_steps(out)
         if steps:
             print("      cmtime " + ", ".join(f"{s} {v} ms" for s, v in steps), flush=True)
 
@@ -282,6 +351,38 @@ def misbehaving(k, a):
            bool(st) and st.get("ids") == 0 and st.get("files") == 0,
            f"ids {st.get('ids')}, files {st.get('files')}, bad requests "
            f"{st.get('bad_requests')}")
+
+
+def kernel_has_write_cm_event(guest):
+    """Whether the guest's kernel serves WRITE_CM_EVENT and RESOLVE_IB_SERVICE (Linux
+    6.17 and later)."""
+    _, out = guest.run("uname -r", 30)
+    m = re.match(r"(\d+)\.(\d+)", out.strip())
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= (6, 17)
+
+
+def written_events(k, a):
+    """Section 13: librdmacm 60's WRITE_CM_EVENT and RESOLVE_IB_SERVICE, in the pvcm VM and
+    in the kernel guest (the reference)."""
+    for g in (a, k):
+        served = g.cm == "pvcm" or kernel_has_write_cm_event(g)
+        tag = f"{'pvcm VM' if g.cm == 'pvcm' else 'kernel reference'} {g.name}"
+        rc, out = g.run("timeout 60 /host/bin/usrevent write", 90)
+        if "usrevent: absent" in out:
+            print(f"      {tag}: this librdmacm has no rdma_write_cm_event: nothing to check",
+                  flush=True)
+            return
+        if served:
+            ok = rc == 0 and "write_cm_event: ok" in out and "resolve_addrinfo: ok" in out
+            want = "the waiting thread gets the USER event; ADDRINFO_RESOLVED follows"
+        else:
+            ok = "write_cm_event: error 22 " in out
+            want = "EINVAL: this kernel has no WRITE_CM_EVENT"
+        result(f"{tag}: rdma_write_cm_event and rdma_resolve_addrinfo: {want}", ok, short(out, 300))
+        _, out = g.run(f"timeout 60 /host/bin/usrevent ibservice {g.ip}", 90)
+        errno_want = 95 if served else 22
+        result(f"{tag}: RESOLVE_IB_SERVICE on an id bound to its address: errno {errno_want}",
+               f"resolve_ib_service: errno {errno_want} " in out, short(out, 200))
 
 
 def guest_state(guest, pid):
@@ -576,13 +677,21 @@ def sysfs_tail(ip):
 
 def kill_nine(lab, k, a, backend):
     """Section 3: 16 processes, 8 killed."""
-    srv = k.spawn("cmtime -p 7480")
+    # The oldest cmtime: one server for the 12; the newer ones pair a server with each
+    # client (their rendezvous waits for the peers they were told of), on ports of their
+    # own (7500-7511; ucmatose's are 7490-7493), each pair's simulated QPNs its own (in
+    # the VM's QPN window, 16 to 0x2000F).
+    if cmtime_one_client(k):
+        servers = [cmtime_cmds(k, a, 50, 7500 + i, 0x10000 + 0x100 * i) for i in range(12)]
+    else:
+        servers = [cmtime_cmds(k, a, 50, 7480)] * 12
+    srvs = [k.spawn(s) for s in sorted({s for s, _ in servers})]
     userv = [k.spawn(f"ucmatose -p {7490 + i} -c 10 -C 50") for i in range(4)]
     time.sleep(2)
+    clients = "".join(f"{c} >/tmp/k9.{i + 1} 2>&1 & pids=\"$pids $!\"\n"
+                      for i, (_, c) in enumerate(servers))
     script = (
-        "pids=''\n"
-        "for i in $(seq 12); do cmtime -s 10.99.0.2 -p 7480 -c 50 >/tmp/k9.$i 2>&1 & "
-        "pids=\"$pids $!\"; done\n"
+        "pids=''\n" + clients +
         "for i in 0 1 2 3; do ucmatose -s 10.99.0.2 -p $((7490 + i)) -c 10 -C 50 "
         ">/tmp/k9.u$i 2>&1 & pids=\"$pids $!\"; done\n"
         "sleep 4\n"
@@ -590,7 +699,8 @@ def kill_nine(lab, k, a, backend):
         "ok=0; bad=0; n=0\n"
         "for p in $pids; do n=$((n+1)); wait $p; rc=$?; "
         "if [ $((n % 2)) = 1 ]; then if [ $rc = 0 ]; then ok=$((ok+1)); "
-        "else bad=$((bad+1)); echo survivor $n rc=$rc; fi; fi; done\n"
+        "else bad=$((bad+1)); echo survivor $n rc=$rc; "
+        "[ $n -le 12 ] && tail -n 2 /tmp/k9.$n; fi; fi; done\n"
         "echo survivors ok=$ok bad=$bad\n")
     rc, out = a.run(script, 400)
     m = re.search(r"survivors ok=(\d+) bad=(\d+)", out)
@@ -607,7 +717,7 @@ def kill_nine(lab, k, a, backend):
         time.sleep(3)
     result("the kernel peer is left with its listeners only", not left,
            f"{len(left)} non-listening cm_ids" + ("" if not left else f": {short(' '.join(left[:3]))}"))
-    for j in userv + [srv]:
+    for j in userv + srvs:
         j.kill("KILL")
     st = guestd_stat(a)
     result("pvcm-guestd destroyed the killed processes' ids on release",
@@ -837,7 +947,9 @@ def hostile_root(lab, k, b, backend):
     if rc != 0:
         return
     # pvcm's own connections from b meanwhile: the CLI drives the device itself.
-    kc = k.spawn("cmtime -p 7477")
+    # A listener on port 7477 that accepts them: the oldest cmtime's server, or (the newer
+    # ones wait for their own client first) interop/kcm.c's.
+    kc = k.spawn("/host/bin/kcm listen -p 7477" if cmtime_one_client(k) else "cmtime -p 7477")
     time.sleep(1)
     own = b.spawn(f"pvcm-guest cmtime --dest {k.ip} --port 7477 --connections 50 --timeout 90")
     srv = k.spawn(f"rping -s -a {k.ip} -C 1 -v")
@@ -1106,11 +1218,13 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,11,10,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,11,13,10,4,7,6",
+                    help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
     ap.add_argument("--sigwait", help="the sigwait binary (interop/sigwait.c)")
+    ap.add_argument("--usrevent", help="the usrevent binary (interop/usrevent.c)")
     a = ap.parse_args()
     only = set(a.only.split(","))
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-apps."))
@@ -1118,7 +1232,7 @@ def main():
     try:
         with Lab(workdir, pcap=a.pcap) as lab:
             for name, path in (("kcm", a.kcm), ("ucflood", a.ucflood), ("rawqp1", a.rawqp1),
-                               ("sigwait", a.sigwait)):
+                               ("sigwait", a.sigwait), ("usrevent", a.usrevent)):
                 if path:
                     (lab.share / "bin").mkdir(exist_ok=True)
                     (lab.share / "bin" / name).write_bytes(Path(path).read_bytes())
@@ -1134,6 +1248,10 @@ def main():
 
             if "0" in only:
                 print("== 0. the CM goes through pvcm", flush=True)
+                for g in (k, va, vb):
+                    _, info = g.run("cat /etc/pvcm-image-info", 30)
+                    ver = userland(info)
+                    result(f"{g.name}: the image's rdma-core userland", bool(ver), ver or short(info))
                 for vm in (va, vb):
                     _, out = vm.run("for m in rdma_ucm rdma_cm ib_cm; do [ -d /sys/module/$m ] "
                                     "&& echo loaded $m; done; modprobe rdma_ucm; echo modprobe=$?; "
@@ -1176,6 +1294,10 @@ def main():
             if "11" in only:
                 print("== 11. address resolution", flush=True)
                 resolution(lab, k, va)
+
+            if "13" in only and a.usrevent:
+                print("== 13. librdmacm 60's commands: WRITE_CM_EVENT, RESOLVE_IB_SERVICE", flush=True)
+                written_events(k, va)
 
             if "0" in only or "4" in only:
                 print("== 4. counters", flush=True)

@@ -647,7 +647,7 @@ fn params(qpn: u32, private_data: &[u8]) -> ConnParam {
 fn conn_of(e: &EventResp) -> ConnParam {
     match &e.param {
         EventParam::Conn(c) => c.clone(),
-        EventParam::Ud(_) => ConnParam::empty(),
+        EventParam::Ud(_) | EventParam::Arg(_) => ConnParam::empty(),
     }
 }
 

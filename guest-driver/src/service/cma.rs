@@ -71,7 +71,8 @@ use pvcm_wire::cm::{RejReason, SidrStatus};
 use super::abi::{
     self, AbiError, Accept, AhAttr, Bind, CmdHdr, ConnParam, Connect, CreateId, DestroyId, Ece,
     EventParam, EventResp, IdArg, JoinMcast, QueryAddrResp, QueryRouteResp, Reject, ResolveAddr,
-    RespIdArg, SetOption, UdParam, UserPathRec, UverbsQpAttr, cmd, event, opt, ps,
+    ResolveIbService, RespIdArg, SetOption, UdParam, UserPathRec, UverbsQpAttr, WriteCmEvent, cmd,
+    event, opt, ps,
 };
 use super::caller::CallerMemory;
 use super::mcast::IgmpSockets;
@@ -271,7 +272,7 @@ pub struct CmaStats {
     /// Commands that failed, by code.
     pub errors: [u64; cmd::TABLE_LEN as usize + 1],
     /// Events queued, by type.
-    pub events: [u64; 16],
+    pub events: [u64; event::COUNT],
     /// Events reported by GET_EVENT.
     pub events_reported: u64,
     /// Events dropped: of ids without a uid yet, or withdrawn by a destroy or a leave.
@@ -1607,6 +1608,16 @@ impl Cma {
                     .and_then(|j| self.join(fh, j, out, mem)),
             ),
             cmd::LEAVE_MCAST => done(self.leave(fh, body, out, mem)),
+            cmd::RESOLVE_IB_SERVICE => done(
+                ResolveIbService::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|r| self.resolve_ib_service(fh, r)),
+            ),
+            cmd::WRITE_CM_EVENT => done(
+                WriteCmEvent::parse(body)
+                    .map_err(abi_errno)
+                    .and_then(|w| self.write_cm_event(fh, w)),
+            ),
             // GET_OPTION has no handler in the kernel either.
             _ => done(Err(errno::ENOSYS)),
         }
@@ -1668,6 +1679,43 @@ impl Cma {
         self.ctx_in(fh, d.id)?;
         let n = self.destroy_ctx(d.id, env);
         mem.write(d.response, &n.to_le_bytes())
+    }
+
+    /// RESOLVE_IB_SERVICE: a service record from the subnet administrator, which a RoCE
+    /// port has none of. As the kernel answers: an id bound to the VM's address (it has
+    /// a device) and in ADDR_BOUND gets EOPNOTSUPP (`rdma_cap_ib_sa` is false on RoCE),
+    /// any other EINVAL.
+    fn resolve_ib_service(&mut self, fh: Fh, r: ResolveIbService) -> Result<(), i32> {
+        let c = self.ctx_of(fh, r.id)?;
+        if c.st == St::AddrBound && c.has_dev {
+            Err(errno::EOPNOTSUPP)
+        } else {
+            Err(errno::EINVAL)
+        }
+    }
+
+    /// WRITE_CM_EVENT: the event, USER or INTERNAL (any other is EINVAL, before the id is
+    /// looked up), queued on the id's file, which must be the writer's; GET_EVENT reports
+    /// it with the id's uid and number, the status and the argument in `param`, and
+    /// counts it in the id's `events_reported`.
+    fn write_cm_event(&mut self, fh: Fh, w: WriteCmEvent) -> Result<(), i32> {
+        if w.event != event::USER && w.event != event::INTERNAL {
+            return Err(errno::EINVAL);
+        }
+        let uid = self.ctx_of(fh, w.id)?.uid;
+        self.queue(
+            w.id,
+            None,
+            EventResp {
+                uid,
+                id: w.id,
+                event: w.event,
+                status: w.status,
+                param: EventParam::Arg(w.arg),
+                ece: Ece::default(),
+            },
+        );
+        Ok(())
     }
 
     fn bind(&mut self, fh: Fh, b: Bind, caller: Caller) -> Result<(), i32> {

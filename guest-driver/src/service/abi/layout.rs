@@ -246,6 +246,31 @@ pub struct UcmEventResp {
     pub ece: UcmEce,
 }
 
+/// `struct rdma_ucm_resolve_ib_service`: the id and `struct rdma_ucm_ib_service` (8-byte
+/// aligned: 4 bytes of padding before it).
+#[derive(Debug, Clone, Copy, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct UcmResolveIbService {
+    pub id: U32,
+    pub pad: U32,
+    pub service_id: U64,
+    pub service_name: [u8; 64],
+    pub flags: U32,
+    pub reserved: U32,
+}
+
+/// `struct rdma_ucm_write_cm_event`: its parameters are a union of
+/// `rdma_ucm_conn_param`, `rdma_ucm_ud_param` and a `__u64 arg` (the first 8 bytes).
+#[derive(Debug, Clone, Copy, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct UcmWriteCmEvent {
+    pub id: U32,
+    pub reserved: U32,
+    pub event: U32,
+    pub status: I32,
+    pub param: [u8; size_of::<UcmUdParam>()],
+}
+
 /// `struct ib_user_path_rec`.
 #[derive(Debug, Clone, Copy, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
@@ -361,6 +386,8 @@ const _: () = assert!(size_of::<UcmJoinMcast>() == 152);
 const _: () = assert!(size_of::<UverbsAhAttr>() == 32);
 const _: () = assert!(size_of::<UcmUdParam>() == 304);
 const _: () = assert!(size_of::<UcmEventResp>() == 336);
+const _: () = assert!(size_of::<UcmResolveIbService>() == 88);
+const _: () = assert!(size_of::<UcmWriteCmEvent>() == 320);
 const _: () = assert!(size_of::<UserPathRec>() == 64);
 const _: () = assert!(size_of::<UcmQueryRouteResp>() == 208);
 const _: () = assert!(size_of::<UcmQueryAddrResp>() == 280);

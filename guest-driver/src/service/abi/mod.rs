@@ -21,8 +21,8 @@ use zerocopy::{FromBytes, FromZeros, IntoBytes};
 use layout::{
     UcmAccept, UcmBind, UcmBindIp, UcmCmdHdr, UcmConnParam, UcmConnect, UcmCreateId, UcmDestroyId,
     UcmEce, UcmEventResp, UcmIdArg, UcmJoinIpMcast, UcmJoinMcast, UcmQueryAddrResp,
-    UcmQueryRouteResp, UcmReject, UcmResolveAddr, UcmResolveIp, UcmRespIdArg, UcmSetOption,
-    UcmUdParam, UverbsAhAttr,
+    UcmQueryRouteResp, UcmReject, UcmResolveAddr, UcmResolveIbService, UcmResolveIp, UcmRespIdArg,
+    UcmSetOption, UcmUdParam, UcmWriteCmEvent, UverbsAhAttr,
 };
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
@@ -79,9 +79,14 @@ pub mod cmd {
     pub const RESOLVE_ADDR: u32 = 21;
     /// JOIN_MCAST.
     pub const JOIN_MCAST: u32 = 22;
-    /// Commands the kernel's table has (`ARRAY_SIZE(ucma_cmd_table)`): codes at or past
-    /// this are EINVAL.
-    pub const TABLE_LEN: u32 = 23;
+    /// RESOLVE_IB_SERVICE (an IB service record from the SA; librdmacm 60 and later).
+    pub const RESOLVE_IB_SERVICE: u32 = 23;
+    /// WRITE_CM_EVENT (an event a process queues on its own file; librdmacm 60 and
+    /// later).
+    pub const WRITE_CM_EVENT: u32 = 24;
+    /// Commands the kernel's table has (`ARRAY_SIZE(ucma_cmd_table)`, Linux 6.17 and
+    /// later; earlier kernels end at JOIN_MCAST): codes at or past this are EINVAL.
+    pub const TABLE_LEN: u32 = 25;
 
     /// The command's name, for logs and counters.
     pub fn name(c: u32) -> &'static str {
@@ -109,6 +114,8 @@ pub mod cmd {
             "bind",
             "resolve_addr",
             "join_mcast",
+            "resolve_ib_service",
+            "write_cm_event",
         ];
         NAMES.get(c as usize).copied().unwrap_or("unknown")
     }
@@ -160,10 +167,20 @@ pub mod event {
     pub const ADDR_CHANGE: u32 = 14;
     /// TIMEWAIT_EXIT.
     pub const TIMEWAIT_EXIT: u32 = 15;
+    /// ADDRINFO_RESOLVED (RESOLVE_IB_SERVICE's answer).
+    pub const ADDRINFO_RESOLVED: u32 = 16;
+    /// ADDRINFO_ERROR.
+    pub const ADDRINFO_ERROR: u32 = 17;
+    /// USER: written by a process with WRITE_CM_EVENT.
+    pub const USER: u32 = 18;
+    /// INTERNAL: written by librdmacm itself with WRITE_CM_EVENT.
+    pub const INTERNAL: u32 = 19;
+    /// Event types there are.
+    pub const COUNT: usize = 20;
 
     /// The event's name (librdmacm's `rdma_event_str` without the prefix).
     pub fn name(e: u32) -> &'static str {
-        const NAMES: [&str; 16] = [
+        const NAMES: [&str; COUNT] = [
             "ADDR_RESOLVED",
             "ADDR_ERROR",
             "ROUTE_RESOLVED",
@@ -180,6 +197,10 @@ pub mod event {
             "MULTICAST_ERROR",
             "ADDR_CHANGE",
             "TIMEWAIT_EXIT",
+            "ADDRINFO_RESOLVED",
+            "ADDRINFO_ERROR",
+            "USER",
+            "INTERNAL",
         ];
         NAMES.get(e as usize).copied().unwrap_or("UNKNOWN")
     }
@@ -613,6 +634,77 @@ impl IdArg {
             id: c.id.get(),
             arg: 0,
         })
+    }
+}
+
+/// `struct rdma_ucm_resolve_ib_service` (88 bytes): the id and the service asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolveIbService {
+    /// The id.
+    pub id: u32,
+    /// The service id (`flags` bit 0).
+    pub service_id: u64,
+    /// The service name (`flags` bit 1), up to its first NUL.
+    pub service_name: Vec<u8>,
+    /// `RDMA_USER_CM_IB_SERVICE_FLAG_*`.
+    pub flags: u32,
+}
+
+impl ResolveIbService {
+    /// Size.
+    pub const LEN: usize = size_of::<UcmResolveIbService>();
+    /// Parses the whole structure (the kernel copies all of it).
+    pub fn parse(b: &[u8]) -> Result<ResolveIbService, AbiError> {
+        let c: UcmResolveIbService = read(b)?;
+        let end = c.service_name.iter().position(|&x| x == 0).unwrap_or(64);
+        Ok(ResolveIbService {
+            id: c.id.get(),
+            service_id: c.service_id.get(),
+            service_name: c.service_name[..end].to_vec(),
+            flags: c.flags.get(),
+        })
+    }
+}
+
+/// `struct rdma_ucm_write_cm_event` (320 bytes): an event for the id's own file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteCmEvent {
+    /// The id.
+    pub id: u32,
+    /// The event type (USER or INTERNAL are taken).
+    pub event: u32,
+    /// The status GET_EVENT reports.
+    pub status: i32,
+    /// `param.arg`, which GET_EVENT reports in `param.arg32`.
+    pub arg: u64,
+}
+
+impl WriteCmEvent {
+    /// Size.
+    pub const LEN: usize = size_of::<UcmWriteCmEvent>();
+    /// What the kernel reads of it: up to and with `param.arg`.
+    pub const MIN_LEN: usize = 24;
+
+    /// Parses; the union past `arg` (the conn and UD parameters, which the kernel does
+    /// not use) may be absent.
+    pub fn parse(b: &[u8]) -> Result<WriteCmEvent, AbiError> {
+        let c: UcmWriteCmEvent = read_min(b, Self::MIN_LEN)?;
+        Ok(WriteCmEvent {
+            id: c.id.get(),
+            event: c.event.get(),
+            status: c.status.get(),
+            arg: u64_at(&c.param, 0),
+        })
+    }
+
+    /// The structure's bytes, as librdmacm writes them.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut c = UcmWriteCmEvent::new_zeroed();
+        c.id = self.id.into();
+        c.event = self.event.into();
+        c.status = self.status.into();
+        put(&mut c.param, 0, &self.arg.to_le_bytes());
+        bytes(&c)
     }
 }
 
@@ -1053,6 +1145,9 @@ pub enum EventParam {
     Conn(ConnParam),
     /// A UD id's.
     Ud(UdParam),
+    /// A written event's (USER, INTERNAL) argument: the first 8 bytes, in the ABI's
+    /// byte order (`param.arg32[2]` holds the `__u64` as the kernel copies it).
+    Arg(u64),
 }
 
 /// `struct rdma_ucm_event_resp` (336 bytes).
@@ -1109,6 +1204,7 @@ impl EventResp {
         match &self.param {
             EventParam::Conn(c) => put(&mut r.param, 0, c.layout().as_bytes()),
             EventParam::Ud(u) => put(&mut r.param, 0, u.layout().as_bytes()),
+            EventParam::Arg(a) => put(&mut r.param, 0, &a.to_le_bytes()),
         }
         r.ece = self.ece.layout();
         bytes(&r)
