@@ -22,6 +22,7 @@ pub mod cli;
 pub mod client;
 pub mod cma;
 pub mod cuse;
+pub mod lanes;
 pub mod mcast;
 pub mod server;
 pub mod signals;

@@ -1,31 +1,54 @@
-//! The service's loop: CUSE requests in, the rdma_cm layer, the pvcm device.
+//! The service's threads: CUSE requests in, the rdma_cm layer, the pvcm device.
 //!
-//! One thread does everything, in this order, over and over: take every CUSE request
-//! waiting (run commands, open and release files, arm poll handles, answer
-//! interrupts), answer `stat` on the control socket, pump the device (MADs in and out,
-//! the agent's timers), route the agent's events into the files' queues, fill the
-//! GET_EVENTs blocked on those files and wake their pollers; then sleep until the
-//! device notifies, a CUSE request or a control connection arrives, or the agent's next
-//! timer is due.
+//! The state (the rdma_cm layer, the device and its CM agent, the blocked GET_EVENTs,
+//! the counters) is one [`Core`] under one lock. Requests are served on `threads`
+//! threads ([`ServerOptions::threads`]):
+//!
+//! - With one, one thread does everything, in this order, over and over: take every
+//!   CUSE request waiting, answer `stat` on the control socket, pump the device (MADs in
+//!   and out, the agent's timers, the agent's events into the files' queues, the
+//!   GET_EVENTs blocked on those files filled, their pollers woken); then sleep until
+//!   the device notifies, a CUSE request or a control connection arrives, or the
+//!   agent's next timer is due.
+//! - With more, that many workers each read requests from the CUSE descriptor
+//!   (blocking reads: the kernel hands each request to one of them) and the device
+//!   thread pumps the device and answers `stat`. A worker whose command left MADs to
+//!   send or an earlier timer wakes the device thread.
+//!
+//! Each file's writes and its release run in arrival order, one at a time, as the
+//! kernel's `file->mut` runs them ([`Lanes`]); other files' run beside them, and
+//! opens, polls and interrupts are served at once. The lock is held while the rdma_cm
+//! layer runs (which reads and writes the caller's memory), never across a read or
+//! write of the CUSE descriptor, a sleep, or the read of a caller's signal state:
+//! answers are collected under the lock and written after it.
 //!
 //! A blocked GET_EVENT is a request left unanswered: the calling thread sleeps in the
 //! kernel until the answer is written (an event), or an INTERRUPT comes (a signal):
 //! EINTR for a fatal one, so the process exits at once, and otherwise the restart event,
 //! which librdmacm answers with a new GET_EVENT once the thread has stopped, been
-//! traced or run its handler (`signals.rs`). O_NONBLOCK files get EAGAIN.
+//! traced or run its handler (`signals.rs`). O_NONBLOCK files get EAGAIN. The kernel
+//! sends an INTERRUPT once a reader has taken the request, so with several workers it
+//! can be served before its GET_EVENT blocks: it is kept and answered when the GET_EVENT
+//! blocks; one kept too long is handed back to the kernel (EAGAIN), which sends it
+//! again while its request waits and drops it otherwise.
 //!
 //! MIGRATE_ID names the old file by the caller's descriptor, which only the caller's
 //! descriptor table resolves: the server duplicates that descriptor into itself
 //! (`pidfd_getfd`) and asks it a private ioctl from a helper thread; the request comes
 //! back with the file's handle, and the migration completes. A descriptor that is not
 //! one of this device's files is EINVAL, a closed one ENOENT, as in the kernel.
+//!
+//! SIGTERM stops the device thread (the workers block SIGTERM and SIGINT, so the
+//! signal ends the device thread's sleep); it stops the workers ([`WORKER_KICK`] ends
+//! their reads) and then releases every file ([`Server::run`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write as _;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use pvcm_wire::abi::PortInfo;
@@ -35,14 +58,23 @@ use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
+use super::lanes::Lanes;
 use super::signals::{self, Answer, Reason, ThreadSignals};
 use crate::cm::Agent;
 use crate::device::{Device, DeviceError, DeviceEvent, Transport};
 use crate::report::{cm_counters_json, pacing_json};
-use crate::time::SystemClock;
+use crate::time::{SystemClock, Time};
+use crate::transport::poll_readable;
 
 /// The private ioctl of the MIGRATE_ID descriptor probe (`_IO('p', 0xC1)`).
 pub const PROBE_IOCTL: u32 = (b'p' as u32) << 8 | 0xC1;
+
+/// The most threads the default takes (one per CPU up to this).
+pub const MAX_DEFAULT_THREADS: usize = 8;
+
+/// How many requests an INTERRUPT not yet matched is kept for before it goes back to
+/// the kernel.
+const EARLY_INTERRUPT_KEEP: u64 = 64;
 
 /// Errors that stop the service.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +94,9 @@ pub enum ServiceError {
     /// The kernel's CUSE_INIT did not come or was not understood.
     #[error("CUSE handshake: {0}")]
     Handshake(String),
+    /// A service thread could not be started or ended badly.
+    #[error("service thread: {0}")]
+    Thread(String),
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServiceError {
@@ -83,12 +118,18 @@ pub struct ServerStats {
     /// Blocked GET_EVENTs a signal interrupted and the restart event answered, by
     /// [`Reason`] (stop, handler, traced, unseen).
     pub restarted: [u64; 4],
+    /// INTERRUPTs served before their request blocked (kept, or handed back).
+    pub early_interrupts: u64,
     /// Poll wakeups sent.
     pub poll_wakeups: u64,
     /// Device resets survived.
     pub device_resets: u64,
     /// MIGRATE_IDs served.
     pub migrations: u64,
+    /// Requests that queued behind another request of their file.
+    pub lane_waits: u64,
+    /// Times a worker woke the device thread.
+    pub device_wakes: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -115,6 +156,15 @@ struct Migration {
     failed: Option<i32>,
 }
 
+/// An INTERRUPT served before its request blocked.
+#[derive(Debug, Clone, Copy)]
+struct EarlyInterrupt {
+    /// The INTERRUPT's own unique (its answer's).
+    unique: u64,
+    /// [`ServerStats::requests`] when it came.
+    at: u64,
+}
+
 /// Options of the service.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -126,6 +176,8 @@ pub struct ServerOptions {
     pub mode: u32,
     /// The control socket for `stat`.
     pub control: Option<PathBuf>,
+    /// Threads reading requests (1: one thread does everything).
+    pub threads: usize,
 }
 
 impl Default for ServerOptions {
@@ -135,35 +187,82 @@ impl Default for ServerOptions {
             devname: "infiniband/rdma_cm".into(),
             mode: 0o666,
             control: Some(PathBuf::from("/run/pvcm-guestd.sock")),
+            threads: default_threads(),
         }
     }
 }
 
-/// The guest CM service over a started pvcm device.
-pub struct Server<'d, T: Transport> {
+/// One thread per CPU this process may run on, up to [`MAX_DEFAULT_THREADS`].
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, MAX_DEFAULT_THREADS)
+}
+
+/// The signal that ends a worker's blocking read when the service stops (a real-time
+/// signal, handled by a handler that does nothing, without SA_RESTART).
+pub fn worker_kick() -> i32 {
+    libc::SIGRTMIN() + 3
+}
+/// See [`worker_kick`].
+pub const WORKER_KICK: &str = "SIGRTMIN+3";
+
+/// The service's state, under [`Server`]'s lock.
+struct Core<'d, T: Transport> {
     dev: &'d mut Device<T, SystemClock>,
     cma: Cma,
-    cuse: CuseDev,
-    control: Option<UnixListener>,
     waiters: HashMap<Fh, VecDeque<Waiter>>,
     migrations: Vec<Migration>,
     stats: ServerStats,
-    stop: &'static AtomicBool,
     seed: u64,
     /// The node's device number: a MIGRATE_ID descriptor must be one of its files.
     rdev: Option<u64>,
+    /// Each file's writes and release, one at a time ([`Lanes`]).
+    lanes: Lanes<Fh, Vec<u8>>,
+    /// INTERRUPTs whose request has not blocked (yet), by the request's unique.
+    early: HashMap<u64, EarlyInterrupt>,
+    /// The device thread sleeps until then (`None`: it is awake).
+    sleeping_until: Option<Time>,
+}
+
+/// The guest CM service over a started pvcm device.
+pub struct Server<'d, T: Transport> {
+    core: Mutex<Core<'d, T>>,
+    cuse: CuseDev,
+    control: Option<UnixListener>,
+    stop: &'static AtomicBool,
+    /// A thread failed: every thread stops.
+    halt: AtomicBool,
+    /// The first error a worker met.
+    failure: Mutex<Option<ServiceError>>,
+    /// Wakes the device thread (an eventfd).
+    wake: OwnedFd,
+    threads: usize,
+    /// The workers' pthreads, for [`worker_kick`].
+    workers: Mutex<Vec<libc::pthread_t>>,
+    live_workers: AtomicUsize,
 }
 
 impl<T: Transport> std::fmt::Debug for Server<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
-            .field("cma", &self.cma)
-            .field("stats", &self.stats)
+            .field("threads", &self.threads)
             .finish_non_exhaustive()
     }
 }
 
-impl<'d, T: Transport> Server<'d, T> {
+/// What a request asks of the thread that took it, after the lock.
+enum Then {
+    /// Nothing more.
+    Nothing,
+    /// Run the file's lane from this job on.
+    Lane(Fh, Vec<u8>),
+    /// Answer this interrupted GET_EVENT (its signal state is read without the lock).
+    Interrupted(Waiter),
+}
+
+impl<'d, T: Transport + Send> Server<'d, T> {
     /// Opens CUSE, answers its CUSE_INIT (the node appears) and sets the node's mode;
     /// `stop` ends [`Server::run`] when set.
     pub fn start(
@@ -192,55 +291,327 @@ impl<'d, T: Transport> Server<'d, T> {
             }
             None => None,
         };
+        // SAFETY: eventfd takes an initial count and flags and returns a new
+        // descriptor or -1.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake < 0 {
+            return Err(io_err("eventfd")(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `wake` was just returned by the kernel and is owned by nobody else.
+        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
         let seed = dev.options().seed;
         Ok(Server {
-            dev,
-            cma,
+            core: Mutex::new(Core {
+                dev,
+                cma,
+                waiters: HashMap::new(),
+                migrations: Vec::new(),
+                stats: ServerStats::default(),
+                seed,
+                rdev,
+                lanes: Lanes::default(),
+                early: HashMap::new(),
+                sleeping_until: None,
+            }),
             cuse,
             control,
-            waiters: HashMap::new(),
-            migrations: Vec::new(),
-            stats: ServerStats::default(),
             stop,
-            seed,
-            rdev,
+            halt: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            wake,
+            threads: opts.threads.max(1),
+            workers: Mutex::new(Vec::new()),
+            live_workers: AtomicUsize::new(0),
         })
     }
 
-    /// Serves until the stop flag is set or the device fails.
+    fn lock(&self) -> MutexGuard<'_, Core<'d, T>> {
+        // A thread that panicked under the lock left the state as it was at the
+        // panic; serving on is better than stopping every caller.
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed) || self.halt.load(Ordering::Relaxed)
+    }
+
+    /// Serves until the stop flag is set or the device fails; then releases every file.
     pub fn run(&mut self) -> Result<(), ServiceError> {
+        let r = if self.threads == 1 {
+            self.device_loop(true)
+        } else {
+            self.run_threads()
+        };
+        self.lock().shut_down();
+        r
+    }
+
+    fn run_threads(&self) -> Result<(), ServiceError> {
+        install_kick_handler()?;
+        self.cuse
+            .set_blocking(true)
+            .map_err(io_err("making /dev/cuse reads blocking"))?;
+        let r = std::thread::scope(|s| {
+            let mut spawned = Ok(());
+            for i in 0..self.threads {
+                let b = std::thread::Builder::new().name(format!("pvcm-serve-{i}"));
+                if let Err(e) = b.spawn_scoped(s, || self.worker()) {
+                    spawned = Err(ServiceError::Thread(e.to_string()));
+                    self.halt.store(true, Ordering::Relaxed);
+                    break;
+                }
+                self.live_workers.fetch_add(1, Ordering::SeqCst);
+            }
+            let r = spawned.and_then(|()| self.device_loop(false));
+            self.halt.store(true, Ordering::Relaxed);
+            self.stop_workers();
+            r
+        });
+        let failed = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        match failed {
+            Some(e) => Err(e),
+            None => r,
+        }
+    }
+
+    /// Ends the workers' reads until every worker has returned.
+    fn stop_workers(&self) {
+        while self.live_workers.load(Ordering::SeqCst) > 0 {
+            for &t in self
+                .workers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+            {
+                // SAFETY: `t` is a worker's pthread, which lives until the scope that
+                // runs this ends; the signal's handler does nothing.
+                unsafe { libc::pthread_kill(t, worker_kick()) };
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A worker: reads requests and serves them until the service stops.
+    fn worker(&self) {
+        // SAFETY: pthread_self has no arguments and cannot fail.
+        let me = unsafe { libc::pthread_self() };
+        self.workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(me);
+        block_stop_signals();
+        let mut buf = vec![0u8; READ_BUFFER];
+        while !self.stopping() {
+            let r = match self.cuse.read_or_interrupted(&mut buf) {
+                Ok(Some(n)) => self.take(&buf[..n]),
+                Ok(None) => Ok(()),
+                Err(e) => Err(io_err("reading /dev/cuse")(e)),
+            };
+            if let Err(e) = r {
+                self.fail(e);
+            }
+        }
+        self.live_workers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn fail(&self, e: ServiceError) {
+        tracing::error!(error = %e, "a service thread failed");
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+        self.halt.store(true, Ordering::Relaxed);
+        self.wake_device_thread();
+    }
+
+    fn wake_device_thread(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd this server owns.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// The device thread (with `serve_cuse`, the only thread: it reads the requests
+    /// too).
+    fn device_loop(&self, serve_cuse: bool) -> Result<(), ServiceError> {
         const CUSE: u64 = 1;
         const CONTROL: u64 = 2;
-        let mut buf = vec![0u8; READ_BUFFER];
-        let mut fds = vec![self.cuse.fd()];
-        if let Some(c) = &self.control {
-            fds.push(c.as_raw_fd());
-        }
+        const WAKE: u64 = 4;
+        let mut buf = vec![0u8; if serve_cuse { READ_BUFFER } else { 0 }];
         // Readable descriptors after a sleep; a sleep cut short by device work (0)
         // still looks at CUSE, so a busy device never starves the processes.
         let mut ready = CUSE | CONTROL;
-        while !self.stop.load(Ordering::Relaxed) {
-            if ready & CUSE != 0 || ready == 0 {
+        while !self.stopping() {
+            if serve_cuse && (ready & CUSE != 0 || ready == 0) {
                 while let Some(n) = self
                     .cuse
                     .read(&mut buf)
                     .map_err(io_err("reading /dev/cuse"))?
                 {
-                    self.request(&buf[..n])?;
+                    self.take(&buf[..n])?;
                 }
             }
             if ready & CONTROL != 0 {
                 self.serve_control();
             }
-            self.pump()?;
-            // A stop signal cuts the sleep short (EINTR); the bound only covers one
-            // that lands between the check above and the sleep.
-            ready = self.dev.sleep_with(Duration::from_secs(2), &fds)?;
+            if ready & WAKE != 0 {
+                drain_eventfd(self.wake.as_raw_fd());
+            }
+            let mut out = Vec::new();
+            let sleep = {
+                let mut core = self.lock();
+                core.pump(&mut out)?;
+                let s = core.dev.sleep_begin(Duration::from_secs(2));
+                core.sleeping_until = s.as_ref().map(|s| core.dev.now().after(s.timeout));
+                s
+            };
+            self.send(&out)?;
+            let Some(s) = sleep else {
+                ready = 0;
+                continue;
+            };
+            // Ours after the device's: CUSE (when this thread reads it), the control
+            // socket, the wake eventfd.
+            let mut extra = Vec::with_capacity(3);
+            let mut bits = Vec::with_capacity(3);
+            if serve_cuse {
+                extra.push(self.cuse.fd());
+                bits.push(CUSE);
+            }
+            if let Some(c) = &self.control {
+                extra.push(c.as_raw_fd());
+                bits.push(CONTROL);
+            }
+            extra.push(self.wake.as_raw_fd());
+            bits.push(WAKE);
+            // A stop signal cuts the sleep short (EINTR: nothing readable); the bound
+            // only covers one that lands between the check above and the sleep.
+            let polled = poll_readable(&s.fds, &extra, s.timeout);
+            {
+                let mut core = self.lock();
+                core.sleeping_until = None;
+                core.dev.sleep_end(s)?;
+            }
+            let (_, mask) = polled.map_err(io_err("waiting on the device and /dev/cuse"))?;
+            ready = bits
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .fold(0, |r, (_, b)| r | b);
         }
-        self.shut_down();
         Ok(())
     }
 
+    fn send(&self, out: &[Reply]) -> Result<(), ServiceError> {
+        for r in out {
+            self.cuse
+                .write(r.bytes())
+                .map_err(io_err("answering on /dev/cuse"))?;
+        }
+        Ok(())
+    }
+
+    /// Serves one request read from CUSE: at once, or on its file's lane.
+    fn take(&self, b: &[u8]) -> Result<(), ServiceError> {
+        let mut out = Vec::new();
+        let then = self.lock().take(b, &mut out);
+        self.send(&out)?;
+        out.clear();
+        match then {
+            Then::Nothing => Ok(()),
+            Then::Lane(fh, job) => self.run_lane(fh, job, &mut out),
+            Then::Interrupted(w) => self.answer_interrupt(w, &mut out),
+        }
+    }
+
+    /// Runs `job` and then every job queued behind it on `fh`'s lane, each answered
+    /// before the next runs.
+    fn run_lane(&self, fh: Fh, job: Vec<u8>, out: &mut Vec<Reply>) -> Result<(), ServiceError> {
+        let mut job = Some(job);
+        while let Some(j) = job {
+            let (then, wake) = {
+                let mut core = self.lock();
+                let then = core.run(&j, out);
+                (then, core.device_thread_needed())
+            };
+            if wake {
+                self.wake_device_thread();
+            }
+            self.send(out)?;
+            out.clear();
+            if let Then::Interrupted(w) = then {
+                self.answer_interrupt(w, out)?;
+            }
+            job = self.lock().lanes.next(fh);
+        }
+        Ok(())
+    }
+
+    /// A signal came to the thread blocked in `w`, a GET_EVENT: answered at once (FUSE
+    /// holds the thread until it is), with EINTR when the signal is fatal and with the
+    /// restart event otherwise (`signals.rs`).
+    fn answer_interrupt(&self, w: Waiter, out: &mut Vec<Reply>) -> Result<(), ServiceError> {
+        let state = ThreadSignals::of_thread(w.pid);
+        let answer = signals::answer(state.as_ref());
+        let reply = {
+            let mut core = self.lock();
+            let restarted = match answer {
+                Answer::Fatal => Err(errno::EINTR),
+                Answer::Restart(reason) => {
+                    let mut mem = ProcessMemory::new(w.pid);
+                    core.cma
+                        .restart(w.response, w.out_len, &mut mem)
+                        .map(|()| reason)
+                        // A caller whose memory is gone is exiting.
+                        .map_err(|_| errno::EINTR)
+                }
+            };
+            match restarted {
+                Ok(reason) => {
+                    core.stats.restarted[reason as usize] += 1;
+                    Reply::write(w.unique, w.size)
+                }
+                Err(e) => {
+                    core.stats.interrupted += 1;
+                    Reply::error(w.unique, e)
+                }
+            }
+        };
+        out.push(reply);
+        self.send(out)?;
+        out.clear();
+        Ok(())
+    }
+
+    fn serve_control(&self) {
+        let Some(l) = &self.control else { return };
+        while let Ok((mut s, _)) = l.accept() {
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let v = self.stat_json();
+            let _ = writeln!(s, "{v}");
+        }
+    }
+
+    /// What `pvcm-guestd stat` prints.
+    pub fn stat_json(&self) -> Value {
+        let mut v = self.lock().stat_json();
+        if let Value::Object(m) = &mut v {
+            m.insert("threads".into(), json!(self.threads));
+        }
+        v
+    }
+
+    /// Runs `f` on the rdma_cm layer (for tests and `stat`).
+    pub fn with_cma<R>(&self, f: impl FnOnce(&Cma) -> R) -> R {
+        f(&self.lock().cma)
+    }
+}
+
+impl<T: Transport> Core<'_, T> {
     /// The service stops: its callers' files die with it (the kernel fails their
     /// pending and later calls), so every file is released here as at a close, and
     /// what that sends (DREQs, REJs) leaves before the device is dropped: the peers
@@ -257,17 +628,22 @@ impl<'d, T: Transport> Server<'d, T> {
         tracing::info!(files, released_ids = ids, flushed = ?flushed.ok(), "stopped serving: every file released");
     }
 
-    /// The rdma_cm layer (for tests and `stat`).
-    pub fn cma(&self) -> &Cma {
-        &self.cma
+    /// The device thread sleeps past what the agent needs now: MADs to send, or a timer
+    /// due before its wake. Clears the sleep so one wake is sent.
+    fn device_thread_needed(&mut self) -> bool {
+        let Some(until) = self.sleeping_until else {
+            return false;
+        };
+        let agent = self.dev.agent_mut();
+        let needed = agent.outbox_len() > 0 || agent.next_deadline().is_some_and(|d| d < until);
+        if needed {
+            self.sleeping_until = None;
+            self.stats.device_wakes += 1;
+        }
+        needed
     }
 
-    /// The device.
-    pub fn device(&self) -> &Device<T, SystemClock> {
-        self.dev
-    }
-
-    fn pump(&mut self) -> Result<(), ServiceError> {
+    fn pump(&mut self, out: &mut Vec<Reply>) -> Result<(), ServiceError> {
         loop {
             let p = self.dev.pump_now()?;
             let mut touched: HashSet<Fh> = HashSet::new();
@@ -293,7 +669,7 @@ impl<'d, T: Transport> Server<'d, T> {
                 }
             }
             for fh in touched {
-                self.serve_waiters(fh)?;
+                self.serve_waiters(fh, out);
             }
             // What the events made the agent send (a refused request's REJ) leaves
             // now; a full rx batch means more may be waiting.
@@ -303,17 +679,13 @@ impl<'d, T: Transport> Server<'d, T> {
         }
     }
 
-    fn reply(&self, r: &Reply) -> Result<(), ServiceError> {
-        self.cuse
-            .write(r.bytes())
-            .map_err(io_err("answering on /dev/cuse"))
-    }
-
-    /// Answers one CUSE request. Longer than the other functions on purpose: it is the
-    /// one dispatch table of the CUSE requests, one short arm per request, and reads
-    /// best whole.
-    fn request(&mut self, b: &[u8]) -> Result<(), ServiceError> {
+    /// Takes one request: answers what is answered at once, queues a file's write or
+    /// release on its lane, finds the GET_EVENT an INTERRUPT is for. Longer than the
+    /// other functions on purpose: it is the dispatch table of the requests served
+    /// outside the lanes, one short arm per request, and reads best whole.
+    fn take(&mut self, b: &[u8], out: &mut Vec<Reply>) -> Then {
         self.stats.requests += 1;
+        self.expire_early_interrupts(out);
         let (h, r) = match Request::parse(b) {
             Ok(x) => x,
             Err(_) => {
@@ -322,82 +694,25 @@ impl<'d, T: Transport> Server<'d, T> {
                 if b.len() >= 16 {
                     let mut u = [0u8; 8];
                     u.copy_from_slice(&b[8..16]);
-                    return self.reply(&Reply::error(u64::from_le_bytes(u), errno::EINVAL));
+                    out.push(Reply::error(u64::from_le_bytes(u), errno::EINVAL));
                 }
-                return Ok(());
+                return Then::Nothing;
             }
         };
         match r {
-            Request::Init { .. } => self.reply(&Reply::error(h.unique, errno::EINVAL)),
+            Request::Write { fh, .. } | Request::Release { fh } => {
+                match self.lanes.admit(fh, b.to_vec()) {
+                    Some(job) => return Then::Lane(fh, job),
+                    None => self.stats.lane_waits += 1,
+                }
+            }
+            Request::Init { .. } | Request::Read { .. } => {
+                out.push(Reply::error(h.unique, errno::EINVAL))
+            }
             Request::Open { .. } => {
                 let fh = self.cma.open();
-                self.reply(&Reply::open(h.unique, fh))
+                out.push(Reply::open(h.unique, fh));
             }
-            Request::Release { fh } => {
-                self.waiters.remove(&fh);
-                let now = self.dev.now();
-                let mut env = Env {
-                    agent: self.dev.agent_mut(),
-                    now,
-                };
-                self.cma.release(fh, &mut env);
-                self.reply(&Reply::empty(h.unique))
-            }
-            Request::Write {
-                fh,
-                offset,
-                flags,
-                data,
-            } => {
-                if offset != 0 {
-                    return self.reply(&Reply::error(h.unique, errno::EINVAL));
-                }
-                let size = data.len() as u32;
-                let mut mem = ProcessMemory::new(h.pid);
-                let now = self.dev.now();
-                let mut env = Env {
-                    agent: self.dev.agent_mut(),
-                    now,
-                };
-                let out = self
-                    .cma
-                    .write(fh, Caller { uid: h.uid }, data, &mut mem, &mut env);
-                match out {
-                    Outcome::Done(r) => {
-                        match r {
-                            Ok(()) => self.reply(&Reply::write(h.unique, size))?,
-                            Err(e) => self.reply(&Reply::error(h.unique, e))?,
-                        }
-                        // A command may have queued an event of its own (ADDR_RESOLVED,
-                        // ROUTE_RESOLVED) for another thread's blocked GET_EVENT.
-                        self.serve_waiters(fh)
-                    }
-                    Outcome::WaitEvent { response, out_len } => {
-                        if flags & libc::O_NONBLOCK as u32 != 0 {
-                            return self.reply(&Reply::error(h.unique, errno::EAGAIN));
-                        }
-                        self.stats.blocked += 1;
-                        self.waiters.entry(fh).or_default().push_back(Waiter {
-                            unique: h.unique,
-                            pid: h.pid,
-                            response,
-                            out_len,
-                            size,
-                        });
-                        Ok(())
-                    }
-                    Outcome::Migrate {
-                        id,
-                        fd,
-                        response,
-                        out_len: _,
-                    } => {
-                        self.start_migration(h.unique, h.pid, size, fh, id, fd, response);
-                        self.finish_migrations()
-                    }
-                }
-            }
-            Request::Read { .. } => self.reply(&Reply::error(h.unique, errno::EINVAL)),
             Request::Poll { fh, kh, flags, .. } => {
                 if flags & cuse::FUSE_POLL_SCHEDULE_NOTIFY != 0 {
                     self.cma.set_poll_handle(fh, kh);
@@ -407,9 +722,25 @@ impl<'d, T: Transport> Server<'d, T> {
                 } else {
                     0
                 };
-                self.reply(&Reply::poll(h.unique, ready))
+                out.push(Reply::poll(h.unique, ready));
             }
-            Request::Interrupt { unique } => self.interrupt(unique),
+            Request::Interrupt { unique } => {
+                if let Some(w) = self.take_waiter(unique) {
+                    return Then::Interrupted(w);
+                }
+                // Not blocked (yet): its GET_EVENT may still be on its way to a
+                // lane; an answered request's INTERRUPT expires.
+                self.stats.early_interrupts += 1;
+                let at = self.stats.requests;
+                let unique_int = h.unique;
+                self.early.insert(
+                    unique,
+                    EarlyInterrupt {
+                        unique: unique_int,
+                        at,
+                    },
+                );
+            }
             Request::Ioctl { fh, cmd, arg } => {
                 let m = self
                     .migrations
@@ -418,56 +749,140 @@ impl<'d, T: Transport> Server<'d, T> {
                 match m {
                     Some(m) => {
                         m.from = Some(fh);
-                        self.reply(&Reply::ioctl(h.unique, 0))?;
-                        self.finish_migrations()
+                        out.push(Reply::ioctl(h.unique, 0));
+                        self.finish_migrations(out);
                     }
-                    None => self.reply(&Reply::error(h.unique, libc::ENOTTY)),
+                    None => out.push(Reply::error(h.unique, libc::ENOTTY)),
                 }
             }
-            Request::Other(_) => self.reply(&Reply::error(h.unique, errno::ENOSYS)),
+            Request::Other(_) => out.push(Reply::error(h.unique, errno::ENOSYS)),
+        }
+        Then::Nothing
+    }
+
+    /// Hands INTERRUPTs kept too long back to the kernel (EAGAIN): it sends one again
+    /// if its request still waits, and drops it if the request was answered.
+    fn expire_early_interrupts(&mut self, out: &mut Vec<Reply>) {
+        if self.early.is_empty() {
+            return;
+        }
+        let now = self.stats.requests;
+        self.early.retain(|_, e| {
+            let keep = now.saturating_sub(e.at) < EARLY_INTERRUPT_KEEP;
+            if !keep {
+                out.push(Reply::error(e.unique, errno::EAGAIN));
+            }
+            keep
+        });
+    }
+
+    /// Runs one job of a lane: a write or a release of its file.
+    fn run(&mut self, b: &[u8], out: &mut Vec<Reply>) -> Then {
+        let Ok((h, r)) = Request::parse(b) else {
+            return Then::Nothing;
+        };
+        match r {
+            Request::Release { fh } => {
+                self.waiters.remove(&fh);
+                let now = self.dev.now();
+                let mut env = Env {
+                    agent: self.dev.agent_mut(),
+                    now,
+                };
+                self.cma.release(fh, &mut env);
+                out.push(Reply::empty(h.unique));
+                Then::Nothing
+            }
+            Request::Write {
+                fh,
+                offset,
+                flags,
+                data,
+            } => {
+                if offset != 0 {
+                    out.push(Reply::error(h.unique, errno::EINVAL));
+                    return Then::Nothing;
+                }
+                self.write(h.unique, h.pid, h.uid, fh, flags, data, out)
+            }
+            _ => Then::Nothing,
         }
     }
 
-    /// A signal came to the thread blocked in request `unique`: a GET_EVENT still
-    /// waiting is answered at once (FUSE holds the thread until it is), with EINTR when
-    /// the signal is fatal and with the restart event otherwise (`signals.rs`). A
-    /// request already answered needs nothing (an INTERRUPT itself has no answer).
-    fn interrupt(&mut self, unique: u64) -> Result<(), ServiceError> {
-        let mut found = None;
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &mut self,
+        unique: u64,
+        pid: u32,
+        uid: u32,
+        fh: Fh,
+        flags: u32,
+        data: &[u8],
+        out: &mut Vec<Reply>,
+    ) -> Then {
+        let size = data.len() as u32;
+        let mut mem = ProcessMemory::new(pid);
+        let now = self.dev.now();
+        let mut env = Env {
+            agent: self.dev.agent_mut(),
+            now,
+        };
+        match self.cma.write(fh, Caller { uid }, data, &mut mem, &mut env) {
+            Outcome::Done(r) => {
+                out.push(match r {
+                    Ok(()) => Reply::write(unique, size),
+                    Err(e) => Reply::error(unique, e),
+                });
+                // A command may have queued an event of its own (ADDR_RESOLVED,
+                // ROUTE_RESOLVED) for another thread's blocked GET_EVENT.
+                self.serve_waiters(fh, out);
+                Then::Nothing
+            }
+            Outcome::WaitEvent { response, out_len } => {
+                if flags & libc::O_NONBLOCK as u32 != 0 {
+                    out.push(Reply::error(unique, errno::EAGAIN));
+                    return Then::Nothing;
+                }
+                self.stats.blocked += 1;
+                let w = Waiter {
+                    unique,
+                    pid,
+                    response,
+                    out_len,
+                    size,
+                };
+                if self.early.remove(&unique).is_some() {
+                    return Then::Interrupted(w);
+                }
+                self.waiters.entry(fh).or_default().push_back(w);
+                Then::Nothing
+            }
+            Outcome::Migrate {
+                id,
+                fd,
+                response,
+                out_len: _,
+            } => {
+                self.start_migration(unique, pid, size, fh, id, fd, response);
+                self.finish_migrations(out);
+                Then::Nothing
+            }
+        }
+    }
+
+    /// The blocked GET_EVENT of request `unique`, taken off its file.
+    fn take_waiter(&mut self, unique: u64) -> Option<Waiter> {
         for q in self.waiters.values_mut() {
             if let Some(i) = q.iter().position(|w| w.unique == unique) {
-                found = q.remove(i);
-                break;
+                return q.remove(i);
             }
         }
-        let Some(w) = found else { return Ok(()) };
-        let state = ThreadSignals::of_thread(w.pid);
-        let restarted = match signals::answer(state.as_ref()) {
-            Answer::Fatal => Err(errno::EINTR),
-            Answer::Restart(reason) => {
-                let mut mem = ProcessMemory::new(w.pid);
-                self.cma
-                    .restart(w.response, w.out_len, &mut mem)
-                    .map(|()| reason)
-                    // A caller whose memory is gone is exiting.
-                    .map_err(|_| errno::EINTR)
-            }
-        };
-        match restarted {
-            Ok(reason) => {
-                self.stats.restarted[reason as usize] += 1;
-                self.reply(&Reply::write(w.unique, w.size))
-            }
-            Err(e) => {
-                self.stats.interrupted += 1;
-                self.reply(&Reply::error(w.unique, e))
-            }
-        }
+        None
     }
 
     /// Fills blocked GET_EVENTs of `fh` while it has events; wakes its poller if events
     /// remain.
-    fn serve_waiters(&mut self, fh: Fh) -> Result<(), ServiceError> {
+    fn serve_waiters(&mut self, fh: Fh, out: &mut Vec<Reply>) {
         while let Some(w) = self.waiters.get(&fh).and_then(|q| q.front()).copied() {
             let mut mem = ProcessMemory::new(w.pid);
             match self.cma.deliver(fh, w.response, w.out_len, &mut mem) {
@@ -476,10 +891,10 @@ impl<'d, T: Transport> Server<'d, T> {
                     if let Some(q) = self.waiters.get_mut(&fh) {
                         q.pop_front();
                     }
-                    match r {
-                        Ok(()) => self.reply(&Reply::write(w.unique, w.size))?,
-                        Err(e) => self.reply(&Reply::error(w.unique, e))?,
-                    }
+                    out.push(match r {
+                        Ok(()) => Reply::write(w.unique, w.size),
+                        Err(e) => Reply::error(w.unique, e),
+                    });
                 }
             }
         }
@@ -487,9 +902,8 @@ impl<'d, T: Transport> Server<'d, T> {
             && let Some(kh) = self.cma.take_poll_handle(fh)
         {
             self.stats.poll_wakeups += 1;
-            self.reply(&Reply::notify_poll(kh))?;
+            out.push(Reply::notify_poll(kh));
         }
-        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -521,8 +935,8 @@ impl<'d, T: Transport> Server<'d, T> {
         };
         match take_fd(pid, fd, self.rdev) {
             Ok(dup) => {
-                // The probe blocks in the kernel until this loop answers it, so it runs
-                // on its own thread.
+                // The probe blocks in the kernel until a service thread answers it, so
+                // it runs on its own thread.
                 let spawned =
                     std::thread::Builder::new()
                         .name("pvcm-probe".into())
@@ -541,7 +955,7 @@ impl<'d, T: Transport> Server<'d, T> {
         self.migrations.push(m);
     }
 
-    fn finish_migrations(&mut self) -> Result<(), ServiceError> {
+    fn finish_migrations(&mut self, out: &mut Vec<Reply>) {
         let mut i = 0;
         while i < self.migrations.len() {
             let m = &self.migrations[i];
@@ -558,27 +972,17 @@ impl<'d, T: Transport> Server<'d, T> {
             };
             let m = self.migrations.remove(i);
             self.stats.migrations += 1;
-            match result {
-                Ok(()) => self.reply(&Reply::write(m.unique, m.size))?,
-                Err(e) => self.reply(&Reply::error(m.unique, e))?,
-            }
+            out.push(match result {
+                Ok(()) => Reply::write(m.unique, m.size),
+                Err(e) => Reply::error(m.unique, e),
+            });
             // The moved id's events may be waiting for a GET_EVENT of the new file.
-            self.serve_waiters(m.to)?;
-        }
-        Ok(())
-    }
-
-    fn serve_control(&mut self) {
-        let Some(l) = &self.control else { return };
-        while let Ok((mut s, _)) = l.accept() {
-            let _ = s.set_nonblocking(false);
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = writeln!(s, "{}", self.stat_json());
+            self.serve_waiters(m.to, out);
         }
     }
 
-    /// What `pvcm-guestd stat` prints.
-    pub fn stat_json(&self) -> Value {
+    /// What `pvcm-guestd stat` prints (but the thread count).
+    fn stat_json(&self) -> Value {
         let c = self.cma.stats();
         let named = |v: &[u64], name: fn(u32) -> &'static str| -> Value {
             let m: serde_json::Map<String, Value> = v
@@ -621,7 +1025,10 @@ impl<'d, T: Transport> Server<'d, T> {
                 "traced": self.stats.restarted[Reason::Traced as usize],
                 "unseen": self.stats.restarted[Reason::Unseen as usize],
             },
+            "early_interrupts": self.stats.early_interrupts,
             "poll_wakeups": self.stats.poll_wakeups,
+            "lane_waits": self.stats.lane_waits,
+            "device_wakes": self.stats.device_wakes,
             "migrations": self.stats.migrations,
             "device_resets": self.stats.device_resets,
             "device": {
@@ -641,6 +1048,46 @@ impl<'d, T: Transport> Server<'d, T> {
         }
         v
     }
+}
+
+extern "C" fn on_kick(_: libc::c_int) {}
+
+/// Installs [`worker_kick`]'s handler: it does nothing, and without SA_RESTART a read
+/// it interrupts returns EINTR.
+fn install_kick_handler() -> Result<(), ServiceError> {
+    // SAFETY: a zeroed sigaction is a valid empty one; the handler does nothing (it is
+    // async-signal-safe); sigaction copies the structure.
+    let r = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_kick as *const () as libc::sighandler_t;
+        libc::sigemptyset(&mut sa.sa_mask);
+        sa.sa_flags = 0;
+        libc::sigaction(worker_kick(), &sa, std::ptr::null_mut())
+    };
+    if r != 0 {
+        return Err(io_err("installing the worker signal handler")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// Blocks SIGTERM and SIGINT in the calling thread, so they reach the device thread.
+fn block_stop_signals() {
+    // SAFETY: sigset operations on a local set; pthread_sigmask on this thread only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+fn drain_eventfd(fd: RawFd) {
+    let mut v = 0u64;
+    // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd.
+    unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
 }
 
 /// The pvcm side of `stat`: `pvcm`, the device's port as PORT_INFO gives it (its GID;
