@@ -130,6 +130,8 @@ pub struct ServerStats {
     pub lane_waits: u64,
     /// Times a worker woke the device thread.
     pub device_wakes: u64,
+    /// Requests taken by each reading thread.
+    pub by_thread: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -306,7 +308,10 @@ impl<'d, T: Transport + Send> Server<'d, T> {
                 cma,
                 waiters: HashMap::new(),
                 migrations: Vec::new(),
-                stats: ServerStats::default(),
+                stats: ServerStats {
+                    by_thread: vec![0; opts.threads.max(1)],
+                    ..ServerStats::default()
+                },
                 seed,
                 rdev,
                 lanes: Lanes::default(),
@@ -355,7 +360,7 @@ impl<'d, T: Transport + Send> Server<'d, T> {
             let mut spawned = Ok(());
             for i in 0..self.threads {
                 let b = std::thread::Builder::new().name(format!("pvcm-serve-{i}"));
-                if let Err(e) = b.spawn_scoped(s, || self.worker()) {
+                if let Err(e) = b.spawn_scoped(s, move || self.worker(i)) {
                     spawned = Err(ServiceError::Thread(e.to_string()));
                     self.halt.store(true, Ordering::Relaxed);
                     break;
@@ -395,8 +400,8 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         }
     }
 
-    /// A worker: reads requests and serves them until the service stops.
-    fn worker(&self) {
+    /// Worker `index`: reads requests and serves them until the service stops.
+    fn worker(&self, index: usize) {
         // SAFETY: pthread_self has no arguments and cannot fail.
         let me = unsafe { libc::pthread_self() };
         self.workers
@@ -407,7 +412,7 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         let mut buf = vec![0u8; READ_BUFFER];
         while !self.stopping() {
             let r = match self.cuse.read_or_interrupted(&mut buf) {
-                Ok(Some(n)) => self.take(&buf[..n]),
+                Ok(Some(n)) => self.take(index, &buf[..n]),
                 Ok(None) => Ok(()),
                 Err(e) => Err(io_err("reading /dev/cuse")(e)),
             };
@@ -451,7 +456,7 @@ impl<'d, T: Transport + Send> Server<'d, T> {
                     .read(&mut buf)
                     .map_err(io_err("reading /dev/cuse"))?
                 {
-                    self.take(&buf[..n])?;
+                    self.take(0, &buf[..n])?;
                 }
             }
             if ready & CONTROL != 0 {
@@ -514,10 +519,17 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         Ok(())
     }
 
-    /// Serves one request read from CUSE: at once, or on its file's lane.
-    fn take(&self, b: &[u8]) -> Result<(), ServiceError> {
+    /// Serves one request thread `thread` read from CUSE: at once, or on its file's
+    /// lane.
+    fn take(&self, thread: usize, b: &[u8]) -> Result<(), ServiceError> {
         let mut out = Vec::new();
-        let then = self.lock().take(b, &mut out);
+        let then = {
+            let mut core = self.lock();
+            if let Some(n) = core.stats.by_thread.get_mut(thread) {
+                *n += 1;
+            }
+            core.take(b, &mut out)
+        };
         self.send(&out)?;
         out.clear();
         match then {
@@ -1029,6 +1041,7 @@ impl<T: Transport> Core<'_, T> {
             "poll_wakeups": self.stats.poll_wakeups,
             "lane_waits": self.stats.lane_waits,
             "device_wakes": self.stats.device_wakes,
+            "requests_by_thread": self.stats.by_thread,
             "migrations": self.stats.migrations,
             "device_resets": self.stats.device_resets,
             "device": {
