@@ -158,13 +158,43 @@ struct Migration {
     failed: Option<i32>,
 }
 
-/// An INTERRUPT served before its request blocked.
-#[derive(Debug, Clone, Copy)]
-struct EarlyInterrupt {
-    /// The INTERRUPT's own unique (its answer's).
-    unique: u64,
-    /// [`ServerStats::requests`] when it came.
-    at: u64,
+/// INTERRUPTs served before their request blocked, by the request's unique. FUSE
+/// sends one once a reader has taken the request; another thread may serve it before
+/// the request (a GET_EVENT) is run on its file's lane.
+#[derive(Debug, Default)]
+struct EarlyInterrupts {
+    /// The request's unique -> (the INTERRUPT's own unique, the request count when it
+    /// came).
+    kept: HashMap<u64, (u64, u64)>,
+}
+
+impl EarlyInterrupts {
+    /// Keeps the INTERRUPT `own` of request `of`, which came at request count `at`.
+    fn keep(&mut self, of: u64, own: u64, at: u64) {
+        self.kept.insert(of, (own, at));
+    }
+
+    /// Request `unique` blocks: was it interrupted already?
+    fn take(&mut self, unique: u64) -> bool {
+        !self.kept.is_empty() && self.kept.remove(&unique).is_some()
+    }
+
+    /// The INTERRUPTs kept for [`EARLY_INTERRUPT_KEEP`] requests or more at request
+    /// count `now`, no longer kept: their own uniques, to hand back (EAGAIN).
+    fn expire(&mut self, now: u64) -> Vec<u64> {
+        if self.kept.is_empty() {
+            return Vec::new();
+        }
+        let mut gone = Vec::new();
+        self.kept.retain(|_, &mut (own, at)| {
+            let keep = now.saturating_sub(at) < EARLY_INTERRUPT_KEEP;
+            if !keep {
+                gone.push(own);
+            }
+            keep
+        });
+        gone
+    }
 }
 
 /// Options of the service.
@@ -222,8 +252,8 @@ struct Core<'d, T: Transport> {
     rdev: Option<u64>,
     /// Each file's writes and release, one at a time ([`Lanes`]).
     lanes: Lanes<Fh, Vec<u8>>,
-    /// INTERRUPTs whose request has not blocked (yet), by the request's unique.
-    early: HashMap<u64, EarlyInterrupt>,
+    /// INTERRUPTs whose request has not blocked (yet).
+    early: EarlyInterrupts,
     /// The device thread sleeps until then (`None`: it is awake).
     sleeping_until: Option<Time>,
 }
@@ -315,7 +345,7 @@ impl<'d, T: Transport + Send> Server<'d, T> {
                 seed,
                 rdev,
                 lanes: Lanes::default(),
-                early: HashMap::new(),
+                early: EarlyInterrupts::default(),
                 sleeping_until: None,
             }),
             cuse,
@@ -743,15 +773,7 @@ impl<T: Transport> Core<'_, T> {
                 // Not blocked (yet): its GET_EVENT may still be on its way to a
                 // lane; an answered request's INTERRUPT expires.
                 self.stats.early_interrupts += 1;
-                let at = self.stats.requests;
-                let unique_int = h.unique;
-                self.early.insert(
-                    unique,
-                    EarlyInterrupt {
-                        unique: unique_int,
-                        at,
-                    },
-                );
+                self.early.keep(unique, h.unique, self.stats.requests);
             }
             Request::Ioctl { fh, cmd, arg } => {
                 let m = self
@@ -775,17 +797,9 @@ impl<T: Transport> Core<'_, T> {
     /// Hands INTERRUPTs kept too long back to the kernel (EAGAIN): it sends one again
     /// if its request still waits, and drops it if the request was answered.
     fn expire_early_interrupts(&mut self, out: &mut Vec<Reply>) {
-        if self.early.is_empty() {
-            return;
+        for own in self.early.expire(self.stats.requests) {
+            out.push(Reply::error(own, errno::EAGAIN));
         }
-        let now = self.stats.requests;
-        self.early.retain(|_, e| {
-            let keep = now.saturating_sub(e.at) < EARLY_INTERRUPT_KEEP;
-            if !keep {
-                out.push(Reply::error(e.unique, errno::EAGAIN));
-            }
-            keep
-        });
     }
 
     /// Runs one job of a lane: a write or a release of its file.
@@ -863,7 +877,7 @@ impl<T: Transport> Core<'_, T> {
                     out_len,
                     size,
                 };
-                if self.early.remove(&unique).is_some() {
+                if self.early.take(unique) {
                     return Then::Interrupted(w);
                 }
                 self.waiters.entry(fh).or_default().push_back(w);
@@ -1202,5 +1216,27 @@ fn take_fd(tid: u32, fd: u32, rdev: Option<u64>) -> Result<OwnedFd, i32> {
     match (f.metadata(), rdev) {
         (Ok(m), Some(r)) if m.file_type().is_char_device() && m.rdev() == r => Ok(f.into()),
         _ => Err(errno::EINVAL),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An INTERRUPT read before its GET_EVENT blocked answers the GET_EVENT when it
+    /// blocks; one whose request never blocks goes back to the kernel after
+    /// EARLY_INTERRUPT_KEEP further requests, once.
+    #[test]
+    fn an_early_interrupt_waits_for_its_request_then_expires() {
+        let mut e = EarlyInterrupts::default();
+        assert!(!e.take(10), "nothing kept");
+        e.keep(10, 10 | 1, 100);
+        e.keep(20, 20 | 1, 101);
+        assert!(e.expire(100 + EARLY_INTERRUPT_KEEP - 1).is_empty());
+        assert!(e.take(10), "the GET_EVENT that blocks finds its INTERRUPT");
+        assert!(!e.take(10), "once");
+        assert_eq!(e.expire(101 + EARLY_INTERRUPT_KEEP), vec![20 | 1]);
+        assert!(!e.take(20), "handed back, no longer kept");
+        assert!(e.expire(u64::MAX).is_empty());
     }
 }
