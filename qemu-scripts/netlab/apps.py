@@ -489,7 +489,9 @@ def rping_running(k, a, port):
     ksrv = k.spawn(f"rping -s -v -a 10.99.0.2 -p {port} -C 1000000")
     before = listeners(k)
     wait_listening(k, before - 1, ksrv)
-    client = a.spawn(f"rping -c -v -a 10.99.0.2 -p {port} -C 1000000 -S 64")
+    # Line-buffered: the pings show in its output as they happen, however slow the
+    # guest (a file gets rping's stdout block-buffered).
+    client = a.spawn(f"stdbuf -oL rping -c -v -a 10.99.0.2 -p {port} -C 1000000 -S 64")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not nonlisteners(k):
         time.sleep(1)
