@@ -12,7 +12,9 @@
 //! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
 //!   or EINTR when it is fatal).
-//! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
+//! - [`lanes`]: each file's requests in arrival order, one at a time, under several
+//!   service threads.
+//! - [`server`]: the threads joining CUSE, the rdma_cm layer and the pvcm device.
 //! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
 //!   it (`pvcm-guest` runs its commands through it while the service owns the device).
 
