@@ -1,7 +1,7 @@
 //! The service's threads: CUSE requests in, the rdma_cm layer, the pvcm device.
 //!
 //! The state (the rdma_cm layer, the device and its CM agent, the blocked GET_EVENTs,
-//! the counters) is one [`Core`] under one lock. Requests are served on `threads`
+//! the counters) is one `Core` under one lock. Requests are served on `threads`
 //! threads ([`ServerOptions::threads`]):
 //!
 //! - With one, one thread does everything, in this order, over and over: take every
