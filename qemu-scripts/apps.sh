@@ -5,10 +5,11 @@ set -euo pipefail
 usage() {
     cat <<'USAGE'
 Usage: qemu-scripts/apps.sh [--rdma-suite SUITE] [--workdir DIR] [--pcap FILE] [--conns N]
-                             [--only LIST]
+                             [--only LIST] [--vcpus N] [--threads N]
        qemu-scripts/apps.sh --cli [--workdir DIR] [--pcap FILE] [--conns N] [--only LIST]
        qemu-scripts/apps.sh --bench [--workdir DIR] [--conns N] [--rounds N] [--idle SECS]
                              [--idle-windows N]
+       qemu-scripts/apps.sh --bench --procs P [--conns N] [--vcpus N] [--threads LIST]
        qemu-scripts/apps.sh --migrate [--workdir DIR] [--only LIST] [--hold SECS] [--failed]
 
 Runs qemu-scripts/netlab/apps.py (python3 -m netlab.apps) as root: a kernel-CM guest
@@ -22,7 +23,8 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   2 seed 002's connect-and-destroy (interop/kcm.c) from a pvcm VM: the kernel keeps
     only its listener
   3 16 processes in a pvcm VM, 8 killed with kill -9: survivors finish, the kernel peer
-    keeps only its listeners, the backend reaches 0 live entries
+    keeps only its listeners, the backend reaches 0 live entries; with pvcm-guestd on
+    more than one thread, the requests were spread over them
   5 a misbehaving process (interop/ucflood.c: garbage, bad addresses, other files'
     ids, for 15 s) beside rping and ucmatose in the same VM: all pass, the service
     survives and holds no id
@@ -79,7 +81,10 @@ IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refu
 
 --bench runs qemu-scripts/netlab/bench.py instead (python3 -m netlab.bench): cmtime -c N
 between two pvcm VMs next to two kernel-CM guests in one lab, every step, retries and
-drops, and pvcm-guestd's idle cost; it prints figures and asserts none.
+drops, and pvcm-guestd's idle cost; it prints figures and asserts none. With --procs P:
+P processes of cmtime -c N at once, kernel pair and pvcm pair (the latter once per
+pvcm-guestd thread count of --threads LIST, e.g. 1,4), the batch's wall time and each
+step, with ratios.
 
 --rdma-suite SUITE (any mode) gives every guest, the pvcm VMs and the kernel guest k,
 the rdma-core userland of that Debian suite: bookworm (Debian 12, rdma-core 44, the
@@ -94,6 +99,10 @@ Options:
   --failed       (--migrate) a refused migration first
   --hold SECS    (--migrate) how long the runs around the move last
   --rounds N     benchmark rounds of both pairs (default 2)
+  --procs P      benchmark: P cmtime processes at once (above)
+  --vcpus N      every guest's vCPUs (default 1)
+  --threads N    pvcm-guestd's --threads (default: one per vCPU up to 8); with
+                 --bench --procs, a comma-separated list of thread counts to compare
   --idle SECS    benchmark idle-cost window (default 20; 0 skips it)
   --idle-windows N  benchmark idle-cost windows of each state (default 4)
   --workdir DIR  keep logs here (default: a new dir under /tmp)
@@ -122,7 +131,8 @@ pass_on() {
 parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
     --migrate:module=netlab.migrate '--failed:pass_on()' '--workdir=pass_on()' \
     '--pcap=pass_on()' '--conns=pass_on()' '--only=pass_on()' '--rounds=pass_on()' '--idle=pass_on()' \
-    '--idle-windows=pass_on()' '--hold=pass_on()' '--rdma-suite=rdma_suite()' -- "$@"
+    '--idle-windows=pass_on()' '--hold=pass_on()' '--rdma-suite=rdma_suite()' \
+    '--procs=pass_on()' '--vcpus=pass_on()' '--threads=pass_on()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
 # --migrate captures k's tap (rping's data frames: the stall across the move).

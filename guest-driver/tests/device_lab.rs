@@ -282,3 +282,48 @@ fn cmtime_rounds_run_bursts_back_to_back_in_one_process() {
     stop.store(true, Ordering::Relaxed);
     dev_thread.join().unwrap();
 }
+
+/// A sleep its caller waits out itself (`Device::sleep_begin`, as pvcm-guestd's device
+/// thread sleeps while its other threads use the device): the descriptors it gives
+/// become readable when a MAD arrives, well before the timeout, and `sleep_end` takes
+/// the notification.
+#[test]
+fn a_sleep_waited_out_by_its_caller_ends_when_a_mad_arrives() {
+    let TwoVms {
+        mut a,
+        mut b,
+        stop,
+        dev_thread,
+        ..
+    } = two_vms(9);
+    let listener = b.listen(tcp_service_id(5100)).unwrap();
+    let s = loop {
+        b.pump_now().unwrap();
+        if let Some(s) = b.sleep_begin(Duration::from_secs(20)) {
+            break s;
+        }
+    };
+    assert_eq!(s.fds.len(), 2, "the lab transport's call eventfds");
+    assert!(s.timeout <= Duration::from_secs(20));
+    let (fds, timeout) = (s.fds.clone(), s.timeout);
+    a.connect(
+        gid(2),
+        tcp_service_id(5100),
+        &[],
+        &ConnectOptions::default(),
+    )
+    .unwrap();
+    a.pump_now().unwrap();
+    let t = Instant::now();
+    let (mine, _) = pvcm_guest::transport::poll_readable(&fds, &[], timeout).unwrap();
+    assert_ne!(mine, 0, "woken by the device, not the timeout");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    b.sleep_end(s).unwrap();
+    let ev = b.next_cm_event(Duration::from_secs(10)).unwrap();
+    assert!(
+        matches!(ev, Some(Event::ConnectRequest { listen_id, .. }) if listen_id == listener),
+        "{ev:?}"
+    );
+    stop.store(true, Ordering::Relaxed);
+    dev_thread.join().unwrap();
+}

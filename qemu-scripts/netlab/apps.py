@@ -13,7 +13,7 @@ Checks (each PASS/FAIL):
   0 the CM goes through pvcm: the VMs run what the pvcm-guest package installs
     (pvcm-guestd started as its unit starts it, its modprobe rule); rdma_ucm, rdma_cm,
     ib_cm absent; the node is pvcm-guestd's; its counters show the commands; the
-    backend counts the MADs
+    backend counts the MADs; pvcm-guestd serves on one thread per vCPU (or --threads)
   1 each program, from Debian's rdmacm-utils and perftest, unchanged, for the pairs
     a -> k, k -> a and a -> b (client -> server): rping -v (64, 1024 and 4000 bytes,
     200 iterations), ucmatose (100 connections with data), udaddy (UD, SIDR, data),
@@ -22,7 +22,8 @@ Checks (each PASS/FAIL):
     keeps only its listener (rdma res show cm_id)
   3 16 processes in a (12 cmtime -c 50, 4 ucmatose) against k at once, 8 killed with
     kill -9 mid-run: the survivors finish, k is left with its listeners only, the
-    backend reaches 0 live entries after the quarantine, no drops
+    backend reaches 0 live entries after the quarantine, no drops; with pvcm-guestd on
+    more than one thread, more than one of them served the processes' requests
   5 a misbehaving process (interop/ucflood.c) in a: 4 threads of garbage commands, bad
     response addresses, other files' ids and create/destroy pairs for 15 s, while
     rping -v and ucmatose run from a to k: they pass, the flood's calls all return with
@@ -91,6 +92,7 @@ Checks (each PASS/FAIL):
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
     (IPv4 and IPv6 VMs on one backend); the capture's QP1 frames are IPv6 and IPv4
 
+--vcpus N gives every guest N vCPUs; --threads N starts pvcm-guestd with --threads N.
 The last line reads "apps: N passed, N failed"; exit 0 when all passed.
 """
 
@@ -117,6 +119,8 @@ def short(text, n=400):
 
 
 UNIT = "/lib/systemd/system/pvcm-guestd.service"
+# pvcm-guestd's --threads in this run (None: its default, one thread per vCPU up to 8).
+GUESTD_THREADS = {"n": None}
 
 
 def pair_backend(lab):
@@ -131,16 +135,20 @@ def pair_backend(lab):
     return backend, sa, sb
 
 
-def start_guestd(vm, local=False):
+def start_guestd(vm, local=False, threads=None):
     """pvcm-guestd in a pvcm VM, as the pvcm-guest package's systemd unit starts it (its
     EnvironmentFile and ExecStart; the image has no systemd); waits for the node. local:
-    its job and log in the guest's own files (/run/guestd.log), none in the share."""
+    its job and log in the guest's own files (/run/guestd.log), none in the share;
+    threads: its --threads (default: GUESTD_THREADS, else the service's default)."""
     out = vm.check(f"grep -E '^(ExecStart|EnvironmentFile)=' {UNIT}")
     start = re.search(r"^ExecStart=(.*)$", out, re.M)
     env = re.search(r"^EnvironmentFile=-?(.*)$", out, re.M)
     if not start:
         raise LabError(f"{vm.name}: no ExecStart in {UNIT}: {out}")
     cmd = start.group(1)
+    threads = threads or GUESTD_THREADS["n"]
+    if threads:
+        cmd += f" --threads {threads}"
     if env:
         cmd = f"[ -f {env.group(1)} ] && . {env.group(1)}; exec {cmd}"
     else:
@@ -677,6 +685,7 @@ def sysfs_tail(ip):
 
 def kill_nine(lab, k, a, backend):
     """Section 3: 16 processes, 8 killed."""
+    st0 = guestd_stat(a)
     # The oldest cmtime: one server for the 12; the newer ones pair a server with each
     # client (their rendezvous waits for the peers they were told of), on ports of their
     # own (7500-7511; ucmatose's are 7490-7493), each pair's simulated QPNs its own (in
@@ -733,6 +742,24 @@ def kill_nine(lab, k, a, backend):
             break
         time.sleep(3)
     result("the backend reaches 0 live entries after the quarantine", live == 0, f"live {live}")
+    served_by_threads(a, st0)
+
+
+def served_by_threads(a, st0):
+    """Section 3's requests were spread over pvcm-guestd's threads (with more than one):
+    the 16 processes were not served one after the other by one thread."""
+    st = guestd_stat(a)
+    before = st0.get("requests_by_thread") or []
+    now = st.get("requests_by_thread") or []
+    took = [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
+    threads = st.get("threads", 0)
+    if threads <= 1:
+        print(f"(pvcm-guestd runs 1 thread in VM a: nothing to spread; requests {took})")
+        return
+    result(f"VM a: the 16 processes' requests were served by more than one of pvcm-guestd's "
+           f"{threads} threads", sum(1 for n in took if n > 0) > 1,
+           f"requests by thread {took}; queued behind their file's {st.get('lane_waits')}, "
+           f"device thread woken {st.get('device_wakes')}")
 
 
 def nonlisteners(k):
@@ -747,7 +774,9 @@ def rping_running(k, a, port):
     ksrv = k.spawn(f"rping -s -v -a 10.99.0.2 -p {port} -C 1000000")
     before = listeners(k)
     wait_listening(k, before - 1, ksrv)
-    client = a.spawn(f"rping -c -v -a 10.99.0.2 -p {port} -C 1000000 -S 64")
+    # Line-buffered: the pings show in its output as they happen, however slow the
+    # guest (a file gets rping's stdout block-buffered).
+    client = a.spawn(f"stdbuf -oL rping -c -v -a 10.99.0.2 -p {port} -C 1000000 -S 64")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not nonlisteners(k):
         time.sleep(1)
@@ -1225,12 +1254,16 @@ def main():
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
     ap.add_argument("--sigwait", help="the sigwait binary (interop/sigwait.c)")
     ap.add_argument("--usrevent", help="the usrevent binary (interop/usrevent.c)")
+    ap.add_argument("--vcpus", type=int, default=1, help="each guest's vCPUs (default 1)")
+    ap.add_argument("--threads", type=int, help="pvcm-guestd's --threads (default: its own, "
+                    "one per vCPU up to 8)")
     a = ap.parse_args()
+    GUESTD_THREADS["n"] = a.threads
     only = set(a.only.split(","))
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-apps."))
     t0 = time.monotonic()
     try:
-        with Lab(workdir, pcap=a.pcap) as lab:
+        with Lab(workdir, pcap=a.pcap, vcpus=a.vcpus) as lab:
             for name, path in (("kcm", a.kcm), ("ucflood", a.ucflood), ("rawqp1", a.rawqp1),
                                ("sigwait", a.sigwait), ("usrevent", a.usrevent)):
                 if path:
@@ -1260,6 +1293,13 @@ def main():
                     result(f"VM {vm.name}: rdma_ucm, rdma_cm, ib_cm not loaded and kept out by the "
                            "package's modprobe rule", "loaded" not in out and "modprobe=0" not in out
                            and out.strip().endswith("1"), short(out, 200))
+                    _, cpus = vm.run("nproc", 30)
+                    cpus = int(cpus.strip() or 0)
+                    want = a.threads or min(max(cpus, 1), 8)
+                    threads = guestd_stat(vm).get("threads")
+                    result(f"VM {vm.name}: pvcm-guestd serves on {want} thread(s) "
+                           f"({'--threads' if a.threads else 'one per vCPU'})", threads == want,
+                           f"{cpus} vCPUs, threads {threads}")
 
             if "1" in only:
                 print("== 1. the programs", flush=True)

@@ -19,6 +19,15 @@ commands as a process sees them: create_id + destroy_id through librdmacm, and a
 command the server answers at once with EINVAL (the round trip and nothing else: the
 kernel's ioctl-like write in k, a CUSE round trip to pvcm-guestd in a).
 
+Many processes (--procs P): P processes of `cmtime -c N` at once from one guest to one
+cmtime server in its peer, one run each: k2 -> k (kernel), then a -> b (pvcm) with
+pvcm-guestd restarted in both VMs on each thread count of --threads (e.g. 1,4: one
+thread, then four). Printed: the batch's wall time (the first start to the last end,
+in the client guest), each step's mean over the processes, and the ratios kernel /
+pvcm and pvcm on one thread / on N. --vcpus gives every guest that many vCPUs (the
+service's default thread count is one per vCPU). The per-command and idle-cost parts
+are skipped in this mode.
+
 Idle cost: with the lab idle, QEMU's host CPU time for VM a over alternating windows
 with pvcm-guestd running and stopped (SIGSTOP); the difference is the service's cost
 in host-core terms under TCG (which inflates guest work). Also pvcm-guestd's own CPU
@@ -32,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .apps import A, B, K, drops, pair_backend, quarantined, start_guestd
+from .apps import A, B, K, drops, guestd_stat, pair_backend, quarantined, start_guestd
 from .lab import Lab, LabError
 
 K2 = "10.99.0.3"
@@ -50,6 +59,73 @@ def cmtime(server, client, conns):
     if rc != 0 or "disconnect" not in steps:
         raise LabError(f"cmtime {client.name} -> {server.name} failed (rc {rc}): {out[-800:]}")
     return steps
+
+
+def cmtime_procs(server, client, procs, conns, port):
+    """procs processes of cmtime -c conns at once, client -> server (one cmtime server
+    on port): (wall ms of the batch, {step: mean ms over the processes}); LabError when
+    one fails."""
+    srv = server.spawn(f"cmtime -p {port}")
+    time.sleep(1.5)
+    script = (
+        "t0=$(cut -d' ' -f1 /proc/uptime); pids=''\n"
+        f"for i in $(seq {procs}); do timeout 900 cmtime -s {server.ip} -p {port} "
+        f"-c {conns} >/tmp/cmt.$i 2>&1 & pids=\"$pids $!\"; done\n"
+        "bad=0; for p in $pids; do wait $p || bad=$((bad+1)); done\n"
+        "t1=$(cut -d' ' -f1 /proc/uptime); echo wall=$t0-$t1 bad=$bad\n"
+        f"for i in $(seq {procs}); do cat /tmp/cmt.$i; done\n")
+    rc, out = client.run(script, 1000)
+    srv.kill("KILL")
+    # The guest's shell is busybox's: no date +%N; /proc/uptime has centiseconds.
+    m = re.search(r"wall=([\d.]+)-([\d.]+) bad=(\d+)", out)
+    if rc != 0 or not m or m.group(3) != "0":
+        raise LabError(f"{procs} x cmtime {client.name} -> {server.name} failed (rc {rc}): "
+                       f"{out[-800:]}")
+    sums, n = {}, {}
+    for step, v in re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M):
+        sums[step] = sums.get(step, 0.0) + float(v)
+        n[step] = n.get(step, 0) + 1
+    wall = round(1000 * (float(m.group(2)) - float(m.group(1))))
+    return wall, {s: sums[s] / n[s] for s in sums}
+
+
+def restart_guestd(vm, threads):
+    """pvcm-guestd in vm stopped (SIGTERM) and started again with --threads threads."""
+    vm.run("kill $(pidof pvcm-guestd) 2>/dev/null; for i in $(seq 100); do "
+           "pidof pvcm-guestd >/dev/null || break; sleep 0.1; done", 60)
+    start_guestd(vm, threads=threads)
+
+
+def many_processes(k, k2, va, vb, a):
+    """--procs: the batch on the kernel pair, then on the pvcm pair per thread count."""
+    runs = []
+    wall, steps = cmtime_procs(k, k2, a.procs, a.conns, 7470)
+    runs.append(("kernel", wall, steps))
+    print(f"kernel       wall {wall} ms; " +
+          ", ".join(f"{s} {steps.get(s, 0):.0f}" for s in STEPS) + " (ms, mean)", flush=True)
+    for t in [int(x) for x in a.threads.split(",") if x]:
+        for vm in (va, vb):
+            restart_guestd(vm, t)
+        wall, steps = cmtime_procs(vb, va, a.procs, a.conns, 7471 + t)
+        st = guestd_stat(va)
+        runs.append((f"pvcm {t} thr", wall, steps))
+        print(f"pvcm {t:2} thr  wall {wall} ms; " +
+              ", ".join(f"{s} {steps.get(s, 0):.0f}" for s in STEPS) +
+              f" (ms, mean); service threads {st.get('threads')}, requests by thread "
+              f"{st.get('requests_by_thread')}, queued behind their file "
+              f"{st.get('lane_waits')}", flush=True)
+    names = [r[0] for r in runs]
+    print(f"\n{a.procs} processes x cmtime -c {a.conns}, {a.vcpus} vCPU(s) per guest")
+    print(f"{'':14} " + " ".join(f"{nm:>13}" for nm in names))
+    print(f"{'wall':14} " + " ".join(f"{w:13d}" for _, w, _ in runs))
+    for s in STEPS:
+        print(f"{s:14} " + " ".join(f"{st.get(s, 0):13.0f}" for _, _, st in runs))
+    for nm, w, _ in runs[1:]:
+        print(f"wall kernel / {nm}: {runs[0][1] / w:.2f}x" if w else f"{nm}: -")
+    if len(runs) > 2:
+        first = runs[1]
+        for nm, w, _ in runs[2:]:
+            print(f"wall {first[0]} / {nm}: {first[1] / w:.2f}x" if w else f"{nm}: -")
 
 
 def ucbench(guest, count):
@@ -121,11 +197,17 @@ def main():
                     "librdmacm); without it the per-command figures are skipped")
     ap.add_argument("--idle-windows", type=int, default=4,
                     help="idle-cost windows of each state (default 4)")
+    ap.add_argument("--procs", type=int, default=0,
+                    help="processes of cmtime at once (default 0: one cmtime per round)")
+    ap.add_argument("--vcpus", type=int, default=1, help="each guest's vCPUs (default 1)")
+    ap.add_argument("--threads", default="",
+                    help="(--procs) pvcm-guestd thread counts to run the pvcm pair with, "
+                    "e.g. 1,4 (default: the service's own default only)")
     a = ap.parse_args()
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="pvcm-bench."))
     t0 = time.monotonic()
     try:
-        with Lab(workdir) as lab:
+        with Lab(workdir, vcpus=a.vcpus) as lab:
             backend, sa, sb = pair_backend(lab)
             k = lab.kernel_guest("k", K, wait=False)
             k2 = lab.kernel_guest("k2", K2, wait=False)
@@ -135,6 +217,14 @@ def main():
                 g.wait_ready()
             for vm in (va, vb):
                 start_guestd(vm)
+            if a.procs:
+                print(f"== lab up in {time.monotonic() - t0:.0f} s; {a.procs} x cmtime -c "
+                      f"{a.conns}, {a.vcpus} vCPU(s) per guest", flush=True)
+                if not a.threads:
+                    a.threads = str(guestd_stat(va).get("threads", 1))
+                many_processes(k, k2, va, vb, a)
+                print(f"logs: {workdir} ({time.monotonic() - t0:.0f} s)")
+                return 0
             print(f"== lab up in {time.monotonic() - t0:.0f} s; cmtime -c {a.conns}, "
                   f"{a.rounds} rounds", flush=True)
             kern, pv = [], []

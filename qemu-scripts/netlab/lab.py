@@ -456,13 +456,15 @@ class Lab:
 
     workdir: logs and the 9p share (workdir/share, with q/ for requests);
     ipv6: keep IPv6 on (br0 gets fd99::1/64); mtu: of br0, the taps and the guests;
-    pcap: capture br0 into this file with dumpcap.
+    pcap: capture br0 into this file with dumpcap; vcpus: each guest's vCPUs (TCG
+    threads on this machine's cores).
     """
 
-    def __init__(self, workdir, ipv6=False, mtu=1500, pcap=None):
+    def __init__(self, workdir, ipv6=False, mtu=1500, pcap=None, vcpus=1):
         self.workdir = Path(workdir).resolve()
         self.ipv6 = ipv6
         self.mtu = mtu
+        self.vcpus = vcpus
         self.pcap = pcap
         self.ns = f"pvcmlab{os.getpid()}"
         self.share = self.workdir / "share"
@@ -641,7 +643,7 @@ class Lab:
                 "-no-reboot", "-accel", "tcg",
                 "-machine", "q35,memory-backend=mem",
                 "-object", f"memory-backend-memfd,id=mem,size={mem},share=on",
-                "-m", mem, "-smp", "1",
+                "-m", mem, "-smp", str(self.vcpus),
                 "-serial", f"file:{console}", "-monitor", "none",
                 "-kernel", kernel, "-initrd", initrd, "-append", append,
                 "-netdev", f"tap,id=n0,ifname={tap},script=no,downscript=no",

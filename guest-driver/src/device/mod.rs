@@ -524,6 +524,18 @@ fn reclaim(tx: &mut MsgQueue, mut sent: impl FnMut(&[u8])) -> Result<usize, Devi
     Ok(n)
 }
 
+/// A sleep on the device's notifications that its caller waits out itself
+/// ([`Device::sleep_begin`]).
+#[derive(Debug)]
+pub struct DeviceSleep {
+    /// The descriptors a notification makes readable.
+    pub fds: Vec<RawFd>,
+    /// The longest wait: the agent's next timer, the caller's timeout, or the
+    /// transport's cap.
+    pub timeout: Duration,
+    blocked: bool,
+}
+
 /// The CM agent joined to a pvcm device over transport `T`, with clock `C`.
 ///
 /// See the [module documentation](self) for what [`Device::pump`] does. Field order
@@ -1050,13 +1062,37 @@ impl<T: Transport, C: Clock> Device<T, C> {
     }
 
     fn block_with(&mut self, until: Time, extra: &[RawFd]) -> Result<u64, DeviceError> {
-        let now = self.clock.now();
-        let mut wake = until;
-        if let Some(d) = self.agent.next_deadline() {
-            wake = wake.min(d);
-        }
-        if wake <= now {
+        let Some(blocked) = self.arm(until) else {
             return Ok(0);
+        };
+        let now = self.clock.now();
+        let wake = self.wake_at(until);
+        let r = if extra.is_empty() {
+            self.transport.wait(wake.since(now)).map(|()| 0)
+        } else {
+            self.transport.wait_with(wake.since(now), extra)
+        };
+        if blocked {
+            self.tx.disable_notifications();
+        }
+        Ok(r?)
+    }
+
+    /// When a sleep until `until` ends: then, or at the agent's next timer.
+    fn wake_at(&mut self, until: Time) -> Time {
+        match self.agent.next_deadline() {
+            Some(d) => until.min(d),
+            None => until,
+        }
+    }
+
+    /// Readies a sleep until `until`: `None` if there is work now (pump instead),
+    /// else the notifications are armed and the sleep counted; `Some(true)` when the tx
+    /// notifications were armed too (disarm them on waking).
+    fn arm(&mut self, until: Time) -> Option<bool> {
+        let now = self.clock.now();
+        if self.wake_at(until) <= now {
+            return None;
         }
         // MADs the application queued since the last pump (an accept() in run_until's
         // `done`, answering requests an earlier call took in) go out before any sleep:
@@ -1067,12 +1103,12 @@ impl<T: Transport, C: Clock> Device<T, C> {
             && self.tx.virtq().num_free() > 0
             && self.tx.pool().num_free() > 0
         {
-            return Ok(0);
+            return None;
         }
         // Re-arm and re-check: a used buffer that arrived before re-arming gets no
         // notification, so it must be seen now.
         if self.rx.enable_notifications() {
-            return Ok(0);
+            return None;
         }
         // Sent MADs the device has not handed back yet: their completions start the
         // agent's response timers (Agent::mad_sent), so the driver must hear of them
@@ -1081,18 +1117,39 @@ impl<T: Transport, C: Clock> Device<T, C> {
         let blocked = self.tx_backlogged() || self.tx.virtq().in_flight() > 0;
         if blocked && self.tx.enable_notifications() {
             self.tx.disable_notifications();
-            return Ok(0);
+            return None;
         }
         self.stats.waits += 1;
-        let r = if extra.is_empty() {
-            self.transport.wait(wake.since(now)).map(|()| 0)
-        } else {
-            self.transport.wait_with(wake.since(now), extra)
-        };
-        if blocked {
+        Some(blocked)
+    }
+
+    /// [`Device::sleep_with`] for a caller that waits without holding the device (the
+    /// guest CM service, whose other threads run commands on the agent meanwhile):
+    /// arms the notifications as a sleep of up to `timeout` would and returns what to
+    /// wait on, or `None` if there is work now (pump instead). Wait on
+    /// [`DeviceSleep::fds`] (with the caller's own descriptors) for at most
+    /// [`DeviceSleep::timeout`], then hand it back to [`Device::sleep_end`].
+    pub fn sleep_begin(&mut self, timeout: Duration) -> Option<DeviceSleep> {
+        let until = self.clock.now().after(timeout);
+        let blocked = self.arm(until)?;
+        let left = self.wake_at(until).since(self.clock.now());
+        let (fds, timeout) = self.transport.wait_fds(left);
+        Some(DeviceSleep {
+            fds,
+            timeout,
+            blocked,
+        })
+    }
+
+    /// Ends a sleep [`Device::sleep_begin`] started: takes the notification that ended
+    /// it, if one did, and disarms what waking disarms.
+    pub fn sleep_end(&mut self, s: DeviceSleep) -> Result<(), DeviceError> {
+        let r = self.transport.wait_with(Duration::ZERO, &[]);
+        if s.blocked {
             self.tx.disable_notifications();
         }
-        Ok(r?)
+        r?;
+        Ok(())
     }
 
     /// Pumps until `done(self)` holds (tested after every pump) or `timeout` has passed

@@ -346,6 +346,21 @@ impl<M: Mmio + Clone> Transport for PciDevice<M> {
         Ok(theirs)
     }
 
+    /// With the interrupt: its descriptor, for at most the interrupt wait cap; without:
+    /// none, for at most the poll interval.
+    fn wait_fds(&self, timeout: Duration) -> (Vec<std::os::fd::RawFd>, Duration) {
+        match &self.irq {
+            Some(irq) => (
+                vec![irq.fd()],
+                timeout.min(interrupt_wait_cap(self.idle_waits)),
+            ),
+            None => (
+                Vec::new(),
+                timeout.min(idle_poll_interval(self.idle_waits, self.poll_interval)),
+            ),
+        }
+    }
+
     fn describe(&self) -> String {
         self.name.clone()
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 
 use super::cma::Cma;
-use super::server::{Server, ServerOptions, ServiceError};
+use super::server::{Server, ServerOptions, ServiceError, default_threads};
 use super::verbs::{PortError, PortWatch, RdmaPort};
 use crate::device::args::DeviceArgs;
 use crate::device::{Device, Transport};
@@ -48,6 +48,12 @@ pub struct ServiceArgs {
     /// class, and SL on a VLAN device.
     #[arg(long, default_value_t = 0, value_name = "TOS")]
     pub default_roce_tos: u8,
+    /// Threads serving requests: with one, one thread reads the requests and drives
+    /// the device; with more, that many read and serve requests (each file's in order,
+    /// other files' side by side) beside a thread driving the device. Default: one per
+    /// CPU, up to 8.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: Option<u16>,
 }
 
 #[derive(Debug, Parser)]
@@ -156,7 +162,7 @@ pub fn stop_on_signals() -> &'static AtomicBool {
 
 /// Serves the rdma_cm device for a started pvcm device until `stop` is set: finds the
 /// VM's RDMA port for the device's GID, answers CUSE's handshake, runs the loop.
-pub fn serve_on<T: Transport>(
+pub fn serve_on<T: Transport + Send>(
     dev: &mut Device<T, SystemClock>,
     args: &ServiceArgs,
     stop: &'static AtomicBool,
@@ -188,11 +194,13 @@ pub fn serve_on<T: Transport>(
             gid,
             Duration::from_millis(500),
         )),
+        threads: args.threads.map_or_else(default_threads, usize::from),
     };
     let mut server = Server::start(dev, cma, &opts, stop)?;
     tracing::info!(
         device = %format_args!("/dev/{}", args.devname),
         control = %args.control.display(),
+        threads = opts.threads,
         "serving"
     );
     notify_ready();

@@ -394,6 +394,36 @@ impl CuseDev {
     /// request withdrawn while being read) is retried; `ENODEV` (the device went away)
     /// is returned.
     pub fn read(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        self.read_one(buf, true)
+    }
+
+    /// Makes reads block (several threads reading, each woken for its own request) or
+    /// return at once when nothing is waiting.
+    pub fn set_blocking(&self, blocking: bool) -> io::Result<()> {
+        // SAFETY: F_GETFL/F_SETFL on a descriptor this value owns; no memory passed.
+        let flags = unsafe { libc::fcntl(self.fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let flags = if blocking {
+            flags & !libc::O_NONBLOCK
+        } else {
+            flags | libc::O_NONBLOCK
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(self.fd(), libc::F_SETFL, flags) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// As [`CuseDev::read`] on a blocking descriptor, but a signal (`EINTR`) ends the
+    /// wait with `Ok(None)`, so a reading thread can look at its stop flag.
+    pub fn read_or_interrupted(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        self.read_one(buf, false)
+    }
+
+    fn read_one(&self, buf: &mut [u8], retry_eintr: bool) -> io::Result<Option<usize>> {
         loop {
             // SAFETY: `buf` is writable for its whole length for the call.
             let n = unsafe { libc::read(self.fd(), buf.as_mut_ptr().cast(), buf.len()) };
@@ -402,8 +432,9 @@ impl CuseDev {
             }
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
-                Some(libc::EINTR) | Some(libc::ENOENT) => continue,
-                Some(libc::EAGAIN) => return Ok(None),
+                Some(libc::ENOENT) => continue,
+                Some(libc::EINTR) if retry_eintr => continue,
+                Some(libc::EINTR) | Some(libc::EAGAIN) => return Ok(None),
                 _ => return Err(e),
             }
         }

@@ -14,7 +14,9 @@
 //! - [`neigh`]: the route and the neighbour of an address resolution (rtnetlink).
 //! - [`signals`]: what a signal to a thread blocked in GET_EVENT asks for (a restart,
 //!   or EINTR when it is fatal).
-//! - [`server`]: the loop joining CUSE, the rdma_cm layer and the pvcm device.
+//! - [`lanes`]: each file's requests in arrival order, one at a time, under several
+//!   service threads.
+//! - [`server`]: the threads joining CUSE, the rdma_cm layer and the pvcm device.
 //! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
 //!   it (`pvcm-guest` runs its commands through it while the service owns the device).
 
@@ -24,6 +26,7 @@ pub mod cli;
 pub mod client;
 pub mod cma;
 pub mod cuse;
+pub mod lanes;
 pub mod mcast;
 pub mod neigh;
 pub mod nldev;

@@ -253,6 +253,12 @@ impl<F: AsRawFd> Transport for LabTransport<F> {
         }
         Ok(theirs)
     }
+    fn wait_fds(&self, timeout: Duration) -> (Vec<std::os::fd::RawFd>, Duration) {
+        (
+            vec![self.calls[0].as_raw_fd(), self.calls[1].as_raw_fd()],
+            timeout,
+        )
+    }
 }
 
 #[cfg(test)]

@@ -72,6 +72,16 @@ pub trait Transport: Notify {
             })?;
         Ok(mask)
     }
+
+    /// For a caller that waits on the device's notifications without holding the
+    /// transport (the guest CM service, whose other threads use the device meanwhile):
+    /// the descriptors a used-buffer notification makes readable, and how long of
+    /// `timeout` to wait on them. The caller then takes the notification with
+    /// [`Transport::wait_with`] and a zero timeout. The default, for transports without
+    /// a notification descriptor: none, and the 1 ms a polling transport sleeps.
+    fn wait_fds(&self, timeout: Duration) -> (Vec<RawFd>, Duration) {
+        (Vec::new(), timeout.min(Duration::from_millis(1)))
+    }
 }
 
 /// `ppoll`s `own` and `extra` for readability for up to `timeout`; returns the readable
@@ -141,6 +151,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn wait_with(&mut self, timeout: Duration, extra: &[RawFd]) -> Result<u64, TransportError> {
         (**self).wait_with(timeout, extra)
+    }
+    fn wait_fds(&self, timeout: Duration) -> (Vec<RawFd>, Duration) {
+        (**self).wait_fds(timeout)
     }
 }
 
