@@ -15,6 +15,9 @@ QEMU carries the pvcm device's state through vhost-user SET_DEVICE_STATE_FD):
     move, held through it and torn down from B after it;
   - rdma-core cmtime -c 5 in a loop from m to k and from k to m, connecting while the
     VM moves;
+  - rstream -T v (rsockets over rdma_cm, data verified) from m to k and from k to m:
+    each one connection, set up before the move, carrying data through and after it
+    and closed afterwards;
 then new connections both ways. The host side follows the VM: B's divert is installed
 before the destination QEMU starts; A saves the VM's state when QEMU stops it (from
 then on A routes nothing to it), B loads it before the VM runs; the bridge learns the
@@ -77,6 +80,13 @@ def server_ok(rc, out):
     disconnected and every iteration was done (the caller checks those)."""
     return rc == 0 or (rc == 255 and "DISCONNECT EVENT" in out
                        and "rdma_get_cm_event: Bad file descriptor" in out)
+
+
+def rstream_ok(rc, out):
+    """An rstream run ended well: exit 0, its results line ("custom", the -S/-C run's
+    name) and no verification failure."""
+    return (rc == 0 and re.search(r"^custom\s", out, re.M) is not None
+            and "verification failed" not in out)
 
 
 def rxe_counters(guest):
@@ -441,6 +451,12 @@ def run(workdir, v6, failed, hold):
              f"rping -s -a {kip} -v -V -C 100", f"rping -c -a {kip} -v -V -C 100",
              lambda s: s.count("server ping data:") == 100, lambda c: c.count("ping data:") == 100)
         pace = 100 / max(time.monotonic() - t, 1)
+        t = time.monotonic()
+        pair(f"{fam} before: rstream -S 4096 -C 200 -T v m -> k", k, m,
+             f"rstream -b {kip} -S 4096 -C 200 -T v -p 7712",
+             f"rstream -s {kip} -S 4096 -C 200 -T v -p 7712",
+             lambda s: rstream_ok(0, s), lambda c: rstream_ok(0, c))
+        rs_pace = 200 / max(time.monotonic() - t, 1)
         if failed:
             print(f"== {fam}: a refused migration", flush=True)
             failed_migration(lab, k, m, a, v6)
@@ -455,9 +471,16 @@ def run(workdir, v6, failed, hold):
         k_held = k.spawn(f"cmtime -b {kip} -p 7703")
         k_loop_srv = k.spawn(f"cmtime -b {kip} -p 7704")
         m_loop_srv = m.spawn(f"cmtime -b {mip} -p 7705", local=True)
+        # rstream: one connection each way, sized like rping's runs to outlast the move.
+        rs_n = min(max(1000, int(rs_pace * (hold + 20))), 200000)
+        rs = f"-S 4096 -C {rs_n} -T v"
+        k_rs_srv = k.spawn(f"rstream -b {kip} {rs} -p 7709")
+        m_rs_srv = m.spawn(f"rstream -b {mip} {rs} -p 7710", local=True)
         deadline = time.monotonic() + 60
-        while (listeners(m) < 2 or listeners(k) < 3) and time.monotonic() < deadline:
+        while (listeners(m) < 3 or listeners(k) < 4) and time.monotonic() < deadline:
             time.sleep(0.5)
+        m_rs = m.spawn(f"rstream -s {kip} {rs} -p 7709", local=True)
+        k_rs = k.spawn(f"rstream -s {mip} {rs} -p 7710")
         m_cli = m.spawn(f"rping -c -a {kip} -v -V -C {n} -p 7701", local=True)
         k_cli = k.spawn(f"rping -c -a {mip} -v -V -C {n} -p 7702")
         held_n = HELD
@@ -509,8 +532,10 @@ def run(workdir, v6, failed, hold):
         time.sleep(0.5)
         print(f"== {fam}: migrating m from backend A to backend B", flush=True)
         loops_before = (m_loop.done(), k_loop.done())
+        rs_before = (m_rs.done(), k_rs.done())
         status, qm, t_start, t_end = migrate_once(m, dest)
         loops_after = k_loop.done()
+        rs_after = k_rs.done()
         result(f"{fam}: the cmtime loops were running when the migration started and after "
                "it ended", loops_before == (False, False) and not loops_after,
                f"ended before it: m's {loops_before[0]}, k's {loops_before[1]}; k's ended by its "
@@ -561,7 +586,9 @@ def run(workdir, v6, failed, hold):
         for nm, j, tmo in (("m rping client", m_cli, 600), ("k rping client", k_cli, 600),
                            ("m rping server", m_srv, 60), ("k rping server", k_srv, 60),
                            ("m cmtime loop", m_loop, 300), ("k cmtime loop", k_loop, 300),
-                           ("m held", m_held, 300)):
+                           ("m held", m_held, 300), ("m rstream client", m_rs, 600),
+                           ("k rstream client", k_rs, 600), ("m rstream server", m_rs_srv, 60),
+                           ("k rstream server", k_rs_srv, 60)):
             if j is None:
                 continue
             try:
@@ -603,6 +630,21 @@ def run(workdir, v6, failed, hold):
             result(f"{fam}: {nm.split()[0]}'s cmtime -c 5 loop through the move: every run "
                    "complete", rcs[nm] == 0 and mm is not None and mm.group(2) == "0"
                    and int(mm.group(1)) > 0, short(o, 200))
+        for d, cn, sn in (("m -> k", "m rstream client", "k rstream server"),
+                          ("k -> m", "k rstream client", "m rstream server")):
+            c = dict((("m rstream client", m_rs), ("k rstream client", k_rs),
+                      ("m rstream server", m_rs_srv), ("k rstream server", k_rs_srv)))
+            co, so = c[cn].text(), c[sn].text()
+            (lab.workdir / f"rstream.{cn.split()[0]}.out").write_text(co + "\n--- server\n" + so)
+            ok = rstream_ok(rcs[cn], co) and rstream_ok(rcs[sn], so)
+            result(f"{fam}: rstream {rs} {d}: one connection set up before the move, data "
+                   "verified through and after it, closed cleanly", ok,
+                   f"client rc {rcs[cn]}, server rc {rcs[sn]}: {short(co, 160)}"
+                   + ("" if ok else f" | server: {short(so, 160)}"))
+        result(f"{fam}: the rstream clients were running when the migration started and "
+               "k's after it ended", rs_before == (False, False) and not rs_after,
+               f"ended before it: m's {rs_before[0]}, k's {rs_before[1]}; k's ended by its "
+               f"end: {rs_after}")
         for j in (k_held, k_loop_srv, m_loop_srv):
             j.kill("KILL")
         # k keeps only its listeners; nothing left in the service or at B.
