@@ -44,7 +44,6 @@ import argparse
 import ipaddress
 import json
 import re
-import struct
 import sys
 import tempfile
 import threading
@@ -55,6 +54,7 @@ from pathlib import Path
 from .apps import BACKEND_LOG, QPN_WINDOW, drop_reasons, listeners, pair, short, start_guestd
 from .lab import SCRIPTS, Lab, LabError, backend_path
 from .results import counts, result
+from .toolout import pcap_records, rocev2_packets
 
 sys.path.insert(0, str(SCRIPTS))
 from qmp import Qmp  # noqa: E402  (qemu-scripts/qmp.py)
@@ -136,20 +136,14 @@ def pcap_frames(path, addr):
     source or destination is addr."""
     want = ipaddress.ip_address(addr).packed
     try:
-        data = Path(path).read_bytes()
+        rec = pcap_records(Path(path).read_bytes())
     except OSError:
         return []
-    if len(data) < 24:
+    if rec is None:
         return []
-    magic = struct.unpack("<I", data[:4])[0]
-    end = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
-    nano = magic in (0xA1B23C4D, 0x4D3CB2A1)
-    link = struct.unpack(end + "I", data[20:24])[0]
-    off, out = 24, []
-    while off + 16 <= len(data):
-        sec, frac, incl, _ = struct.unpack(end + "IIII", data[off:off + 16])
-        pkt = data[off + 16:off + 16 + incl]
-        off += 16 + incl
+    link, frames = rec
+    out = []
+    for t, pkt in frames:
         if link == 1:
             pkt = pkt[14:]
         if not pkt:
@@ -161,7 +155,6 @@ def pcap_frames(path, addr):
             src, dst = pkt[8:24], pkt[24:40]
         else:
             continue
-        t = sec + frac / (1e9 if nano else 1e6)
         if src == want:
             out.append((t, "tx"))
         elif dst == want:
@@ -172,36 +165,12 @@ def pcap_frames(path, addr):
 def data_frames(path, a, b):
     """Wall times of the RoCEv2 frames to a data QP (not QP1) from a to b in a capture
     (Ethernet) of k's tap."""
-    pa, pb = ipaddress.ip_address(a).packed, ipaddress.ip_address(b).packed
+    a, b = str(ipaddress.ip_address(a)), str(ipaddress.ip_address(b))
     try:
-        data = Path(path).read_bytes()
+        pkts = rocev2_packets(Path(path).read_bytes()) or []
     except OSError:
         return []
-    if len(data) < 24:
-        return []
-    end = "<" if struct.unpack("<I", data[:4])[0] in (0xA1B2C3D4, 0xA1B23C4D) else ">"
-    nano = struct.unpack(end + "I", data[:4])[0] == 0xA1B23C4D
-    off, out = 24, []
-    while off + 16 <= len(data):
-        sec, frac, incl, _ = struct.unpack(end + "IIII", data[off:off + 16])
-        pkt = data[off + 16:off + 16 + incl]
-        off += 16 + incl
-        eth = struct.unpack("!H", pkt[12:14])[0] if len(pkt) >= 14 else 0
-        ip = pkt[14:]
-        if eth == 0x0800 and len(ip) >= 20:
-            src, dst, udp = ip[12:16], ip[16:20], ip[(ip[0] & 15) * 4:]
-        elif eth == 0x86DD and len(ip) >= 40:
-            src, dst, udp = ip[8:24], ip[24:40], ip[40:]
-        else:
-            continue
-        if src != pa or dst != pb or len(udp) < 20:
-            continue
-        if struct.unpack("!H", udp[2:4])[0] != 4791:
-            continue
-        if struct.unpack("!I", udp[12:16])[0] & 0xFFFFFF == 1:
-            continue
-        out.append(sec + frac / (1e9 if nano else 1e6))
-    return out
+    return [t for t, src, dst, _, dqp in pkts if src == a and dst == b and dqp != 1]
 
 
 def longest_gap(ts, t0, t1):
