@@ -38,7 +38,7 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   10 multicast: mckey (rdmacm-utils) receiver and sender, pvcm VM -> kernel and
     kernel -> pvcm VM: data received, the IGMP membership held while joined; an IPv6
     group fails to join in both (the IPv6 lab, booted for it)
-  13 TOS: ucmatose -t 0x60, pvcm VM -> kernel and kernel -> pvcm VM: every data frame
+  14 TOS: ucmatose -t 0x60, pvcm VM -> kernel and kernel -> pvcm VM: every data frame
     both ways (captured on the kernel guest's tap) carries TOS 0x60
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
@@ -79,7 +79,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,10,13,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,9,10,14,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -100,7 +100,7 @@ parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
     '--idle-windows=pass_on()' '--hold=pass_on()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
-# The migration suite and apps section 13 capture k's tap (rping's data frames: the
+# The migration suite and apps section 14 capture k's tap (rping's data frames: the
 # stall across the move; the traffic class of ucmatose -t's frames).
 apt_install tcpdump
 echo "== build (cached)"

@@ -58,7 +58,7 @@ Checks (each PASS/FAIL):
     pvcm-guestd holds no join afterwards; in the IPv6 lab (booted for it when 6 does not
     run), mckey with an IPv6 group fails to join in k ("Unknown error 524", the
     kernel's ENOTSUPP) and in a (EOPNOTSUPP, docs/apps.md)
-  13 TOS (rdma_set_option RDMA_OPTION_ID_TOS): ucmatose -t 0x60 for a -> k and k -> a,
+  14 TOS (rdma_set_option RDMA_OPTION_ID_TOS): ucmatose -t 0x60 for a -> k and k -> a,
     with a capture of k's tap: every data frame between a and k, both directions (the
     client's QP and the server's, whose traffic class comes from the REQ's path), has
     IPv4 TOS 0x60, from pvcm's QPs as from the kernel's
@@ -792,7 +792,7 @@ def ipv6_multicast(k, a, group="ff0e::db8:1"):
 
 
 def type_of_service(lab, k, a, tos=0x60):
-    """Section 13: ucmatose -t TOS both ways; the traffic class of the data frames (not
+    """Section 14: ucmatose -t TOS both ways; the traffic class of the data frames (not
     QP1) between a and k in a capture of k's tap, each way, per pair."""
     cap = lab.workdir / "tos.pcap"
     dump = lab.host_start(["tcpdump", "-i", k.tap, "-s", "96", "-U", "-w", str(cap),
@@ -877,7 +877,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,9,10,13,4,7,6", help="sections to run (default all)")
+    ap.add_argument("--only", default="0,1,2,3,5,8,9,10,14,4,7,6", help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
     ap.add_argument("--rawqp1", help="the rawqp1 binary (interop/rawqp1.c)")
@@ -964,8 +964,8 @@ def main():
                 print("== 10. multicast: mckey", flush=True)
                 multicast(k, va)
 
-            if "13" in only:
-                print("== 13. TOS: ucmatose -t", flush=True)
+            if "14" in only:
+                print("== 14. TOS: ucmatose -t", flush=True)
                 type_of_service(lab, k, va)
 
             if "7" in only and a.rawqp1:
