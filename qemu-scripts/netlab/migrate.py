@@ -89,6 +89,13 @@ def rstream_ok(rc, out):
             and "verification failed" not in out)
 
 
+def rstream_secs(out, default):
+    """The seconds an rstream run's results line reports ("custom ... 1.52s ..."), or
+    default."""
+    m = re.search(r"^custom\s+\S+\s+\S+\s+\S+\s+\S+\s+([\d.]+)s", out or "", re.M)
+    return max(float(m.group(1)), 0.1) if m else default
+
+
 def rxe_counters(guest):
     """rxe0's hardware counters that show lost and retransmitted packets."""
     _, out = guest.run("rdma statistic show link rxe0/1", 30)
@@ -420,12 +427,11 @@ def run(workdir, v6, failed, hold):
              f"rping -s -a {kip} -v -V -C 100", f"rping -c -a {kip} -v -V -C 100",
              lambda s: s.count("server ping data:") == 100, lambda c: c.count("ping data:") == 100)
         pace = 100 / max(time.monotonic() - t, 1)
-        t = time.monotonic()
-        pair(f"{fam} before: rstream -S 4096 -C 200 -T v m -> k", k, m,
-             f"rstream -b {kip} -S 4096 -C 200 -T v -p 7712",
-             f"rstream -s {kip} -S 4096 -C 200 -T v -p 7712",
-             lambda s: rstream_ok(0, s), lambda c: rstream_ok(0, c))
-        rs_pace = 200 / max(time.monotonic() - t, 1)
+        out = pair(f"{fam} before: rstream -S 4096 -C 200 -T v m -> k", k, m,
+                   f"rstream -b {kip} -S 4096 -C 200 -T v -p 7712",
+                   f"rstream -s {kip} -S 4096 -C 200 -T v -p 7712",
+                   lambda s: rstream_ok(0, s), lambda c: rstream_ok(0, c))
+        rs_pace = 200 / rstream_secs(out, 2.0)
         if failed:
             print(f"== {fam}: a refused migration", flush=True)
             failed_migration(lab, k, m, a, v6)
@@ -440,16 +446,15 @@ def run(workdir, v6, failed, hold):
         k_held = k.spawn(f"cmtime -b {kip} -p 7703")
         k_loop_srv = k.spawn(f"cmtime -b {kip} -p 7704")
         m_loop_srv = m.spawn(f"cmtime -b {mip} -p 7705", local=True)
-        # rstream: one connection each way, sized like rping's runs to outlast the move.
-        rs_n = min(max(1000, int(rs_pace * (hold + 20))), 200000)
+        # rstream: one connection each way, started just before the move (below) and
+        # sized at the pace measured to last about hold seconds.
+        rs_n = min(max(1000, int(rs_pace * hold)), 200000)
         rs = f"-S 4096 -C {rs_n} -T v"
         k_rs_srv = k.spawn(f"rstream -b {kip} {rs} -p 7709")
         m_rs_srv = m.spawn(f"rstream -b {mip} {rs} -p 7710", local=True)
         deadline = time.monotonic() + 60
         while (listeners(m) < 3 or listeners(k) < 4) and time.monotonic() < deadline:
             time.sleep(0.5)
-        m_rs = m.spawn(f"rstream -s {kip} {rs} -p 7709", local=True)
-        k_rs = k.spawn(f"rstream -s {mip} {rs} -p 7710")
         m_cli = m.spawn(f"rping -c -a {kip} -v -V -C {n} -p 7701", local=True)
         k_cli = k.spawn(f"rping -c -a {mip} -v -V -C {n} -p 7702")
         held_n = HELD
@@ -484,6 +489,15 @@ def run(workdir, v6, failed, hold):
         # from here) and go on after it.
         m_loop = m.spawn(loop.format(secs=hold, ip=kip, port=7704), local=True)
         k_loop = k.spawn(loop.format(secs=hold, ip=mip, port=7705))
+        m_rs = m.spawn(f"rstream -s {kip} {rs} -p 7709", local=True)
+        k_rs = k.spawn(f"rstream -s {mip} {rs} -p 7710")
+        # Their connections are up (the listeners' accepted children) before the move.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (m_rs.done() or k_rs.done()):
+            _, res = k.run("rdma res show cm_id", 30)
+            if len(re.findall(r"[:\]](?:7709|7710)\b", res)) >= 3:
+                break
+            time.sleep(0.5)
         sa0, sb0 = a.stat_json(), b.stat_json()
         # The destination: its tap diverted to B's device before its QEMU starts.
         dest = start_destination(lab, m, str(sb), DEV_B, "dst")
