@@ -56,6 +56,8 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
     waiting in rdma_get_cm_event and rdma_resolve_addrinfo (an INTERNAL event), and
     RESOLVE_IB_SERVICE's errno, in pvcm VM a and in the kernel guest (the reference);
     with a librdmacm that has them (--rdma-suite sid)
+  14 TOS: ucmatose -t 0x60, pvcm VM -> kernel and kernel -> pvcm VM: every data frame
+    both ways (captured on the kernel guest's tap) carries TOS 0x60
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
 Builds what it needs first (cached): the patched QEMU, the Debian packages
@@ -71,8 +73,8 @@ netlab.cli_via_service): pvcm-guest's own commands in a pvcm VM going through
 pvcm-guestd (its default --via auto) against the kernel CM; sections 0-5 there.
 
 --migrate runs qemu-scripts/netlab/migrate.py instead (python3 -m netlab.migrate): a
-pvcm VM running rping both ways, 50 held connections and cmtime loops against the
-kernel-CM guest is live-migrated (QMP migrate) from one pvcm-backend to a second one
+pvcm VM running rping and rstream both ways, 50 held connections and cmtime loops
+against the kernel-CM guest is live-migrated (QMP migrate) from one pvcm-backend to a second one
 with its own divert device and the destination QEMU's own tap on the bridge; the
 programs go on, the host side follows the VM, the source releases everything; it
 prints the figures (downtime, the CM's pause, rping's stall, retries). Sections: 4
@@ -108,7 +110,7 @@ Options:
   --workdir DIR  keep logs here (default: a new dir under /tmp)
   --pcap FILE    capture br0 into FILE
   --conns N      cmtime connections (default 1000)
-  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,11,13,10,4,7,6)
+  --only LIST    sections, comma-separated (default 0,1,2,3,5,8,12,9,11,13,10,14,4,7,6)
   -h, --help     this help
 USAGE
 }
@@ -135,8 +137,9 @@ parse_options --bench:module=netlab.bench --cli:module=netlab.cli_via_service \
     '--procs=pass_on()' '--vcpus=pass_on()' '--threads=pass_on()' -- "$@"
 need_root "apps.sh (network namespace, taps)"
 apt_install iproute2 util-linux python3 gcc librdmacm-dev
-# --migrate captures k's tap (rping's data frames: the stall across the move).
-[ "$module" = netlab.migrate ] && apt_install tcpdump
+# The migration suite and apps section 14 capture k's tap (rping's data frames: the
+# stall across the move; the traffic class of ucmatose -t's frames).
+apt_install tcpdump
 echo "== build (cached)"
 "$PVCM_SCRIPTS_DIR/build-qemu.sh" --print-path >/dev/null || die "build-qemu.sh failed"
 # The pvcm VMs run what the pvcm-guest package installs: the package goes into the

@@ -777,7 +777,7 @@ mod tests {
         let g = vec![vm("name=d,socket=/s/d,gid=127.0.0.9")];
         assert_eq!(diff(&cur[3..4], &g), vec![Change::Replace(g[0].clone())]);
         let r = vec![vm(
-            "name=d,socket=/s/d,gid=127.0.0.4,id-range=0x80000000/16",
+            "name=d,socket=/s/d,gid=127.0.0.4,id-range=0x80000000/16,quota=100",
         )];
         assert_eq!(diff(&cur[3..4], &r), vec![Change::Replace(r[0].clone())]);
     }
@@ -811,10 +811,10 @@ mod tests {
         // Overlapping ID ranges and the control socket's path are refused too.
         let mut o = Overlay::default();
         o.added.push(vm(
-            "name=x,socket=/s/x,gid=127.0.1.1,id-range=0x80000000/16",
+            "name=x,socket=/s/x,gid=127.0.1.1,id-range=0x80000000/16,quota=100",
         ));
         o.added.push(vm(
-            "name=y,socket=/s/y,gid=127.0.1.2,id-range=0x80008000/17",
+            "name=y,socket=/s/y,gid=127.0.1.2,id-range=0x80008000/17,quota=100",
         ));
         let e = o.apply(&[], None, true).unwrap_err().to_string();
         assert!(e.contains("ID ranges") && e.contains("overlap"), "{e}");
@@ -879,8 +879,11 @@ mod tests {
 
     #[test]
     fn a_quota_is_checked_by_the_vms_own_rules() {
-        let s = vm("name=a,socket=/s/a,gid=127.0.0.1,id-range=0x80000000/24");
+        let s = vm("name=a,socket=/s/a,gid=127.0.0.1,id-range=0x80000000/24,quota=8");
         assert!(s.with_quota(Some(128)).is_ok());
+        // The host's default quota does not fit a /24.
+        let e = s.with_quota(None).unwrap_err().to_string();
+        assert!(e.contains("default quota"), "{e}");
         let e = s.with_quota(Some(129)).unwrap_err().to_string();
         assert!(e.contains("quota") && e.contains("256 IDs"), "{e}");
         assert!(s.with_quota(Some(0)).is_err());

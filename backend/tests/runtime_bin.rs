@@ -59,12 +59,38 @@ fn names(ctl: &Path) -> Vec<String> {
     list(ctl).into_iter().map(|(n, _, _)| n).collect()
 }
 
-fn spawn(args: &[&std::ffi::OsStr], ctl: &Path) -> Child {
+/// A daemon this test started: killed and reaped when dropped, so that a failing test
+/// leaves no daemon behind (holding the test harness's output open).
+struct Daemon(Child);
+
+impl std::ops::Deref for Daemon {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Daemon {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Kill and reap it unless it was waited for already (then both do nothing).
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&std::ffi::OsStr], ctl: &Path) -> Daemon {
     let child = Command::new(BIN)
         .args(args)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let child = Daemon(child);
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ctl.exists() {
         assert!(Instant::now() < deadline, "daemon did not come up");
@@ -79,7 +105,7 @@ fn signal(child: &Child, sig: libc::c_int) {
 }
 
 /// SIGTERM, then the exit status and the log.
-fn stop(mut child: Child) -> String {
+fn stop(mut child: Daemon) -> String {
     use std::io::Read;
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
@@ -322,7 +348,7 @@ fn runtime_changes_are_checked_and_survive_a_restart_with_a_state_dir() {
             vec![
                 "add".to_string(),
                 format!(
-                    "name=y,socket={},gid=127.31.2.10,id-range=0x80008000/17",
+                    "name=y,socket={},gid=127.31.2.10,id-range=0x80008000/17,quota=1000",
                     sock("y")
                 ),
             ],
@@ -397,7 +423,7 @@ fn runtime_changes_are_checked_and_survive_a_restart_with_a_state_dir() {
 
 /// SIGTERM, then the exit within `limit` (the child is killed and the test fails past
 /// it); returns the log.
-fn stop_within(mut child: Child, limit: Duration) -> String {
+fn stop_within(mut child: Daemon, limit: Duration) -> String {
     use std::io::Read;
     signal(&child, libc::SIGTERM);
     let t0 = Instant::now();
@@ -432,7 +458,7 @@ fn vm_timed(ctl: &Path, args: &[&str]) -> (Duration, (bool, String, String)) {
 
 /// A daemon with VMs a and b (udp receive) at 127.31.`net`.1 and .2 and a control
 /// socket in `d`.
-fn two_vm_daemon(d: &Path, net: u8) -> Child {
+fn two_vm_daemon(d: &Path, net: u8) -> Daemon {
     let ctl = d.join("ctl");
     let args: Vec<std::ffi::OsString> = vec![
         "--vm".into(),

@@ -87,6 +87,10 @@ Checks (each PASS/FAIL):
     event is ADDRINFO_RESOLVED; RESOLVE_IB_SERVICE on an id bound to the guest's address:
     EOPNOTSUPP (a RoCE device has no SA). A kernel before 6.17 (Debian 12's) has neither
     command: EINVAL for both, which k's check expects then
+  14 TOS (rdma_set_option RDMA_OPTION_ID_TOS): ucmatose -t 0x60 for a -> k and k -> a,
+    with a capture of k's tap: every data frame between a and k, both directions (the
+    client's QP and the server's, whose traffic class comes from the REQ's path), has
+    IPv4 TOS 0x60, from pvcm's QPs as from the kernel's
   6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
     IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
     pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
@@ -108,6 +112,7 @@ from pathlib import Path
 from .addr import vm_gid
 from .lab import SCRIPTS, Lab, LabError, mac_of
 from .results import counts, result
+from .toolout import rocev2_packets
 
 K, A, B = "10.99.0.2", "10.99.0.11", "10.99.0.12"
 QPN_WINDOW = "qpn-base=16,qpn-count=0x20000"  # rdma_rxe's QPNs
@@ -1197,6 +1202,42 @@ def resolution(lab, k, a):
                    "rping -c -a 10.97.0.1 -C 1", 4000)
 
 
+def type_of_service(lab, k, a, tos=0x60):
+    """Section 14: ucmatose -t TOS both ways; the traffic class of the data frames (not
+    QP1) between a and k in a capture of k's tap, each way, per pair."""
+    cap = lab.workdir / "tos.pcap"
+    dump = lab.host_start(["tcpdump", "-i", k.tap, "-s", "96", "-U", "-w", str(cap),
+                           "udp port 4791"], lab.workdir / "tcpdump.tos.log")
+    time.sleep(1)
+    spans = []
+    for server, client in ((k, a), (a, k)):
+        t0 = time.time()
+        pair(f"ucmatose -t {tos:#x} -c 2 -C 20", server, client,
+             f"ucmatose -b {server.ip} -c 2 -C 20", f"ucmatose -s {server.ip} -t {tos:#x} -c 2 -C 20",
+             lambda s_: "test complete" in s_ and "return status 0" in s_,
+             lambda c: "test complete" in c and "return status 0" in c)
+        spans.append((server, client, t0, time.time()))
+    time.sleep(1)
+    dump.terminate()
+    dump.wait(30)
+    try:
+        pkts = rocev2_packets(cap.read_bytes()) or []
+    except OSError:
+        pkts = []
+    for server, client, t0, t1 in spans:
+        for src, dst, role in ((client, server, "the client's QP"), (server, client, "the server's QP")):
+            seen = {}
+            for t, s_, d, tc, dqp in pkts:
+                if t0 <= t <= t1 and s_ == src.ip and d == dst.ip and dqp != 1:
+                    seen[tc] = seen.get(tc, 0) + 1
+            who = "pvcm" if src.cm == "pvcm" else "kernel"
+            result(f"ucmatose -t {tos:#x} {client.name} -> {server.name}: data frames "
+                   f"{src.name} -> {dst.name} ({role}, {who}) carry TOS {tos:#x}",
+                   bool(seen) and set(seen) == {tos},
+                   "frames by TOS: " + (", ".join(f"{tc:#x}: {n}" for tc, n in sorted(seen.items()))
+                                        or "none"))
+
+
 def ipv6_lab(workdir, pcap, full=True, mcast=False):
     """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend; with mcast, section
     10's IPv6 check (alone when not full)."""
@@ -1247,7 +1288,7 @@ def main():
     ap.add_argument("--workdir", help="keep logs here (default: a new dir under /tmp)")
     ap.add_argument("--pcap", help="capture br0 into this file")
     ap.add_argument("--conns", type=int, default=1000, help="cmtime connections (default 1000)")
-    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,11,13,10,4,7,6",
+    ap.add_argument("--only", default="0,1,2,3,5,8,12,9,11,13,10,14,4,7,6",
                     help="sections to run (default all)")
     ap.add_argument("--kcm", help="the kcm binary (interop/kcm.c built against librdmacm)")
     ap.add_argument("--ucflood", help="the ucflood binary (interop/ucflood.c)")
@@ -1363,6 +1404,10 @@ def main():
             if "10" in only:
                 print("== 10. multicast: mckey", flush=True)
                 multicast(k, va)
+
+            if "14" in only:
+                print("== 14. TOS: ucmatose -t", flush=True)
+                type_of_service(lab, k, va)
 
             if "7" in only and a.rawqp1:
                 print("== 7. root in VM b goes around pvcm", flush=True)

@@ -15,6 +15,9 @@ QEMU carries the pvcm device's state through vhost-user SET_DEVICE_STATE_FD):
     move, held through it and torn down from B after it;
   - rdma-core cmtime -c 5 in a loop from m to k and from k to m, connecting while the
     VM moves;
+  - rstream -T v (rsockets over rdma_cm, data verified) from m to k and from k to m:
+    each one connection, set up before the move, carrying data through and after it
+    and closed afterwards;
 then new connections both ways. The host side follows the VM: B's divert is installed
 before the destination QEMU starts; A saves the VM's state when QEMU stops it (from
 then on A routes nothing to it), B loads it before the VM runs; the bridge learns the
@@ -41,7 +44,6 @@ import argparse
 import ipaddress
 import json
 import re
-import struct
 import sys
 import tempfile
 import threading
@@ -52,6 +54,7 @@ from pathlib import Path
 from .apps import BACKEND_LOG, QPN_WINDOW, drop_reasons, listeners, pair, short, start_guestd
 from .lab import SCRIPTS, Lab, LabError, backend_path
 from .results import counts, result
+from .toolout import pcap_records, rocev2_packets
 
 sys.path.insert(0, str(SCRIPTS))
 from qmp import Qmp  # noqa: E402  (qemu-scripts/qmp.py)
@@ -77,6 +80,20 @@ def server_ok(rc, out):
     disconnected and every iteration was done (the caller checks those)."""
     return rc == 0 or (rc == 255 and "DISCONNECT EVENT" in out
                        and "rdma_get_cm_event: Bad file descriptor" in out)
+
+
+def rstream_ok(rc, out):
+    """An rstream run ended well: exit 0, its results line ("custom", the -S/-C run's
+    name) and no verification failure."""
+    return (rc == 0 and re.search(r"^custom\s", out, re.M) is not None
+            and "verification failed" not in out)
+
+
+def rstream_secs(out, default):
+    """The seconds an rstream run's results line reports ("custom ... 1.52s ..."), or
+    default."""
+    m = re.search(r"^custom\s+\S+\s+\S+\s+\S+\s+\S+\s+([\d.]+)s", out or "", re.M)
+    return max(float(m.group(1)), 0.1) if m else default
 
 
 def rxe_counters(guest):
@@ -126,20 +143,14 @@ def pcap_frames(path, addr):
     source or destination is addr."""
     want = ipaddress.ip_address(addr).packed
     try:
-        data = Path(path).read_bytes()
+        rec = pcap_records(Path(path).read_bytes())
     except OSError:
         return []
-    if len(data) < 24:
+    if rec is None:
         return []
-    magic = struct.unpack("<I", data[:4])[0]
-    end = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
-    nano = magic in (0xA1B23C4D, 0x4D3CB2A1)
-    link = struct.unpack(end + "I", data[20:24])[0]
-    off, out = 24, []
-    while off + 16 <= len(data):
-        sec, frac, incl, _ = struct.unpack(end + "IIII", data[off:off + 16])
-        pkt = data[off + 16:off + 16 + incl]
-        off += 16 + incl
+    link, frames = rec
+    out = []
+    for t, pkt in frames:
         if link == 1:
             pkt = pkt[14:]
         if not pkt:
@@ -151,7 +162,6 @@ def pcap_frames(path, addr):
             src, dst = pkt[8:24], pkt[24:40]
         else:
             continue
-        t = sec + frac / (1e9 if nano else 1e6)
         if src == want:
             out.append((t, "tx"))
         elif dst == want:
@@ -162,36 +172,12 @@ def pcap_frames(path, addr):
 def data_frames(path, a, b):
     """Wall times of the RoCEv2 frames to a data QP (not QP1) from a to b in a capture
     (Ethernet) of k's tap."""
-    pa, pb = ipaddress.ip_address(a).packed, ipaddress.ip_address(b).packed
+    a, b = str(ipaddress.ip_address(a)), str(ipaddress.ip_address(b))
     try:
-        data = Path(path).read_bytes()
+        pkts = rocev2_packets(Path(path).read_bytes()) or []
     except OSError:
         return []
-    if len(data) < 24:
-        return []
-    end = "<" if struct.unpack("<I", data[:4])[0] in (0xA1B2C3D4, 0xA1B23C4D) else ">"
-    nano = struct.unpack(end + "I", data[:4])[0] == 0xA1B23C4D
-    off, out = 24, []
-    while off + 16 <= len(data):
-        sec, frac, incl, _ = struct.unpack(end + "IIII", data[off:off + 16])
-        pkt = data[off + 16:off + 16 + incl]
-        off += 16 + incl
-        eth = struct.unpack("!H", pkt[12:14])[0] if len(pkt) >= 14 else 0
-        ip = pkt[14:]
-        if eth == 0x0800 and len(ip) >= 20:
-            src, dst, udp = ip[12:16], ip[16:20], ip[(ip[0] & 15) * 4:]
-        elif eth == 0x86DD and len(ip) >= 40:
-            src, dst, udp = ip[8:24], ip[24:40], ip[40:]
-        else:
-            continue
-        if src != pa or dst != pb or len(udp) < 20:
-            continue
-        if struct.unpack("!H", udp[2:4])[0] != 4791:
-            continue
-        if struct.unpack("!I", udp[12:16])[0] & 0xFFFFFF == 1:
-            continue
-        out.append(sec + frac / (1e9 if nano else 1e6))
-    return out
+    return [t for t, src, dst, _, dqp in pkts if src == a and dst == b and dqp != 1]
 
 
 def longest_gap(ts, t0, t1):
@@ -441,6 +427,11 @@ def run(workdir, v6, failed, hold):
              f"rping -s -a {kip} -v -V -C 100", f"rping -c -a {kip} -v -V -C 100",
              lambda s: s.count("server ping data:") == 100, lambda c: c.count("ping data:") == 100)
         pace = 100 / max(time.monotonic() - t, 1)
+        out = pair(f"{fam} before: rstream -S 4096 -C 200 -T v m -> k", k, m,
+                   f"rstream -b {kip} -S 4096 -C 200 -T v -p 7712",
+                   f"rstream -s {kip} -S 4096 -C 200 -T v -p 7712",
+                   lambda s: rstream_ok(0, s), lambda c: rstream_ok(0, c))
+        rs_pace = 200 / rstream_secs(out, 2.0)
         if failed:
             print(f"== {fam}: a refused migration", flush=True)
             failed_migration(lab, k, m, a, v6)
@@ -455,8 +446,14 @@ def run(workdir, v6, failed, hold):
         k_held = k.spawn(f"cmtime -b {kip} -p 7703")
         k_loop_srv = k.spawn(f"cmtime -b {kip} -p 7704")
         m_loop_srv = m.spawn(f"cmtime -b {mip} -p 7705", local=True)
+        # rstream: one connection each way, started just before the move (below) and
+        # sized at the pace measured to last about hold seconds.
+        rs_n = min(max(1000, int(rs_pace * hold)), 200000)
+        rs = f"-S 4096 -C {rs_n} -T v"
+        k_rs_srv = k.spawn(f"rstream -b {kip} {rs} -p 7709")
+        m_rs_srv = m.spawn(f"rstream -b {mip} {rs} -p 7710", local=True)
         deadline = time.monotonic() + 60
-        while (listeners(m) < 2 or listeners(k) < 3) and time.monotonic() < deadline:
+        while (listeners(m) < 3 or listeners(k) < 4) and time.monotonic() < deadline:
             time.sleep(0.5)
         m_cli = m.spawn(f"rping -c -a {kip} -v -V -C {n} -p 7701", local=True)
         k_cli = k.spawn(f"rping -c -a {mip} -v -V -C {n} -p 7702")
@@ -492,6 +489,15 @@ def run(workdir, v6, failed, hold):
         # from here) and go on after it.
         m_loop = m.spawn(loop.format(secs=hold, ip=kip, port=7704), local=True)
         k_loop = k.spawn(loop.format(secs=hold, ip=mip, port=7705))
+        m_rs = m.spawn(f"rstream -s {kip} {rs} -p 7709", local=True)
+        k_rs = k.spawn(f"rstream -s {mip} {rs} -p 7710")
+        # Their connections are up (the listeners' accepted children) before the move.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (m_rs.done() or k_rs.done()):
+            _, res = k.run("rdma res show cm_id", 30)
+            if len(re.findall(r"[:\]](?:7709|7710)\b", res)) >= 3:
+                break
+            time.sleep(0.5)
         sa0, sb0 = a.stat_json(), b.stat_json()
         # The destination: its tap diverted to B's device before its QEMU starts.
         dest = start_destination(lab, m, str(sb), DEV_B, "dst")
@@ -509,8 +515,10 @@ def run(workdir, v6, failed, hold):
         time.sleep(0.5)
         print(f"== {fam}: migrating m from backend A to backend B", flush=True)
         loops_before = (m_loop.done(), k_loop.done())
+        rs_before = (m_rs.done(), k_rs.done())
         status, qm, t_start, t_end = migrate_once(m, dest)
         loops_after = k_loop.done()
+        rs_after = k_rs.done()
         result(f"{fam}: the cmtime loops were running when the migration started and after "
                "it ended", loops_before == (False, False) and not loops_after,
                f"ended before it: m's {loops_before[0]}, k's {loops_before[1]}; k's ended by its "
@@ -561,7 +569,9 @@ def run(workdir, v6, failed, hold):
         for nm, j, tmo in (("m rping client", m_cli, 600), ("k rping client", k_cli, 600),
                            ("m rping server", m_srv, 60), ("k rping server", k_srv, 60),
                            ("m cmtime loop", m_loop, 300), ("k cmtime loop", k_loop, 300),
-                           ("m held", m_held, 300)):
+                           ("m held", m_held, 300), ("m rstream client", m_rs, 600),
+                           ("k rstream client", k_rs, 600), ("m rstream server", m_rs_srv, 60),
+                           ("k rstream server", k_rs_srv, 60)):
             if j is None:
                 continue
             try:
@@ -603,6 +613,21 @@ def run(workdir, v6, failed, hold):
             result(f"{fam}: {nm.split()[0]}'s cmtime -c 5 loop through the move: every run "
                    "complete", rcs[nm] == 0 and mm is not None and mm.group(2) == "0"
                    and int(mm.group(1)) > 0, short(o, 200))
+        for d, cn, sn in (("m -> k", "m rstream client", "k rstream server"),
+                          ("k -> m", "k rstream client", "m rstream server")):
+            c = dict((("m rstream client", m_rs), ("k rstream client", k_rs),
+                      ("m rstream server", m_rs_srv), ("k rstream server", k_rs_srv)))
+            co, so = c[cn].text(), c[sn].text()
+            (lab.workdir / f"rstream.{cn.split()[0]}.out").write_text(co + "\n--- server\n" + so)
+            ok = rstream_ok(rcs[cn], co) and rstream_ok(rcs[sn], so)
+            result(f"{fam}: rstream {rs} {d}: one connection set up before the move, data "
+                   "verified through and after it, closed cleanly", ok,
+                   f"client rc {rcs[cn]}, server rc {rcs[sn]}: {short(co, 160)}"
+                   + ("" if ok else f" | server: {short(so, 160)}"))
+        result(f"{fam}: the rstream clients were running when the migration started and "
+               "k's after it ended", rs_before == (False, False) and not rs_after,
+               f"ended before it: m's {rs_before[0]}, k's {rs_before[1]}; k's ended by its "
+               f"end: {rs_after}")
         for j in (k_held, k_loop_srv, m_loop_srv):
             j.kill("KILL")
         # k keeps only its listeners; nothing left in the service or at B.

@@ -150,9 +150,9 @@ def vm_io(stat, name):
     return next((v["figures"]["io"] for v in stat.get("vms", []) if v.get("name") == name), {})
 
 
-def pcap_frames(data):
-    """The frames of a pcap capture (classic format, either byte order), as bytes; None
-    when DATA is not one."""
+def pcap_records(data):
+    """A pcap capture (classic format, either byte order, micro- or nanosecond
+    timestamps): (link type, [(time, frame bytes)]); None when DATA is not one."""
     if len(data) < 24:
         return None
     magic = data[:4]
@@ -162,11 +162,49 @@ def pcap_frames(data):
         end = ">"
     else:
         return None
+    scale = 1e9 if magic in (b"\x4d\x3c\xb2\xa1", b"\xa1\xb2\x3c\x4d") else 1e6
+    link = struct.unpack(end + "I", data[20:24])[0]
     out, off = [], 24
     while off + 16 <= len(data):
-        incl = struct.unpack(end + "I", data[off + 8:off + 12])[0]
-        out.append(data[off + 16:off + 16 + incl])
+        sec, frac, incl = struct.unpack(end + "III", data[off:off + 12])
+        out.append((sec + frac / scale, data[off + 16:off + 16 + incl]))
         off += 16 + incl
+    return link, out
+
+
+def pcap_frames(data):
+    """The frames of a pcap capture, as bytes; None when DATA is not one."""
+    rec = pcap_records(data)
+    return None if rec is None else [f for _, f in rec[1]]
+
+
+def ip_tclass(frame):
+    """An Ethernet frame's IPv4 TOS byte or IPv6 traffic class (no VLAN tag)."""
+    if len(frame) < 16:
+        return None
+    if frame[12:14] == b"\x08\x00":
+        return frame[15]
+    if frame[12:14] == b"\x86\xdd":
+        return ((frame[14] & 0x0F) << 4) | (frame[15] >> 4)
+    return None
+
+
+def rocev2_packets(data):
+    """The RoCEv2 frames of an Ethernet pcap capture: (time, src, dst, traffic class,
+    destination QP) each, src and dst as text; None when DATA is not a pcap capture."""
+    rec = pcap_records(data)
+    if rec is None:
+        return None
+    out = []
+    for t, f in rec[1]:
+        ip = ip_udp(f)
+        if ip is None:
+            continue
+        _, src, dst, udp = ip
+        if len(f) < udp + 20 or struct.unpack(">H", f[udp + 2:udp + 4])[0] != ROCEV2_PORT:
+            continue
+        dqp = struct.unpack(">I", f[udp + 12:udp + 16])[0] & 0xFFFFFF
+        out.append((t, str(src), str(dst), ip_tclass(f), dqp))
     return out
 
 

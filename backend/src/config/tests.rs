@@ -76,6 +76,14 @@ fn vm_spec_errors() {
         ),
         ("socket=/a,gid=127.0.0.1,qpn-base=0x1ffffffff", "32 bits"),
         ("socket=/a,gid=127.0.0.1,quota=0", "quota"),
+        (
+            "socket=/a,gid=127.0.0.1,id-range=0x80070000/16",
+            "the default quota is 65536: give quota=32768 or less",
+        ),
+        (
+            "socket=/a,gid=127.0.0.1,id-range=0x80070000/16,quota=32769",
+            "quota=\"32769\": id-range",
+        ),
         ("socket=/a,gid=127.0.0.1,socket=/b", "twice"),
         ("socket=/a,gid=127.0.0.1,banana", "key=value"),
     ] {
@@ -283,6 +291,7 @@ name = "vm2"
 socket = "/run/pvcm/vm2.sock"
 gid = "2001:db8::12"
 id-range = "0x80070000/16"
+quota = 32768
 incoming = true
 "#;
 
@@ -758,7 +767,7 @@ fn both_file_formats_configure_the_same() {
          vm name=vm1,socket=/run/pvcm/vm1.sock,gid=::ffff:192.0.2.11,qpn-base=16,\
          qpn-count=0x20000,ca-guid=0x0002c90300a1b2c3,quota=4096\n\
          vm name=vm2,socket=/run/pvcm/vm2.sock,gid=2001:db8::12,id-range=0x80070000/16,\
-         incoming=yes\n",
+         quota=32768,incoming=yes\n",
     )
     .unwrap();
     let (_d, toml) = toml_file(TOML);
@@ -810,7 +819,7 @@ fn a_syntax_error_names_its_line() {
 fn vm_values_are_taken_without_the_white_space_around_them() {
     let (_d, f) = toml_file(
         "[[vm]]\nsocket = \" /tmp/a \"\ngid = \" 127.0.0.1 \"\nname = \" a \"\n\
-         id-range = \" 0x80070000/16 \"\nincoming = \" yes \"\n",
+         id-range = \" 0x80070000/16 \"\nquota = 100\nincoming = \" yes \"\n",
     );
     let c = parse(&["--config", f.to_str().unwrap()]).unwrap();
     let v = &c.vms[0];

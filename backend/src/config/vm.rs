@@ -16,7 +16,7 @@ use toml::de::{DeTable, DeValue};
 use super::ConfigError;
 use super::located::{self, Located};
 use super::values::{check_ifname, de};
-use crate::mux::{IdRange, VmConfig};
+use crate::mux::{DEFAULT_QUOTA, IdRange, VmConfig};
 
 /// One VM: its vhost-user socket and its port identity.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,18 +210,27 @@ impl VmSpec {
             }
             vm.quota = Some(q);
         }
-        if let (Some(q), Some(r)) = (vm.quota, t.id_range)
-            && u64::from(q) * 2 > r.size()
-        {
-            return Err(ConfigError::bad(
-                "quota",
-                &q.to_string(),
-                format!(
+        if let Some(r) = t.id_range {
+            let q = vm.quota.unwrap_or(DEFAULT_QUOTA);
+            if u64::from(q) * 2 > r.size() {
+                let why = format!(
                     "id-range {r} holds {} IDs, and a quota needs twice its connections' \
                      IDs (freed IDs wait in quarantine)",
                     r.size()
-                ),
-            ));
+                );
+                return Err(match vm.quota {
+                    Some(q) => ConfigError::bad("quota", &q.to_string(), why),
+                    None => ConfigError::bad(
+                        "id-range",
+                        &r.to_string(),
+                        format!(
+                            "{why}; the default quota is {DEFAULT_QUOTA}: give quota={} or \
+                             less, or a longer range",
+                            r.size() / 2
+                        ),
+                    ),
+                });
+            }
         }
         vm.id_range = t.id_range;
         let incoming = t.incoming.unwrap_or(false);

@@ -96,6 +96,9 @@ pub struct MuxConfig {
     pub seed: u64,
 }
 
+/// Live entries a VM may hold when neither it nor the host says otherwise.
+pub const DEFAULT_QUOTA: u32 = 65_536;
+
 impl Default for MuxConfig {
     fn default() -> Self {
         MuxConfig {
@@ -106,7 +109,7 @@ impl Default for MuxConfig {
             sidr_timeout: Duration::from_secs(10),
             class_port_info_timeout: Duration::from_secs(10),
             table_bits: 22,
-            default_quota: 65_536,
+            default_quota: DEFAULT_QUOTA,
             detach_dreq_attempts: 3,
             seed: 0x7076_636d,
         }

@@ -44,7 +44,9 @@ use pvcm_wire::cm::{CmMad, MsgResponse, RejReason, field as cmf};
 use pvcm_wire::mad::{self, AttributeId};
 
 pub use clock::{Clock, ManualClock, SystemClock, Time};
-pub use config::{ID_RANGE_BIT, IdRange, IdRangeError, MuxConfig, Policy, UnknownPolicy, VmConfig};
+pub use config::{
+    DEFAULT_QUOTA, ID_RANGE_BIT, IdRange, IdRangeError, MuxConfig, Policy, UnknownPolicy, VmConfig,
+};
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace, permute_bits};
 pub use migrate::MigrateError;

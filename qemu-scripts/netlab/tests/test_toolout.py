@@ -117,6 +117,24 @@ class Pcap(unittest.TestCase):
         self.assertEqual({(fam, cls) for fam, _, _, cls in fr}, {(6, 7)})
         self.assertEqual(sum(1 for f in fr if f[1:3] == ("fd99::11", "fd99::3")), 1000)
 
+    def test_packets_with_times_and_traffic_class(self):
+        with gzip.open(os.path.join(FIX, "umad", "v6.pcap.gz")) as f:
+            data = f.read()
+        pk = toolout.rocev2_packets(data)
+        self.assertEqual(len(pk), 2000)
+        # CM MADs: to QP1, traffic class 0, times in capture order.
+        self.assertEqual({(tc, qp) for _, _, _, tc, qp in pk}, {(0, 1)})
+        times = [t for t, *_ in pk]
+        self.assertEqual(times, sorted(times))
+        self.assertGreater(times[0], 1.7e9)
+
+    def test_traffic_class_of_each_family(self):
+        v4 = b"\0" * 12 + b"\x08\x00" + b"\x45\x60" + b"\0" * 18
+        v6 = b"\0" * 12 + b"\x86\xdd" + b"\x66\x00" + b"\0" * 38
+        self.assertEqual(toolout.ip_tclass(v4), 0x60)
+        self.assertEqual(toolout.ip_tclass(v6), 0x60)
+        self.assertIsNone(toolout.ip_tclass(b"\0" * 12 + b"\x08\x06" + b"\0" * 28))
+
     def test_not_a_capture(self):
         self.assertIsNone(toolout.rocev2_frames(b""))
         self.assertIsNone(toolout.rocev2_frames(b"x" * 64))
