@@ -659,6 +659,7 @@ impl Runtime {
             .iter()
             .map(|p| {
                 let spec = p.spec();
+                let life = p.lifecycle();
                 serde_json::json!({
                     "name": spec.vm.name,
                     "socket": spec.socket.display().to_string(),
@@ -666,7 +667,8 @@ impl Runtime {
                     "quota": spec.vm.quota.unwrap_or(self.shared.default_quota()),
                     "quota_is_default": spec.vm.quota.is_none(),
                     "id_range": spec.vm.id_range.map(|r| r.to_string()),
-                    "attached": p.current_vm().is_some(),
+                    "attached": life.vm().is_some(),
+                    "state": life.name(),
                     "origin": if rt.is_added(&spec.vm.name) { "runtime" } else { "config" },
                     "spec": spec.to_arg(),
                 })

@@ -92,6 +92,18 @@ impl Lifecycle {
         }
     }
 
+    /// The lifecycle's name in `vm list`: `detached`, `awaiting`, `restored`, `attached`
+    /// or `departed`.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Lifecycle::Detached => "detached",
+            Lifecycle::Awaiting => "awaiting",
+            Lifecycle::Restored { .. } => "restored",
+            Lifecycle::Attached { .. } => "attached",
+            Lifecycle::Departed { .. } => "departed",
+        }
+    }
+
     /// The tx ring position a reconnected, restored VM resumes at (taken once).
     pub(crate) fn take_tx_resume(&mut self) -> Option<u16> {
         match self {

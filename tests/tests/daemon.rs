@@ -1012,6 +1012,12 @@ fn a_vm_live_migrates_between_backends_with_its_connections() {
         sa.render()
     );
     assert_eq!(sb.host.live, 21, "B has m's entries: {}", sb.render());
+    // `vm list` tells a departed VM (the libvirt hook removes it on A) from one here.
+    for (dir, host, want) in [(da.path(), "a", "departed"), (db.path(), "b", "attached")] {
+        let list = control::request(&dir.join(format!("{host}.ctl")), "vm list").unwrap();
+        let vms: serde_json::Value = serde_json::from_str(&list).unwrap();
+        assert_eq!(vms[0]["state"], want, "{host}: {list}");
+    }
 
     // The pending handshake completes through B.
     p.send_mad(

@@ -89,5 +89,45 @@ class Release(unittest.TestCase):
             lv.figure(doc, "vms.3.attached")
 
 
+class Migrated(unittest.TestCase):
+    def setUp(self):
+        self.wd = tempfile.mkdtemp(prefix="libvirt-fixture-")
+        src = os.path.join(FIX, "migrate")
+        for f in os.listdir(src):
+            shutil.copy(os.path.join(src, f), self.wd)
+        self.w = WorkDir(self.wd)
+
+    def tearDown(self):
+        shutil.rmtree(self.wd)
+
+    def test_the_runs_migration(self):
+        out, bad = lv.migrated(self.w, 200, "0")
+        self.assertEqual(bad, [])
+        self.assertIn("   host B: DREQ tx 200 rx 0, DREP tx 0 rx 200, retries 0, drops 0, live 0", out)
+        self.assertIn("   VM lv (at B): established 200 disconnected 200 failed 0", out)
+
+    def test_findings(self):
+        # The teardown from A (as if the VM had not moved) and a VM that reported nothing.
+        p = os.path.join(self.wd, "a.stat.json")
+        d = json.loads(read(p))
+        d["host"]["cm"]["cm_tx_msgs"]["dreq"] = 3
+        d["host"]["drops"]["absorbed"] = 3
+        with open(p, "w") as f:
+            json.dump(d, f)
+        os.remove(os.path.join(self.wd, "lv-b.console.log"))
+        self.assertEqual(lv.migrated(self.w, 200, "0")[1], [
+            "the VM printed no cmtime report on its console at host B",
+            "host A sent 3 DREQs after the VM left", "host A: 3 absorbed"])
+
+    def test_add_vm_meta(self):
+        xml = "<domain>\n  <name>d</name>\n</domain>\n"
+        once = lv.add_vm_meta(xml, "name=lv,gid=1.2.3.4")
+        self.assertIn("<metadata>\n    <pvcm:vm xmlns:pvcm='urn:pvcm:vm:1' spec='name=lv,gid=1.2.3.4'/>\n  </metadata>", once)
+        with_nic = lv.add_vm_meta(lv.add_divert_nic(xml, "t0", "dv", "1.2.3.4"), "name=lv")
+        self.assertEqual(with_nic.count("<metadata>"), 1)
+        self.assertIn("<pvcm:vm ", with_nic)
+        self.assertIn("<pvcm:divert ", with_nic)
+
+
 if __name__ == "__main__":
     unittest.main()
