@@ -78,7 +78,8 @@ against the kernel-CM guest is live-migrated (QMP migrate) from one pvcm-backend
 with its own divert device and the destination QEMU's own tap on the bridge; the
 programs go on, the host side follows the VM, the source releases everything; it
 prints the figures (downtime, the CM's pause, rping's stall, retries). Sections: 4
-IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refuses;
+IPv4, 6 IPv6 (default 4,6); --failed first adds a migration the destination refuses
+and one whose stream is cut (the destination QEMU killed mid-transfer);
 --hold SECS how long the runs around the move last (default 30).
 
 --bench runs qemu-scripts/netlab/bench.py instead (python3 -m netlab.bench): cmtime -c N
@@ -98,7 +99,7 @@ Options:
   --cli          pvcm-guest through the service (above)
   --bench        the benchmark (above)
   --migrate      the live migration suite (above)
-  --failed       (--migrate) a refused migration first
+  --failed       (--migrate) a refused and a cut migration first
   --hold SECS    (--migrate) how long the runs around the move last
   --rounds N     benchmark rounds of both pairs (default 2)
   --procs P      benchmark: P cmtime processes at once (above)

@@ -35,7 +35,8 @@ landed in between and where, CM retries on both sides.
 
 --failed: first a migration the destination refuses (a third backend with the VM under
 another id-range): with QEMU's return path on, the migration fails and the VM goes on
-at A with its connections.
+at A with its connections; then one whose stream is cut (the destination QEMU killed
+while the RAM is sent): the migration fails, the VM goes on at A.
 
 The last line reads "migrate: N passed, N failed"; exit 0 when all passed.
 """
@@ -269,10 +270,10 @@ def fdb_switch(path, mac, tap):
     return None
 
 
-def migrate_once(vm, dest, timeout=180):
+def migrate_once(vm, dest, timeout=180, on_active=None):
     """Unmount m's share, start QMP migrate (again while the share still blocks it),
-    wait until it ends. (status, query-migrate's last answer, host wall time it
-    started, ended)."""
+    wait until it ends; on_active, if given, runs once when the migration is first seen
+    active. (status, query-migrate's last answer, host wall time it started, ended)."""
     q = Qmp(str(vm.qmp))
     q.cmd("migrate-set-capabilities", capabilities=RETURN_PATH)
     vm.pause_share(hold=4)
@@ -289,6 +290,9 @@ def migrate_once(vm, dest, timeout=180):
     deadline = time.monotonic() + timeout
     while True:
         st = q.cmd("query-migrate")
+        if on_active is not None and st.get("status") == "active":
+            on_active()
+            on_active = None
         if st.get("status") in ("completed", "failed", "cancelled"):
             return st.get("status"), st, t0, time.time()
         if time.monotonic() > deadline:
@@ -334,34 +338,38 @@ def vm_of(st, name):
     return None
 
 
-def failed_migration(lab, k, m, a_backend, v6):
-    """A migration the destination refuses: B2 has the VM with another id-range, so its
-    state load fails and QEMU's migration fails; the VM goes on at A."""
-    sock = lab.workdir / "m-refuse.sock"
+def failed_migration(lab, k, m, a_backend, v6, cut=False):
+    """A migration that fails: the destination refuses it (B2 has the VM with another
+    id-range, so its state load fails and QEMU's migration fails), or, with cut, its
+    stream is cut (the destination QEMU killed while the RAM is being sent; B2 would
+    have taken the VM). Either way the VM goes on at A with its connections."""
+    what = "is cut (the destination killed mid-transfer)" if cut else "the destination refuses"
+    tag, dev, port = ("cut", "pvcm-qp1d", 7713) if cut else ("refuse", "pvcm-qp1c", 7711)
+    sock = lab.workdir / f"m-{tag}.sock"
     gid = M6 if v6 else f"::ffff:{M}"
-    lab.host(f"bash {SCRIPTS / 'qp1-divert.sh'} dev pvcm-qp1c", check=True)
-    b2 = lab.backend("--port", "packet:pvcm-qp1c",
+    lab.host(f"bash {SCRIPTS / 'qp1-divert.sh'} dev {dev}", check=True)
+    b2 = lab.backend("--port", f"packet:{dev}",
                      "--vm", f"socket={sock},gid={gid},name=m,{QPN_WINDOW},"
-                             f"id-range={OTHER_KEYS},incoming=yes",
-                     name="backend-refuse", env={"RUST_LOG": BACKEND_LOG})
+                             f"id-range={ID_KEYS if cut else OTHER_KEYS},incoming=yes",
+                     name=f"backend-{tag}", env={"RUST_LOG": BACKEND_LOG})
     kip = K6 if v6 else K
-    srv = k.spawn(f"rping -s -a {kip} -v -V -C 300 -p 7711")
+    srv = k.spawn(f"rping -s -a {kip} -v -V -C 300 -p {port}")
     time.sleep(2)
-    cli = m.spawn(f"rping -c -a {kip} -v -V -C 300 -p 7711", local=True)
+    cli = m.spawn(f"rping -c -a {kip} -v -V -C 300 -p {port}", local=True)
     time.sleep(3)
-    dest = start_destination(lab, m, sock, "pvcm-qp1c", "refuse")
-    status, st, _, _ = migrate_once(m, dest)
+    dest = start_destination(lab, m, sock, dev, tag)
+    status, st, _, _ = migrate_once(m, dest, on_active=dest.proc.kill if cut else None)
     try:
         log = m.share_back(180)
     except LabError as e:
         log = str(e)
     if dest.proc.poll() is None:
         dest.proc.wait(30)
-    lab.undivert(dest.tap, "pvcm-qp1c")
+    lab.undivert(dest.tap, dev)
     lab.host(f"ip link del {dest.tap}")
     alive = m.proc.poll() is None
     qs = Qmp(str(m.qmp)).cmd("query-status")
-    result("a migration the destination refuses fails; the VM runs on at the source",
+    result(f"a migration that {what} fails; the VM runs on at the source",
            status == "failed" and alive and qs.get("status") == "running",
            f"migration {status} ({st.get('error-desc', '')[:160]}); source {qs.get('status')}; "
            f"share: {short(log, 120)}")
@@ -372,7 +380,7 @@ def failed_migration(lab, k, m, a_backend, v6):
         rc_c = rc_s = -1
         print(e)
     out = cli.text()
-    result("rping m -> k across the refused migration: all 300 iterations, no error",
+    result(f"rping m -> k across the migration that {what}: all 300 iterations, no error",
            rc_c == 0 and server_ok(rc_s, srv.text()) and pings(out) == 300
            and "mismatch" not in out,
            f"client rc {rc_c} ({pings(out)} iterations), server rc {rc_s}")
@@ -435,6 +443,8 @@ def run(workdir, v6, failed, hold):
         if failed:
             print(f"== {fam}: a refused migration", flush=True)
             failed_migration(lab, k, m, a, v6)
+            print(f"== {fam}: a migration whose stream is cut", flush=True)
+            failed_migration(lab, k, m, a, v6, cut=True)
         # rping to span the move: ~hold seconds at the pace measured.
         n = min(max(300, int(pace * hold)), 2000)
         print(f"== {fam}: rping -C {n} both ways, {HELD} held connections, cmtime "
