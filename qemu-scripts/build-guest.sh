@@ -201,6 +201,10 @@ suite_apt=(-o "Dir::Etc::SourceList=$suite_apt_dir/sources.list"
 suite_apt_init() {
     local s="$rdma_suite" lists
     mkdir -p "$suite_apt_dir"/{empty,state/lists/partial,cache/archives/partial}
+    # One build at a time uses a suite's apt state (apt's own locks are off for it):
+    # the lock is held until this script exits.
+    exec {suite_apt_lock}>"$suite_apt_dir/.lock"
+    flock "$suite_apt_lock"
     [ -f "$suite_apt_dir/status" ] || : >"$suite_apt_dir/status"
     {
         case "$s" in
