@@ -701,7 +701,7 @@ impl Cma {
     fn bind_addr(&mut self, id: u32, addr: SocketAddr, caller: Caller) -> Result<(), i32> {
         let ours = self.port.addr;
         let ip = addr.ip();
-        let own = ip == ours || ip_mapped_eq(ip, ours);
+        let own = self.is_ours(ip);
         let has_dev = if ip.is_unspecified() {
             false
         } else if own {
@@ -1796,21 +1796,21 @@ impl Cma {
     fn addr_done(&mut self, id: u32, r: Result<IpAddr, i32>) -> Option<Fh> {
         self.querying.remove(&id);
         let ours = self.port.addr;
-        let attached = self.attached;
-        let c = self.ctxs.get_mut(&id)?;
-        c.query_deadline = None;
-        let own = |a: IpAddr| a == ours || ip_mapped_eq(a, ours);
+        let own = r.is_ok_and(|src| self.is_ours(src));
         // No device holds the VM's address (removed): `cma_acquire_dev_by_src_ip()`
         // finds none, and the resolution fails with ENODEV.
-        let r = match r {
-            Ok(src) if own(src) && !attached => Err(errno::ENODEV),
-            r => r,
+        let r = if own && !self.attached {
+            Err(errno::ENODEV)
+        } else {
+            r
         };
+        let c = self.ctxs.get_mut(&id)?;
+        c.query_deadline = None;
         let (ev, status) = match r {
             Ok(src) => {
                 let port = c.src.map_or(0, |s| s.port());
                 if !c.has_dev {
-                    c.src = Some(SocketAddr::new(if own(src) { ours } else { src }, port));
+                    c.src = Some(SocketAddr::new(if own { ours } else { src }, port));
                 }
                 c.has_dev = true;
                 c.st = St::AddrResolved;
