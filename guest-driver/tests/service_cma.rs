@@ -255,7 +255,7 @@ fn release_destroys_and_the_peer_hears_it() {
         agent: &mut s.agent,
         now: s.now,
     };
-    assert_eq!(s.cma.release_all(&mut env), 1);
+    assert_eq!(s.cma.release_all(&mut env).len(), 1);
     assert_eq!((s.cma.ids(), s.cma.files()), (0, 0));
 }
 
@@ -722,4 +722,16 @@ fn resolve_ib_service_is_refused_as_on_a_roce_device() {
         Outcome::Done(Err(errno::EINVAL))
     );
     assert_eq!(v.cma.stats().commands[cmd::RESOLVE_IB_SERVICE as usize], 6);
+}
+
+#[test]
+fn a_stop_takes_every_armed_poll_handle_once() {
+    let mut s = Vm::new(12);
+    let (f1, _f2, f3) = (s.cma.open(), s.cma.open(), s.cma.open());
+    s.cma.set_poll_handle(f1, 71);
+    s.cma.set_poll_handle(f3, 73);
+    let mut kh = s.cma.take_poll_handles();
+    kh.sort_unstable();
+    assert_eq!(kh, vec![71, 73]);
+    assert!(s.cma.take_poll_handles().is_empty());
 }

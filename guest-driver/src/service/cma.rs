@@ -494,6 +494,14 @@ impl Cma {
         self.files.get_mut(&fh).and_then(|f| f.poll_kh.take())
     }
 
+    /// Every armed poll handle, taken (the service stops: every poller is woken).
+    pub fn take_poll_handles(&mut self) -> Vec<u64> {
+        self.files
+            .values_mut()
+            .filter_map(|f| f.poll_kh.take())
+            .collect()
+    }
+
     /// Releases a file: every id it holds is destroyed (see the module docs).
     pub fn release(&mut self, fh: Fh, env: &mut Env<'_>) {
         let Some(f) = self.files.get(&fh) else { return };
@@ -515,13 +523,13 @@ impl Cma {
 
     /// Releases every open file, as the kernel's `ucma_close` would for each when the
     /// service stops: their connections get their DREQs (REJs for those not yet
-    /// established) from the agent, not from a peer's timeout. Returns how many files.
-    pub fn release_all(&mut self, env: &mut Env<'_>) -> usize {
+    /// established) from the agent, not from a peer's timeout. Returns the files.
+    pub fn release_all(&mut self, env: &mut Env<'_>) -> Vec<Fh> {
         let fhs: Vec<Fh> = self.files.keys().copied().collect();
         for &fh in &fhs {
             self.release(fh, env);
         }
-        fhs.len()
+        fhs
     }
 
     // ------------------------------------------------------------ ids

@@ -310,6 +310,13 @@ impl Reply {
         Reply::new(unique, -errno.abs(), &[])
     }
 
+    /// The answer to a request that [`Request::parse`] refused: `-errno` when its header
+    /// names the request (its `unique`), so no caller hangs on it; none otherwise.
+    pub fn to_unreadable(b: &[u8], errno: i32) -> Option<Reply> {
+        let u: [u8; 8] = b.get(8..16)?.try_into().ok()?;
+        Some(Reply::error(u64::from_le_bytes(u), errno))
+    }
+
     /// OPEN's answer: the file handle.
     pub fn open(unique: u64, fh: u64) -> Reply {
         let mut a = [0u8; 16];
@@ -459,20 +466,23 @@ impl CuseDev {
     }
 }
 
+/// A request as the kernel writes it, from process 4242 (for tests).
+#[cfg(test)]
+pub(crate) fn request_bytes(opcode: u32, unique: u64, args: &[u8]) -> Vec<u8> {
+    let mut b = vec![0u8; IN_HEADER_LEN + args.len()];
+    let len = b.len() as u32;
+    b[0..4].copy_from_slice(&len.to_le_bytes());
+    b[4..8].copy_from_slice(&opcode.to_le_bytes());
+    b[8..16].copy_from_slice(&unique.to_le_bytes());
+    b[32..36].copy_from_slice(&4242u32.to_le_bytes());
+    b[IN_HEADER_LEN..].copy_from_slice(args);
+    b
+}
+
 #[cfg(test)]
 mod tests {
+    use super::request_bytes as req;
     use super::*;
-
-    fn req(opcode: u32, unique: u64, args: &[u8]) -> Vec<u8> {
-        let mut b = vec![0u8; IN_HEADER_LEN + args.len()];
-        let len = b.len() as u32;
-        b[0..4].copy_from_slice(&len.to_le_bytes());
-        b[4..8].copy_from_slice(&opcode.to_le_bytes());
-        b[8..16].copy_from_slice(&unique.to_le_bytes());
-        b[32..36].copy_from_slice(&4242u32.to_le_bytes());
-        b[IN_HEADER_LEN..].copy_from_slice(args);
-        b
-    }
 
     #[test]
     fn parses_requests() {

@@ -16,6 +16,8 @@
 //!   or EINTR when it is fatal).
 //! - [`lanes`]: each file's requests in arrival order, one at a time, under several
 //!   service threads.
+//! - [`closing`]: what the callers' files answer after the service stops, until they
+//!   are closed.
 //! - [`server`]: the threads joining CUSE, the rdma_cm layer and the pvcm device.
 //! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
 //!   it (`pvcm-guest` runs its commands through it while the service owns the device).
@@ -24,6 +26,7 @@ pub mod abi;
 pub mod caller;
 pub mod cli;
 pub mod client;
+pub mod closing;
 pub mod cma;
 pub mod cuse;
 pub mod lanes;

@@ -43,7 +43,9 @@
 //!
 //! SIGTERM stops the device thread (the workers block SIGTERM and SIGINT, so the
 //! signal ends the device thread's sleep); it stops the workers ([`WORKER_KICK`] ends
-//! their reads) and then releases every file ([`Server::run`]).
+//! their reads) and then releases every file ([`Server::run`]), fails the blocked
+//! GET_EVENTs, wakes the pollers and answers the files until they close
+//! ([`Closing`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write as _;
@@ -59,6 +61,7 @@ use serde_json::{Value, json};
 
 use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
+use super::closing::{CLOSE_GRACE, Closing};
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
 use super::lanes::Lanes;
@@ -390,15 +393,47 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         self.stop.load(Ordering::Relaxed) || self.halt.load(Ordering::Relaxed)
     }
 
-    /// Serves until the stop flag is set or the device fails; then releases every file.
+    /// Serves until the stop flag is set or the device fails; then releases every file
+    /// and answers the callers' files until they are closed ([`Closing`]).
     pub fn run(&mut self) -> Result<(), ServiceError> {
         let r = if self.threads == 1 {
             self.device_loop(true)
         } else {
             self.run_threads()
         };
-        self.lock().shut_down();
-        r
+        let mut out = Vec::new();
+        let closing = self.lock().shut_down(&mut out);
+        let closed = self.send(&out).and_then(|()| self.serve_closing(closing));
+        r.and(closed)
+    }
+
+    /// Answers the callers' files of a stopped service until every one is released or
+    /// the grace is over ([`Closing`]).
+    fn serve_closing(&self, mut closing: Closing) -> Result<(), ServiceError> {
+        self.cuse
+            .set_blocking(false)
+            .map_err(io_err("making /dev/cuse reads non-blocking"))?;
+        let mut buf = vec![0u8; READ_BUFFER];
+        let fd = self.cuse.fd();
+        while !closing.done(Instant::now()) {
+            poll_readable(&[], &[fd], closing.left(Instant::now()))
+                .map_err(io_err("waiting on /dev/cuse"))?;
+            while let Some(n) = self
+                .cuse
+                .read(&mut buf)
+                .map_err(io_err("reading /dev/cuse"))?
+            {
+                if let Some(r) = closing.answer(&buf[..n]) {
+                    self.send(&[r])?;
+                }
+            }
+        }
+        tracing::info!(
+            answered = closing.answered,
+            still_open = closing.still_open(),
+            "stopped: the callers' files were answered until they closed"
+        );
+        Ok(())
     }
 
     fn run_threads(&self) -> Result<(), ServiceError> {
@@ -687,11 +722,25 @@ impl<'d, T: Transport + Send> Server<'d, T> {
 }
 
 impl<T: Transport> Core<'_, T> {
-    /// The service stops: its callers' files die with it (the kernel fails their
-    /// pending and later calls), so every file is released here as at a close, and
-    /// what that sends (DREQs, REJs) leaves before the device is dropped: the peers
-    /// see the connections end now, not after their timeouts.
-    fn shut_down(&mut self) {
+    /// The service stops: its callers' files die with it, so every file is released
+    /// here as at a close, and what that sends (DREQs, REJs) leaves before the device
+    /// is dropped: the peers see the connections end now, not after their timeouts.
+    /// Every blocked GET_EVENT and MIGRATE_ID fails with ENODEV and every armed poller
+    /// is woken (into `out`); the files are then answered until they close
+    /// ([`Closing`]).
+    fn shut_down(&mut self, out: &mut Vec<Reply>) -> Closing {
+        out.extend(
+            self.cma
+                .take_poll_handles()
+                .into_iter()
+                .map(Reply::notify_poll),
+        );
+        for w in self.waiters.drain().flat_map(|(_, q)| q) {
+            out.push(Reply::error(w.unique, errno::ENODEV));
+        }
+        for m in self.migrations.drain(..) {
+            out.push(Reply::error(m.unique, errno::ENODEV));
+        }
         let now = self.dev.now();
         let mut env = Env {
             agent: self.dev.agent_mut(),
@@ -700,7 +749,8 @@ impl<T: Transport> Core<'_, T> {
         let files = self.cma.release_all(&mut env);
         let ids = self.cma.stats().released_ids;
         let flushed = self.dev.flush(Duration::from_secs(2));
-        tracing::info!(files, released_ids = ids, flushed = ?flushed.ok(), "stopped serving: every file released");
+        tracing::info!(files = files.len(), released_ids = ids, flushed = ?flushed.ok(), "stopped serving: every file released");
+        Closing::new(files, Instant::now(), CLOSE_GRACE)
     }
 
     /// The device thread sleeps past what the agent or a resolution needs now: MADs to
@@ -835,12 +885,7 @@ impl<T: Transport> Core<'_, T> {
             Ok(x) => x,
             Err(_) => {
                 self.stats.bad_requests += 1;
-                // Answer what can be answered, so no caller hangs on it.
-                if b.len() >= 16 {
-                    let mut u = [0u8; 8];
-                    u.copy_from_slice(&b[8..16]);
-                    out.push(Reply::error(u64::from_le_bytes(u), errno::EINVAL));
-                }
+                out.extend(Reply::to_unreadable(b, errno::EINVAL));
                 return Then::Nothing;
             }
         };
