@@ -798,6 +798,14 @@ def peer_clear_after(k, t0, timeout=60):
     return None
 
 
+def keeper_count(vm):
+    """How many pvcm-guestd keepers run in vm (`pvcm-guestd keep`, service/keeper.rs)."""
+    _, out = vm.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' <$f 2>/dev/null; echo; "
+                    "done | grep -c '^pvcm-guestd keep '", 30)
+    counts = re.findall(r"^(\d+)$", out, re.M)
+    return int(counts[-1]) if counts else 0
+
+
 def host_drop(backend, reason):
     """The backend's host-wide drops of one reason."""
     return backend.stat_json().get("host", {}).get("drops", {}).get(reason, 0)
@@ -806,9 +814,10 @@ def host_drop(backend, reason):
 def guestd_restart(k, a, guestd, backend):
     """Section 9: pvcm-guestd stopped under running programs, then started again. With
     SIGTERM the programs' files fail (never hang) and the service's own DREQs end their
-    connections at the kernel peer at once; killed with SIGKILL, the backend ends them
-    on the VM's behalf as soon as the service starts again. Programs started after a
-    restart work. Returns the new pvcm-guestd job."""
+    connections at the kernel peer at once; its main process killed with SIGKILL, its
+    keeper fails the programs' files, and the backend ends their connections on the
+    VM's behalf as soon as the service starts again. Programs started after a restart
+    work. Returns the new pvcm-guestd job."""
     ksrv, client = rping_running(k, a, 7561)
     waiting = a.spawn("rping -s -v -a 10.99.0.11 -p 7562")
     up = nonlisteners(k)
@@ -834,10 +843,12 @@ def guestd_restart(k, a, guestd, backend):
         if not j.done():
             j.kill("KILL")
     figures = ", ".join(f"{n} {t:.1f} s" for n, t in ends.items())
-    result("pvcm-guestd stopped (SIGTERM): a's programs end with an error, none hangs",
+    keepers = keeper_count(a)
+    result("pvcm-guestd stopped (SIGTERM): a's programs end with an error, none hangs, "
+           "and the service's keeper is gone with it",
            "client" in ends and "waiting server" in ends
-           and client.wait(10) != 0 and waiting.wait(10) != 0,
-           f"stopped in {stopped:.1f} s; ended after: {figures}; client: "
+           and client.wait(10) != 0 and waiting.wait(10) != 0 and keepers == 0,
+           f"stopped in {stopped:.1f} s; keepers left {keepers}; ended after: {figures}; client: "
            f"{short(client.text().strip().splitlines()[-1] if client.text().strip() else '', 120)}")
     peer = ends.get("peer")
     result("SIGTERM: the kernel peer loses the VM's connection at once (the service's DREQ "
@@ -845,17 +856,37 @@ def guestd_restart(k, a, guestd, backend):
            f"k's connected ids gone after {peer:.1f} s" if peer is not None else "still there after 60 s")
     ksrv.kill("KILL")
     guestd = start_guestd(a)
-    # Killed outright: nothing is sent; the next start of the service ends what it held.
+    # Killed outright (its main process only, as `kill -9` or the OOM killer would):
+    # nothing is sent, but its keeper wakes the programs' pollers and answers their
+    # files, so they end at once, whether they read the CM channel in a blocking call
+    # (rping of rdma-core 44) or wait in poll() for POLLIN (59 and later); the next start
+    # of the service ends what it held.
     ksrv, client = rping_running(k, a, 7564)
-    guestd.kill("KILL")
-    client.wait(30)
-    time.sleep(3)
+    keepers = keeper_count(a)
+    guestd.kill("KILL", group=False)
+    t_kill = time.monotonic()
+    ended = keeper_gone = None
+    while time.monotonic() - t_kill < 30 and (ended is None or keeper_gone is None):
+        if ended is None and client.done():
+            ended = time.monotonic() - t_kill
+        if keeper_gone is None and keeper_count(a) == 0:
+            keeper_gone = time.monotonic() - t_kill
+        time.sleep(0.5)
+    if ended is None:
+        client.kill("KILL")
+    result("SIGKILL of the service's main process: its keeper wakes the running rping "
+           "client, which ends with an error, and then exits",
+           keepers == 1 and ended is not None and ended < 10 and keeper_gone is not None,
+           f"keepers while running {keepers}; client ended "
+           + (f"{ended:.1f} s after the kill" if ended is not None else "never (killed)")
+           + "; keeper gone " + (f"after {keeper_gone:.1f} s" if keeper_gone is not None
+                                 else "never"))
+    time.sleep(1)
     held = len(nonlisteners(k))
     absorbed = host_drop(backend, "absorbed")
     t0 = time.monotonic()
     guestd = start_guestd(a)
     peer = peer_clear_after(k, t0)
-    time.sleep(1)
     EXPECTED_DROPS["absorbed"] = (EXPECTED_DROPS.get("absorbed", 0)
                                   + host_drop(backend, "absorbed") - absorbed)
     result("SIGKILL: the kernel peer keeps the connection until the service starts again, "

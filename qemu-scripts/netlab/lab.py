@@ -159,8 +159,9 @@ class Job:
             time.sleep(0.1)
         return int(self._pid.read_text().strip())
 
-    def kill(self, sig="TERM"):
-        """Send sig to its process group (the job runs in a session of its own)."""
+    def kill(self, sig="TERM", group=True):
+        """Send sig to its process group (the job runs in a session of its own), or with
+        group=False to its first process only."""
         for _ in range(50):
             if self._pid.exists() or self.done():
                 break
@@ -168,7 +169,8 @@ class Job:
         if self.done() or not self._pid.exists():
             return
         pid = self._pid.read_text().strip()
-        self.guest.run(f"kill -{sig} -{pid} 2>/dev/null || kill -{sig} {pid} 2>/dev/null; true", 30)
+        target = f"-{pid} 2>/dev/null || kill -{sig} {pid}" if group else pid
+        self.guest.run(f"kill -{sig} {target} 2>/dev/null; true", 30)
 
 
 class LocalJob(Job):
@@ -200,10 +202,11 @@ class LocalJob(Job):
     def text(self):
         return self.guest.run(f"cat {self.base}.out 2>/dev/null", 60)[1]
 
-    def kill(self, sig="TERM"):
+    def kill(self, sig="TERM", group=True):
         b = self.base
-        self.guest.run(f"[ -e {b}.rc ] || {{ p=$(cat {b}.pid 2>/dev/null) && "
-                       f"{{ kill -{sig} -$p 2>/dev/null || kill -{sig} $p 2>/dev/null; }}; }}; true",
+        target = f"{{ kill -{sig} -$p 2>/dev/null || kill -{sig} $p 2>/dev/null; }}" if group \
+            else f"kill -{sig} $p 2>/dev/null"
+        self.guest.run(f"[ -e {b}.rc ] || {{ p=$(cat {b}.pid 2>/dev/null) && {target}; }}; true",
                        30)
 
 

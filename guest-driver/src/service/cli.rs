@@ -93,6 +93,13 @@ enum Sub {
         #[arg(long)]
         json: bool,
     },
+    /// The device's keeper, started by the service itself (see `service/keeper.rs`).
+    #[command(hide = true)]
+    Keep {
+        /// The service's pid.
+        #[arg(long)]
+        parent: i32,
+    },
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -115,6 +122,15 @@ pub fn main() -> ExitCode {
         return stat(control, *json);
     }
     pvcm_log::init(cli.log_format);
+    if let Some(Sub::Keep { parent }) = &cli.cmd {
+        return match super::keeper::keep(*parent) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = %e, "the keeper failed");
+                ExitCode::from(1)
+            }
+        };
+    }
     match serve(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -162,10 +178,13 @@ pub fn stop_on_signals() -> &'static AtomicBool {
 
 /// Serves the rdma_cm device for a started pvcm device until `stop` is set: finds the
 /// VM's RDMA port for the device's GID, answers CUSE's handshake, runs the loop.
+/// `keeper`: the executable whose `keep` subcommand keeps the device
+/// ([`super::keeper`]), `None` for none.
 pub fn serve_on<T: Transport + Send>(
     dev: &mut Device<T, SystemClock>,
     args: &ServiceArgs,
     stop: &'static AtomicBool,
+    keeper: Option<&str>,
 ) -> Result<(), GuestdError> {
     let gid = dev.port_info().gid;
     let port = find_port(&args.rdma_sysfs, gid, Duration::from_secs(args.gid_wait))?;
@@ -195,6 +214,7 @@ pub fn serve_on<T: Transport + Send>(
             Duration::from_millis(500),
         )),
         threads: args.threads.map_or_else(default_threads, usize::from),
+        keeper: keeper.map(str::to_owned),
     };
     let mut server = Server::start(dev, cma, &opts, stop)?;
     tracing::info!(
@@ -212,7 +232,13 @@ pub fn serve_on<T: Transport + Send>(
 fn serve(cli: &GuestdCli) -> Result<(), GuestdError> {
     let stop = stop_on_signals();
     let mut dev = cli.dev.open(None, None)?;
-    serve_on(&mut dev, &cli.service, stop)
+    // The keeper is this executable: by its path while that is still it (an upgrade
+    // may have replaced or removed it since), else through /proc/self/exe.
+    let exe = std::env::current_exe()
+        .ok()
+        .filter(|p| p.is_file())
+        .map_or_else(|| "/proc/self/exe".to_owned(), |p| p.display().to_string());
+    serve_on(&mut dev, &cli.service, stop, Some(&exe))
 }
 
 /// Tells systemd the service is ready (`NOTIFY_SOCKET`), when it asked.

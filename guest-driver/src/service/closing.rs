@@ -17,11 +17,12 @@
 //! A service killed outright (SIGKILL, a crash) cannot do this: FUSE's abort does not
 //! wake a file's pollers, so such a program waits on until something else wakes it.
 
-use std::collections::BTreeSet;
+use std::io;
 use std::time::{Duration, Instant};
 
-use super::cma::{Fh, errno};
-use super::cuse::{Reply, Request};
+use super::cma::errno;
+use super::cuse::{CuseDev, READ_BUFFER, Reply, Request};
+use crate::transport::poll_readable;
 
 /// How long the service keeps answering its callers' files after a stop.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -29,8 +30,9 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// The files of a stopped service, answered until they are released.
 #[derive(Debug)]
 pub struct Closing {
-    /// The files open at the stop and not yet released.
-    open: BTreeSet<Fh>,
+    /// Files open at the stop and not yet released (CUSE sends one RELEASE per file
+    /// it opened; files opened after the stop fail to open and send none).
+    open: usize,
     /// When the service exits whatever is still open.
     until: Instant,
     /// Requests answered while closing.
@@ -38,10 +40,10 @@ pub struct Closing {
 }
 
 impl Closing {
-    /// Closing the files `open` (released by the stop), until `now + grace` at most.
-    pub fn new(open: impl IntoIterator<Item = Fh>, now: Instant, grace: Duration) -> Closing {
+    /// Closing `open` files, until `now + grace` at most.
+    pub fn new(open: usize, now: Instant, grace: Duration) -> Closing {
         Closing {
-            open: open.into_iter().collect(),
+            open,
             until: now + grace,
             answered: 0,
         }
@@ -49,7 +51,7 @@ impl Closing {
 
     /// The service may exit: every file is released, or the grace is over.
     pub fn done(&self, now: Instant) -> bool {
-        self.open.is_empty() || now >= self.until
+        self.open == 0 || now >= self.until
     }
 
     /// How long is left of the grace.
@@ -59,7 +61,7 @@ impl Closing {
 
     /// How many files are still open.
     pub fn still_open(&self) -> usize {
-        self.open.len()
+        self.open
     }
 
     /// The answer to one request read from CUSE while closing (`None`: none is due,
@@ -74,8 +76,8 @@ impl Closing {
                 h.unique,
                 (libc::POLLIN | libc::POLLRDNORM | libc::POLLERR) as u32,
             ),
-            Request::Release { fh } => {
-                self.open.remove(&fh);
+            Request::Release { .. } => {
+                self.open = self.open.saturating_sub(1);
                 Reply::empty(h.unique)
             }
             Request::Interrupt { .. } => return None,
@@ -88,9 +90,25 @@ impl Closing {
     }
 }
 
+/// Answers `cuse`'s requests as `closing` says until it is done.
+pub fn serve(cuse: &CuseDev, closing: &mut Closing) -> io::Result<()> {
+    cuse.set_blocking(false)?;
+    let mut buf = vec![0u8; READ_BUFFER];
+    while !closing.done(Instant::now()) {
+        poll_readable(&[], &[cuse.fd()], closing.left(Instant::now()))?;
+        while let Some(n) = cuse.read(&mut buf)? {
+            if let Some(r) = closing.answer(&buf[..n]) {
+                cuse.write(r.bytes())?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::cma::Fh;
     use crate::service::cuse::{op, request_bytes};
 
     /// (error, unique, the first argument word) of an answer.
@@ -110,7 +128,7 @@ mod tests {
     #[test]
     fn a_poll_is_readable_and_a_command_fails_with_enodev() {
         let t = Instant::now();
-        let mut c = Closing::new([3, 4], t, CLOSE_GRACE);
+        let mut c = Closing::new(2, t, CLOSE_GRACE);
         let poll = c
             .answer(&request_bytes(op::POLL, 7, &with_fh(3, 16)))
             .unwrap();
@@ -136,25 +154,24 @@ mod tests {
     #[test]
     fn it_ends_when_every_file_is_released_or_the_grace_is_over() {
         let t = Instant::now();
-        let mut c = Closing::new([3, 4], t, CLOSE_GRACE);
+        let mut c = Closing::new(2, t, CLOSE_GRACE);
         assert!(!c.done(t));
         let r = c.answer(&request_bytes(op::RELEASE, 11, &with_fh(3, 16)));
         assert_eq!(r.map(|r| read(&r).0), Some(0));
         assert_eq!(c.still_open(), 1);
         assert!(!c.done(t + CLOSE_GRACE / 2));
         assert!(c.done(t + CLOSE_GRACE));
-        // A file released twice, or one never known, changes nothing.
-        c.answer(&request_bytes(op::RELEASE, 12, &with_fh(3, 16)));
-        c.answer(&request_bytes(op::RELEASE, 13, &with_fh(99, 16)));
-        assert_eq!(c.still_open(), 1);
         c.answer(&request_bytes(op::RELEASE, 14, &with_fh(4, 16)));
         assert!(c.done(t));
-        assert!(Closing::new([], t, CLOSE_GRACE).done(t));
+        // One more release (none is due) does not wrap around.
+        c.answer(&request_bytes(op::RELEASE, 15, &with_fh(5, 16)));
+        assert_eq!(c.still_open(), 0);
+        assert!(Closing::new(0, t, CLOSE_GRACE).done(t));
     }
 
     #[test]
     fn a_request_it_cannot_read_is_answered_when_it_names_itself() {
-        let mut c = Closing::new([3], Instant::now(), CLOSE_GRACE);
+        let mut c = Closing::new(1, Instant::now(), CLOSE_GRACE);
         let mut b = request_bytes(op::WRITE, 21, &[0; 4]);
         let r = c.answer(&b).unwrap();
         assert_eq!(read(&r).0, -libc::EINVAL);

@@ -392,6 +392,24 @@ impl CuseDev {
         Ok(CuseDev { fd: f.into() })
     }
 
+    /// A `/dev/cuse` descriptor opened elsewhere (the keeper's, passed by the service).
+    pub fn from_fd(fd: OwnedFd) -> CuseDev {
+        CuseDev { fd }
+    }
+
+    /// The kernel has ended this connection (`poll()` gives POLLERR): the device is
+    /// gone, or was refused at CUSE_INIT (its name taken).
+    pub fn ended(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, live across the call; a zero timeout.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r > 0 && p.revents & libc::POLLERR != 0
+    }
+
     /// The descriptor, for poll.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()

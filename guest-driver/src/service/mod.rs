@@ -18,6 +18,8 @@
 //!   service threads.
 //! - [`closing`]: what the callers' files answer after the service stops, until they
 //!   are closed.
+//! - [`keeper`]: a second process holding the device, which answers the callers' files
+//!   when the service is killed outright.
 //! - [`server`]: the threads joining CUSE, the rdma_cm layer and the pvcm device.
 //! - [`client`]: the other end: a client of the rdma_cm device, as librdmacm writes to
 //!   it (`pvcm-guest` runs its commands through it while the service owns the device).
@@ -29,6 +31,7 @@ pub mod client;
 pub mod closing;
 pub mod cma;
 pub mod cuse;
+pub mod keeper;
 pub mod lanes;
 pub mod mcast;
 pub mod neigh;

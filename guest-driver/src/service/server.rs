@@ -45,7 +45,7 @@
 //! signal ends the device thread's sleep); it stops the workers ([`WORKER_KICK`] ends
 //! their reads) and then releases every file ([`Server::run`]), fails the blocked
 //! GET_EVENTs, wakes the pollers and answers the files until they close
-//! ([`Closing`]).
+//! ([`Closing`]). A service killed outright leaves that to its [`Keeper`].
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write as _;
@@ -61,9 +61,10 @@ use serde_json::{Value, json};
 
 use super::abi::{cmd, event};
 use super::caller::ProcessMemory;
-use super::closing::{CLOSE_GRACE, Closing};
+use super::closing::{self, CLOSE_GRACE, Closing};
 use super::cma::{Caller, Cma, Env, Fh, Outcome, errno};
 use super::cuse::{self, CuseDev, READ_BUFFER, Reply, Request};
+use super::keeper::Keeper;
 use super::lanes::Lanes;
 use super::signals::{self, Answer, Reason, ThreadSignals};
 use super::verbs::PortWatch;
@@ -223,6 +224,9 @@ pub struct ServerOptions {
     pub watch: Option<PortWatch>,
     /// Threads reading requests (1: one thread does everything).
     pub threads: usize,
+    /// The executable to start as the device's keeper (`EXE keep`, [`Keeper`]);
+    /// `None`: no keeper.
+    pub keeper: Option<String>,
 }
 
 impl Default for ServerOptions {
@@ -232,6 +236,7 @@ impl Default for ServerOptions {
             devname: "infiniband/rdma_cm".into(),
             mode: 0o666,
             control: Some(PathBuf::from("/run/pvcm-guestd.sock")),
+            keeper: None,
             watch: None,
             threads: default_threads(),
         }
@@ -274,6 +279,8 @@ struct Core<'d, T: Transport> {
     early: EarlyInterrupts,
     /// The device thread sleeps until then (`None`: it is awake).
     sleeping_until: Option<Time>,
+    /// The device's keeper, told the poll handles and the open files.
+    keeper: Option<Keeper>,
     /// The device thread's sleep watches the resolutions' neighbour socket.
     sleep_watches_neigh: bool,
 }
@@ -323,11 +330,14 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         opts: &ServerOptions,
         stop: &'static AtomicBool,
     ) -> Result<Server<'d, T>, ServiceError> {
-        let cuse = CuseDev::open(&opts.cuse).map_err(io_err(format!(
-            "opening {} (modprobe cuse)",
-            opts.cuse.display()
-        )))?;
-        handshake(&cuse, &opts.devname)?;
+        let cuse = register(opts)?;
+        let keeper = opts.keeper.as_deref().and_then(|exe| {
+            Keeper::spawn(exe, &cuse)
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "no keeper: if the service is killed outright, programs waiting in poll() are not woken")
+                })
+                .ok()
+        });
         let node = Path::new("/dev").join(&opts.devname);
         let rdev = wait_for_node(&node, opts.mode);
         let control = match &opts.control {
@@ -367,6 +377,7 @@ impl<'d, T: Transport + Send> Server<'d, T> {
                 lanes: Lanes::default(),
                 early: EarlyInterrupts::default(),
                 sleeping_until: None,
+                keeper,
                 sleep_watches_neigh: false,
                 watch: opts.watch.clone(),
                 next_watch: Instant::now(),
@@ -404,30 +415,16 @@ impl<'d, T: Transport + Send> Server<'d, T> {
         let mut out = Vec::new();
         let closing = self.lock().shut_down(&mut out);
         let closed = self.send(&out).and_then(|()| self.serve_closing(closing));
+        // Ended cleanly: the keeper has nothing to do.
+        drop(self.lock().keeper.take());
         r.and(closed)
     }
 
     /// Answers the callers' files of a stopped service until every one is released or
     /// the grace is over ([`Closing`]).
     fn serve_closing(&self, mut closing: Closing) -> Result<(), ServiceError> {
-        self.cuse
-            .set_blocking(false)
-            .map_err(io_err("making /dev/cuse reads non-blocking"))?;
-        let mut buf = vec![0u8; READ_BUFFER];
-        let fd = self.cuse.fd();
-        while !closing.done(Instant::now()) {
-            poll_readable(&[], &[fd], closing.left(Instant::now()))
-                .map_err(io_err("waiting on /dev/cuse"))?;
-            while let Some(n) = self
-                .cuse
-                .read(&mut buf)
-                .map_err(io_err("reading /dev/cuse"))?
-            {
-                if let Some(r) = closing.answer(&buf[..n]) {
-                    self.send(&[r])?;
-                }
-            }
-        }
+        closing::serve(&self.cuse, &mut closing)
+            .map_err(io_err("answering /dev/cuse after the stop"))?;
         tracing::info!(
             answered = closing.answered,
             still_open = closing.still_open(),
@@ -750,7 +747,7 @@ impl<T: Transport> Core<'_, T> {
         let ids = self.cma.stats().released_ids;
         let flushed = self.dev.flush(Duration::from_secs(2));
         tracing::info!(files = files.len(), released_ids = ids, flushed = ?flushed.ok(), "stopped serving: every file released");
-        Closing::new(files, Instant::now(), CLOSE_GRACE)
+        Closing::new(files.len(), Instant::now(), CLOSE_GRACE)
     }
 
     /// The device thread sleeps past what the agent or a resolution needs now: MADs to
@@ -901,11 +898,17 @@ impl<T: Transport> Core<'_, T> {
             }
             Request::Open { .. } => {
                 let fh = self.cma.open();
+                if let Some(k) = &self.keeper {
+                    k.set_open(self.cma.files());
+                }
                 out.push(Reply::open(h.unique, fh));
             }
             Request::Poll { fh, kh, flags, .. } => {
                 if flags & cuse::FUSE_POLL_SCHEDULE_NOTIFY != 0 {
                     self.cma.set_poll_handle(fh, kh);
+                    if let Some(k) = &self.keeper {
+                        k.saw_poll(kh);
+                    }
                 }
                 let ready = if self.cma.has_events(fh) {
                     (libc::POLLIN | libc::POLLRDNORM) as u32
@@ -964,6 +967,9 @@ impl<T: Transport> Core<'_, T> {
                     now,
                 };
                 self.cma.release(fh, &mut env);
+                if let Some(k) = &self.keeper {
+                    k.set_open(self.cma.files());
+                }
                 out.push(Reply::empty(h.unique));
                 Then::Nothing
             }
@@ -1294,6 +1300,38 @@ pub fn pvcm_stat_json(p: &PortInfo, port_up: bool, agent: &Agent) -> Value {
 }
 
 /// Answers the kernel's CUSE_INIT (its first request), which creates the node.
+/// How long the service waits for the node's name to be free (a dead service's
+/// keeper holds it for up to [`CLOSE_GRACE`]).
+const NAME_WAIT: Duration = Duration::from_secs(10);
+
+/// Opens CUSE and creates the node: again while another device holds the name (the
+/// kernel then ends the new connection at once), for up to [`NAME_WAIT`].
+fn register(opts: &ServerOptions) -> Result<CuseDev, ServiceError> {
+    let until = Instant::now() + NAME_WAIT;
+    let mut told = false;
+    loop {
+        let cuse = CuseDev::open(&opts.cuse).map_err(io_err(format!(
+            "opening {} (modprobe cuse)",
+            opts.cuse.display()
+        )))?;
+        handshake(&cuse, &opts.devname)?;
+        if !cuse.ended() {
+            return Ok(cuse);
+        }
+        if Instant::now() >= until {
+            return Err(ServiceError::Handshake(format!(
+                "the kernel refused /dev/{}: another device has that name",
+                opts.devname
+            )));
+        }
+        if !told {
+            tracing::info!(node = %format_args!("/dev/{}", opts.devname), "another device has the name (a stopped service's keeper?): waiting for it to go");
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn handshake(cuse: &CuseDev, devname: &str) -> Result<(), ServiceError> {
     let mut buf = vec![0u8; READ_BUFFER];
     for _ in 0..500 {

@@ -106,7 +106,7 @@ pub fn run(a: &AttachCli) -> ExitCode {
             Ok(code) => code,
             Err(e) => cli::report_error("pvcm-lab attach", &e, out),
         },
-        AttachCmd::Guestd(args) => match serve_on(&mut vm.dev, args, stop_on_signals()) {
+        AttachCmd::Guestd(args) => match serve_on(&mut vm.dev, args, stop_on_signals(), None) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("pvcm-lab attach guestd: error: {e}");
