@@ -22,7 +22,9 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, RawFd};
 
-use super::netlink::{Attrs, End, NetlinkError, Socket, Step, messages, request, u16_at, u32_at};
+use super::netlink::{
+    Attrs, End, NO_ATTRS, NetlinkError, Socket, Step, messages, request, u16_at, u32_at,
+};
 
 /// `NUD_*` neighbour states (linux/neighbour.h).
 pub mod nud {
@@ -253,7 +255,7 @@ pub fn solicit_request(seq: u32, ifindex: u32, addr: IpAddr) -> Vec<u8> {
 pub fn link_request(seq: u32, ifindex: u32) -> Vec<u8> {
     let mut body = [0u8; IFINFOMSG_LEN];
     body[4..8].copy_from_slice(&(ifindex as i32).to_ne_bytes());
-    request(rtm::GETLINK, 0, seq, &body, &[] as &[(u16, &[u8])])
+    request(rtm::GETLINK, 0, seq, &body, NO_ATTRS)
 }
 
 fn ndmsg(family: u8, ifindex: u32, state: u16, flags: u8) -> [u8; NDMSG_LEN] {

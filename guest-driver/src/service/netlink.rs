@@ -80,6 +80,9 @@ pub fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     ))
 }
 
+/// No attributes, for [`request`].
+pub const NO_ATTRS: &[(u16, &[u8])] = &[];
+
 /// A request: the header (`NLM_F_REQUEST` added to `flags`, the other `NLM_F_*`), the
 /// family message `body`, then the attributes, each padded to 4 bytes.
 pub fn request<A: AsRef<[u8]>>(
@@ -593,15 +596,7 @@ mod tests {
         let mut links = 0;
         let end = s
             .request(
-                |seq| {
-                    request(
-                        18,
-                        libc::NLM_F_DUMP as u16,
-                        seq,
-                        &[0u8; 16],
-                        &[] as &[(u16, &[u8])],
-                    )
-                },
+                |seq| request(18, libc::NLM_F_DUMP as u16, seq, &[0u8; 16], NO_ATTRS),
                 |m| {
                     links += usize::from(m.kind == 16);
                     Ok(Step::More)
@@ -614,7 +609,7 @@ mod tests {
         let mut body = [0u8; 16];
         body[4..8].copy_from_slice(&i32::MAX.to_ne_bytes());
         let e = s.request(
-            |seq| request(18, 0, seq, &body, &[] as &[(u16, &[u8])]),
+            |seq| request(18, 0, seq, &body, NO_ATTRS),
             |_| Ok(Step::More),
         );
         assert!(

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use super::netlink::{Attrs, Msg, NetlinkError, Socket, Step, request};
+use super::netlink::{Attrs, Msg, NO_ATTRS, NetlinkError, Socket, Step, request};
 
 /// `NETLINK_RDMA`.
 const NETLINK_RDMA: i32 = 20;
@@ -67,15 +67,7 @@ pub fn registered_devices() -> Result<BTreeMap<String, u32>, NldevError> {
     let mut sock = Socket::open(NETLINK_RDMA, 0)?;
     let mut devices = BTreeMap::new();
     sock.request(
-        |seq| {
-            request(
-                NLDEV_GET,
-                libc::NLM_F_DUMP as u16,
-                seq,
-                &[],
-                &[] as &[(u16, &[u8])],
-            )
-        },
+        |seq| request(NLDEV_GET, libc::NLM_F_DUMP as u16, seq, &[], NO_ATTRS),
         |m| {
             devices.extend(device(m));
             Ok(Step::More)
