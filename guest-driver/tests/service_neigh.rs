@@ -7,9 +7,9 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use pvcm_guest::service::neigh::{
-    self, Attempt, Lookup, NeighError, Netlink, any_valid, error_of, messages, nud,
-    parse_link_flags, parse_neigh, parse_route, rtm,
+    self, Attempt, Lookup, Netlink, any_valid, nud, parse_link_flags, parse_neigh, parse_route, rtm,
 };
+use pvcm_guest::service::netlink::{NetlinkError, error_of, messages};
 
 /// An rtattr: length, type, value, padding to 4.
 fn attr(t: u16, v: &[u8]) -> Vec<u8> {
@@ -142,10 +142,10 @@ fn bad_answers_are_errors() {
     // A message longer than the datagram, one shorter than its header.
     let mut m = nlmsg(rtm::NEWROUTE, 1, &route_answer());
     m.truncate(m.len() - 4);
-    assert!(matches!(messages(&m), Err(NeighError::Malformed(_))));
+    assert!(matches!(messages(&m), Err(NetlinkError::Malformed(_))));
     let mut short = nlmsg(rtm::NEWROUTE, 1, &[]);
     short[0..4].copy_from_slice(&8u32.to_ne_bytes());
-    assert!(matches!(messages(&short), Err(NeighError::Malformed(_))));
+    assert!(matches!(messages(&short), Err(NetlinkError::Malformed(_))));
     // An attribute longer than what is left; an rtmsg cut short.
     let mut p = route_answer();
     let n = p.len();
@@ -162,7 +162,7 @@ fn bad_answers_are_errors() {
     );
     assert_eq!(error_of(&0i32.to_ne_bytes()).unwrap(), 0);
     assert_eq!(
-        NeighError::Kernel(libc::ENETUNREACH).errno(),
+        NetlinkError::Kernel(libc::ENETUNREACH).errno(),
         libc::ENETUNREACH
     );
 }

@@ -16,7 +16,8 @@ use pvcm_guest::service::abi::{
 use pvcm_guest::service::caller::FakeMemory;
 use pvcm_guest::service::cma::errno;
 use pvcm_guest::service::cma::{Caller, Cma, Env, Fh, Outcome};
-use pvcm_guest::service::neigh::{Lookup, NeighError, Neighbour, Route, iff, nud};
+use pvcm_guest::service::neigh::{Lookup, Neighbour, Route, iff, nud};
+use pvcm_guest::service::netlink::NetlinkError;
 use pvcm_guest::service::verbs::{NO_DEVICE_INDEX, RdmaPort};
 use pvcm_guest::time::Time;
 use pvcm_wire::Gid;
@@ -100,12 +101,12 @@ impl LabNet {
 }
 
 impl Lookup for LabNet {
-    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NeighError> {
+    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NetlinkError> {
         let mut st = self.0.lock().unwrap();
         st.routes.push((dst, src));
         let own = st.own;
         if st.unreachable.contains(&dst) {
-            return Err(NeighError::Kernel(errno::EHOSTUNREACH));
+            return Err(NetlinkError::Kernel(errno::EHOSTUNREACH));
         }
         let local = |src| Route {
             kind: 2,
@@ -138,11 +139,11 @@ impl Lookup for LabNet {
             {
                 Ok(nic(None))
             }
-            _ => Err(NeighError::Kernel(errno::ENETUNREACH)),
+            _ => Err(NetlinkError::Kernel(errno::ENETUNREACH)),
         }
     }
 
-    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NeighError> {
+    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NetlinkError> {
         Ok(if ifindex == LO {
             iff::UP | iff::LOOPBACK
         } else {
@@ -150,7 +151,7 @@ impl Lookup for LabNet {
         })
     }
 
-    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NeighError> {
+    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NetlinkError> {
         let st = self.0.lock().unwrap();
         Ok(st.neigh.get(&(ifindex, addr)).map(|&state| Neighbour {
             state,
@@ -158,7 +159,7 @@ impl Lookup for LabNet {
         }))
     }
 
-    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NeighError> {
+    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NetlinkError> {
         let mut st = self.0.lock().unwrap();
         st.solicited.push((ifindex, addr));
         // A multicast group's entry is created NOARP (arp_constructor).

@@ -8,6 +8,8 @@
 //! - [`caller`]: the calling process's memory, where answers go.
 //! - [`verbs`]: the VM's own RDMA device (the one whose GID is the pvcm GID), as
 //!   rdma_cm names it to librdmacm.
+//! - [`netlink`]: netlink sockets, messages and attributes, for [`nldev`] and
+//!   [`neigh`].
 //! - [`nldev`]: the RDMA devices the kernel has registered (RDMA netlink).
 //! - [`cma`]: the rdma_cm layer (ids, files, events) over the CM agent; pure.
 //! - [`mcast`]: the VM's IGMP memberships of the multicast groups its ids joined.
@@ -35,6 +37,7 @@ pub mod keeper;
 pub mod lanes;
 pub mod mcast;
 pub mod neigh;
+pub mod netlink;
 pub mod nldev;
 pub mod server;
 pub mod signals;

@@ -12,45 +12,19 @@
 //! solicitation, with the interface's probes and timers). A second socket, joined to
 //! RTNLGRP_NEIGH, tells when a neighbour becomes valid ([`Lookup::changed`]): the
 //! kernel's NETEVENT_NEIGH_UPDATE, after which every waiting resolution is tried again.
+//! The sockets, the exchange and the reading of messages and attributes are
+//! [`super::netlink`]'s; what the requests ask and what the answers mean are here.
 //!
 //! [`resolve`] is the kernel's rule over those answers. Waiting and timing out belong to
 //! the rdma_cm layer ([`super::cma`]): it keeps the resolutions that wait and tries them
 //! again on a change or at their deadline.
 
-use std::io;
-use std::mem::size_of;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 
-/// Errors of the netlink sockets.
-#[derive(Debug, thiserror::Error)]
-pub enum NeighError {
-    /// A socket call failed.
-    #[error("rtnetlink {what}: {err}")]
-    Socket {
-        /// What was being done.
-        what: &'static str,
-        /// The error.
-        err: io::Error,
-    },
-    /// The kernel answered with an error (a negative errno in NLMSG_ERROR).
-    #[error("rtnetlink: the kernel answered errno {0}")]
-    Kernel(i32),
-    /// An answer that could not be read.
-    #[error("rtnetlink: malformed answer: {0}")]
-    Malformed(&'static str),
-}
-
-impl NeighError {
-    /// The errno a resolution fails with.
-    pub fn errno(&self) -> i32 {
-        match self {
-            NeighError::Socket { err, .. } => err.raw_os_error().unwrap_or(libc::EIO),
-            NeighError::Kernel(e) => *e,
-            NeighError::Malformed(_) => libc::EIO,
-        }
-    }
-}
+use super::netlink::{
+    Attrs, End, NO_ATTRS, NetlinkError, Socket, Step, messages, request, u16_at, u32_at,
+};
 
 /// `NUD_*` neighbour states (linux/neighbour.h).
 pub mod nud {
@@ -128,13 +102,13 @@ impl Neighbour {
 pub trait Lookup: std::fmt::Debug + Send {
     /// The route from `src` (or from the address the route picks) to `dst`; the errno of
     /// the kernel's route lookup when there is none (ENETUNREACH, EHOSTUNREACH, ...).
-    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NeighError>;
+    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NetlinkError>;
     /// The `IFF_*` flags of an interface.
-    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NeighError>;
+    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NetlinkError>;
     /// The neighbour `addr` on `ifindex`; `None` when there is no entry.
-    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NeighError>;
+    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NetlinkError>;
     /// Starts resolving the neighbour (the kernel's `neigh_event_send()`).
-    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NeighError>;
+    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NetlinkError>;
     /// The descriptor that becomes readable when neighbours change, once there is one.
     fn fd(&self) -> Option<RawFd>;
     /// Reads what changed; whether a neighbour became valid since the last call.
@@ -193,15 +167,8 @@ pub fn resolve(net: &mut dyn Lookup, src: Option<IpAddr>, dst: IpAddr) -> Attemp
     }
 }
 
-// ------------------------------------------------------------ the netlink messages
+// ------------------------------------------------------------ the rtnetlink messages
 
-const NLMSG_HDRLEN: usize = 16;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_REPLACE: u16 = 0x100;
-const NLM_F_CREATE: u16 = 0x400;
 /// rtnetlink message types.
 pub mod rtm {
     /// RTM_NEWLINK.
@@ -247,30 +214,6 @@ fn addr_bytes(a: IpAddr) -> Vec<u8> {
     }
 }
 
-fn align4(n: usize) -> usize {
-    (n + 3) & !3
-}
-
-/// A request: the header, the family message `body`, then attributes.
-fn message(kind: u16, flags: u16, seq: u32, body: &[u8], attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
-    let mut b = vec![0u8; NLMSG_HDRLEN];
-    b.extend_from_slice(body);
-    b.resize(align4(b.len()), 0);
-    for (t, v) in attrs {
-        let len = 4 + v.len();
-        b.extend_from_slice(&(len as u16).to_ne_bytes());
-        b.extend_from_slice(&t.to_ne_bytes());
-        b.extend_from_slice(v);
-        b.resize(align4(b.len()), 0);
-    }
-    let total = b.len() as u32;
-    b[0..4].copy_from_slice(&total.to_ne_bytes());
-    b[4..6].copy_from_slice(&kind.to_ne_bytes());
-    b[6..8].copy_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
-    b[8..12].copy_from_slice(&seq.to_ne_bytes());
-    b
-}
-
 /// RTM_GETROUTE for `dst` (from `src` when given).
 pub fn route_request(seq: u32, dst: IpAddr, src: Option<IpAddr>) -> Vec<u8> {
     let bits = if dst.is_ipv4() { 32 } else { 128 };
@@ -282,12 +225,12 @@ pub fn route_request(seq: u32, dst: IpAddr, src: Option<IpAddr>) -> Vec<u8> {
         body[2] = bits;
         attrs.push((RTA_SRC, addr_bytes(s)));
     }
-    message(rtm::GETROUTE, 0, seq, &body, &attrs)
+    request(rtm::GETROUTE, 0, seq, &body, &attrs)
 }
 
 /// RTM_GETNEIGH for `addr` on `ifindex`.
 pub fn neigh_request(seq: u32, ifindex: u32, addr: IpAddr) -> Vec<u8> {
-    message(
+    request(
         rtm::GETNEIGH,
         0,
         seq,
@@ -299,9 +242,9 @@ pub fn neigh_request(seq: u32, ifindex: u32, addr: IpAddr) -> Vec<u8> {
 /// RTM_NEWNEIGH with `NTF_USE` for `addr` on `ifindex` (created when missing): the
 /// kernel runs `neigh_event_send()` on it, the resolution `dst_fetch_ha()` starts.
 pub fn solicit_request(seq: u32, ifindex: u32, addr: IpAddr) -> Vec<u8> {
-    message(
+    request(
         rtm::NEWNEIGH,
-        NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK,
+        (libc::NLM_F_CREATE | libc::NLM_F_REPLACE | libc::NLM_F_ACK) as u16,
         seq,
         &ndmsg(family(addr), ifindex, 0, NTF_USE),
         &[(NDA_DST, addr_bytes(addr))],
@@ -312,7 +255,7 @@ pub fn solicit_request(seq: u32, ifindex: u32, addr: IpAddr) -> Vec<u8> {
 pub fn link_request(seq: u32, ifindex: u32) -> Vec<u8> {
     let mut body = [0u8; IFINFOMSG_LEN];
     body[4..8].copy_from_slice(&(ifindex as i32).to_ne_bytes());
-    message(rtm::GETLINK, 0, seq, &body, &[])
+    request(rtm::GETLINK, 0, seq, &body, NO_ATTRS)
 }
 
 fn ndmsg(family: u8, ifindex: u32, state: u16, flags: u8) -> [u8; NDMSG_LEN] {
@@ -322,66 +265,6 @@ fn ndmsg(family: u8, ifindex: u32, state: u16, flags: u8) -> [u8; NDMSG_LEN] {
     b[8..10].copy_from_slice(&state.to_ne_bytes());
     b[10] = flags;
     b
-}
-
-/// One message of a netlink datagram: its type, sequence number and payload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Msg<'a> {
-    /// `nlmsg_type`.
-    pub kind: u16,
-    /// `nlmsg_seq`.
-    pub seq: u32,
-    /// What follows the header.
-    pub payload: &'a [u8],
-}
-
-fn ne_u16(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn ne_u32(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// The messages of a datagram; a truncated one ends the list with an error.
-pub fn messages(mut b: &[u8]) -> Result<Vec<Msg<'_>>, NeighError> {
-    let mut out = Vec::new();
-    while !b.is_empty() {
-        let len = ne_u32(b, 0).ok_or(NeighError::Malformed("short header"))? as usize;
-        if len < NLMSG_HDRLEN || len > b.len() {
-            return Err(NeighError::Malformed("bad message length"));
-        }
-        out.push(Msg {
-            kind: ne_u16(b, 4).unwrap_or_default(),
-            seq: ne_u32(b, 8).unwrap_or_default(),
-            payload: &b[NLMSG_HDRLEN..len],
-        });
-        b = &b[align4(len).min(b.len())..];
-    }
-    Ok(out)
-}
-
-/// The errno of an NLMSG_ERROR payload (0 for an acknowledgement).
-pub fn error_of(payload: &[u8]) -> Result<i32, NeighError> {
-    let e = ne_u32(payload, 0).ok_or(NeighError::Malformed("short NLMSG_ERROR"))? as i32;
-    Ok(-e)
-}
-
-/// The attributes after a family message of `skip` bytes.
-fn attrs(payload: &[u8], skip: usize) -> Result<Vec<(u16, &[u8])>, NeighError> {
-    let mut b = payload
-        .get(align4(skip)..)
-        .ok_or(NeighError::Malformed("short family message"))?;
-    let mut out = Vec::new();
-    while b.len() >= 4 {
-        let len = usize::from(ne_u16(b, 0).unwrap_or_default());
-        if len < 4 || len > b.len() {
-            return Err(NeighError::Malformed("bad attribute length"));
-        }
-        out.push((ne_u16(b, 2).unwrap_or_default() & 0x3FFF, &b[4..len]));
-        b = &b[align4(len).min(b.len())..];
-    }
-    Ok(out)
 }
 
 fn ip_of(family: u8, v: &[u8]) -> Option<IpAddr> {
@@ -397,16 +280,18 @@ fn ip_of(family: u8, v: &[u8]) -> Option<IpAddr> {
 
 /// `RTA_VIA`'s `struct rtvia`: a family, then the address.
 fn via_of(v: &[u8]) -> Option<IpAddr> {
-    let fam = ne_u16(v, 0)?;
+    let fam = u16_at(v, 0)?;
     ip_of(fam as u8, v.get(2..)?)
 }
 
 /// An RTM_NEWROUTE payload.
-pub fn parse_route(payload: &[u8]) -> Result<Route, NeighError> {
+pub fn parse_route(payload: &[u8]) -> Result<Route, NetlinkError> {
     let fam = *payload
         .first()
-        .ok_or(NeighError::Malformed("short rtmsg"))?;
-    let kind = *payload.get(7).ok_or(NeighError::Malformed("short rtmsg"))?;
+        .ok_or(NetlinkError::Malformed("short rtmsg"))?;
+    let kind = *payload
+        .get(7)
+        .ok_or(NetlinkError::Malformed("short rtmsg"))?;
     let mut r = Route {
         kind,
         ifindex: 0,
@@ -414,13 +299,14 @@ pub fn parse_route(payload: &[u8]) -> Result<Route, NeighError> {
         src: None,
     };
     let mut asked_src = None;
-    for (t, v) in attrs(payload, RTMSG_LEN)? {
-        match t {
-            RTA_OIF => r.ifindex = ne_u32(v, 0).unwrap_or_default(),
-            RTA_GATEWAY => r.gateway = ip_of(fam, v),
-            RTA_VIA => r.gateway = via_of(v),
-            RTA_PREFSRC => r.src = ip_of(fam, v),
-            RTA_SRC => asked_src = ip_of(fam, v),
+    for a in Attrs::after(payload, RTMSG_LEN)? {
+        let a = a?;
+        match a.kind {
+            RTA_OIF => r.ifindex = a.u32().unwrap_or_default(),
+            RTA_GATEWAY => r.gateway = ip_of(fam, a.value),
+            RTA_VIA => r.gateway = via_of(a.value),
+            RTA_PREFSRC => r.src = ip_of(fam, a.value),
+            RTA_SRC => asked_src = ip_of(fam, a.value),
             _ => {}
         }
     }
@@ -429,19 +315,20 @@ pub fn parse_route(payload: &[u8]) -> Result<Route, NeighError> {
 }
 
 /// An RTM_NEWNEIGH payload: its interface, its address and the entry.
-pub fn parse_neigh(payload: &[u8]) -> Result<(u32, Option<IpAddr>, Neighbour), NeighError> {
+pub fn parse_neigh(payload: &[u8]) -> Result<(u32, Option<IpAddr>, Neighbour), NetlinkError> {
     if payload.len() < NDMSG_LEN {
-        return Err(NeighError::Malformed("short ndmsg"));
+        return Err(NetlinkError::Malformed("short ndmsg"));
     }
     let fam = payload[0];
-    let ifindex = ne_u32(payload, 4).unwrap_or_default();
-    let state = ne_u16(payload, 8).unwrap_or_default();
+    let ifindex = u32_at(payload, 4).unwrap_or_default();
+    let state = u16_at(payload, 8).unwrap_or_default();
     let mut dst = None;
     let mut lladdr = None;
-    for (t, v) in attrs(payload, NDMSG_LEN)? {
-        match t {
-            NDA_DST => dst = ip_of(fam, v),
-            NDA_LLADDR => lladdr = Some(v.to_vec()),
+    for a in Attrs::after(payload, NDMSG_LEN)? {
+        let a = a?;
+        match a.kind {
+            NDA_DST => dst = ip_of(fam, a.value),
+            NDA_LLADDR => lladdr = Some(a.value.to_vec()),
             _ => {}
         }
     }
@@ -449,8 +336,8 @@ pub fn parse_neigh(payload: &[u8]) -> Result<(u32, Option<IpAddr>, Neighbour), N
 }
 
 /// An RTM_NEWLINK payload's `ifi_flags`.
-pub fn parse_link_flags(payload: &[u8]) -> Result<u32, NeighError> {
-    ne_u32(payload, 8).ok_or(NeighError::Malformed("short ifinfomsg"))
+pub fn parse_link_flags(payload: &[u8]) -> Result<u32, NetlinkError> {
+    u32_at(payload, 8).ok_or(NetlinkError::Malformed("short ifinfomsg"))
 }
 
 /// Whether a datagram of the neighbour group tells of a neighbour that became valid
@@ -469,77 +356,7 @@ pub fn any_valid(datagram: &[u8]) -> bool {
 /// opened at the first lookup.
 #[derive(Debug, Default)]
 pub struct Netlink {
-    socks: Option<(OwnedFd, OwnedFd)>,
-    seq: u32,
-    /// What the sockets read into (kept: the loop drains the group at every turn).
-    buf: Vec<u8>,
-}
-
-/// The receive buffer's size (the kernel's answers to these requests are far smaller;
-/// notifications come several to a datagram at most).
-const RECV_BUFFER: usize = 16384;
-
-fn socket(what: &'static str, groups: u32) -> Result<OwnedFd, NeighError> {
-    let err = |err| NeighError::Socket { what, err };
-    // SAFETY: socket(2) takes no pointers; its result is checked before use.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC | if groups != 0 { libc::SOCK_NONBLOCK } else { 0 },
-            libc::NETLINK_ROUTE,
-        )
-    };
-    if fd < 0 {
-        return Err(err(io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: an all-zero sockaddr_nl is a valid value (family set below).
-    let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-    sa.nl_family = libc::AF_NETLINK as u16;
-    sa.nl_groups = groups;
-    // SAFETY: `sa` is a sockaddr_nl that outlives the call; the length is its size.
-    let r = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&sa as *const libc::sockaddr_nl).cast(),
-            size_of::<libc::sockaddr_nl>() as u32,
-        )
-    };
-    if r < 0 {
-        return Err(err(io::Error::last_os_error()));
-    }
-    if groups == 0 {
-        // The kernel answers requests at once; the bound only guards a lost answer.
-        let tv = libc::timeval {
-            tv_sec: 1,
-            tv_usec: 0,
-        };
-        // SAFETY: `tv` is a timeval that outlives the call; the length is its size.
-        let r = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&tv as *const libc::timeval).cast(),
-                size_of::<libc::timeval>() as u32,
-            )
-        };
-        if r < 0 {
-            return Err(err(io::Error::last_os_error()));
-        }
-    }
-    Ok(fd)
-}
-
-fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is writable for its length for the duration of the call.
-    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+    socks: Option<(Socket, Socket)>,
 }
 
 impl Netlink {
@@ -548,16 +365,15 @@ impl Netlink {
         Netlink::default()
     }
 
-    fn request_fd(&mut self) -> Result<RawFd, NeighError> {
-        if self.socks.is_none() {
-            let req = socket("request socket", 0)?;
-            let mon = socket("neighbour group socket", RTMGRP_NEIGH)?;
-            self.socks = Some((req, mon));
-        }
-        match &self.socks {
-            Some((req, _)) => Ok(req.as_raw_fd()),
-            None => Err(NeighError::Malformed("no socket")),
-        }
+    fn requests(&mut self) -> Result<&mut Socket, NetlinkError> {
+        let socks = match self.socks.take() {
+            Some(s) => s,
+            None => (
+                Socket::open(libc::NETLINK_ROUTE, 0)?,
+                Socket::open(libc::NETLINK_ROUTE, RTMGRP_NEIGH)?,
+            ),
+        };
+        Ok(&mut self.socks.insert(socks).0)
     }
 
     /// Sends a request built by `build(seq)` and returns the payload of its answer of
@@ -566,76 +382,42 @@ impl Netlink {
         &mut self,
         build: impl FnOnce(u32) -> Vec<u8>,
         want: Option<u16>,
-    ) -> Result<Option<Vec<u8>>, NeighError> {
-        let fd = self.request_fd()?;
-        self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
-        let req = build(seq);
-        // SAFETY: `req` is readable for its length for the duration of the call; a
-        // netlink socket's send needs no address (it goes to the kernel).
-        let n = unsafe { libc::send(fd, req.as_ptr().cast(), req.len(), 0) };
-        if n < 0 {
-            return Err(NeighError::Socket {
-                what: "send",
-                err: io::Error::last_os_error(),
-            });
-        }
-        self.buf.resize(RECV_BUFFER, 0);
-        answer(fd, seq, want, &mut self.buf)
-    }
-}
-
-/// Reads from the request socket `fd` until the answer to request `seq`: the payload
-/// of its message of type `want`, or its acknowledgement (`None`), or its error.
-fn answer(
-    fd: RawFd,
-    seq: u32,
-    want: Option<u16>,
-    buf: &mut [u8],
-) -> Result<Option<Vec<u8>>, NeighError> {
-    loop {
-        let n = recv(fd, buf).map_err(|err| NeighError::Socket { what: "recv", err })?;
-        for m in messages(&buf[..n])? {
-            if m.seq != seq {
-                continue;
+    ) -> Result<Option<Vec<u8>>, NetlinkError> {
+        let mut got = None;
+        let end = self.requests()?.request(build, |m| {
+            if Some(m.kind) != want {
+                return Ok(Step::More);
             }
-            match m.kind {
-                NLMSG_ERROR => {
-                    let e = error_of(m.payload)?;
-                    return if e == 0 {
-                        Ok(None)
-                    } else {
-                        Err(NeighError::Kernel(e))
-                    };
-                }
-                NLMSG_DONE => return Err(NeighError::Malformed("no answer")),
-                k if Some(k) == want => return Ok(Some(m.payload.to_vec())),
-                _ => {}
-            }
+            got = Some(m.payload.to_vec());
+            Ok(Step::Stop)
+        })?;
+        match end {
+            End::Stopped | End::Ack => Ok(got),
+            End::Done => Err(NetlinkError::Malformed("no answer")),
         }
     }
 }
 
 impl Lookup for Netlink {
-    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NeighError> {
+    fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NetlinkError> {
         let p = self.ask(|s| route_request(s, dst, src), Some(rtm::NEWROUTE))?;
-        parse_route(&p.ok_or(NeighError::Malformed("route: no answer"))?)
+        parse_route(&p.ok_or(NetlinkError::Malformed("route: no answer"))?)
     }
 
-    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NeighError> {
+    fn link_flags(&mut self, ifindex: u32) -> Result<u32, NetlinkError> {
         let p = self.ask(|s| link_request(s, ifindex), Some(rtm::NEWLINK))?;
-        parse_link_flags(&p.ok_or(NeighError::Malformed("link: no answer"))?)
+        parse_link_flags(&p.ok_or(NetlinkError::Malformed("link: no answer"))?)
     }
 
-    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NeighError> {
+    fn neighbour(&mut self, ifindex: u32, addr: IpAddr) -> Result<Option<Neighbour>, NetlinkError> {
         match self.ask(|s| neigh_request(s, ifindex, addr), Some(rtm::NEWNEIGH)) {
             Ok(Some(p)) => Ok(Some(parse_neigh(&p)?.2)),
-            Ok(None) | Err(NeighError::Kernel(libc::ENOENT)) => Ok(None),
+            Ok(None) | Err(NetlinkError::Kernel(libc::ENOENT)) => Ok(None),
             Err(e) => Err(e),
         }
     }
 
-    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NeighError> {
+    fn solicit(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), NetlinkError> {
         self.ask(|s| solicit_request(s, ifindex, addr), None)
             .map(|_| ())
     }
@@ -645,18 +427,18 @@ impl Lookup for Netlink {
     }
 
     fn changed(&mut self) -> bool {
-        let Some((_, mon)) = &self.socks else {
+        let Some((_, mon)) = &mut self.socks else {
             return false;
         };
-        let buf = &mut self.buf;
-        buf.resize(RECV_BUFFER, 0);
         let mut valid = false;
         loop {
-            match recv(mon.as_raw_fd(), buf) {
-                Ok(n) => valid |= any_valid(&buf[..n]),
-                // Notifications were lost (the socket's queue overflowed): one of them
-                // may have been the one awaited.
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => valid = true,
+            match mon.recv() {
+                Ok(d) => valid |= any_valid(d),
+                // Notifications were lost (the socket's queue overflowed, or a
+                // datagram outgrew the buffer): one of them may have been the one
+                // awaited.
+                Err(NetlinkError::Malformed(_)) => valid = true,
+                Err(e) if e.errno() == libc::ENOBUFS => valid = true,
                 Err(_) => return valid,
             }
         }
