@@ -1233,6 +1233,33 @@ fn rep_retry_after_rtu(policy: Policy) -> (WireVerdict, Net, Mad, u32, u32) {
     (w.unwrap(), n, m, a_pv, b_pv)
 }
 
+/// The passive VM's REP retry crosses the active side's RTU, which the passive host's
+/// mux has already passed (the VM's CM had queued the retry before it read the RTU):
+/// the retry goes on, counted as a retry, and the active host's mux answers it with the
+/// RTU again; nothing is dropped.
+#[test]
+fn a_rep_retry_crossing_the_rtu_goes_on_and_is_answered() {
+    let mut n = net2(Policy::Default);
+    let got = n.send_req(0, 0, 4, 0, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let rep_tid = view(&got).tid();
+    let mut m = rep(n.b.cfg(0), rep_tid, 8, a_pv, n.b.qpn(0, 0));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+    let b_pv = view(&m).local_comm_id().unwrap();
+    let mut m = ids(AttributeId::Rtu, view(&m).tid(), 4, b_pv);
+    assert_eq!(n.a_to_b(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.b.id(0))));
+    assert_eq!(n.b.mux.lookup(b_pv).unwrap().0, State::Established);
+    let mut m = rep(n.b.cfg(0), rep_tid, 8, a_pv, n.b.qpn(0, 0));
+    let (v, w) = n.b_to_a(0, 0, &mut m);
+    assert_eq!(v, GuestVerdict::ToWire);
+    assert_eq!(w, Some(WireVerdict::Reply));
+    assert_eq!(view(&m).attr(), AttributeId::Rtu);
+    let b = n.b.mux.vm_stats(n.b.id(0));
+    assert_eq!(b.counters.get(Group::TxRetries, AttributeId::Rep), 1);
+    assert_eq!(n.a.mux.host_stats().drops.total(), 0);
+    assert_eq!(n.b.mux.host_stats().drops.total(), 0);
+}
+
 #[test]
 fn rep_retry_after_the_rtu_gets_the_rtu_again() {
     let (v, mut n, mut m, a_pv, b_pv) = rep_retry_after_rtu(Policy::Default);

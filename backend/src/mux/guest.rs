@@ -189,7 +189,11 @@ impl<C: Clock> Mux<C> {
         let slot = self.guest_entry(vm, m, dst, now)?;
         let e = self.slab[slot as usize];
         match e.state {
-            State::RepSent => {
+            // A retry; in Established one that crossed the peer's RTU, which the mux
+            // has already passed: the peer answers it with its RTU again
+            // (`cm_dup_rep_handler()`). (Passive entries only: an active one never
+            // sends a REP.)
+            State::RepSent | State::Established if !e.has(flag::ACTIVE) => {
                 self.vms[vm as usize]
                     .counters
                     .bump(Group::TxRetries, AttributeId::Rep);
