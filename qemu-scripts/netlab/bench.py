@@ -41,7 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .apps import A, B, K, drops, guestd_stat, pair_backend, quarantined, start_guestd
+from .apps import (A, B, K, drops, guestd_stat, listeners, pair_backend, quarantined, start_guestd,
+                   wait_listening)
 from .lab import Lab, LabError
 
 K2 = "10.99.0.3"
@@ -49,10 +50,18 @@ STEPS = ("create id", "resolve addr", "resolve route", "create qp", "connect", "
          "destroy")
 
 
+def listening(server, cmd):
+    """cmd started on server, once it listens (a fixed wait is too short for a service
+    just restarted on a busy machine)."""
+    before = listeners(server)
+    srv = server.spawn(cmd)
+    wait_listening(server, before, srv)
+    return srv
+
+
 def cmtime(server, client, conns):
     """One cmtime -c conns, client -> server; {step: ms} (LabError when it fails)."""
-    srv = server.spawn("cmtime")
-    time.sleep(1.5)
+    srv = listening(server, "cmtime")
     rc, out = client.run(f"timeout 600 cmtime -s {server.ip} -c {conns}", 660)
     srv.kill("KILL")
     steps = {s: float(v) for s, v in re.findall(r"^(\w[\w ]*\w)\s*:\s+([\d.]+)", out, re.M)}
@@ -65,8 +74,7 @@ def cmtime_procs(server, client, procs, conns, port):
     """procs processes of cmtime -c conns at once, client -> server (one cmtime server
     on port): (wall ms of the batch, {step: mean ms over the processes}); LabError when
     one fails."""
-    srv = server.spawn(f"cmtime -p {port}")
-    time.sleep(1.5)
+    srv = listening(server, f"cmtime -p {port}")
     script = (
         "t0=$(cut -d' ' -f1 /proc/uptime); pids=''\n"
         f"for i in $(seq {procs}); do timeout 900 cmtime -s {server.ip} -p {port} "
