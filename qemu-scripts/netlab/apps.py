@@ -1328,7 +1328,7 @@ def main():
     ap.add_argument("--usrevent", help="the usrevent binary (interop/usrevent.c)")
     ap.add_argument("--vcpus", type=int, default=1, help="each guest's vCPUs (default 1)")
     ap.add_argument("--threads", type=int, help="pvcm-guestd's --threads (default: its own, "
-                    "one per vCPU up to 8)")
+                    "one per vCPU, at least 4, at most 8)")
     a = ap.parse_args()
     GUESTD_THREADS["n"] = a.threads
     only = set(a.only.split(","))
@@ -1367,10 +1367,11 @@ def main():
                            and out.strip().endswith("1"), short(out, 200))
                     _, cpus = vm.run("nproc", 30)
                     cpus = int(cpus.strip() or 0)
-                    want = a.threads or min(max(cpus, 1), 8)
+                    want = a.threads or min(max(cpus, 4), 8)
                     threads = guestd_stat(vm).get("threads")
                     result(f"VM {vm.name}: pvcm-guestd serves on {want} thread(s) "
-                           f"({'--threads' if a.threads else 'one per vCPU'})", threads == want,
+                           f"({'--threads' if a.threads else 'one per vCPU, 4 to 8'})",
+                           threads == want,
                            f"{cpus} vCPUs, threads {threads}")
 
             if "1" in only:

@@ -25,7 +25,7 @@ pvcm-guestd restarted in both VMs on each thread count of --threads (e.g. 1,4: o
 thread, then four). Printed: the batch's wall time (the first start to the last end,
 in the client guest), each step's mean over the processes, and the ratios kernel /
 pvcm and pvcm on one thread / on N. --vcpus gives every guest that many vCPUs (the
-service's default thread count is one per vCPU). The per-command and idle-cost parts
+service's default thread count is one per vCPU, at least 4). The per-command and idle-cost parts
 are skipped in this mode.
 
 Idle cost: with the lab idle, QEMU's host CPU time for VM a over alternating windows

@@ -51,7 +51,7 @@ pub struct ServiceArgs {
     /// Threads serving requests: with one, one thread reads the requests and drives
     /// the device; with more, that many read and serve requests (each file's in order,
     /// other files' side by side) beside a thread driving the device. Default: one per
-    /// CPU, up to 8.
+    /// CPU, at least 4, at most 8.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub threads: Option<u16>,
 }

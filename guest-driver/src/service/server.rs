@@ -83,6 +83,12 @@ pub const PROBE_IOCTL: u32 = (b'p' as u32) << 8 | 0xC1;
 /// The most threads the default takes (one per CPU up to this).
 pub const MAX_DEFAULT_THREADS: usize = 8;
 
+/// The fewest threads the default takes, whatever the CPUs: more threads than CPUs
+/// still serve more requests (`apps.sh --bench --procs 16 --vcpus 1`: 16 processes of
+/// `cmtime -c 100` in a single-vCPU VM finish 1.8x sooner on 2 threads and 2.5x on 4
+/// than on 1; docs/apps.md, Benchmark).
+pub const MIN_DEFAULT_THREADS: usize = 4;
+
 /// How many requests an INTERRUPT not yet matched is kept for before it goes back to
 /// the kernel.
 const EARLY_INTERRUPT_KEEP: u64 = 64;
@@ -243,12 +249,13 @@ impl Default for ServerOptions {
     }
 }
 
-/// One thread per CPU this process may run on, up to [`MAX_DEFAULT_THREADS`].
+/// One thread per CPU this process may run on, at least [`MIN_DEFAULT_THREADS`] and
+/// at most [`MAX_DEFAULT_THREADS`].
 pub fn default_threads() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
-        .clamp(1, MAX_DEFAULT_THREADS)
+        .clamp(MIN_DEFAULT_THREADS, MAX_DEFAULT_THREADS)
 }
 
 /// The signal that ends a worker's blocking read when the service stops (a real-time
