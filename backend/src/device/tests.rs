@@ -135,7 +135,14 @@ mod queue_tests {
     }
 
     fn rig() -> Rig {
-        let vm = VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)));
+        rig_with(VmConfig::new(
+            "a",
+            Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)),
+        ))
+    }
+
+    /// A device for the VM `vm`, attached.
+    fn rig_with(vm: VmConfig) -> Rig {
         let host = HostBudget::new(backlog::DEFAULT_HOST_BYTES);
         let spec = VmSpec {
             socket: "/nonexistent/a.sock".into(),
@@ -437,6 +444,48 @@ mod queue_tests {
         assert_eq!((info.gid, info.ca_guid), (r.vm.gid, r.vm.ca_guid));
         // A port that cannot tell the link's values: the configured ones.
         assert_eq!((info.active_mtu, info.ca_ack_delay), (abi::MTU_2048, 7));
+    }
+
+    #[test]
+    fn a_vm_with_two_gids_learns_both_and_speaks_as_either_only() {
+        let v6: Gid = "2001:db8::40".parse().unwrap();
+        let vm = VmConfig {
+            more_gids: vec![v6],
+            ..VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)))
+        };
+        let mut r = rig_with(vm);
+        let peer6: Gid = "2001:db8::9".parse().unwrap();
+        let (ca, q) = (r.vm.ca_guid, r.vm.qpn_base);
+        let from_v6 = testing::req(v6, ca, 0x2222, 8, peer6, q + 2);
+        let theirs: Gid = "2001:db8::41".parse().unwrap();
+        let from_theirs = testing::req(theirs, ca, 0x3333, 9, peer6, q + 3);
+        let chains = [
+            msg_chain(
+                &r.mem,
+                0,
+                &MsgHeader::control(MsgType::PortInfoRequest, 0),
+                &[],
+            ),
+            msg_chain(&r.mem, 1, &MsgHeader::mad(peer6), &from_v6),
+            msg_chain(&r.mem, 2, &MsgHeader::mad(peer6), &from_theirs),
+        ];
+        assert_eq!(tx(&mut r, &chains), 1);
+        let sent = r.sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1), (0, peer6));
+        let rx = rx_queued(&r);
+        assert_eq!(rx[0].0.msg_type, MsgType::PortInfo);
+        assert_eq!(rx[0].1.len(), abi::PORT_INFO_LEN + 16);
+        let info = PortInfo::parse(&rx[0].1).unwrap();
+        assert_eq!((info.gid, info.more_gids.clone()), (r.vm.gid, vec![v6]));
+        assert_eq!(rx[1].0.msg_type, MsgType::SendError);
+        assert_eq!(rx[1].0.status, SendStatus::Spoofed as u16);
+        // A one-GID IPv4 VM has no address to reach an IPv6 GID from.
+        let mut one = rig();
+        let m = good_req(&one.vm);
+        let chain = msg_chain(&one.mem, 0, &MsgHeader::mad(peer6), &m);
+        assert_eq!(tx(&mut one, &[chain]), 1);
+        assert_eq!(dropped(&one, DevDrop::BadRemoteGid), 1);
     }
 
     #[test]

@@ -294,6 +294,7 @@ mod tests {
             abi_version: 1,
             port_up: true,
             gid: Gid::from_ipv4([10, 0, 0, 1].into()),
+            more_gids: Vec::new(),
             ca_guid: 0x1122,
             lid: 0xFFFF,
             pkey: 0x7FFF,
