@@ -42,8 +42,10 @@
 //! by the server's look at the device): a device that goes gives DEVICE_REMOVAL to the
 //! ids bound to it and closes them (ENXIO to all but DESTROY_ID), one that comes back
 //! serves new ids, an address gone from its GID table stops binds to it, a bond's
-//! failover gives ADDR_CHANGE; a bind to another address of the VM is EADDRNOTAVAIL
-//! (the pvcm device serves one GID per VM), logged and counted.
+//! failover gives ADDR_CHANGE. Every address the backend serves for the VM (PORT_INFO's
+//! GIDs found in the port's GID table) binds, listens, resolves and connects, with its
+//! own GID and table index in the REQ and the QP attributes; a bind to another address
+//! of the VM is EADDRNOTAVAIL, logged and counted.
 //!
 //! Multicast, as `cma_iboe_join_multicast()` on a RoCE v2 port: no MAD; a join of a
 //! UD id with a device (bound to the VM's address or resolved) gets its MULTICAST_JOIN
