@@ -112,6 +112,9 @@ mod queue_tests {
         fn attach(&self, _vm: usize) -> Result<(), crate::port::PortError> {
             Ok(())
         }
+        fn claim(&self, _vm: usize) -> Result<bool, crate::port::PortError> {
+            Ok(false)
+        }
         fn send(&self, _ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
             let mut sent = self.0.lock().unwrap();
             sent.extend(mads.iter().map(|(g, m)| (vm, *g, **m)));
@@ -486,6 +489,37 @@ mod queue_tests {
         let chain = msg_chain(&one.mem, 0, &MsgHeader::mad(peer6), &m);
         assert_eq!(tx(&mut one, &[chain]), 1);
         assert_eq!(dropped(&one, DevDrop::BadRemoteGid), 1);
+    }
+
+    /// A migration destination takes the state of a VM with its GID list only: another
+    /// list (one GID fewer, or another second GID) is another VM's state, refused.
+    #[test]
+    fn a_migration_destination_whose_vm_has_other_gids_refuses_the_state() {
+        let v6: Gid = "2001:db8::40".parse().unwrap();
+        let moving = VmConfig {
+            more_gids: vec![v6],
+            id_range: Some("0x80010000/16".parse().unwrap()),
+            quota: Some(1000),
+            ..VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)))
+        };
+        let src = rig_with(moving.clone());
+        let blob = src.dev.shared.migrate_out(&src.port).unwrap();
+        let other: Gid = "2001:db8::41".parse().unwrap();
+        for more in [vec![], vec![other]] {
+            let dst = rig_with(VmConfig {
+                more_gids: more.clone(),
+                ..moving.clone()
+            });
+            dst.dev.shared.detach(&dst.port);
+            let e = dst.dev.shared.migrate_in(&dst.port, &blob);
+            assert!(
+                matches!(e, Err(crate::migration::MigrationError::OtherVm { .. })),
+                "{more:?}: {e:?}"
+            );
+        }
+        let dst = rig_with(moving);
+        dst.dev.shared.detach(&dst.port);
+        dst.dev.shared.migrate_in(&dst.port, &blob).unwrap();
     }
 
     #[test]
