@@ -59,7 +59,9 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   14 TOS: ucmatose -t 0x60, pvcm VM -> kernel and kernel -> pvcm VM: every data frame
     both ways (captured on the kernel guest's tap) carries TOS 0x60
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
-    and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them
+    and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them; a
+    second address: the dual-stack pvcm VM a6 has two GIDs (10.99.0.11, fd99::11),
+    rping with k over both, while an address that is none of b6's GIDs is EADDRNOTAVAIL
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1,

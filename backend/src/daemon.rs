@@ -261,9 +261,8 @@ impl HostLoop {
                 let Some(port) = vms.get(*vm) else {
                     continue;
                 };
-                let dst = port.spec.vm.gid;
                 // One call per VM's group: the mux prefetches every entry it names first.
-                core.mux.from_wire_batch(mads, |_, f| (f.src, dst), v);
+                core.mux.from_wire_batch(mads, |_, f| (f.src, f.dst), v);
                 for ((f, verdict), target) in mads.iter().zip(v.iter()).zip(t) {
                     match *verdict {
                         WireVerdict::ToVm(id) => {
@@ -484,10 +483,13 @@ fn apply_overlay(cfg: &mut Config) -> Result<Overlay, Error> {
 fn open_port(cfg: &Config) -> Result<Box<dyn WirePort>, Error> {
     Ok(match &cfg.port {
         PortSpec::Soft => {
-            let addrs: Vec<(String, std::net::IpAddr, Option<String>)> = cfg
+            let addrs: Vec<crate::port::soft::SoftVmAddrs> = cfg
                 .vms
                 .iter()
-                .map(|v| (v.vm.name.clone(), v.addr(), v.iface.clone()))
+                .map(|v| {
+                    let addrs = v.addrs().map(|(a, i)| (a, i.map(str::to_string)));
+                    (v.vm.name.clone(), addrs.collect())
+                })
                 .collect();
             let incoming: Vec<bool> = cfg.vms.iter().map(|v| v.incoming).collect();
             Box::new(SoftPort::open(
@@ -498,10 +500,10 @@ fn open_port(cfg: &Config) -> Result<Box<dyn WirePort>, Error> {
             )?)
         }
         PortSpec::Packet { dev, iface } => {
-            let vms: Vec<(String, std::net::IpAddr)> = cfg
+            let vms: Vec<(String, Vec<std::net::IpAddr>)> = cfg
                 .vms
                 .iter()
-                .map(|v| (v.vm.name.clone(), v.addr()))
+                .map(|v| (v.vm.name.clone(), v.addrs().map(|(a, _)| a).collect()))
                 .collect();
             Box::new(PacketPort::open(
                 dev,
@@ -511,10 +513,10 @@ fn open_port(cfg: &Config) -> Result<Box<dyn WirePort>, Error> {
             )?)
         }
         PortSpec::Umad { device, port } => {
-            let vms: Vec<(String, Gid)> = cfg
+            let vms: Vec<(String, Vec<Gid>)> = cfg
                 .vms
                 .iter()
-                .map(|v| (v.vm.name.clone(), v.vm.gid))
+                .map(|v| (v.vm.name.clone(), v.vm.gids().collect()))
                 .collect();
             Box::new(UmadPort::open(
                 std::path::Path::new(&cfg.sysfs),

@@ -140,8 +140,12 @@ impl Shared {
                 }
             };
             let cfg = core.mux.vm_config(vm).cloned();
-            if cfg.as_ref().map(|c| (c.gid, c.id_range))
-                != Some((port.spec.vm.gid, port.spec.vm.id_range))
+            if cfg.as_ref().map(|c| (c.gid, &c.more_gids, c.id_range))
+                != Some((
+                    port.spec.vm.gid,
+                    &port.spec.vm.more_gids,
+                    port.spec.vm.id_range,
+                ))
             {
                 // Not this port's VM: undo (export puts it back out) and refuse.
                 let _ = core.mux.export_vm(vm);

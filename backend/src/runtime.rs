@@ -442,7 +442,7 @@ impl RuntimeState {
             unpoll(shared);
             return Err(e);
         }
-        tracing::info!(vm = %spec.vm.name, gid = %spec.vm.gid, socket = %spec.socket.display(), "VM added");
+        tracing::info!(vm = %spec.vm.name, gid = %spec.gids_text(), socket = %spec.socket.display(), "VM added");
         Ok(())
     }
 
@@ -664,6 +664,7 @@ impl Runtime {
                     "name": spec.vm.name,
                     "socket": spec.socket.display().to_string(),
                     "gid": spec.vm.gid.to_string(),
+                    "gids": spec.vm.gids().map(|g| g.to_string()).collect::<Vec<_>>(),
                     "quota": spec.vm.quota.unwrap_or(self.shared.default_quota()),
                     "quota_is_default": spec.vm.quota.is_none(),
                     "id_range": spec.vm.id_range.map(|r| r.to_string()),

@@ -24,6 +24,8 @@ pub(crate) fn describe_mad(mad: &[u8]) -> String {
 pub struct InMad {
     /// Sender's GID.
     pub src: Gid,
+    /// The GID it was addressed to (its destination address): one of its VM's GIDs.
+    pub dst: Gid,
     /// The sender's QP (1) for the rx header.
     pub src_qp: u32,
     /// Q_Key.

@@ -380,7 +380,7 @@ pub struct Reloads {
 pub struct VmFigures {
     /// The VM's name.
     pub name: String,
-    /// Its GID.
+    /// Its primary GID.
     pub gid: String,
     /// Its vhost-user socket.
     pub socket: String,

@@ -258,7 +258,10 @@ impl VmPort {
 #[derive(Debug, Default, Clone)]
 pub struct VmSet {
     ports: Vec<Option<Arc<VmPort>>>,
+    /// Every GID of every served VM (a VM has one or more).
     by_gid: HashMap<Gid, usize>,
+    /// How many VMs are served.
+    served: usize,
 }
 
 impl VmSet {
@@ -281,7 +284,7 @@ impl VmSet {
         self.ports.iter().flatten()
     }
 
-    /// The VM with this GID.
+    /// The VM holding this GID (any of its GIDs).
     pub fn by_gid(&self, gid: &Gid) -> Option<&Arc<VmPort>> {
         self.get(*self.by_gid.get(gid)?)
     }
@@ -293,12 +296,12 @@ impl VmSet {
 
     /// How many VMs are served.
     pub fn len(&self) -> usize {
-        self.by_gid.len()
+        self.served
     }
 
     /// Whether no VM is served.
     pub fn is_empty(&self) -> bool {
-        self.by_gid.is_empty()
+        self.served == 0
     }
 
     /// The index the next VM added gets.
@@ -313,8 +316,12 @@ impl VmSet {
             set.ports.resize(port.index + 1, None);
         }
         let index = port.index;
-        set.by_gid.insert(port.spec.vm.gid, index);
-        set.ports[index] = Some(port);
+        for gid in port.spec.vm.gids() {
+            set.by_gid.insert(gid, index);
+        }
+        if set.ports[index].replace(port).is_none() {
+            set.served += 1;
+        }
         set
     }
 
@@ -322,7 +329,10 @@ impl VmSet {
     pub(crate) fn without(&self, index: usize) -> VmSet {
         let mut set = self.clone();
         if let Some(p) = set.ports.get_mut(index).and_then(Option::take) {
-            set.by_gid.remove(&p.spec.vm.gid);
+            for gid in p.spec.vm.gids() {
+                set.by_gid.remove(&gid);
+            }
+            set.served -= 1;
         }
         set
     }

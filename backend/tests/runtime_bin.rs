@@ -150,8 +150,9 @@ fn sighup_applies_the_config_files_difference_and_a_bad_file_changes_nothing() {
     let child = spawn(&["--config".as_ref(), conf.as_os_str()], &ctl);
     assert_eq!(names(&ctl), ["a", "b", "r"]);
     // A VM added through the control socket is not the file's: a reload leaves it be.
+    // It has two GIDs (addresses).
     let e_spec = format!(
-        "name=e,socket={},gid=127.31.1.5",
+        "name=e,socket={},gid=127.31.1.5,gid=127.31.2.5",
         d.join("e.sock").display()
     );
     ok(&ctl, &["add", &e_spec]);
@@ -179,6 +180,11 @@ fn sighup_applies_the_config_files_difference_and_a_bad_file_changes_nothing() {
     assert!(d.join("c.sock").exists() && d.join("r.sock").exists());
     let v: serde_json::Value = serde_json::from_str(&ok(&ctl, &["list"])).unwrap();
     assert_eq!(v[2]["gid"], "::ffff:127.31.1.14", "{v}");
+    assert_eq!(
+        v[1]["gids"],
+        serde_json::json!(["::ffff:127.31.1.5", "::ffff:127.31.2.5"]),
+        "{v}"
+    );
     // A file that does not parse, and one whose VMs clash (two with one GID): logged,
     // nothing changes, the daemon goes on.
     for bad in [

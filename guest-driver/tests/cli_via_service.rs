@@ -89,6 +89,7 @@ fn port_info(vm: &Vm, side: usize) -> PortInfo {
         abi_version: 1,
         port_up: true,
         gid: c.gid,
+        more_gids: Vec::new(),
         ca_guid: c.ca_guid,
         lid: c.lid,
         pkey: c.pkey,

@@ -41,6 +41,7 @@ pub fn port(n: u8) -> PortInfo {
         abi_version: abi::ABI_VERSION,
         port_up: true,
         gid: gid(n),
+        more_gids: Vec::new(),
         ca_guid: 0x0002_c903_0000_0000 | u64::from(n),
         lid: 0xFFFF,
         pkey: 0xFFFF,

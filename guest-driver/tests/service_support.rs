@@ -18,7 +18,7 @@ use pvcm_guest::service::cma::errno;
 use pvcm_guest::service::cma::{Caller, Cma, Env, Fh, Outcome};
 use pvcm_guest::service::neigh::{Lookup, Neighbour, Route, iff, nud};
 use pvcm_guest::service::netlink::NetlinkError;
-use pvcm_guest::service::verbs::{NO_DEVICE_INDEX, RdmaPort};
+use pvcm_guest::service::verbs::{NO_DEVICE_INDEX, RdmaPort, ServedGid};
 use pvcm_guest::time::Time;
 use pvcm_wire::Gid;
 
@@ -40,6 +40,7 @@ pub fn port(n: u8) -> RdmaPort {
         default_roce_tos: 0,
         pkey: 0xFFFF,
         pkey_index: 0,
+        more: Vec::new(),
     }
 }
 
@@ -58,6 +59,8 @@ pub struct LabNet(pub Arc<Mutex<LabState>>);
 pub struct LabState {
     /// The VM's own address.
     pub own: Option<IpAddr>,
+    /// The VM's further addresses (a dual-stack VM's IPv6 one).
+    pub more_own: Vec<IpAddr>,
     /// Neighbour states by (interface, address).
     pub neigh: BTreeMap<(u32, IpAddr), u16>,
     /// Neighbours solicited, in order.
@@ -104,7 +107,13 @@ impl Lookup for LabNet {
     fn route(&mut self, dst: IpAddr, src: Option<IpAddr>) -> Result<Route, NetlinkError> {
         let mut st = self.0.lock().unwrap();
         st.routes.push((dst, src));
-        let own = st.own;
+        // The VM's address of the destination's family is the route's source.
+        let own = st
+            .own
+            .into_iter()
+            .chain(st.more_own.iter().copied())
+            .find(|o| o.is_ipv4() == dst.is_ipv4());
+        let is_own = st.own == Some(dst) || st.more_own.contains(&dst);
         if st.unreachable.contains(&dst) {
             return Err(NetlinkError::Kernel(errno::EHOSTUNREACH));
         }
@@ -121,7 +130,7 @@ impl Lookup for LabNet {
             src: src.or(own),
         };
         match dst {
-            d if Some(d) == own => Ok(local(src.or(own))),
+            _ if is_own => Ok(local(src.or(Some(dst)))),
             IpAddr::V4(v) if v.octets()[0] == 127 => Ok(local(src.or(Some(dst)))),
             // Multicast goes out of the NIC (a VM with a multicast or default route).
             IpAddr::V4(v) if v.is_multicast() && own.is_some_and(|o| o.is_ipv4()) => Ok(Route {
@@ -203,6 +212,25 @@ impl Vm {
         let mut p = port(n);
         p.netdev = netdev.into();
         Vm::on(p)
+    }
+
+    /// A dual-stack VM: 10.99.0.N (its primary GID, table index 1) and fd99::N (a
+    /// further GID the backend serves, table index 2).
+    pub fn dual(n: u8) -> Vm {
+        let v6 = v6_of(n);
+        let mut p = port(n);
+        p.more.push(ServedGid {
+            gid: Gid(v6.octets()),
+            gid_index: 2,
+            addr: v6.into(),
+        });
+        let mut vm = Vm::on(p);
+        vm.agent = Agent::new(AgentConfig {
+            more_gids: vec![Gid(v6.octets())],
+            ..AgentConfig::new(vm.gid, vm.cma.port().node_guid, 16, 0x20000, u64::from(n))
+        });
+        vm.net.state().more_own.push(v6.into());
+        vm
     }
 
     fn on(p: RdmaPort) -> Vm {
@@ -406,17 +434,34 @@ impl Vm {
     }
 }
 
+/// The fd99::N address of VM N (a dual-stack VM's second), N written in decimal as
+/// 10.99.0.N is: fd99::12 for VM 12.
+pub fn v6_of(n: u8) -> std::net::Ipv6Addr {
+    format!("fd99::{n}").parse().unwrap()
+}
+
+/// The GID VM `v`'s MADs to `dst` come from: its served GID of `dst`'s family, as the
+/// backend sends them (`VmConfig::source_for`).
+fn src_for(v: &Vm, dst: Gid) -> Gid {
+    v.cma
+        .port()
+        .served()
+        .map(|s| s.gid)
+        .find(|g| g.to_ipv4().is_some() == dst.to_ipv4().is_some())
+        .unwrap_or(v.gid)
+}
+
 /// Moves MADs both ways and routes the agents' events into the services.
 pub fn exchange(a: &mut Vm, b: &mut Vm) {
     for _ in 0..4 {
         let ab: Vec<_> = a.agent.drain_outbox().collect();
         for m in &ab {
-            b.agent.handle_mad(&m.mad, a.gid, b.now);
+            b.agent.handle_mad(&m.mad, src_for(a, m.dst), b.now);
         }
         b.events_from_agent();
         let ba: Vec<_> = b.agent.drain_outbox().collect();
         for m in &ba {
-            a.agent.handle_mad(&m.mad, b.gid, a.now);
+            a.agent.handle_mad(&m.mad, src_for(b, m.dst), a.now);
         }
         a.events_from_agent();
     }

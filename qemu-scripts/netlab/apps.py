@@ -44,8 +44,8 @@ Checks (each PASS/FAIL):
     rping -s is connected to, pvcm-guestd not restarted; ip addr del and add of the
     server's address: no ADDR_CHANGE (the kernel sends it at a bond's failover only),
     the waiting rping -s is connected to afterwards; a second address on the NIC:
-    rping -s -a binds it in k, fails with EADDRNOTAVAIL in a (the backend serves one
-    GID per VM), logged with the cause and counted
+    rping -s -a binds it in k, fails with EADDRNOTAVAIL in a (the backend does not
+    serve it: it is none of the VM's GIDs), logged with the cause and counted
   9 pvcm-guestd stopped (SIGTERM) under running programs in a (rping -v to k, an rping
     server waiting): both end with an error within seconds (none hangs), k's kernel CM
     loses the connection at once (the backend ends it on the VM's behalf when the
@@ -91,10 +91,15 @@ Checks (each PASS/FAIL):
     with a capture of k's tap: every data frame between a and k, both directions (the
     client's QP and the server's, whose traffic class comes from the REQ's path), has
     IPv4 TOS 0x60, from pvcm's QPs as from the kernel's
-  6 IPv6, in a second lab: kernel guest fd99::2, pvcm VMs fd99::11 and fd99::12 and an
-    IPv4 pvcm VM 10.99.0.13 on the same backend: rping -v and ucmatose over IPv6
-    pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm; rping over IPv4 from the IPv4 VM
-    (IPv4 and IPv6 VMs on one backend); the capture's QP1 frames are IPv6 and IPv4
+  6 IPv6, in a second lab: kernel guest fd99::2 (and 10.99.0.2), pvcm VMs a6 (dual
+    stack: two GIDs, 10.99.0.11 its primary and fd99::11) and b6 (fd99::12 its one GID,
+    10.99.0.12 on its NIC too) and an IPv4 pvcm VM 10.99.0.13 on the same backend:
+    rping -v and ucmatose over IPv6 pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm
+    (a6 over its second GID); a second address: rping -v a6 -> k over IPv4 and over
+    IPv6 and k -> a6 over IPv6, a6's pvcm-guestd serving both addresses, while in b6
+    rping -s -a 10.99.0.12 (its address the backend does not serve) fails with
+    EADDRNOTAVAIL, logged and counted; rping over IPv4 from the IPv4 VM (IPv4 and IPv6
+    VMs on one backend); the capture's QP1 frames are IPv6 and IPv4
 
 --vcpus N gives every guest N vCPUs; --threads N starts pvcm-guestd with --threads N.
 The last line reads "apps: N passed, N failed"; exit 0 when all passed.
@@ -666,11 +671,11 @@ def device_change(server, client, other_ip):
     server.run(f"ip addr del {other_ip}/24 dev eth0", 30)
     if server.cm == "pvcm":
         st = guestd_stat(server)
-        log = server.run(f"grep -c 'serves one GID for this VM' /host/guestd.{server.name}.log",
-                         30)[1]
-        result(f"{tag}: rping -s -a {other_ip} (a second address on the NIC, not the pvcm "
-               "GID's): the bind fails with EADDRNOTAVAIL, the service logs the cause "
-               "(the backend serves one GID for this VM) and counts it",
+        log = server.run(f"grep -c 'the backend does not serve it for this VM' "
+                         f"/host/guestd.{server.name}.log", 30)[1]
+        result(f"{tag}: rping -s -a {other_ip} (a second address on the NIC, not one of the "
+               "VM's GIDs): the bind fails with EADDRNOTAVAIL, the service logs the cause "
+               "(the backend does not serve it for this VM) and counts it",
                rc not in (0, 124, 143, -1) and "rdma_bind_addr" in said
                and st.get("other_addr_binds", 0) >= 1 and log.strip() not in ("", "0"),
                f"rping status {rc}: {short(said, 120)}; other_addr_binds "
@@ -1269,6 +1274,41 @@ def type_of_service(lab, k, a, tos=0x60):
                                         or "none"))
 
 
+def second_address(k, a, b, k4, k6, a6, b4):
+    """Section 6's second address: a is dual stack with two GIDs (its IPv4 address the
+    primary, a6 the second); b has b4 on its NIC but not among its GIDs."""
+    def served():
+        return [s.get("addr") for s in guestd_stat(a).get("port", {}).get("served", [])]
+    wait_for(lambda: served() == [a.ip, a6], 60)
+    served = served()
+    result(f"{a.name}: pvcm-guestd serves both of the VM's GIDs ({a.ip}, {a6})",
+           served == [a.ip, a6], f"served {served}")
+    for client, server, sip, how in ((a, k, k4, "IPv4, the primary GID"),
+                                     (a, k, k6, "IPv6, the second GID"),
+                                     (k, a, a6, "IPv6, to the second GID")):
+        pair(f"a second address: rping -v -C 10 {client.name} -> {server.name} [{sip}] ({how})",
+             server, client, f"rping -s -a {sip} -v -C 10", f"rping -c -a {sip} -v -C 10",
+             lambda s_: s_.count("server ping data:") == 10,
+             lambda c_: c_.count("ping data:") == 10)
+    before = guestd_stat(b).get("other_addr_binds", 0)
+    job = b.spawn(f"exec timeout 5 rping -s -a {b4} -v -C 1")
+    try:
+        rc = job.wait(30)
+    except LabError:
+        job.kill("KILL")
+        rc = -1
+    said = job.text()
+    st = guestd_stat(b)
+    log = b.run(f"grep -c 'the backend does not serve it for this VM' /host/guestd.{b.name}.log",
+                30)[1]
+    result(f"{b.name}: rping -s -a {b4} (an address of the VM none of its GIDs): the bind "
+           "fails with EADDRNOTAVAIL, logged with the cause and counted",
+           rc not in (0, 124, 143, -1) and "rdma_bind_addr" in said
+           and st.get("other_addr_binds", 0) > before and log.strip() not in ("", "0"),
+           f"rping status {rc}: {short(said, 120)}; other_addr_binds {before} -> "
+           f"{st.get('other_addr_binds')}; log lines {log.strip()}")
+
+
 def ipv6_lab(workdir, pcap, full=True, mcast=False):
     """Section 6: IPv6 GIDs, and IPv4 and IPv6 VMs on one backend; with mcast, section
     10's IPv6 check (alone when not full)."""
@@ -1277,7 +1317,9 @@ def ipv6_lab(workdir, pcap, full=True, mcast=False):
         sa, sb, sc = (lab.workdir / f"{n}6.sock" for n in "abc")
         backend = lab.backend(
             "--port", "packet:pvcm-qp1",
-            "--vm", f"socket={sa},gid={vm_gid(A6)},name=a6,{QPN_WINDOW}",
+            # a6 is dual stack: its IPv4 address is its primary GID, its IPv6 one the
+            # second (a VM with several addresses, docs/daemon.md).
+            "--vm", f"socket={sa},gid={vm_gid(A)},gid={vm_gid(A6)},name=a6,{QPN_WINDOW}",
             "--vm", f"socket={sb},gid={vm_gid(B6)},name=b6,{QPN_WINDOW}",
             "--vm", f"socket={sc},gid={vm_gid(C4)},name=c4,{QPN_WINDOW}", name="backend6",
             env={"RUST_LOG": os.environ.get("RUST_LOG", BACKEND_LOG)})
@@ -1302,6 +1344,7 @@ def ipv6_lab(workdir, pcap, full=True, mcast=False):
                  f"ucmatose -b {sip} -c 20 -C 10", f"ucmatose -s {sip} -c 20 -C 10",
                  lambda s_: "test complete" in s_ and "return status 0" in s_,
                  lambda c_: "test complete" in c_ and "return status 0" in c_)
+        second_address(k, a, b, K, K6, A6, B)
         pair("IPv4 VM on the same backend: rping -v -C 100 [10.99.0.2]", k, c,
              f"rping -s -a {K} -v -C 100", f"rping -c -a {K} -v -C 100",
              lambda s_: s_.count("server ping data:") == 100,

@@ -15,7 +15,7 @@ use pvcm_guest::virtq::{
 };
 use pvcm_wire::Gid;
 use pvcm_wire::abi::{
-    self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_LEN, PORT_INFO_MIN_LEN, PortInfo,
+    self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_MAX_LEN, PORT_INFO_MIN_LEN, PortInfo,
     RX_BUFFER_LEN, RX_QUEUE, TX_QUEUE,
 };
 use pvcm_wire::mad::MAD_LEN;
@@ -784,7 +784,7 @@ impl LabVm {
             .recv_type(MsgType::PortInfo, Duration::from_secs(5))
             .ok_or_else(|| other("no PORT_INFO"))?;
         // At least the original record; appended fields are read when present.
-        if m.payload.len() < PORT_INFO_MIN_LEN || m.payload.len() > PORT_INFO_LEN {
+        if m.payload.len() < PORT_INFO_MIN_LEN || m.payload.len() > PORT_INFO_MAX_LEN {
             return Err(other("PORT_INFO of the wrong length"));
         }
         PortInfo::parse(&m.payload).map_err(other)

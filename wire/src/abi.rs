@@ -297,12 +297,18 @@ impl Event {
     }
 }
 
-/// Length of a [`PortInfo`] payload as this ABI writes it: the 96-byte original record
-/// plus the appended link fields (`active_mtu`, `ca_ack_delay`).
+/// Length of a [`PortInfo`] payload of a one-GID VM as this ABI writes it: the 96-byte
+/// original record plus the appended link fields (`active_mtu`, `ca_ack_delay`) and the
+/// count of further GIDs (0). Each further GID adds 16 bytes after it.
 pub const PORT_INFO_LEN: usize = 112;
 /// Shortest [`PortInfo`] payload a driver accepts: the original 96-byte record, as a
 /// device that predates the appended fields writes it.
 pub const PORT_INFO_MIN_LEN: usize = 96;
+/// The most further GIDs a [`PortInfo`] carries: as many as fit one rx buffer's payload
+/// ([`MAX_PAYLOAD`]) after the 112 bytes.
+pub const PORT_INFO_MAX_MORE_GIDS: usize = (MAX_PAYLOAD - PORT_INFO_LEN) / 16;
+/// Longest [`PortInfo`] payload: with [`PORT_INFO_MAX_MORE_GIDS`] further GIDs.
+pub const PORT_INFO_MAX_LEN: usize = PORT_INFO_LEN + 16 * PORT_INFO_MAX_MORE_GIDS;
 
 /// IBTA path MTU codes (`enum ib_mtu`): 1 = 256, 2 = 512, 3 = 1024, 4 = 2048,
 /// 5 = 4096 bytes.
@@ -338,20 +344,25 @@ pub fn iboe_mtu(netdev_mtu: u32) -> Option<u8> {
 /// Layout (little-endian): abi_version u32 @0, flags u32 @4 (bit 0: port up),
 /// gid \[16\] @8, ca_guid u64 @24, lid u16 @32, pkey u16 @34, qpn_base u32 @36,
 /// qpn_count u32 @40, max_entries u32 @44, name \[48\] @48 (UTF-8, NUL-padded), then the
-/// appended fields: active_mtu u8 @96, ca_ack_delay u8 @97, 14 reserved bytes (0).
+/// appended fields: active_mtu u8 @96, ca_ack_delay u8 @97, more_gids u8 @98 (how many
+/// further GIDs follow, at most [`PORT_INFO_MAX_MORE_GIDS`]), 13 reserved bytes (0),
+/// and the further GIDs, 16 bytes each, from @112.
 ///
 /// The appended fields are a compatible extension of ABI version 1: a device may send
 /// the 96-byte record alone ([`PORT_INFO_MIN_LEN`]), and a driver that knows only that
 /// record reads its first 96 bytes and ignores the rest. [`PortInfo::parse`] gives a
-/// short record `active_mtu` 0 and `ca_ack_delay` 0 ("not given").
+/// short record `active_mtu` 0 and `ca_ack_delay` 0 ("not given") and no further GIDs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortInfo {
     /// ABI version the device speaks.
     pub abi_version: u32,
     /// The port is up.
     pub port_up: bool,
-    /// The VM's GID.
+    /// The VM's (primary) GID.
     pub gid: Gid,
+    /// The VM's further GIDs (its other addresses the device serves), at most
+    /// [`PORT_INFO_MAX_MORE_GIDS`]; empty for most VMs.
+    pub more_gids: Vec<Gid>,
     /// The VM's CA GUID.
     pub ca_guid: u64,
     /// LID (0xFFFF on RoCE).
@@ -386,10 +397,40 @@ impl PortInfo {
         }
     }
 
+    /// The payload length [`PortInfo::emit`] writes: [`PORT_INFO_LEN`] and 16 bytes per
+    /// further GID.
+    pub fn record_len(&self) -> usize {
+        PORT_INFO_LEN + 16 * self.more_gids.len()
+    }
+
+    /// Every GID of the VM, the primary first.
+    pub fn gids(&self) -> impl Iterator<Item = Gid> + '_ {
+        core::iter::once(self.gid).chain(self.more_gids.iter().copied())
+    }
+
     /// Parses a payload of at least [`PORT_INFO_MIN_LEN`] bytes (the appended fields are
-    /// read when present).
+    /// read when present). A count of further GIDs over [`PORT_INFO_MAX_MORE_GIDS`], or
+    /// more than the payload holds, is an error.
     pub fn parse(b: &[u8]) -> Result<PortInfo> {
         check_len(b, PORT_INFO_MIN_LEN)?;
+        let n = usize::from(b.get(98).copied().unwrap_or(0));
+        if n > PORT_INFO_MAX_MORE_GIDS {
+            return Err(Error::Reserved {
+                field: "PORT_INFO more_gids",
+                value: n as u32,
+            });
+        }
+        if n > 0 {
+            check_len(b, PORT_INFO_LEN + 16 * n)?;
+        }
+        let more_gids = (0..n)
+            .map(|i| {
+                let at = PORT_INFO_LEN + 16 * i;
+                let mut g = [0u8; 16];
+                g.copy_from_slice(&b[at..at + 16]);
+                Gid(g)
+            })
+            .collect();
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[8..24]);
         let mut guid = [0u8; 8];
@@ -400,6 +441,7 @@ impl PortInfo {
             abi_version: le32(b, 0..4),
             port_up: le32(b, 4..8) & 1 != 0,
             gid: Gid(gid),
+            more_gids,
             ca_guid: u64::from_le_bytes(guid),
             lid: le16(b, 32..34),
             pkey: le16(b, 34..36),
@@ -412,11 +454,20 @@ impl PortInfo {
         })
     }
 
-    /// Writes a payload of [`PORT_INFO_LEN`] bytes (the name is cut at 48 bytes, on a
-    /// character boundary).
+    /// Writes a payload of [`PortInfo::record_len`] bytes (the name is cut at 48 bytes,
+    /// on a character boundary). More than [`PORT_INFO_MAX_MORE_GIDS`] further GIDs is
+    /// an error.
     pub fn emit(&self, b: &mut [u8]) -> Result<()> {
-        check_len(b, PORT_INFO_LEN)?;
-        let b = &mut b[..PORT_INFO_LEN];
+        if self.more_gids.len() > PORT_INFO_MAX_MORE_GIDS {
+            return Err(Error::TooLong {
+                field: "PORT_INFO more_gids",
+                len: self.more_gids.len(),
+                max: PORT_INFO_MAX_MORE_GIDS,
+            });
+        }
+        let len = self.record_len();
+        check_len(b, len)?;
+        let b = &mut b[..len];
         b.fill(0);
         b[0..4].copy_from_slice(&self.abi_version.to_le_bytes());
         b[4..8].copy_from_slice(&u32::from(self.port_up).to_le_bytes());
@@ -434,6 +485,10 @@ impl PortInfo {
         b[48..48 + n].copy_from_slice(&self.name.as_bytes()[..n]);
         b[96] = self.active_mtu;
         b[97] = self.ca_ack_delay & 0x1F;
+        b[98] = self.more_gids.len() as u8;
+        for (i, g) in self.more_gids.iter().enumerate() {
+            b[PORT_INFO_LEN + 16 * i..PORT_INFO_LEN + 16 * (i + 1)].copy_from_slice(&g.0);
+        }
         Ok(())
     }
 }
@@ -502,6 +557,7 @@ mod tests {
             abi_version: ABI_VERSION,
             port_up: true,
             gid: Gid::from_ipv4(std::net::Ipv4Addr::new(127, 0, 1, 1)),
+            more_gids: Vec::new(),
             ca_guid: 0x0200_00ff_fe01_0101,
             lid: 0xFFFF,
             pkey: 0xFFFF,
@@ -519,7 +575,7 @@ mod tests {
         assert_eq!(
             PortInfo {
                 name: p.name.clone(),
-                ..q
+                ..q.clone()
             },
             p
         );
@@ -537,5 +593,64 @@ mod tests {
         Event::DeviceReset.emit(&mut e).unwrap();
         assert_eq!(Event::parse(&e).unwrap(), Event::DeviceReset);
         assert_eq!(&config_space()[..4], b"PVCM");
+    }
+
+    #[test]
+    fn port_info_carries_further_gids_compatibly() {
+        let g = |s: &str| -> Gid { s.parse().unwrap_or(Gid::ZERO) };
+        let mut p = PortInfo {
+            abi_version: ABI_VERSION,
+            port_up: true,
+            gid: g("::ffff:10.0.0.5"),
+            more_gids: vec![g("2001:db8::5"), g("::ffff:10.0.1.5")],
+            ca_guid: 7,
+            lid: 0xFFFF,
+            pkey: 0xFFFF,
+            qpn_base: 0x10000,
+            qpn_count: 0x10000,
+            max_entries: 100,
+            name: "dual".into(),
+            active_mtu: MTU_1024,
+            ca_ack_delay: 15,
+        };
+        assert_eq!(p.record_len(), PORT_INFO_LEN + 32);
+        let mut b = [0u8; PORT_INFO_MAX_LEN];
+        p.emit(&mut b).unwrap();
+        assert_eq!(b[98], 2);
+        assert_eq!(&b[112..128], &g("2001:db8::5").0);
+        let q = PortInfo::parse(&b[..p.record_len()]).unwrap();
+        assert_eq!(q, p);
+        assert_eq!(q.gids().count(), 3);
+        // A driver that knows only the 96- or 112-byte record reads the same primary
+        // fields from the new one: the GIDs are past what it reads.
+        let mut one = p.clone();
+        one.more_gids.clear();
+        let mut o = [0u8; PORT_INFO_LEN];
+        one.emit(&mut o).unwrap();
+        assert_eq!(b[..98], o[..98]);
+        assert_eq!(PortInfo::parse(&b[..98]).unwrap(), one);
+        // A new driver reading an old device's record: no further GIDs.
+        assert_eq!(PortInfo::parse(&o).unwrap().more_gids, vec![]);
+        assert_eq!(
+            PortInfo::parse(&o[..PORT_INFO_MIN_LEN]).unwrap().more_gids,
+            vec![]
+        );
+        // A count the payload does not hold, or over the most: errors, never a panic.
+        assert!(matches!(
+            PortInfo::parse(&b[..PORT_INFO_LEN + 16]),
+            Err(Error::Truncated { .. })
+        ));
+        b[98] = PORT_INFO_MAX_MORE_GIDS as u8 + 1;
+        assert!(matches!(PortInfo::parse(&b), Err(Error::Reserved { .. })));
+        // The most fit one rx buffer exactly; one more does not encode.
+        p.more_gids = (0..PORT_INFO_MAX_MORE_GIDS as u8)
+            .map(|i| Gid::from_ipv4(std::net::Ipv4Addr::new(10, 9, 0, i)))
+            .collect();
+        assert_eq!(p.record_len(), MAX_PAYLOAD);
+        p.emit(&mut b).unwrap();
+        assert_eq!(PortInfo::parse(&b).unwrap(), p);
+        p.more_gids
+            .push(Gid::from_ipv4(std::net::Ipv4Addr::new(10, 9, 1, 1)));
+        assert!(matches!(p.emit(&mut b), Err(Error::TooLong { .. })));
     }
 }

@@ -23,11 +23,12 @@ use crate::mux::Policy;
 /// The daemon's options.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
-    /// A VM: `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
-    /// id-range=BASE/LEN,incoming=yes]` (repeatable; one vhost-user socket per VM).
-    /// GID: an IPv4 address (10.0.0.1, its IPv4-mapped GID), an IPv6 address
+    /// A VM: `socket=PATH,gid=GID[,gid=GID...,name=N,qpn-base=N,qpn-count=N,ca-guid=N,
+    /// quota=N,id-range=BASE/LEN,incoming=yes]` (repeatable; one vhost-user socket per
+    /// VM). GID: an IPv4 address (10.0.0.1, its IPv4-mapped GID), an IPv6 address
     /// (2001:db8::1; RoCEv2 over IPv6), or a link-local one with its interface
-    /// (fe80::1%br0). Defaults: name vm-ADDRESS, qpn-base 0x10000, qpn-count 0x10000,
+    /// (fe80::1%br0). `gid` again: another address of the VM (at most 10; the first is
+    /// its primary). Defaults: name vm-ADDRESS, qpn-base 0x10000, qpn-count 0x10000,
     /// ca-guid derived from the GID, quota 65536. `id-range` makes the VM migratable;
     /// `incoming=yes` waits for it to arrive.
     #[arg(long = "vm", value_name = "SPEC", value_parser = VmSpec::from_str)]

@@ -74,6 +74,15 @@ pub(crate) fn scalar_text(v: &DeValue<'_>) -> Option<String> {
     }
 }
 
+/// An array's items as an error quotes them (`10.0.0.5, 2001:db8::5`).
+fn array_text(items: &[Spanned<DeValue<'_>>]) -> String {
+    items
+        .iter()
+        .map(|i| scalar_text(i.get_ref()).unwrap_or_else(|| type_name(i.get_ref()).into()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A TOML syntax error, at its place.
 pub(crate) fn syntax(e: &toml::de::Error) -> Located {
     Located {
@@ -111,13 +120,22 @@ fn locate(table: &DeTable<'_>, e: &toml::de::Error, expected: impl FnOnce() -> S
             );
         }
         if within(v.span()) {
-            let error = match scalar_text(v.get_ref()) {
-                Some(value) => ConfigError::BadValue {
+            let error = match (scalar_text(v.get_ref()), v.get_ref()) {
+                (Some(value), _) => ConfigError::BadValue {
                     key,
                     value,
                     why: e.message().to_string(),
                 },
-                None => ConfigError::WrongType {
+                // An array a key takes (`gid`) whose items its parser refused: serde's
+                // own type errors start with "invalid type".
+                (None, DeValue::Array(items)) if !e.message().starts_with("invalid type") => {
+                    ConfigError::BadValue {
+                        key,
+                        value: format!("[{}]", array_text(items)),
+                        why: e.message().to_string(),
+                    }
+                }
+                (None, _) => ConfigError::WrongType {
                     key,
                     expected: "a string, an integer or a boolean",
                     found: type_name(v.get_ref()),

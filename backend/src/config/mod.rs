@@ -534,13 +534,10 @@ impl Config {
         for v in &self.vms {
             let _ = writeln!(
                 s,
-                "vm {}: socket {}, gid {}{}, qpn {:#x}+{:#x}, ca-guid {:#018x}, quota {}{}{}",
+                "vm {}: socket {}, gid {}, qpn {:#x}+{:#x}, ca-guid {:#018x}, quota {}{}{}",
                 v.vm.name,
                 v.socket.display(),
-                v.vm.gid,
-                v.iface
-                    .as_deref()
-                    .map_or(String::new(), |i| format!("%{i}")),
+                v.gids_text(),
                 v.vm.qpn_base,
                 v.vm.qpn_count,
                 v.vm.ca_guid,

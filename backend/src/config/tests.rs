@@ -394,7 +394,7 @@ fn toml_errors_name_the_file_and_the_key() {
         ),
         (
             "[[vm]]\nsocket = \"/tmp/a\"\ngid = [1]\n".to_string(),
-            "[[vm]] #1: gid: expected a string",
+            "[[vm]] #1: gid=\"[1]\": expected a GID (a string) or an array of GIDs",
         ),
         (
             "[[vm]]\nsocket = \"/tmp/a\"\n".to_string(),
@@ -839,4 +839,114 @@ fn vm_values_are_taken_without_the_white_space_around_them() {
     assert!(e.to_string().contains("given twice"), "{e}");
     let e = toml_error("[[vm]]\nsocket = \"/a\"\nsocket-path = \"/b\"\ngid = \"127.0.0.1\"\n");
     assert!(e.contains("[[vm]] #1: duplicate field `socket`"), "{e}");
+}
+
+#[test]
+fn a_vm_takes_several_gids_the_first_its_primary() {
+    let s: VmSpec = "socket=/a,gid=10.0.0.5,gid=2001:db8::5,gid=10.0.1.5,name=d"
+        .parse()
+        .unwrap();
+    assert_eq!(s.vm.gid, Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 5)));
+    let more: Vec<String> = s.vm.more_gids.iter().map(|g| g.to_string()).collect();
+    assert_eq!(more, ["2001:db8::5", "::ffff:10.0.1.5"]);
+    let addrs: Vec<String> = s.addrs().map(|(a, _)| a.to_string()).collect();
+    assert_eq!(addrs, ["10.0.0.5", "2001:db8::5", "10.0.1.5"]);
+    // The spec gives itself back, the GIDs in order.
+    let arg = s.to_arg();
+    assert!(
+        arg.contains("gid=::ffff:10.0.0.5,gid=2001:db8::5,gid=::ffff:10.0.1.5"),
+        "{arg}"
+    );
+    assert_eq!(arg.parse::<VmSpec>().unwrap(), s);
+    // A link-local primary keeps its interface; further GIDs follow it.
+    let ll: VmSpec = "socket=/b,gid=fe80::5%br0,gid=2001:db8::6".parse().unwrap();
+    assert_eq!(ll.iface.as_deref(), Some("br0"));
+    assert_eq!(ll.to_arg().parse::<VmSpec>().unwrap(), ll);
+    // A one-GID VM is what it always was.
+    let one: VmSpec = "socket=/c,gid=10.0.0.7".parse().unwrap();
+    assert!(one.vm.more_gids.is_empty());
+    assert_eq!(one.to_arg().matches("gid=").count(), 1);
+    // The state directory's vms.toml form (an array when there are several).
+    let t = toml::to_string(&toml::Table::from_iter([(
+        "vm".to_string(),
+        toml_vms(&[s.clone(), one.clone()]),
+    )]))
+    .unwrap();
+    assert!(
+        t.contains("gid = [\"::ffff:10.0.0.5\", \"2001:db8::5\""),
+        "{t}"
+    );
+    let doc = toml::de::DeTable::parse(&t).unwrap();
+    let back = vm_tables(doc.get_ref().get("vm").unwrap()).unwrap();
+    assert_eq!(back, vec![s, one]);
+}
+
+#[test]
+fn a_config_file_gives_gid_as_a_string_or_an_array() {
+    let (_d, f) = toml_file(
+        "[[vm]]\nsocket = \"/tmp/a\"\ngid = [\"10.0.0.5\", \"2001:db8::5\"]\nname = \"a\"\n\
+         [[vm]]\nsocket = \"/tmp/b\"\ngid = \"10.0.0.6\"\nname = \"b\"\n",
+    );
+    let c = parse(&["--config", f.to_str().unwrap()]).unwrap();
+    assert_eq!(c.vms[0].vm.more_gids, vec!["2001:db8::5".parse().unwrap()]);
+    assert!(c.vms[1].vm.more_gids.is_empty());
+    let summary = c.summary();
+    assert!(
+        summary.contains("gid ::ffff:10.0.0.5 2001:db8::5,"),
+        "{summary}"
+    );
+    for (gid, want) in [
+        ("[]", "gid=GID is required"),
+        ("[\"10.0.0.5\", 7]", "a GID (a string) or an array of GIDs"),
+        ("[\"10.0.0.5\", \"banana\"]", "not a GID"),
+        ("[\"10.0.0.5\", \"10.0.0.5\"]", "given twice"),
+    ] {
+        let e = toml_error(&format!("[[vm]]\nsocket = \"/tmp/a\"\ngid = {gid}\n"));
+        assert!(e.contains(want), "{gid}: {e}");
+    }
+}
+
+#[test]
+fn several_gids_are_checked_each_and_together() {
+    let many: String = (1..=11).map(|i| format!(",gid=10.0.0.{i}")).collect();
+    for (s, want) in [
+        ("socket=/a,gid=10.0.0.5,gid=10.0.0.5", "given twice"),
+        ("socket=/a,gid=10.0.0.5,gid=::ffff:10.0.0.5", "given twice"),
+        (
+            "socket=/a,gid=10.0.0.5,gid=2001:db8::5,gid=2001:db8::5",
+            "given twice",
+        ),
+        (
+            "socket=/a,gid=10.0.0.5,gid=fe80::5%br0",
+            "only be a VM's first",
+        ),
+        ("socket=/a,gid=10.0.0.5,gid=224.0.0.1", "multicast"),
+        ("socket=/a,gid=10.0.0.5,gid=banana", "not a GID"),
+        (&format!("socket=/a{many}"), "11 GIDs: a VM has at most 10"),
+    ] {
+        let e = VmSpec::from_str(s).unwrap_err();
+        assert!(e.to_string().contains(want), "{s}: {e}");
+    }
+    let ten: String = (1..=10).map(|i| format!(",gid=10.0.0.{i}")).collect();
+    assert!(VmSpec::from_str(&format!("socket=/a{ten}")).is_ok());
+    // Two VMs holding one GID, whichever of theirs it is.
+    let a: VmSpec = "socket=/a,gid=10.0.0.5,gid=2001:db8::5,name=a"
+        .parse()
+        .unwrap();
+    let b: VmSpec = "socket=/b,gid=10.0.0.6,gid=2001:db8::5,name=b"
+        .parse()
+        .unwrap();
+    let c: VmSpec = "socket=/c,gid=2001:db8::5,name=c".parse().unwrap();
+    for other in [&b, &c] {
+        let e = check_vm_set(&[a.clone(), other.clone()], None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("two VMs use GID 2001:db8::5: VM \"a\""),
+            "{e}"
+        );
+    }
+    let d: VmSpec = "socket=/d,gid=10.0.0.7,gid=2001:db8::7,name=d"
+        .parse()
+        .unwrap();
+    assert!(check_vm_set(&[a, d], None).is_ok());
 }

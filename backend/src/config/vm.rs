@@ -11,12 +11,12 @@ use pvcm_wire::Gid;
 use serde::Deserialize;
 use serde::de::{Deserializer, Error as _};
 use toml::Spanned;
-use toml::de::{DeTable, DeValue};
+use toml::de::{DeArray, DeTable, DeValue};
 
 use super::ConfigError;
 use super::located::{self, Located};
 use super::values::{check_ifname, de};
-use crate::mux::{DEFAULT_QUOTA, IdRange, VmConfig};
+use crate::mux::{DEFAULT_QUOTA, IdRange, MAX_GIDS, VmConfig};
 
 /// One VM: its vhost-user socket and its port identity.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,16 +29,44 @@ pub struct VmSpec {
     /// and the VM not attached until its state is loaded (or its rings start without
     /// one, a fresh boot).
     pub incoming: bool,
-    /// The interface of a link-local (fe80::/10) GID, given as `gid=fe80::1%IFACE`: the
-    /// scope its socket binds in and link-local destinations are reached through.
-    /// `None` for every other GID.
+    /// The interface of a link-local (fe80::/10) primary GID, given as
+    /// `gid=fe80::1%IFACE`: the scope its socket binds in and link-local destinations
+    /// are reached through. `None` for every other GID (a further GID is never
+    /// link-local).
     pub iface: Option<String>,
 }
 
 impl VmSpec {
-    /// The VM's IP address: IPv4 for an IPv4-mapped GID, else IPv6.
+    /// The VM's primary IP address: IPv4 for an IPv4-mapped GID, else IPv6.
     pub fn addr(&self) -> IpAddr {
         gid_addr(self.vm.gid)
+    }
+
+    /// Every IP address of the VM, the primary first, each with its interface (only a
+    /// link-local primary has one).
+    pub fn addrs(&self) -> impl Iterator<Item = (IpAddr, Option<&str>)> + '_ {
+        let iface = self.iface.as_deref();
+        self.vm
+            .gids()
+            .enumerate()
+            .map(move |(i, g)| (gid_addr(g), if i == 0 { iface } else { None }))
+    }
+
+    /// The VM's GIDs as `gid=` takes them (a link-local one with its `%IFACE`).
+    fn gid_texts(&self) -> Vec<String> {
+        self.vm
+            .gids()
+            .enumerate()
+            .map(|(i, g)| match (&self.iface, i) {
+                (Some(f), 0) => format!("{g}%{f}"),
+                _ => g.to_string(),
+            })
+            .collect()
+    }
+
+    /// The VM's GIDs for a summary: `10.0.0.5` or `10.0.0.5 2001:db8::5`.
+    pub fn gids_text(&self) -> String {
+        self.gid_texts().join(" ")
     }
 }
 
@@ -95,7 +123,40 @@ fn gid_value(v: &str) -> Result<(Gid, Option<String>), String> {
     }
 }
 
-/// The keys of a VM (`--vm`, `[[vm]]`).
+/// A VM's further GIDs after its `primary`, checked: none link-local, none twice (nor
+/// the primary again), at most [`MAX_GIDS`] in all.
+fn more_gids(primary: Gid, more: &[GidText]) -> Result<Vec<Gid>, ConfigError> {
+    if more.len() >= MAX_GIDS {
+        return Err(ConfigError::Invalid(format!(
+            "{} GIDs: a VM has at most {MAX_GIDS}",
+            more.len() + 1
+        )));
+    }
+    let mut out: Vec<Gid> = Vec::with_capacity(more.len());
+    for (g, _) in more {
+        if g.is_link_local() {
+            return Err(ConfigError::bad(
+                "gid",
+                &g.to_string(),
+                "a link-local GID can only be a VM's first (primary) GID",
+            ));
+        }
+        if *g == primary || out.contains(g) {
+            return Err(ConfigError::bad(
+                "gid",
+                &g.to_string(),
+                "given twice for this VM",
+            ));
+        }
+        out.push(*g);
+    }
+    Ok(out)
+}
+
+/// A GID as `gid=` gives it: the GID and the interface of a link-local one.
+type GidText = (Gid, Option<String>);
+
+/// The keys of a VM (`--vm`, `[[vm]]`; `gid` may be given more than once).
 pub const VM_KEYS: &str = "socket, gid, name, qpn-base, qpn-count, ca-guid, quota, id-range, \
                            incoming";
 
@@ -106,8 +167,8 @@ pub const VM_KEYS: &str = "socket, gid, name, qpn-base, qpn-count, ca-guid, quot
 pub(crate) struct VmTable {
     #[serde(alias = "socket-path", deserialize_with = "socket")]
     socket: Option<PathBuf>,
-    #[serde(deserialize_with = "gid")]
-    gid: Option<(Gid, Option<String>)>,
+    #[serde(deserialize_with = "gids")]
+    gid: Option<Vec<GidText>>,
     #[serde(deserialize_with = "name")]
     name: Option<String>,
     #[serde(deserialize_with = "de::u32_number")]
@@ -136,8 +197,31 @@ fn socket<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> 
     }
 }
 
-fn gid<'de, D: Deserializer<'de>>(d: D) -> Result<Option<(Gid, Option<String>)>, D::Error> {
-    gid_value(&text(d)?).map(Some).map_err(D::Error::custom)
+/// `gid`: one GID (a string), or several (an array of strings, which a `--vm` spec's
+/// repeated `gid=` also gives), each as [`parse_gid`] reads it.
+fn gids<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<GidText>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    let texts = match OneOrMany::deserialize(d) {
+        Ok(OneOrMany::One(t)) => vec![t],
+        Ok(OneOrMany::Many(v)) => v,
+        Err(_) => {
+            return Err(D::Error::custom(
+                "expected a GID (a string) or an array of GIDs",
+            ));
+        }
+    };
+    texts
+        .iter()
+        .map(|t| {
+            gid_value(t.trim()).map_err(|why| D::Error::custom(format!("{:?}: {why}", t.trim())))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 fn name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
@@ -172,14 +256,16 @@ impl VmSpec {
                 what: "PATH",
             });
         };
-        let Some((gid, iface)) = t.gid else {
+        let Some(((gid, iface), more)) = t.gid.as_deref().and_then(<[_]>::split_first) else {
             return Err(ConfigError::Missing {
                 key: "gid",
                 what: "GID",
             });
         };
+        let (gid, iface) = (*gid, iface.clone());
         let ip = gid_addr(gid);
         let mut vm = VmConfig::new(t.name.unwrap_or_else(|| format!("vm-{ip}")), gid);
+        vm.more_gids = more_gids(gid, more)?;
         if let Some(b) = t.qpn_base {
             vm.qpn_base = b;
         }
@@ -252,9 +338,14 @@ impl VmSpec {
     /// The keys that give this spec back through [`VmSpec::from_table`].
     fn to_table(&self) -> VmTable {
         let v = &self.vm;
+        let more = v.more_gids.iter().map(|g| (*g, None));
         VmTable {
             socket: Some(self.socket.clone()),
-            gid: Some((v.gid, self.iface.clone())),
+            gid: Some(
+                std::iter::once((v.gid, self.iface.clone()))
+                    .chain(more)
+                    .collect(),
+            ),
             name: Some(v.name.clone()),
             qpn_base: Some(v.qpn_base),
             qpn_count: Some(v.qpn_count),
@@ -266,21 +357,20 @@ impl VmSpec {
     }
 
     /// The VM's `key=value` pairs, as `--vm` and a `[[vm]]` table take them: every key
-    /// with its value, so that reading them gives this spec back.
+    /// with its value (`gid` once per GID, the primary first), so that reading them
+    /// gives this spec back.
     pub fn to_pairs(&self) -> Vec<(&'static str, String)> {
         let v = &self.vm;
-        let gid = match &self.iface {
-            Some(i) => format!("{}%{i}", v.gid),
-            None => v.gid.to_string(),
-        };
         let mut p = vec![
             ("name", v.name.clone()),
             ("socket", self.socket.display().to_string()),
-            ("gid", gid),
+        ];
+        p.extend(self.gid_texts().into_iter().map(|g| ("gid", g)));
+        p.extend([
             ("qpn-base", format!("{:#x}", v.qpn_base)),
             ("qpn-count", format!("{:#x}", v.qpn_count)),
             ("ca-guid", format!("{:#018x}", v.ca_guid)),
-        ];
+        ]);
         if let Some(q) = v.quota {
             p.push(("quota", q.to_string()));
         }
@@ -320,8 +410,8 @@ impl VmSpec {
 impl FromStr for VmSpec {
     type Err = ConfigError;
 
-    /// `socket=PATH,gid=GID[,name=N,qpn-base=N,qpn-count=N,ca-guid=N,quota=N,
-    /// id-range=BASE/LEN,incoming=yes]`.
+    /// `socket=PATH,gid=GID[,gid=GID...,name=N,qpn-base=N,qpn-count=N,ca-guid=N,
+    /// quota=N,id-range=BASE/LEN,incoming=yes]`.
     fn from_str(s: &str) -> Result<VmSpec, ConfigError> {
         let label = format!("--vm {s:?}");
         let table = spec_table(s).map_err(|e| ConfigError::vm(&label, e))?;
@@ -331,7 +421,8 @@ impl FromStr for VmSpec {
     }
 }
 
-/// A `--vm` spec's pairs as a table of strings, each key and value spanned in `s`.
+/// A `--vm` spec's pairs as a table of strings, each key and value spanned in `s`; a
+/// repeated `gid` becomes an array of them, as a `[[vm]]` table writes several.
 fn spec_table(s: &str) -> Result<DeTable<'_>, ConfigError> {
     let mut table = DeTable::new();
     let mut at = 0;
@@ -350,10 +441,25 @@ fn spec_table(s: &str) -> Result<DeTable<'_>, ConfigError> {
         };
         let (k, v) = (k.trim(), v.trim());
         let key = if k == "socket-path" { "socket" } else { k };
-        let old = table.insert(
-            Spanned::new(span(k), key.into()),
-            Spanned::new(span(v), DeValue::String(v.into())),
-        );
+        let value = Spanned::new(span(v), DeValue::String(v.into()));
+        if key == "gid"
+            && let Some(old) = table.get_mut(key)
+        {
+            let at = old.span();
+            let first = std::mem::replace(old.get_mut(), DeValue::Array(DeArray::new()));
+            let mut list = match first {
+                DeValue::Array(a) => a,
+                s => {
+                    let mut a = DeArray::new();
+                    a.push(Spanned::new(at.clone(), s));
+                    a
+                }
+            };
+            list.push(value);
+            *old = Spanned::new(at.start..span(v).end, DeValue::Array(list));
+            continue;
+        }
+        let old = table.insert(Spanned::new(span(k), key.into()), value);
         if old.is_some() {
             return Err(ConfigError::Twice { key: k.to_string() });
         }
@@ -411,12 +517,19 @@ pub(crate) fn toml_vms(specs: &[VmSpec]) -> toml::Value {
         specs
             .iter()
             .map(|s| {
-                toml::Value::Table(
-                    s.to_pairs()
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), toml::Value::String(v)))
-                        .collect(),
-                )
+                let mut t = toml::Table::new();
+                for (k, v) in s.to_pairs() {
+                    let v = toml::Value::String(v);
+                    match t.get_mut(k) {
+                        // A second GID: the key's value becomes an array.
+                        Some(toml::Value::Array(a)) => a.push(v),
+                        Some(old) => *old = toml::Value::Array(vec![old.clone(), v]),
+                        None => {
+                            t.insert(k.to_string(), v);
+                        }
+                    }
+                }
+                toml::Value::Table(t)
             })
             .collect(),
     )
@@ -439,8 +552,8 @@ pub fn check_vm_set(vms: &[VmSpec], control: Option<&Path>) -> Result<(), Config
             if a.socket == b.socket {
                 return dup("socket", a.socket.display().to_string());
             }
-            if a.vm.gid == b.vm.gid {
-                return dup("GID", a.vm.gid.to_string());
+            if let Some(g) = a.vm.gids().find(|g| b.vm.holds(*g)) {
+                return dup("GID", g.to_string());
             }
             if a.vm.name == b.vm.name {
                 return dup("name", format!("{:?}", a.vm.name));

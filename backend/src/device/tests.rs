@@ -112,6 +112,9 @@ mod queue_tests {
         fn attach(&self, _vm: usize) -> Result<(), crate::port::PortError> {
             Ok(())
         }
+        fn claim(&self, _vm: usize) -> Result<bool, crate::port::PortError> {
+            Ok(false)
+        }
         fn send(&self, _ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
             let mut sent = self.0.lock().unwrap();
             sent.extend(mads.iter().map(|(g, m)| (vm, *g, **m)));
@@ -135,7 +138,14 @@ mod queue_tests {
     }
 
     fn rig() -> Rig {
-        let vm = VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)));
+        rig_with(VmConfig::new(
+            "a",
+            Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)),
+        ))
+    }
+
+    /// A device for the VM `vm`, attached.
+    fn rig_with(vm: VmConfig) -> Rig {
         let host = HostBudget::new(backlog::DEFAULT_HOST_BYTES);
         let spec = VmSpec {
             socket: "/nonexistent/a.sock".into(),
@@ -437,6 +447,79 @@ mod queue_tests {
         assert_eq!((info.gid, info.ca_guid), (r.vm.gid, r.vm.ca_guid));
         // A port that cannot tell the link's values: the configured ones.
         assert_eq!((info.active_mtu, info.ca_ack_delay), (abi::MTU_2048, 7));
+    }
+
+    #[test]
+    fn a_vm_with_two_gids_learns_both_and_speaks_as_either_only() {
+        let v6: Gid = "2001:db8::40".parse().unwrap();
+        let vm = VmConfig {
+            more_gids: vec![v6],
+            ..VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)))
+        };
+        let mut r = rig_with(vm);
+        let peer6: Gid = "2001:db8::9".parse().unwrap();
+        let (ca, q) = (r.vm.ca_guid, r.vm.qpn_base);
+        let from_v6 = testing::req(v6, ca, 0x2222, 8, peer6, q + 2);
+        let theirs: Gid = "2001:db8::41".parse().unwrap();
+        let from_theirs = testing::req(theirs, ca, 0x3333, 9, peer6, q + 3);
+        let chains = [
+            msg_chain(
+                &r.mem,
+                0,
+                &MsgHeader::control(MsgType::PortInfoRequest, 0),
+                &[],
+            ),
+            msg_chain(&r.mem, 1, &MsgHeader::mad(peer6), &from_v6),
+            msg_chain(&r.mem, 2, &MsgHeader::mad(peer6), &from_theirs),
+        ];
+        assert_eq!(tx(&mut r, &chains), 1);
+        let sent = r.sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1), (0, peer6));
+        let rx = rx_queued(&r);
+        assert_eq!(rx[0].0.msg_type, MsgType::PortInfo);
+        assert_eq!(rx[0].1.len(), abi::PORT_INFO_LEN + 16);
+        let info = PortInfo::parse(&rx[0].1).unwrap();
+        assert_eq!((info.gid, info.more_gids.clone()), (r.vm.gid, vec![v6]));
+        assert_eq!(rx[1].0.msg_type, MsgType::SendError);
+        assert_eq!(rx[1].0.status, SendStatus::Spoofed as u16);
+        // A one-GID IPv4 VM has no address to reach an IPv6 GID from.
+        let mut one = rig();
+        let m = good_req(&one.vm);
+        let chain = msg_chain(&one.mem, 0, &MsgHeader::mad(peer6), &m);
+        assert_eq!(tx(&mut one, &[chain]), 1);
+        assert_eq!(dropped(&one, DevDrop::BadRemoteGid), 1);
+    }
+
+    /// A migration destination takes the state of a VM with its GID list only: another
+    /// list (one GID fewer, or another second GID) is another VM's state, refused.
+    #[test]
+    fn a_migration_destination_whose_vm_has_other_gids_refuses_the_state() {
+        let v6: Gid = "2001:db8::40".parse().unwrap();
+        let moving = VmConfig {
+            more_gids: vec![v6],
+            id_range: Some("0x80010000/16".parse().unwrap()),
+            quota: Some(1000),
+            ..VmConfig::new("a", Gid::from_ipv4(Ipv4Addr::new(127, 40, 0, 1)))
+        };
+        let src = rig_with(moving.clone());
+        let blob = src.dev.shared.migrate_out(&src.port).unwrap();
+        let other: Gid = "2001:db8::41".parse().unwrap();
+        for more in [vec![], vec![other]] {
+            let dst = rig_with(VmConfig {
+                more_gids: more.clone(),
+                ..moving.clone()
+            });
+            dst.dev.shared.detach(&dst.port);
+            let e = dst.dev.shared.migrate_in(&dst.port, &blob);
+            assert!(
+                matches!(e, Err(crate::migration::MigrationError::OtherVm { .. })),
+                "{more:?}: {e:?}"
+            );
+        }
+        let dst = rig_with(moving);
+        dst.dev.shared.detach(&dst.port);
+        dst.dev.shared.migrate_in(&dst.port, &blob).unwrap();
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! the wire or back as send errors, port-info requests answered), then the I/O; and the
 //! throttle that slows a guest flooding bad input.
 
-use pvcm_wire::abi::{self, HEADER_LEN, MsgHeader, MsgType, PORT_INFO_LEN, PortInfo, SendStatus};
+use pvcm_wire::abi::{self, HEADER_LEN, MsgHeader, MsgType, PortInfo, SendStatus};
 use pvcm_wire::mad::{MAD_LEN, MGMT_CLASS_CM};
 use vhost_user_backend::VringT;
 use virtio_queue::QueueT;
@@ -178,7 +178,7 @@ impl PvcmDevice {
                 MsgType::PortInfoRequest => own_rx.push(self.port_info()),
                 MsgType::Mad => {
                     let payload = m.payload(len);
-                    if let Some(r) = mad_reject(&h, len, payload, port.spec.vm.gid, vm.is_some()) {
+                    if let Some(r) = mad_reject(&h, len, payload, &port.spec.vm, vm.is_some()) {
                         tracing::debug!(reason = r.name(), "tx MAD dropped");
                         bad += 1;
                         c.drop(r);
@@ -271,6 +271,7 @@ impl PvcmDevice {
             abi_version: abi::ABI_VERSION,
             port_up: true,
             gid: vm.gid,
+            more_gids: vm.more_gids.clone(),
             ca_guid: vm.ca_guid,
             lid: 0xFFFF,
             pkey: pvcm_wire::roce::DEFAULT_PKEY,
@@ -281,10 +282,12 @@ impl PvcmDevice {
             active_mtu: link.mtu.unwrap_or(self.shared.path_mtu),
             ca_ack_delay: link.ca_ack_delay.unwrap_or(self.shared.ca_ack_delay),
         };
-        let mut payload = [0u8; PORT_INFO_LEN];
-        // The buffer has exactly the length emit checks for.
+        let mut payload = [0u8; abi::PORT_INFO_MAX_LEN];
+        let len = info.record_len().min(payload.len());
+        // The buffer holds the longest record, and a VM has at most MAX_GIDS GIDs (its
+        // configuration is checked), so emit cannot fail.
         let _ = info.emit(&mut payload);
-        RxMsg::control(MsgType::PortInfo, 0, &payload)
+        RxMsg::control(MsgType::PortInfo, 0, &payload[..len])
     }
 }
 
@@ -295,7 +298,7 @@ fn mad_reject(
     h: &MsgHeader,
     len: usize,
     payload: &[u8],
-    own: pvcm_wire::Gid,
+    own: &crate::mux::VmConfig,
     attached: bool,
 ) -> Option<DevDrop> {
     if len != MAD_LEN {
@@ -303,10 +306,10 @@ fn mad_reject(
     } else if pvcm_wire::mad::field::MGMT_CLASS.get(payload) != u64::from(MGMT_CLASS_CM) {
         Some(DevDrop::NotCm)
     } else if h.remote_gid.roce_unicast_problem().is_some()
-        || h.remote_gid.to_ipv4().is_some() != own.to_ipv4().is_some()
+        || h.remote_gid.to_ipv4().is_some() != own.source_for(h.remote_gid).to_ipv4().is_some()
     {
-        // Not a unicast RoCE address, or the other IP family: no datagram from the VM's
-        // address can carry it.
+        // Not a unicast RoCE address, or an IP family none of the VM's addresses has: no
+        // datagram from the VM's addresses can carry it.
         Some(DevDrop::BadRemoteGid)
     } else if !attached {
         Some(DevDrop::NotAttached)

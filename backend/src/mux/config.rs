@@ -121,8 +121,11 @@ impl Default for MuxConfig {
 pub struct VmConfig {
     /// Name for logs and tables.
     pub name: String,
-    /// The VM's port GID (RoCEv2: IPv4-mapped).
+    /// The VM's primary port GID (RoCEv2: IPv4-mapped for an IPv4 address).
     pub gid: Gid,
+    /// The VM's further GIDs (its other addresses), after the primary; at most
+    /// [`MAX_GIDS`]` - 1`, none twice, none the primary. Empty for most VMs.
+    pub more_gids: Vec<Gid>,
     /// The VM's CA (node) GUID, which its CM puts in REQ/REP and REJ(TIMEOUT) ARIs.
     pub ca_guid: u64,
     /// First QPN the VM may name as its Local QPN.
@@ -243,6 +246,10 @@ impl std::str::FromStr for IdRange {
     }
 }
 
+/// The most GIDs a VM may have (its primary included): as many as its PORT_INFO
+/// carries to the guest (the primary and `PORT_INFO_MAX_MORE_GIDS` more, one rx buffer).
+pub const MAX_GIDS: usize = 1 + pvcm_wire::abi::PORT_INFO_MAX_MORE_GIDS;
+
 /// The bit that marks a `pv_cm_id` from a VM's own range ([`IdRange`]): the host's
 /// shared allocation never hands out an ID with it set.
 pub const ID_RANGE_BIT: u32 = 0x8000_0000;
@@ -253,12 +260,39 @@ impl VmConfig {
         VmConfig {
             name: name.into(),
             gid,
+            more_gids: Vec::new(),
             ca_guid: gid.interface_id() | 0x0200_0000_0000_0000,
             qpn_base: 0x0001_0000,
             qpn_count: 0x0001_0000,
             quota: None,
             id_range: None,
         }
+    }
+
+    /// Every GID of the VM, the primary first.
+    pub fn gids(&self) -> impl Iterator<Item = Gid> + '_ {
+        core::iter::once(self.gid).chain(self.more_gids.iter().copied())
+    }
+
+    /// Whether `gid` is one of the VM's GIDs.
+    #[inline]
+    pub fn holds(&self, gid: Gid) -> bool {
+        gid == self.gid || (!self.more_gids.is_empty() && self.more_gids.contains(&gid))
+    }
+
+    /// The VM's GID a MAD to `dst` leaves from: the first of its GIDs of `dst`'s family
+    /// (IPv4-mapped or IPv6) and scope (link-local or not), else the first of its
+    /// family, else the primary. A one-GID VM: always the primary.
+    pub fn source_for(&self, dst: Gid) -> Gid {
+        if self.more_gids.is_empty() {
+            return self.gid;
+        }
+        let family = |g: Gid| g.to_ipv4().is_some();
+        let same_family = |g: &Gid| family(*g) == family(dst);
+        self.gids()
+            .find(|g| same_family(g) && g.is_link_local() == dst.is_link_local())
+            .or_else(|| self.gids().find(same_family))
+            .unwrap_or(self.gid)
     }
 
     /// True when `qpn` lies in the VM's range (or the range check is off).

@@ -39,9 +39,10 @@ impl<C: Clock> Mux<C> {
             c.vms.push(vm.0);
         }
         let v = &mut self.vms[vm.0 as usize];
-        let gid = v.cfg.gid;
         v.sl_map = FastMap::with_hasher(RandomState::default());
-        self.gid_to_vm.remove(&gid);
+        for gid in v.cfg.gids() {
+            self.gid_to_vm.remove(&gid);
+        }
         self.fold_figures(vm.0);
         if !self.policy().cleans_up_detached_vms() {
             return;
@@ -54,17 +55,26 @@ impl<C: Clock> Mux<C> {
             }
             // The VM's comm-ID map is gone already.
             self.ent(slot).flags &= !flag::IN_SL_MAP;
-            self.orphan(slot, gid, now);
+            self.orphan(slot, now);
         }
         if let Some(v) = self.vms.get_mut(vm.0 as usize) {
             v.live = 0;
         }
     }
 
-    /// Finishes one connection of a detached VM.
-    pub(super) fn orphan(&mut self, slot: u32, vm_gid: Gid, now: u64) {
+    /// Finishes one connection of a detached VM: what it sends goes from the VM's GID
+    /// for the peer's ([`VmConfig::source_for`]).
+    ///
+    /// [`VmConfig::source_for`]: super::VmConfig::source_for
+    pub(super) fn orphan(&mut self, slot: u32, now: u64) {
         let e = self.slab[slot as usize];
         let peer_gid = self.peers.get(e.peer).map(|p| p.gid);
+        // Used only with a peer to send to; the VM is the entry's, so it is there.
+        let vm_gid = match (self.vms.get(e.vm as usize), peer_gid) {
+            (Some(v), Some(dst)) => v.cfg.source_for(dst),
+            (Some(v), None) => v.cfg.gid,
+            (None, _) => Gid::ZERO,
+        };
         match (e.state, peer_gid) {
             (State::Established | State::DreqSent, Some(dst)) if e.pv_cm_id != 0 => {
                 // Established: disconnect on the VM's behalf, retrying like a CM would.

@@ -514,11 +514,11 @@ impl<C: Clock> Mux<C> {
     pub(super) fn check_req(&self, vm: u32, bytes: &[u8]) -> Result<(), DropReason> {
         let cfg = self.vm_cfg(vm);
         let p = req::Packet::new_unchecked(bytes);
-        if p.primary_local_port_gid() != cfg.gid {
+        if !cfg.holds(p.primary_local_port_gid()) {
             return Err(DropReason::SpoofedGid);
         }
         let alt = p.alternate_path().local_gid;
-        if alt != Gid::ZERO && alt != cfg.gid {
+        if alt != Gid::ZERO && !cfg.holds(alt) {
             return Err(DropReason::SpoofedGid);
         }
         if !cfg.owns_qpn(p.local_qpn()) {

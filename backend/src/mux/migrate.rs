@@ -138,8 +138,9 @@ impl<C: Clock> Mux<C> {
         v.live = 0;
         v.quarantined = 0;
         v.sl_map = FastMap::default();
-        let gid = v.cfg.gid;
-        self.gid_to_vm.remove(&gid);
+        for gid in v.cfg.gids() {
+            self.gid_to_vm.remove(&gid);
+        }
         self.fold_figures(vm.0);
         if let Some(c) = &mut self.changes {
             c.vms.push(vm.0);
@@ -166,7 +167,9 @@ impl<C: Clock> Mux<C> {
         let quota = cfg.quota.unwrap_or(self.cfg.default_quota);
         let mut v = Vm::new(cfg, quota, true, self.tids);
         v.next_id = next_id;
-        self.gid_to_vm.insert(v.cfg.gid, id);
+        for gid in v.cfg.gids() {
+            self.gid_to_vm.insert(gid, id);
+        }
         self.vms.push(v);
         if let Some(c) = &mut self.changes {
             c.vms.push(id);

@@ -45,7 +45,8 @@ use pvcm_wire::mad::{self, AttributeId};
 
 pub use clock::{Clock, ManualClock, SystemClock, Time};
 pub use config::{
-    DEFAULT_QUOTA, ID_RANGE_BIT, IdRange, IdRangeError, MuxConfig, Policy, UnknownPolicy, VmConfig,
+    DEFAULT_QUOTA, ID_RANGE_BIT, IdRange, IdRangeError, MAX_GIDS, MuxConfig, Policy, UnknownPolicy,
+    VmConfig,
 };
 pub use counters::{CmCounters, DropCounters, DropReason, Group};
 pub use ids::{IdPermutation, TidKind, TidSpace, permute_bits};
@@ -353,11 +354,13 @@ impl<C: Clock> Mux<C> {
     // ----------------------------------------------------------------------------------
     // VMs
 
-    /// Attaches a VM. Fails if another attached VM has the same GID.
+    /// Attaches a VM. Fails if another attached VM holds one of its GIDs.
     pub fn attach_vm(&mut self, cfg: VmConfig) -> Result<VmId, AttachError> {
         self.check_attach(&cfg)?;
         let id = u32::try_from(self.vms.len()).map_err(|_| AttachError::TooManyVms)?;
-        self.gid_to_vm.insert(cfg.gid, id);
+        for gid in cfg.gids() {
+            self.gid_to_vm.insert(gid, id);
+        }
         if let Some(c) = &mut self.changes {
             c.vms.push(id);
         }
@@ -404,11 +407,13 @@ impl<C: Clock> Mux<C> {
     /// Whether `cfg` could attach now: its GID and ID range are its own, and the range
     /// holds its quota.
     fn check_attach(&self, cfg: &VmConfig) -> Result<(), AttachError> {
-        if let Some(&other) = self.gid_to_vm.get(&cfg.gid) {
-            return Err(AttachError::GidInUse {
-                gid: cfg.gid,
-                name: self.vms[other as usize].cfg.name.clone(),
-            });
+        for gid in cfg.gids() {
+            if let Some(&other) = self.gid_to_vm.get(&gid) {
+                return Err(AttachError::GidInUse {
+                    gid,
+                    name: self.vms[other as usize].cfg.name.clone(),
+                });
+            }
         }
         let Some(range) = cfg.id_range else {
             return Ok(());

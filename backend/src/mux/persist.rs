@@ -279,6 +279,12 @@ pub(super) fn encode_vm(id: u32, v: &Vm, out: &mut Vec<u8>) {
     b.extend_from_slice(&base.to_le_bytes());
     b.push(len);
     b.extend_from_slice(&v.next_id.to_le_bytes());
+    // Appended later (older records end at the counter): the further GIDs, a count and
+    // 16 bytes each.
+    b.push(c.more_gids.len() as u8);
+    for g in &c.more_gids {
+        b.extend_from_slice(&g.0);
+    }
     put_record(out, REC_VM, &b);
 }
 
@@ -302,12 +308,23 @@ pub(super) fn decode_vm(p: &[u8]) -> Option<(u32, bool, VmConfig, u32)> {
         }
         next_id = r.u32()?;
     }
+    let mut more_gids = Vec::new();
+    if !r.0.is_empty() {
+        let n = usize::from(r.u8()?);
+        if n >= super::MAX_GIDS {
+            return None;
+        }
+        for _ in 0..n {
+            more_gids.push(r.gid()?);
+        }
+    }
     Some((
         id,
         attached,
         VmConfig {
             name,
             gid,
+            more_gids,
             ca_guid,
             qpn_base,
             qpn_count,
@@ -506,14 +523,17 @@ impl<C: Clock> Mux<C> {
     /// Derives every index from the slab, the peers and the VMs.
     fn rebuild_indexes(&mut self) -> Result<(), Inconsistency> {
         for (id, v) in self.vms.iter().enumerate() {
-            if v.attached
-                && let Some(other) = self.gid_to_vm.insert(v.cfg.gid, id as u32)
-            {
-                return Err(Inconsistency::SharedGid {
-                    first: other,
-                    second: id as u32,
-                    gid: v.cfg.gid,
-                });
+            if !v.attached {
+                continue;
+            }
+            for gid in v.cfg.gids() {
+                if let Some(other) = self.gid_to_vm.insert(gid, id as u32) {
+                    return Err(Inconsistency::SharedGid {
+                        first: other,
+                        second: id as u32,
+                        gid,
+                    });
+                }
             }
         }
         let mut quarantine = Vec::new();

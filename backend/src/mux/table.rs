@@ -448,9 +448,10 @@ impl<C: Clock> Mux<C> {
         match e.state {
             State::DreqSent if e.has(flag::ORPHAN) && e.retries > 0 => {
                 self.ent(slot).retries -= 1;
-                let src = self.vms.get(e.vm as usize).map(|v| v.cfg.gid);
                 let dst = self.peers.get(e.peer).map(|p| p.gid);
-                if let (Some(src), Some(dst)) = (src, dst) {
+                let vm = self.vms.get(e.vm as usize);
+                if let (Some(v), Some(dst)) = (vm, dst) {
+                    let src = v.cfg.source_for(dst);
                     self.send_dreq_on_behalf(slot, src, dst);
                     self.host_counters.bump(Group::TxRetries, AttributeId::Dreq);
                 }

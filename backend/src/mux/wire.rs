@@ -96,7 +96,7 @@ impl<C: Clock> Mux<C> {
         }
         match self.vms.get(e.vm as usize) {
             Some(v) if v.attached => {
-                if v.cfg.gid != dst && self.policy().checks() {
+                if !v.cfg.holds(dst) && self.policy().checks() {
                     return Err(DropReason::WrongDestination);
                 }
                 Ok(slot)
@@ -515,7 +515,7 @@ impl<C: Clock> Mux<C> {
             && self
                 .vms
                 .get(e.vm as usize)
-                .is_some_and(|v| v.cfg.gid != dst)
+                .is_some_and(|v| !v.cfg.holds(dst))
         {
             return Err(DropReason::WrongDestination);
         }

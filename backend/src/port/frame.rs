@@ -3,7 +3,7 @@
 //! ICRC ([`check_frame`] for a UDP payload, [`check_datagram`] for a whole IPv4
 //! datagram; the packet port checks its Ethernet and IP layers and then these).
 
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 
 use pvcm_wire::mad::MAD_LEN;
 use pvcm_wire::roce::{
@@ -21,6 +21,8 @@ pub struct InFrame {
     pub src: Gid,
     /// Sender's address.
     pub src_addr: SocketAddr,
+    /// The GID it was addressed to (its destination address).
+    pub dst: Gid,
     /// The DETH's source QP and Q_Key, for the rx header.
     pub src_qp: u32,
     /// Q_Key.
@@ -49,9 +51,11 @@ pub(crate) fn check_headers(dgram: &[u8]) -> Result<(Frame<&[u8]>, BthRepr, Deth
     Ok((frame, bth, deth))
 }
 
-/// The checked frame `frame` from `src` with its BTH and DETH, as the port hands it on.
+/// The checked frame `frame` from `src` to `dst` with its BTH and DETH, as the port
+/// hands it on.
 pub(crate) fn in_frame(
     src: SocketAddr,
+    dst: IpAddr,
     frame: &Frame<&[u8]>,
     bth: &BthRepr,
     deth: &DethRepr,
@@ -61,6 +65,7 @@ pub(crate) fn in_frame(
     InFrame {
         src: IpRepr::gid(src.ip()),
         src_addr: src,
+        dst: IpRepr::gid(dst),
         src_qp: deth.src_qp,
         qkey: deth.qkey,
         pkey: bth.pkey,
@@ -84,7 +89,7 @@ pub fn check_frame(local: SocketAddr, src: SocketAddr, dgram: &[u8]) -> Result<I
     frame
         .check_icrc(&ip, &udp)
         .map_err(|_| DevDrop::WireBadIcrc)?;
-    Ok(in_frame(src, &frame, &bth, &deth))
+    Ok(in_frame(src, local.ip(), &frame, &bth, &deth))
 }
 
 /// Checks one whole IPv4 datagram from the raw socket (raw mode): a valid IPv4 header
@@ -107,13 +112,14 @@ pub fn check_datagram(dgram: &[u8]) -> Result<(SocketAddr, InFrame), DevDrop> {
     roce::check_datagram_icrc(dgram).map_err(|_| DevDrop::WireBadIcrc)?;
     let src = SocketAddr::V4(SocketAddrV4::new(ip.src, udp.src_port));
     let dst = SocketAddr::V4(SocketAddrV4::new(ip.dst, udp.dst_port));
-    Ok((dst, in_frame(src, &frame, &bth, &deth)))
+    Ok((dst, in_frame(src, dst.ip(), &frame, &bth, &deth)))
 }
 
 impl From<InFrame> for InMad {
     fn from(f: InFrame) -> InMad {
         InMad {
             src: f.src,
+            dst: f.dst,
             src_qp: f.src_qp,
             qkey: f.qkey,
             pkey: f.pkey,

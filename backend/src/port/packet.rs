@@ -15,9 +15,12 @@
 //!   is checked as the soft port's raw mode checks a datagram (IPv4 or IPv6, UDP to the
 //!   RoCEv2 port (`--bind-port`, 4791), headers, lengths, the ICRC over the IP header as
 //!   received: [`check_ether_frame`], then [`super::frame`]'s checks: BTH destination
-//!   QP 1, the GSI's DETH) and routed to the VM owning its destination address.
+//!   QP 1, the GSI's DETH) and routed to the VM owning its destination address (any of
+//!   a VM's addresses: a VM has one per GID).
 //! - **Send**: the frames are built here (pvcm_wire, the ICRC over exactly the header
-//!   sent) with the VM's address as source, and go through the host's IP stack, which
+//!   sent) with the VM's address for the destination as source (its GID of the
+//!   destination's family, `VmConfig::source_for`), and go through the host's IP
+//!   stack, which
 //!   picks the route and resolves the next hop: a raw IPv4 socket (`IPPROTO_RAW`, the
 //!   header included) and a raw IPv6 socket (`IPPROTO_RAW`, header included). Linux
 //!   keeps the header of such a send but for the IPv4 total length (which pvcm sets to
@@ -242,7 +245,7 @@ pub fn check_ether_frame(
     let (f, bth, deth) = frame::check_headers(payload).map_err(fail)?;
     roce::check_datagram_icrc(dgram).map_err(|_| fail(DevDrop::WireBadIcrc))?;
     let from = SocketAddr::new(src, udp.src_port);
-    Ok((dst, frame::in_frame(from, &f, &bth, &deth)))
+    Ok((dst, frame::in_frame(from, dst, &f, &bth, &deth)))
 }
 
 /// `PACKET_OUTGOING` (linux/if_packet.h): a frame transmitted on the device.
@@ -339,22 +342,22 @@ pub struct PacketPort {
     buffer: crate::stats::RxBuffer,
 }
 
-/// The port's VMs by index (`None`: removed at runtime), by address, and each one's
-/// next PSN.
+/// The port's VMs by index (`None`: removed at runtime) with their addresses, by
+/// address (every address of every VM), and each one's next PSN.
 #[derive(Debug, Default)]
 struct VmTable {
-    vms: Vec<Option<(String, IpAddr)>>,
+    vms: Vec<Option<(String, Vec<IpAddr>)>>,
     by_addr: HashMap<IpAddr, usize>,
     psn: Vec<AtomicU32>,
 }
 
 impl PacketPort {
     /// Opens the port on `dev` (`iface`: the interface of link-local destinations) for
-    /// these VMs (name, address), with the RoCEv2 UDP port `port_num`.
+    /// these VMs (name, addresses), with the RoCEv2 UDP port `port_num`.
     pub fn open(
         dev: &str,
         iface: Option<&str>,
-        vms: &[(String, IpAddr)],
+        vms: &[(String, Vec<IpAddr>)],
         port_num: u16,
     ) -> Result<PacketPort, Error> {
         let name = match iface {
@@ -433,7 +436,11 @@ impl PacketPort {
         let _ = setsockopt_int(tx6.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
         let table = VmTable {
             vms: vms.iter().cloned().map(Some).collect(),
-            by_addr: vms.iter().enumerate().map(|(i, (_, a))| (*a, i)).collect(),
+            by_addr: vms
+                .iter()
+                .enumerate()
+                .flat_map(|(i, (_, addrs))| addrs.iter().map(move |a| (*a, i)))
+                .collect(),
             psn: vms.iter().map(|_| AtomicU32::new(0)).collect(),
         };
         let seed = pvcm_wire::seed::os_seed();
@@ -464,23 +471,24 @@ impl PacketPort {
         }
     }
 
-    /// The datagram VM `vm` sends `mad` to `dst` in, and where to send it; `None` when
-    /// the GID is not reachable from the VM's address (the other family, or link-local
-    /// without IFACE).
+    /// The datagram VM `vm` sends `mad` from its address `own` to `dst` in, and where to
+    /// send it; `None` when `own` is not the VM's, or the GID is not reachable from it
+    /// (the other family, or link-local without IFACE).
     pub fn datagram(
         &self,
         vm: usize,
+        own: IpAddr,
         dst: Gid,
         mad: &[u8; MAD_LEN],
         buf: &mut [u8; IPV6_DATAGRAM_LEN],
     ) -> Option<(usize, SocketAddr)> {
-        let (own, psn) = {
+        let psn = {
             let t = self.table();
-            let (_, own) = t.vms.get(vm)?.as_ref()?;
-            (
-                *own,
-                t.psn.get(vm)?.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF,
-            )
+            let (_, addrs) = t.vms.get(vm)?.as_ref()?;
+            if !addrs.contains(&own) {
+                return None;
+            }
+            t.psn.get(vm)?.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF
         };
         let udp = UdpRepr {
             dst_port: self.port_num,
@@ -624,21 +632,21 @@ impl WirePort for PacketPort {
         true
     }
 
-    /// A VM added at runtime: its address joins the table (nothing to bind: the address
-    /// is the VM's NIC's).
+    /// A VM added at runtime: its addresses join the table (nothing to bind: the
+    /// addresses are the VM's NIC's).
     fn add_vm(
         &self,
         vm: usize,
         spec: &crate::config::VmSpec,
         _poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
     ) -> Result<(), PortError> {
-        let a = spec.addr();
+        let addrs: Vec<IpAddr> = spec.addrs().map(|(a, _)| a).collect();
         {
             let mut t = self.table_mut();
-            if t.by_addr.contains_key(&a) {
+            if let Some(a) = addrs.iter().find(|a| t.by_addr.contains_key(a)) {
                 return Err(PortError::Bind(Error::WireBind {
                     vm: spec.vm.name.clone(),
-                    addr: a,
+                    addr: *a,
                     port: self.port_num,
                     source: io::Error::from(io::ErrorKind::AddrInUse),
                 }));
@@ -647,8 +655,10 @@ impl WirePort for PacketPort {
                 t.vms.push(None);
                 t.psn.push(AtomicU32::new(0));
             }
-            t.vms[vm] = Some((spec.vm.name.clone(), a));
-            t.by_addr.insert(a, vm);
+            for a in &addrs {
+                t.by_addr.insert(*a, vm);
+            }
+            t.vms[vm] = Some((spec.vm.name.clone(), addrs));
         }
         Ok(())
     }
@@ -656,10 +666,12 @@ impl WirePort for PacketPort {
     fn remove_vm(&self, vm: usize, _unpoll: &mut dyn FnMut(RawFd)) {
         {
             let mut t = self.table_mut();
-            let Some(Some((_, a))) = t.vms.get_mut(vm).map(Option::take) else {
+            let Some(Some((_, addrs))) = t.vms.get_mut(vm).map(Option::take) else {
                 return;
             };
-            t.by_addr.remove(&a);
+            for a in &addrs {
+                t.by_addr.remove(a);
+            }
         }
     }
 
@@ -667,7 +679,8 @@ impl WirePort for PacketPort {
         let Some(p) = ctx.vms.get(vm) else { return };
         let mut buf = [0u8; IPV6_DATAGRAM_LEN];
         for (dst, mad) in mads {
-            let Some((n, to)) = self.datagram(vm, *dst, mad, &mut buf) else {
+            let own = crate::config::gid_addr(p.spec.vm.source_for(*dst));
+            let Some((n, to)) = self.datagram(vm, own, *dst, mad, &mut buf) else {
                 tracing::debug!(parent: &p.span, %dst, "no route from this VM's address to the GID: dropped");
                 p.counters.drop(DevDrop::BadRemoteGid);
                 continue;

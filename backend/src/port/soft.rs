@@ -415,7 +415,7 @@ impl RawRx {
     }
 }
 
-/// The epoll token of the raw receive socket (the per-VM sockets use their VM index).
+/// The epoll token of the raw receive socket (the address sockets use their slot).
 const TOK_RAW: u64 = 1 << 39;
 /// The epoll token of the loss audit's timer.
 const TOK_AUDIT: u64 = TOK_RAW + 1;
@@ -428,8 +428,9 @@ const AUDIT_DRAIN_ROUNDS: usize = 4;
 /// Datagram batches taken from one socket before the loop looks at the others.
 const RX_ROUNDS: usize = 16;
 
-/// The soft RoCEv2 port: one UDP socket per VM address (index = VM index) and, in raw
-/// mode, the raw receive socket for the IPv4 VMs.
+/// The soft RoCEv2 port: one UDP socket per VM address (a VM has one address per GID,
+/// each in its own slot) and, in raw mode, the raw receive socket for the IPv4
+/// addresses.
 #[derive(Debug)]
 pub struct SoftPort {
     /// The VMs' addresses and sockets (VMs come and go at runtime).
@@ -445,34 +446,83 @@ pub struct SoftPort {
     audit_armed: std::sync::atomic::AtomicBool,
 }
 
-/// The soft port's VMs, by VM index.
+/// One VM address the soft port serves.
+#[derive(Debug, Clone)]
+struct Slot {
+    /// The VM's index.
+    vm: usize,
+    /// The VM's name (errors).
+    name: String,
+    /// The address.
+    addr: IpAddr,
+    /// Interface index of a link-local address, else 0.
+    scope: u32,
+}
+
+/// The soft port's VM addresses, by slot (the epoll token of a socket the port reads is
+/// its slot), and each VM's slots.
 #[derive(Debug, Default)]
 struct SoftVms {
-    /// Per VM: its bound socket, `None` while the address is not this host's (an
+    /// Per slot: its bound socket, `None` while the address is not this host's (an
     /// incoming VM not arrived yet, or one that left by migration).
     socks: Vec<Option<std::sync::Arc<UdpPort>>>,
-    /// Per VM: its name, address and scope (interface index of a link-local address);
-    /// `None` for a VM removed at runtime.
-    addrs: Vec<Option<(String, IpAddr, u32)>>,
+    /// Per slot: its address; `None` for one of a VM removed at runtime.
+    slots: Vec<Option<Slot>>,
+    /// Every served address's slot.
     by_addr: std::collections::HashMap<IpAddr, usize>,
+    /// Per VM index: its slots, the primary address's first (empty: no such VM).
+    of_vm: Vec<Vec<usize>>,
 }
 
 impl SoftVms {
-    /// Makes room for VM index `vm`.
-    fn grow(&mut self, vm: usize) {
-        if self.addrs.len() <= vm {
-            self.addrs.resize(vm + 1, None);
-            self.socks.resize(vm + 1, None);
+    /// Adds VM `vm`'s addresses (name, address, scope), each in a new slot.
+    fn add(&mut self, vm: usize, name: &str, addrs: &[(IpAddr, u32)]) {
+        if self.of_vm.len() <= vm {
+            self.of_vm.resize(vm + 1, Vec::new());
+        }
+        for &(addr, scope) in addrs {
+            let slot = self.slots.len();
+            self.slots.push(Some(Slot {
+                vm,
+                name: name.to_string(),
+                addr,
+                scope,
+            }));
+            self.socks.push(None);
+            self.by_addr.insert(addr, slot);
+            self.of_vm[vm].push(slot);
         }
     }
 
-    /// The IPv4 addresses of the VMs (the raw socket's filter).
+    /// Forgets VM `vm`'s addresses; returns the sockets they had.
+    fn remove(&mut self, vm: usize) -> Vec<(IpAddr, Option<std::sync::Arc<UdpPort>>)> {
+        let slots = self
+            .of_vm
+            .get_mut(vm)
+            .map(std::mem::take)
+            .unwrap_or_default();
+        let mut gone = Vec::with_capacity(slots.len());
+        for s in slots {
+            if let Some(slot) = self.slots.get_mut(s).and_then(Option::take) {
+                self.by_addr.remove(&slot.addr);
+                gone.push((slot.addr, self.socks[s].take()));
+            }
+        }
+        gone
+    }
+
+    /// The slots of VM `vm`.
+    fn slots_of(&self, vm: usize) -> &[usize] {
+        self.of_vm.get(vm).map_or(&[], Vec::as_slice)
+    }
+
+    /// The IPv4 addresses served (the raw socket's filter).
     fn v4(&self) -> Vec<Ipv4Addr> {
-        self.addrs
+        self.slots
             .iter()
             .flatten()
-            .filter_map(|(_, a, _)| match a {
-                IpAddr::V4(a) => Some(*a),
+            .filter_map(|s| match s.addr {
+                IpAddr::V4(a) => Some(a),
                 IpAddr::V6(_) => None,
             })
             .collect()
@@ -553,29 +603,46 @@ fn scope_of(name: &str, a: IpAddr, iface: Option<&str>, port: u16) -> Result<u32
     }
 }
 
+/// A VM's addresses with their scopes.
+fn scoped(
+    name: &str,
+    addrs: &[(IpAddr, Option<String>)],
+    port: u16,
+) -> Result<Vec<(IpAddr, u32)>, Error> {
+    addrs
+        .iter()
+        .map(|(a, iface)| Ok((*a, scope_of(name, *a, iface.as_deref(), port)?)))
+        .collect()
+}
+
+/// The soft port's VMs as it opens: each VM's name and addresses (the primary first,
+/// each with the interface of a link-local address).
+pub type SoftVmAddrs = (String, Vec<(IpAddr, Option<String>)>);
+
 impl SoftPort {
-    /// Binds every VM address (`names` for the errors; `iface`: the interface of a
-    /// link-local GID) but those of `incoming` VMs (bound by [`WirePort::claim`] when
-    /// they arrive), and opens the receive path the mode asks for. Incoming VMs need raw
-    /// receive (a udp-mode socket set is fixed) and an IPv4 GID (an IPv6 VM is read
-    /// through its own socket, which the host loop cannot add while it runs).
+    /// Binds every VM address (`iface`: the interface of a link-local GID) but those
+    /// of `incoming` VMs (bound by [`WirePort::claim`] when they arrive), and opens the
+    /// receive path the mode asks for. Incoming VMs need raw receive (a udp-mode socket
+    /// set is fixed) and IPv4 GIDs only (an IPv6 address is read through its own
+    /// socket, which the host loop cannot add while it runs).
     ///
     /// [`WirePort::claim`]: crate::port::WirePort::claim
     pub fn open(
-        vms: &[(String, IpAddr, Option<String>)],
+        vms: &[SoftVmAddrs],
         incoming: &[bool],
         port_num: u16,
         mode: RxMode,
     ) -> Result<SoftPort, Error> {
         let v4: Vec<Ipv4Addr> = vms
             .iter()
-            .filter_map(|(_, a, _)| match a {
+            .flat_map(|(_, addrs)| addrs)
+            .filter_map(|(a, _)| match a {
                 IpAddr::V4(a) => Some(*a),
                 IpAddr::V6(_) => None,
             })
             .collect();
-        for (i, (name, a, _)) in vms.iter().enumerate() {
-            if a.is_ipv6() && incoming.get(i).copied().unwrap_or(false) {
+        for (i, (name, addrs)) in vms.iter().enumerate() {
+            if incoming.get(i).copied().unwrap_or(false) && addrs.iter().any(|(a, _)| a.is_ipv6()) {
                 return Err(Error::IncomingIpv6(name.clone()));
             }
         }
@@ -585,13 +652,9 @@ impl SoftPort {
         {
             return Err(Error::IncomingNeedsRaw(vms[i].0.clone()));
         }
-        let mut addrs = Vec::with_capacity(vms.len());
-        for (name, a, iface) in vms {
-            addrs.push(Some((
-                name.clone(),
-                *a,
-                scope_of(name, *a, iface.as_deref(), port_num)?,
-            )));
+        let mut table = SoftVms::default();
+        for (vm, (name, addrs)) in vms.iter().enumerate() {
+            table.add(vm, name, &scoped(name, addrs, port_num)?);
         }
         let audit_timer = vmm_sys_util::timerfd::TimerFd::new()
             .map_err(|e| Error::AuditTimer(io::Error::from(e)))?;
@@ -599,14 +662,6 @@ impl SoftPort {
         // SAFETY: fcntl(2) on a descriptor the timer owns; the result is checked.
         cvt(unsafe { libc::fcntl(audit_timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) })
             .map_err(Error::AuditTimer)?;
-        let mut table = SoftVms {
-            socks: vec![None; vms.len()],
-            addrs,
-            by_addr: std::collections::HashMap::new(),
-        };
-        for (i, (_, a, _)) in vms.iter().enumerate() {
-            table.by_addr.insert(*a, i);
-        }
         let port = SoftPort {
             vms: std::sync::RwLock::new(table),
             raw,
@@ -636,56 +691,72 @@ impl SoftPort {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// VM `vm`'s name, address and scope.
-    fn addr(&self, vm: usize) -> Option<(String, IpAddr, u32)> {
-        self.table().addrs.get(vm)?.clone()
+    /// The address in `slot`.
+    fn slot(&self, slot: usize) -> Option<Slot> {
+        self.table().slots.get(slot)?.clone()
     }
 
-    /// The indices VMs have had (removed ones included).
-    fn indices(&self) -> std::ops::Range<usize> {
-        0..self.table().addrs.len()
+    /// The slots addresses have had (removed ones included).
+    fn slot_indices(&self) -> std::ops::Range<usize> {
+        0..self.table().slots.len()
     }
 
-    /// Binds VM `vm`'s address (and, in raw mode, makes an IPv4 VM's socket drop what it
-    /// gets: the raw socket reads for it).
+    /// Binds VM `vm`'s addresses (and, in raw mode, makes an IPv4 address's socket drop
+    /// what it gets: the raw socket reads for it). Nothing is bound if one fails.
     fn bind_vm(&self, vm: usize) -> Result<(), Error> {
-        let Some((name, a, scope)) = self.addr(vm) else {
-            return Ok(());
+        let slots: Vec<(usize, Slot)> = {
+            let t = self.table();
+            t.slots_of(vm)
+                .iter()
+                .filter_map(|&s| Some((s, t.slots.get(s)?.clone()?)))
+                .collect()
         };
-        let s = UdpPort::bind(a, scope, self.port_num).map_err(|source| Error::WireBind {
-            vm: name.clone(),
-            addr: a,
-            port: self.port_num,
-            source,
-        })?;
-        if self.raw.is_some() && a.is_ipv4() {
-            s.discard_rx().map_err(|source| Error::WireFilter {
-                vm: name.clone(),
-                source,
+        let mut bound = Vec::with_capacity(slots.len());
+        for (s, slot) in slots {
+            let sock = UdpPort::bind(slot.addr, slot.scope, self.port_num).map_err(|source| {
+                Error::WireBind {
+                    vm: slot.name.clone(),
+                    addr: slot.addr,
+                    port: self.port_num,
+                    source,
+                }
             })?;
+            if self.raw.is_some() && slot.addr.is_ipv4() {
+                sock.discard_rx().map_err(|source| Error::WireFilter {
+                    vm: slot.name.clone(),
+                    source,
+                })?;
+            }
+            bound.push((s, std::sync::Arc::new(sock)));
         }
-        if let Some(slot) = self.table_mut().socks.get_mut(vm) {
-            *slot = Some(std::sync::Arc::new(s));
+        let mut t = self.table_mut();
+        for (s, sock) in bound {
+            if let Some(at) = t.socks.get_mut(s) {
+                *at = Some(sock);
+            }
         }
         Ok(())
     }
 
-    /// VM `vm`'s socket, if its address is this host's now.
-    fn sock(&self, vm: usize) -> Option<std::sync::Arc<UdpPort>> {
-        self.table().socks.get(vm)?.clone()
+    /// The socket of `slot`, if its address is this host's now.
+    fn sock(&self, slot: usize) -> Option<std::sync::Arc<UdpPort>> {
+        self.table().socks.get(slot)?.clone()
     }
 
-    /// Whether VM `vm` is read through its own UDP socket (udp mode, or an IPv6 VM).
-    fn reads_udp(&self, vm: usize) -> bool {
-        self.raw.is_none() || self.addr(vm).is_some_and(|(_, a, _)| a.is_ipv6())
+    /// Whether `slot`'s address is read through its own UDP socket (udp mode, or an
+    /// IPv6 address).
+    fn reads_udp(&self, slot: usize) -> bool {
+        self.raw.is_none() || self.slot(slot).is_some_and(|s| s.addr.is_ipv6())
     }
 
-    /// Sends `frames` from VM `vm`'s socket in one batch, captured first; what the
+    /// Sends `frames` from `sock` (VM `port`'s) in one batch, captured first; what the
     /// kernel does not take is counted as `wire_send_error`.
-    fn send_frames(&self, ctx: &PortCtx<'_>, vm: usize, frames: &[OutFrame]) {
-        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
-            return;
-        };
+    fn send_frames(
+        ctx: &PortCtx<'_>,
+        port: &crate::vm_port::VmPort,
+        sock: &UdpPort,
+        frames: &[OutFrame],
+    ) {
         if frames.is_empty() {
             return;
         }
@@ -703,16 +774,19 @@ impl SoftPort {
         }
     }
 
-    /// Takes datagrams from one VM address's socket (udp mode, and IPv6 VMs); returns
-    /// how many it read.
+    /// Takes datagrams from one VM address's socket (udp mode, and IPv6 addresses);
+    /// returns how many it read.
     fn on_udp(
         &self,
         ctx: &PortCtx<'_>,
-        vm: usize,
+        slot: usize,
         rb: &mut RecvBatch,
         route: &mut dyn FnMut(Arrivals),
     ) -> usize {
-        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
+        let (Some(sock), Some(s)) = (self.sock(slot), self.slot(slot)) else {
+            return 0;
+        };
+        let (vm, Some(port)) = (s.vm, ctx.vms.get(s.vm)) else {
             return 0;
         };
         let local = sock.local();
@@ -792,7 +866,7 @@ impl SoftPort {
             // One look at the table for the batch (the lock is a read lock; VMs added
             // or removed meanwhile count from the next batch on).
             let table = self.table();
-            let mut last: Option<(u32, usize)> = None;
+            let mut last: Option<(u32, usize, usize)> = None;
             for i in 0..n {
                 let (_, dgram, truncated) = rb.get(i);
                 // The destination decides whose counters a drop lands on; datagrams to
@@ -801,20 +875,25 @@ impl SoftPort {
                 let Some(dst) = dgram.get(ip_dst.range()).map(|_| ip_dst.get(dgram) as u32) else {
                     continue;
                 };
-                // Datagrams of a batch mostly go to one VM: its index is remembered.
-                let p = match last {
-                    Some((a, p)) if a == dst => p,
+                // Datagrams of a batch mostly go to one address: its slot and VM are
+                // remembered.
+                let (slot, p) = match last {
+                    Some((a, s, p)) if a == dst => (s, p),
                     _ => {
-                        let Some(&p) = table.by_addr.get(&IpAddr::V4(Ipv4Addr::from(dst))) else {
+                        let addr = IpAddr::V4(Ipv4Addr::from(dst));
+                        let Some(&s) = table.by_addr.get(&addr) else {
                             continue;
                         };
-                        last = Some((dst, p));
-                        p
+                        let Some(Some(slot)) = table.slots.get(s) else {
+                            continue;
+                        };
+                        last = Some((dst, s, slot.vm));
+                        (s, slot.vm)
                     }
                 };
                 // An address this host does not hold now (a VM not arrived yet, or
                 // gone by migration) is not ours either: its frames are another host's.
-                let Some(Some(sock)) = table.socks.get(p) else {
+                let Some(Some(sock)) = table.socks.get(slot) else {
                     continue;
                 };
                 let Some(port) = ctx.vms.get(p) else {
@@ -876,12 +955,13 @@ impl SoftPort {
         }
     }
 
-    /// Counts the datagrams the kernel dropped for each VM and no datagram reported:
-    /// `AUDIT_AFTER` after traffic, so the count is complete soon after a burst ends
-    /// even when nothing follows it.
+    /// Counts the datagrams the kernel dropped for each VM address and no datagram
+    /// reported: `AUDIT_AFTER` after traffic, so the count is complete soon after a
+    /// burst ends even when nothing follows it.
     ///
-    /// - A socket the port reads (udp mode, IPv6 VMs): its drop count (`SO_MEMINFO`).
-    /// - An IPv4 VM in raw mode: the datagrams that reached its address (its UDP socket
+    /// - A socket the port reads (udp mode, IPv6 addresses): its drop count
+    ///   (`SO_MEMINFO`).
+    /// - An IPv4 address in raw mode: the datagrams that reached it (its UDP socket
     ///   drops each one with its filter and counts it) less those the raw socket
     ///   delivered for it. The arrivals are read first, then the raw queue is emptied:
     ///   every datagram counted in the arrivals is then either delivered or lost, and
@@ -899,16 +979,17 @@ impl SoftPort {
             let _ = t.wait();
         }
         self.audit_armed.store(false, Ordering::Relaxed);
+        let vm_of = |slot: usize| self.slot(slot).and_then(|s| ctx.vms.get(s.vm));
         let mut read = 0;
         let mut drained = true;
         if self.raw.is_some() {
             let arrivals: Vec<(usize, std::sync::Arc<UdpPort>, u32)> = self
-                .indices()
-                .filter(|&vm| !self.reads_udp(vm))
-                .filter_map(|vm| {
-                    let sock = self.sock(vm)?;
+                .slot_indices()
+                .filter(|&s| !self.reads_udp(s))
+                .filter_map(|s| {
+                    let sock = self.sock(s)?;
                     let a = socket_drops(sock.socket().as_raw_fd()).ok()?;
-                    Some((vm, sock, a))
+                    Some((s, sock, a))
                 })
                 .collect();
             drained = false;
@@ -921,17 +1002,17 @@ impl SoftPort {
                 }
             }
             if drained {
-                for (vm, sock, arrived) in arrivals {
+                for (slot, sock, arrived) in arrivals {
                     let lost = arrived.wrapping_sub(sock.raw_rx.load(Ordering::Relaxed));
                     let n = sock.lost.new_since(lost);
-                    if let Some(port) = ctx.vms.get(vm) {
+                    if let Some(port) = vm_of(slot) {
                         port.counters.drop_n(DevDrop::WireRxOverflow, n.into());
                     }
                 }
             }
         }
-        for vm in self.indices().filter(|&vm| self.reads_udp(vm)) {
-            let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
+        for slot in self.slot_indices().filter(|&s| self.reads_udp(s)) {
+            let (Some(sock), Some(port)) = (self.sock(slot), vm_of(slot)) else {
                 continue;
             };
             match sock.new_drops_now() {
@@ -947,9 +1028,11 @@ impl SoftPort {
 
 impl crate::port::WirePort for SoftPort {
     fn link(&self, vm: usize) -> crate::port::Link {
-        // rdma_cm takes a RoCE route's MTU from the network device the address is on.
-        let mtu = self.addr(vm).and_then(|(_, a, _)| {
-            let iface = crate::port::iface_of(a)?;
+        // rdma_cm takes a RoCE route's MTU from the network device the address is on
+        // (the primary address's).
+        let primary = self.table().slots_of(vm).first().copied();
+        let mtu = primary.and_then(|s| self.slot(s)).and_then(|s| {
+            let iface = crate::port::iface_of(s.addr)?;
             crate::port::iboe_mtu(crate::port::if_mtu(&iface)?)
         });
         crate::port::Link {
@@ -993,9 +1076,9 @@ impl crate::port::WirePort for SoftPort {
             TOK_AUDIT,
         ));
         fds.extend(
-            self.indices()
-                .filter(|&i| self.reads_udp(i))
-                .filter_map(|i| Some((self.sock(i)?.socket().as_raw_fd(), i as u64))),
+            self.slot_indices()
+                .filter(|&s| self.reads_udp(s))
+                .filter_map(|s| Some((self.sock(s)?.socket().as_raw_fd(), s as u64))),
         );
         fds
     }
@@ -1014,76 +1097,75 @@ impl crate::port::WirePort for SoftPort {
         spec: &crate::config::VmSpec,
         poll: &mut dyn FnMut(RawFd, u64) -> io::Result<()>,
     ) -> Result<(), PortError> {
-        let a = spec.addr();
         let name = &spec.vm.name;
         let bind_err = |e: Error| PortError::Bind(e);
-        if spec.incoming && (a.is_ipv6() || self.raw.is_none()) {
-            return Err(bind_err(if a.is_ipv6() {
+        let addrs: Vec<(IpAddr, Option<String>)> = spec
+            .addrs()
+            .map(|(a, i)| (a, i.map(str::to_string)))
+            .collect();
+        let v6 = addrs.iter().any(|(a, _)| a.is_ipv6());
+        if spec.incoming && (v6 || self.raw.is_none()) {
+            return Err(bind_err(if v6 {
                 Error::IncomingIpv6(name.clone())
             } else {
                 Error::IncomingNeedsRaw(name.clone())
             }));
         }
-        let scope = scope_of(name, a, spec.iface.as_deref(), self.port_num).map_err(bind_err)?;
+        let addrs = scoped(name, &addrs, self.port_num).map_err(bind_err)?;
         {
             let mut t = self.table_mut();
-            if t.by_addr.contains_key(&a) {
+            if let Some((a, _)) = addrs.iter().find(|(a, _)| t.by_addr.contains_key(a)) {
                 return Err(bind_err(Error::WireBind {
                     vm: name.clone(),
-                    addr: a,
+                    addr: *a,
                     port: self.port_num,
                     source: io::Error::from(io::ErrorKind::AddrInUse),
                 }));
             }
-            t.grow(vm);
-            t.addrs[vm] = Some((name.clone(), a, scope));
-            t.by_addr.insert(a, vm);
+            t.add(vm, name, &addrs);
         }
         let undo = |e: PortError| {
-            let mut t = self.table_mut();
-            t.addrs[vm] = None;
-            t.socks[vm] = None;
-            t.by_addr.remove(&a);
+            self.table_mut().remove(vm);
             e
         };
         if !spec.incoming {
             self.bind_vm(vm).map_err(|e| undo(bind_err(e)))?;
         }
-        if let (Some(raw), IpAddr::V4(_)) = (&self.raw, a) {
+        if let Some(raw) = &self.raw
+            && addrs.iter().any(|(a, _)| a.is_ipv4())
+        {
             let v4 = self.table().v4();
             raw.set_filter(self.port_num, &v4)
                 .map_err(|e| undo(bind_err(Error::RawSocket(e))))?;
         }
-        if self.reads_udp(vm)
-            && let Some(sock) = self.sock(vm)
-        {
-            poll(sock.socket().as_raw_fd(), vm as u64).map_err(|source| {
-                undo(bind_err(Error::Io {
-                    what: "epoll_ctl".into(),
-                    source,
-                }))
-            })?;
+        let slots = self.table().slots_of(vm).to_vec();
+        for s in slots {
+            if self.reads_udp(s)
+                && let Some(sock) = self.sock(s)
+            {
+                poll(sock.socket().as_raw_fd(), s as u64).map_err(|source| {
+                    undo(bind_err(Error::Io {
+                        what: "epoll_ctl".into(),
+                        source,
+                    }))
+                })?;
+            }
         }
         Ok(())
     }
 
     fn remove_vm(&self, vm: usize, unpoll: &mut dyn FnMut(RawFd)) {
-        let udp = self.reads_udp(vm);
-        let (sock, addr) = {
-            let mut t = self.table_mut();
-            let Some(Some((_, a, _))) = t.addrs.get(vm).cloned() else {
-                return;
-            };
-            t.by_addr.remove(&a);
-            t.addrs[vm] = None;
-            (t.socks[vm].take(), a)
-        };
-        if let Some(s) = &sock
-            && udp
-        {
-            unpoll(s.socket().as_raw_fd());
+        let gone = self.table_mut().remove(vm);
+        for (addr, sock) in &gone {
+            if let Some(s) = sock
+                && (self.raw.is_none() || addr.is_ipv6())
+            {
+                unpoll(s.socket().as_raw_fd());
+            }
         }
-        if let (Some(raw), IpAddr::V4(_)) = (&self.raw, addr) {
+        if let Some(raw) = &self.raw
+            && gone.iter().any(|(a, _)| a.is_ipv4())
+        {
             let v4 = self.table().v4();
             if let Err(e) = raw.set_filter(self.port_num, &v4) {
                 tracing::warn!(error = %e, "raw socket filter not narrowed after a VM left");
@@ -1092,10 +1174,11 @@ impl crate::port::WirePort for SoftPort {
     }
 
     fn claim(&self, vm: usize) -> Result<bool, PortError> {
-        if self.sock(vm).is_some() {
+        let slots = self.table().slots_of(vm).to_vec();
+        if slots.iter().all(|&s| self.sock(s).is_some()) {
             return Ok(false);
         }
-        if self.reads_udp(vm) {
+        if slots.iter().any(|&s| self.reads_udp(s)) {
             return Err(PortError::ClaimNeedsRaw);
         }
         self.bind_vm(vm).map_err(PortError::Bind)?;
@@ -1103,28 +1186,52 @@ impl crate::port::WirePort for SoftPort {
     }
 
     fn release(&self, vm: usize) {
-        if let Some(slot) = self.table_mut().socks.get_mut(vm) {
-            *slot = None;
+        let mut t = self.table_mut();
+        for s in t.slots_of(vm).to_vec() {
+            if let Some(at) = t.socks.get_mut(s) {
+                *at = None;
+            }
         }
     }
 
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
-        let (Some(sock), Some(port)) = (self.sock(vm), ctx.vms.get(vm)) else {
+        let Some(port) = ctx.vms.get(vm) else {
             return;
         };
-        let Some((_, own, scope)) = self.addr(vm) else {
-            return;
+        // Each MAD leaves from the VM's address for its destination
+        // (`VmConfig::source_for`): one batch per address used, the primary's first.
+        let slots: Vec<(IpAddr, u32, std::sync::Arc<UdpPort>)> = {
+            let t = self.table();
+            t.slots_of(vm)
+                .iter()
+                .filter_map(|&s| {
+                    let slot = t.slots.get(s)?.as_ref()?;
+                    Some((slot.addr, slot.scope, t.socks.get(s)?.clone()?))
+                })
+                .collect()
         };
-        let mut frames: Vec<OutFrame> = Vec::with_capacity(mads.len());
+        if slots.is_empty() {
+            return;
+        }
+        let mut frames: Vec<Vec<OutFrame>> = vec![Vec::new(); slots.len()];
         for (dst, mad) in mads {
-            let built = destination(own, scope, self.port_num, *dst)
-                .is_some_and(|to| sock.frame_into(&mut frames, to, mad));
+            let own = crate::config::gid_addr(port.spec.vm.source_for(*dst));
+            let built = slots
+                .iter()
+                .position(|(a, _, _)| *a == own)
+                .is_some_and(|i| {
+                    let (a, scope, sock) = &slots[i];
+                    destination(*a, *scope, self.port_num, *dst)
+                        .is_some_and(|to| sock.frame_into(&mut frames[i], to, mad))
+                });
             if !built {
-                tracing::debug!(parent: &port.span, %dst, "no route from this VM's address to the GID: dropped");
+                tracing::debug!(parent: &port.span, %dst, "no route from this VM's addresses to the GID: dropped");
                 port.counters.drop(DevDrop::BadRemoteGid);
             }
         }
-        self.send_frames(ctx, vm, &frames);
+        for ((_, _, sock), f) in slots.iter().zip(&frames) {
+            Self::send_frames(ctx, port, sock, f);
+        }
     }
 
     fn receive(&self, ctx: &PortCtx<'_>, token: u64, route: &mut dyn FnMut(Arrivals)) {
@@ -1140,7 +1247,7 @@ impl crate::port::WirePort for SoftPort {
                     0
                 }
                 TOK_RAW => self.on_raw(ctx, rb, route).0,
-                vm => self.on_udp(ctx, vm as usize, rb, route),
+                slot => self.on_udp(ctx, slot as usize, rb, route),
             };
             if read > 0 {
                 self.arm_audit();
@@ -1622,11 +1729,11 @@ mod tests {
             use crate::port::WirePort;
             add_addr("lo", "fd00:79::1/128");
             add_addr("lo", "fd00:79::2/128");
-            let spec = |name: &str, g: &str| -> (String, IpAddr, Option<String>) {
+            let spec = |name: &str, g: &str| -> SoftVmAddrs {
                 let s: VmSpec = format!("socket=/x/{name},gid={g},name={name}")
                     .parse()
                     .unwrap();
-                (name.to_string(), s.addr(), s.iface)
+                (name.to_string(), vec![(s.addr(), s.iface)])
             };
             let vms = vec![
                 spec("a4", "127.79.0.1"),
@@ -1641,8 +1748,8 @@ mod tests {
             let ports: Vec<_> = vms
                 .iter()
                 .enumerate()
-                .map(|(i, (n, _, _))| {
-                    let s: VmSpec = format!("socket=/x/{n},gid={},name={n}", vms[i].1)
+                .map(|(i, (n, _))| {
+                    let s: VmSpec = format!("socket=/x/{n},gid={},name={n}", vms[i].1[0].0)
                         .parse()
                         .unwrap();
                     crate::vm_port::VmPort::for_test(i, s)
@@ -1708,6 +1815,102 @@ mod tests {
         });
     }
 
+    /// A VM with an IPv4 and an IPv6 address on a raw-mode port: each address has its
+    /// socket (the IPv6 one polled), frames to either reach the VM with that address as
+    /// destination, it sends from its address of the destination's family, and removing
+    /// it at runtime frees both addresses; added again, it is served at both again.
+    #[test]
+    fn a_vm_with_two_addresses_is_served_at_both() {
+        super::super::testnet::in_netns("soft port two addresses", || {
+            use super::super::testnet::add_addr;
+            use crate::config::VmSpec;
+            use crate::port::WirePort;
+            add_addr("lo", "fd00:79::5/128");
+            add_addr("lo", "fd00:79::6/128");
+            let specs: Vec<VmSpec> = [
+                "socket=/x/d,gid=127.79.0.5,gid=fd00:79::5,name=d",
+                "socket=/x/b4,gid=127.79.0.6,name=b4",
+                "socket=/x/b6,gid=fd00:79::6,name=b6",
+            ]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+            let vms: Vec<SoftVmAddrs> = specs
+                .iter()
+                .map(|s| {
+                    let a = s.addrs().map(|(a, i)| (a, i.map(str::to_string)));
+                    (s.vm.name.clone(), a.collect())
+                })
+                .collect();
+            let port = SoftPort::open(&vms, &[false; 3], 4791, RxMode::Raw).unwrap();
+            // The raw socket, the audit, then the IPv6 addresses' sockets by slot.
+            let toks: Vec<u64> = port.poll_fds().iter().map(|(_, t)| *t).collect();
+            assert_eq!(toks, vec![TOK_RAW, TOK_AUDIT, 1, 3]);
+            let ports: Vec<_> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| crate::vm_port::VmPort::for_test(i, s.clone()))
+                .collect();
+            let host = crate::stats::DevCounters::default();
+            let set = crate::vm_port::VmSet::new(ports.clone());
+            let ctx = PortCtx {
+                vms: &set,
+                host: &host,
+                capture: None,
+            };
+            let g = |s: &str| -> Gid { s.parse().unwrap() };
+            let receive = |port: &SoftPort, toks: &[u64], want: usize| {
+                let mut got: Vec<(usize, Gid, Gid, u8)> = Vec::new();
+                for _ in 0..200 {
+                    for tok in toks {
+                        port.receive(&ctx, *tok, &mut |batch| {
+                            for (vm, mads) in batch {
+                                got.extend(mads.iter().map(|m| (vm, m.src, m.dst, m.mad[255])));
+                            }
+                        });
+                    }
+                    if got.len() >= want {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                got.sort_by_key(|x| x.3);
+                got
+            };
+            let (m1, m2, m3, m4) = (cm_mad(1), cm_mad(2), cm_mad(3), cm_mad(4));
+            port.send(&ctx, 0, &[(g("127.79.0.6"), &m1), (g("fd00:79::6"), &m2)]);
+            port.send(&ctx, 1, &[(g("::ffff:127.79.0.5"), &m3)]);
+            port.send(&ctx, 2, &[(g("fd00:79::5"), &m4)]);
+            assert_eq!(ports[0].counters.io(Io::WireTxFrames), 2);
+            assert_eq!(
+                receive(&port, &toks, 4),
+                vec![
+                    (1, g("::ffff:127.79.0.5"), g("::ffff:127.79.0.6"), 1),
+                    (2, g("fd00:79::5"), g("fd00:79::6"), 2),
+                    (0, g("::ffff:127.79.0.6"), g("::ffff:127.79.0.5"), 3),
+                    (0, g("fd00:79::6"), g("fd00:79::5"), 4),
+                ]
+            );
+            // Removed: both addresses are free (bindable by anyone); added back (index
+            // 3), served at both again.
+            let mut unpolled = Vec::new();
+            port.remove_vm(0, &mut |fd| unpolled.push(fd));
+            assert_eq!(unpolled.len(), 1, "the IPv6 address's socket");
+            for a in ["127.79.0.5", "fd00:79::5"] {
+                UdpPort::bind(a.parse().unwrap(), 0, 4791).expect(a);
+            }
+            let mut polled = Vec::new();
+            port.add_vm(3, &specs[0], &mut |_, t| {
+                polled.push(t);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(polled, vec![5]);
+            let again = port.add_vm(4, &specs[0], &mut |_, _| Ok(()));
+            assert!(matches!(again, Err(PortError::Bind(_))), "{again:?}");
+        });
+    }
+
     /// A soft port for one VM `a` at `gid`, its VmPort and the host counters.
     fn one_vm_port(
         gid: &str,
@@ -1718,7 +1921,7 @@ mod tests {
         crate::stats::DevCounters,
     ) {
         let s: crate::config::VmSpec = format!("socket=/x/a,gid={gid},name=a").parse().unwrap();
-        let vms = vec![("a".to_string(), s.addr(), None)];
+        let vms = vec![("a".to_string(), vec![(s.addr(), None)])];
         let port = SoftPort::open(&vms, &[false], 4791, mode).unwrap();
         let ports = vec![crate::vm_port::VmPort::for_test(0, s)];
         (port, ports, crate::stats::DevCounters::default())
@@ -1822,7 +2025,7 @@ mod tests {
                 .collect();
             let vms: Vec<_> = specs
                 .iter()
-                .map(|s| (s.vm.name.clone(), s.addr(), None))
+                .map(|s| (s.vm.name.clone(), vec![(s.addr(), None)]))
                 .collect();
             let port = SoftPort::open(&vms, &[false; 3], 4791, RxMode::Raw).unwrap();
             let ports: Vec<_> = specs

@@ -206,6 +206,8 @@ pub fn parse_read(msg: &[u8], pkeys: &[u16]) -> Result<Received, DevDrop> {
         pkey_index: hdr.pkey_index,
         mad: InMad {
             src: Gid(hdr.gid),
+            // The GID at `gid_index`: set when the port finds the VM that holds it.
+            dst: Gid::ZERO,
             src_qp: hdr.qpn,
             qkey: GSI_QKEY,
             pkey,
@@ -357,21 +359,33 @@ pub fn find_umad(sysfs: &Path, device: &str, port: u8) -> io::Result<String> {
     ))
 }
 
-/// The port's VMs (their names and GIDs, by VM index; `None`: removed) and which VM has
-/// which GID index.
+/// The port's VMs (their names and GIDs, the primary first, by VM index; `None`:
+/// removed) and which VM has which GID index.
 #[derive(Debug)]
 struct Indices {
-    vms: Vec<Option<(String, Gid)>>,
-    of_vm: Vec<Option<u8>>,
-    vm_of: [Option<usize>; 256],
+    vms: Vec<Option<(String, Vec<Gid>)>>,
+    /// Per VM: the GID index of each of its GIDs, in the order of its GIDs (empty until
+    /// they are all found).
+    of_vm: Vec<Vec<u8>>,
+    /// Per GID index: the VM that has it, and the GID.
+    vm_of: [Option<(usize, Gid)>; 256],
 }
 
 impl Indices {
-    /// Forgets VM `vm`'s GID index.
+    /// Forgets VM `vm`'s GID indices.
     fn unmap(&mut self, vm: usize) {
-        if let Some(old) = self.of_vm.get_mut(vm).and_then(Option::take) {
-            self.vm_of[usize::from(old)] = None;
+        if let Some(old) = self.of_vm.get_mut(vm) {
+            for i in old.drain(..) {
+                self.vm_of[usize::from(i)] = None;
+            }
         }
+    }
+
+    /// The GID index VM `vm` sends from to reach `src` (one of its GIDs), if found.
+    fn index_of(&self, vm: usize, src: Gid) -> Option<u8> {
+        let (_, gids) = self.vms.get(vm)?.as_ref()?;
+        let at = gids.iter().position(|g| *g == src)?;
+        self.of_vm.get(vm)?.get(at).copied()
     }
 }
 
@@ -464,7 +478,7 @@ impl UmadPort {
         sysfs: &Path,
         device: &str,
         port: u8,
-        vms: &[(String, Gid)],
+        vms: &[(String, Vec<Gid>)],
     ) -> Result<UmadPort, Error> {
         let name = format!("umad:{device}:{port}");
         let fail = |reason: String| Error::Umad {
@@ -529,7 +543,7 @@ impl UmadPort {
             port_dir,
             indices: Mutex::new(Indices {
                 vms: vms.iter().cloned().map(Some).collect(),
-                of_vm: vec![None; vms.len()],
+                of_vm: vec![Vec::new(); vms.len()],
                 vm_of: [None; 256],
             }),
             pkeys,
@@ -563,32 +577,40 @@ impl UmadPort {
         self.indices.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Finds VM `vm`'s GID in `table` and records its index.
-    fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<u8, PortError> {
+    /// Finds each of VM `vm`'s GIDs in `table` and records their indices; an error
+    /// names the first GID the table lacks (and nothing is recorded).
+    fn resolve(&self, vm: usize, table: &[GidEntry]) -> Result<(), PortError> {
         let mut ix = self.lock();
-        let Some((name, gid)) = ix.vms.get(vm).cloned().flatten() else {
+        let Some((name, gids)) = ix.vms.get(vm).cloned().flatten() else {
             return Err(PortError::NoVm(vm));
         };
-        let Some(e) = table.iter().find(|e| e.gid == gid && e.roce_v2) else {
-            return Err(PortError::GidNotInTable {
-                vm: name,
-                gid,
-                port: self.name.clone(),
-                table: self.port_dir.join("gids"),
-            });
-        };
+        let mut found = Vec::with_capacity(gids.len());
+        for gid in &gids {
+            let Some(e) = table.iter().find(|e| e.gid == *gid && e.roce_v2) else {
+                return Err(PortError::GidNotInTable {
+                    vm: name,
+                    gid: *gid,
+                    port: self.name.clone(),
+                    table: self.port_dir.join("gids"),
+                });
+            };
+            found.push(e.index);
+        }
         ix.unmap(vm);
-        // An index another VM had (its entry went and came back elsewhere) is ours now.
-        if let Some(other) = ix.vm_of[usize::from(e.index)] {
-            if let Some(o) = ix.of_vm.get_mut(other) {
-                *o = None;
+        for (&index, &gid) in found.iter().zip(&gids) {
+            // An index another VM had (its entry went and came back elsewhere) is ours
+            // now: that VM is unmapped until it resolves again.
+            if let Some((other, _)) = ix.vm_of[usize::from(index)]
+                && other != vm
+            {
+                ix.unmap(other);
             }
+            ix.vm_of[usize::from(index)] = Some((vm, gid));
         }
-        ix.vm_of[usize::from(e.index)] = Some(vm);
         if let Some(o) = ix.of_vm.get_mut(vm) {
-            *o = Some(e.index);
+            *o = found;
         }
-        Ok(e.index)
+        Ok(())
     }
 
     fn write_mad(&self, msg: &[u8; MSG_LEN]) -> io::Result<()> {
@@ -633,9 +655,9 @@ impl UmadPort {
         );
     }
 
-    fn deliver(&self, ctx: &PortCtx<'_>, r: Received, batches: &mut Vec<(usize, Vec<InMad>)>) {
-        let vm = self.lock().vm_of[usize::from(r.gid_index)];
-        let Some(vm) = vm else {
+    fn deliver(&self, ctx: &PortCtx<'_>, mut r: Received, batches: &mut Vec<(usize, Vec<InMad>)>) {
+        let owner = self.lock().vm_of[usize::from(r.gid_index)];
+        let Some((vm, dst)) = owner else {
             ctx.host.add(Io::WireRxFrames, 1);
             ctx.host.drop(DevDrop::WireUnknownGid);
             tracing::debug!(port = %self.name, gid_index = r.gid_index, src = %r.mad.src, "MAD for a GID index no VM owns: dropped");
@@ -643,7 +665,8 @@ impl UmadPort {
         };
         let Some(p) = ctx.vms.get(vm) else { return };
         p.counters.add(Io::WireRxFrames, 1);
-        Self::record(ctx, r.mad.src, p.spec.vm.gid, &r.mad.mad);
+        r.mad.dst = dst;
+        Self::record(ctx, r.mad.src, dst, &r.mad.mad);
         match batches.iter_mut().find(|(q, _)| *q == vm) {
             Some((_, v)) => v.push(r.mad),
             None => batches.push((vm, vec![r.mad])),
@@ -653,7 +676,7 @@ impl UmadPort {
 
 impl WirePort for UmadPort {
     fn link(&self, vm: usize) -> crate::port::Link {
-        let index = self.lock().of_vm.get(vm).copied().flatten();
+        let index = self.lock().of_vm.get(vm).and_then(|v| v.first().copied());
         crate::port::Link {
             mtu: index.and_then(|i| gid_mtu(&self.port_dir, i)),
             ca_ack_delay: self.ca_ack_delay,
@@ -673,7 +696,7 @@ impl WirePort for UmadPort {
             port: self.name.clone(),
             source,
         })?;
-        self.resolve(vm, &table).map(|_| ())
+        self.resolve(vm, &table)
     }
 
     fn changes_vms(&self) -> bool {
@@ -693,9 +716,9 @@ impl WirePort for UmadPort {
             let mut ix = self.lock();
             if ix.vms.len() <= vm {
                 ix.vms.resize(vm + 1, None);
-                ix.of_vm.resize(vm + 1, None);
+                ix.of_vm.resize(vm + 1, Vec::new());
             }
-            ix.vms[vm] = Some((spec.vm.name.clone(), spec.vm.gid));
+            ix.vms[vm] = Some((spec.vm.name.clone(), spec.vm.gids().collect()));
         }
         if let Ok(table) = read_gid_table(&self.port_dir) {
             if let Err(e) = self.resolve(vm, &table) {
@@ -715,15 +738,24 @@ impl WirePort for UmadPort {
 
     fn send(&self, ctx: &PortCtx<'_>, vm: usize, mads: &[OutMad<'_>]) {
         let Some(p) = ctx.vms.get(vm) else { return };
-        let Some(gid_index) = self.lock().of_vm.get(vm).copied().flatten() else {
-            for _ in mads {
-                p.counters.drop(DevDrop::WireSendError);
-            }
-            tracing::debug!(parent: &p.span, "no GID index: MADs not sent");
-            return;
+        // Each MAD leaves from the VM's GID for its destination; the indices are looked
+        // up under one lock.
+        let sources: Vec<(Gid, Option<u8>)> = {
+            let ix = self.lock();
+            mads.iter()
+                .map(|(dst, _)| {
+                    let src = p.spec.vm.source_for(*dst);
+                    (src, ix.index_of(vm, src))
+                })
+                .collect()
         };
         let mut msg = [0u8; MSG_LEN];
-        for (dst, mad) in mads {
+        for ((dst, mad), &(src, index)) in mads.iter().zip(&sources) {
+            let Some(gid_index) = index else {
+                p.counters.drop(DevDrop::WireSendError);
+                tracing::debug!(parent: &p.span, %src, "no GID index: MAD not sent");
+                continue;
+            };
             let hdr = UmadHdr {
                 id: self.agent,
                 qpn: GSI_QPN,
@@ -739,7 +771,7 @@ impl WirePort for UmadPort {
             hdr.emit(&mut h);
             msg[..HDR_LEN].copy_from_slice(&h);
             msg[HDR_LEN..].copy_from_slice(&mad[..]);
-            Self::record(ctx, p.spec.vm.gid, *dst, mad);
+            Self::record(ctx, src, *dst, mad);
             match self.write_mad(&msg) {
                 Ok(()) => p.counters.add(Io::WireTxFrames, 1),
                 Err(e) => {

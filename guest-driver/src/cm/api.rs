@@ -171,6 +171,11 @@ impl Agent {
     ) -> Result<CmId, CmError> {
         check_pd(private_data, pd::REQ)?;
         self.check_qpn(opts.qpn)?;
+        if let Some(g) = opts.local_gid
+            && !self.cfg.holds(g)
+        {
+            return Err(CmError::GidNotOwned(g));
+        }
         self.check_room()?;
         let slot = self.alloc_active(opts.qpn)?;
         let v = self.req_values(slot, service_id, private_data, opts);
@@ -263,7 +268,7 @@ impl Agent {
         v: &ReqValues,
         sent: [u8; MAD_LEN],
     ) {
-        let local_gid = self.cfg.gid;
+        let local_gid = opts.local_gid.unwrap_or(self.cfg.gid);
         let c = &mut self.conns[slot as usize];
         c.state = State::ReqSent;
         c.remote_gid = dest;

@@ -30,8 +30,12 @@ pub const DEFAULT_MAX_RD_ATOM: u8 = 128;
 /// The agent's identity and policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
-    /// The port's GID (the source of every MAD and the REQ's primary local GID).
+    /// The port's (primary) GID: the REQ's primary local GID unless
+    /// [`ConnectOptions::local_gid`] names a further one.
     pub gid: Gid,
+    /// The port's further GIDs (PORT_INFO's): a REQ to one of them is ours too, and a
+    /// connection may start from one.
+    pub more_gids: Vec<Gid>,
     /// The CA GUID (REQ/REP Local CA GUID, REJ(TIMEOUT) ARI).
     pub ca_guid: u64,
     /// P_Key (REQ partition key, SIDR_REQ P_Key).
@@ -91,6 +95,7 @@ impl AgentConfig {
         let mut rng = super::ids::SplitMix64::new(seed ^ 0x6869_5f74_6964);
         AgentConfig {
             gid,
+            more_gids: Vec::new(),
             ca_guid,
             pkey: 0xFFFF,
             lid: 0xFFFF,
@@ -111,11 +116,17 @@ impl AgentConfig {
         }
     }
 
-    /// The configuration the device's PORT_INFO prescribes (GID, CA GUID, P_Key, LID,
+    /// Whether `gid` is one of the port's GIDs.
+    pub fn holds(&self, gid: Gid) -> bool {
+        gid == self.gid || self.more_gids.contains(&gid)
+    }
+
+    /// The configuration the device's PORT_INFO prescribes (GIDs, CA GUID, P_Key, LID,
     /// QPN range, its connection quota as `max_connections`, the active MTU and the CA's
     /// ACK delay).
     pub fn from_port_info(p: &PortInfo, seed: u64) -> AgentConfig {
         AgentConfig {
+            more_gids: p.more_gids.clone(),
             pkey: p.pkey,
             lid: p.lid,
             max_connections: p.max_entries,
@@ -177,6 +188,9 @@ pub struct ConnectOptions {
     pub starting_psn: Option<u32>,
     /// The QP takes its receives from a shared receive queue (the REQ's SRQ bit).
     pub srq: bool,
+    /// The REQ's primary local GID: one of the port's ([`AgentConfig::holds`]; the
+    /// address the rdma_cm id is bound to); `None`: the port's primary GID.
+    pub local_gid: Option<Gid>,
 }
 
 impl Default for ConnectOptions {
@@ -201,6 +215,7 @@ impl Default for ConnectOptions {
             auto_rtu: true,
             starting_psn: None,
             srq: false,
+            local_gid: None,
         }
     }
 }
@@ -294,6 +309,7 @@ mod tests {
             abi_version: 1,
             port_up: true,
             gid: Gid::from_ipv4([10, 0, 0, 1].into()),
+            more_gids: Vec::new(),
             ca_guid: 0x1122,
             lid: 0xFFFF,
             pkey: 0x7FFF,

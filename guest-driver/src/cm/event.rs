@@ -248,4 +248,7 @@ pub enum CmError {
     /// A QPN outside the port's range (the device would drop the MAD).
     #[error("qpn {0:#x} is not in the port's range")]
     QpnNotOwned(u32),
+    /// A local GID that is none of the port's (the device would drop the REQ).
+    #[error("GID {0} is not one of the port's")]
+    GidNotOwned(pvcm_wire::Gid),
 }

@@ -154,10 +154,15 @@ pub enum GuestdError {
     Service(#[from] ServiceError),
 }
 
-fn find_port(sysfs: &Path, gid: pvcm_wire::Gid, wait: Duration) -> Result<RdmaPort, PortError> {
+fn find_port(
+    sysfs: &Path,
+    gid: pvcm_wire::Gid,
+    more: &[pvcm_wire::Gid],
+    wait: Duration,
+) -> Result<RdmaPort, PortError> {
     let until = Instant::now() + wait;
     loop {
-        match RdmaPort::find(sysfs, gid) {
+        match RdmaPort::find(sysfs, gid, more) {
             Ok(p) => return Ok(p),
             Err(e) if Instant::now() >= until => return Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(100)),
@@ -187,7 +192,13 @@ pub fn serve_on<T: Transport + Send>(
     keeper: Option<&str>,
 ) -> Result<(), GuestdError> {
     let gid = dev.port_info().gid;
-    let port = find_port(&args.rdma_sysfs, gid, Duration::from_secs(args.gid_wait))?;
+    let more = dev.port_info().more_gids.clone();
+    let port = find_port(
+        &args.rdma_sysfs,
+        gid,
+        &more,
+        Duration::from_secs(args.gid_wait),
+    )?;
     tracing::info!(
         %gid,
         device = %port.device,
@@ -197,22 +208,33 @@ pub fn serve_on<T: Transport + Send>(
         path_mtu = port.path_mtu,
         "the pvcm GID's RDMA port found"
     );
+    for g in &more {
+        match port.served().find(|s| s.gid == *g) {
+            Some(s) => {
+                tracing::info!(gid = %g, gid_index = s.gid_index, "a further GID of the VM served")
+            }
+            None => tracing::warn!(
+                gid = %g,
+                device = %port.device,
+                "a further GID of the VM the backend serves is not in the port's GID table \
+                 (yet): its address binds once it is"
+            ),
+        }
+    }
     let seed = dev.options().seed;
     let port = RdmaPort {
         default_roce_tos: args.default_roce_tos,
         ..port
     };
     let cma = Cma::new(port, seed);
+    let mut watch = PortWatch::new(args.rdma_sysfs.clone(), gid, Duration::from_millis(500));
+    watch.more_gids = more;
     let opts = ServerOptions {
         cuse: args.cuse.clone(),
         devname: args.devname.clone(),
         mode: args.mode,
         control: Some(args.control.clone()),
-        watch: Some(PortWatch::new(
-            args.rdma_sysfs.clone(),
-            gid,
-            Duration::from_millis(500),
-        )),
+        watch: Some(watch),
         threads: args.threads.map_or_else(default_threads, usize::from),
         keeper: keeper.map(str::to_owned),
     };

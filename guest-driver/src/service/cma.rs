@@ -42,8 +42,10 @@
 //! by the server's look at the device): a device that goes gives DEVICE_REMOVAL to the
 //! ids bound to it and closes them (ENXIO to all but DESTROY_ID), one that comes back
 //! serves new ids, an address gone from its GID table stops binds to it, a bond's
-//! failover gives ADDR_CHANGE; a bind to another address of the VM is EADDRNOTAVAIL
-//! (the pvcm device serves one GID per VM), logged and counted.
+//! failover gives ADDR_CHANGE. Every address the backend serves for the VM (PORT_INFO's
+//! GIDs found in the port's GID table) binds, listens, resolves and connects, with its
+//! own GID and table index in the REQ and the QP attributes; a bind to another address
+//! of the VM is EADDRNOTAVAIL, logged and counted.
 //!
 //! Multicast, as `cma_iboe_join_multicast()` on a RoCE v2 port: no MAD; a join of a
 //! UD id with a device (bound to the VM's address or resolved) gets its MULTICAST_JOIN
@@ -293,7 +295,7 @@ pub struct CmaStats {
     pub device_removals: u64,
     /// Times a device holding the pvcm GID came after one went.
     pub device_arrivals: u64,
-    /// Binds to another address of the VM, which the pvcm device does not serve
+    /// Binds to another address of the VM, one the pvcm device does not serve
     /// (EADDRNOTAVAIL).
     pub other_addr_binds: u64,
 }
@@ -311,7 +313,7 @@ pub struct Cma {
     dev_index: Option<u32>,
     /// The port's netdev's link.
     link: Option<Link>,
-    /// The VM's other RoCE v2 addresses (not the pvcm GID's).
+    /// The VM's other RoCE v2 addresses (none the backend serves).
     other_addrs: BTreeSet<IpAddr>,
     files: BTreeMap<Fh, File>,
     next_fh: Fh,
@@ -704,12 +706,12 @@ impl Cma {
         Ok(())
     }
 
-    /// Kernel `rdma_bind_addr` for an IDLE id: the address must be a wildcard or the
-    /// VM's; port 0 takes an ephemeral one.
+    /// Kernel `rdma_bind_addr` for an IDLE id: the address must be a wildcard or one of
+    /// the VM's served addresses; port 0 takes an ephemeral one.
     fn bind_addr(&mut self, id: u32, addr: SocketAddr, caller: Caller) -> Result<(), i32> {
-        let ours = self.port.addr;
         let ip = addr.ip();
-        let own = self.is_ours(ip);
+        let served = self.port.served_addr(ip);
+        let own = served.is_some();
         let has_dev = if ip.is_unspecified() {
             false
         } else if own {
@@ -721,11 +723,13 @@ impl Cma {
         } else {
             if self.other_addrs.contains(&ip) {
                 self.stats.other_addr_binds += 1;
+                let served: Vec<String> = self.port.served().map(|s| s.addr.to_string()).collect();
                 tracing::warn!(
                     addr = %ip,
-                    served = %ours,
-                    "bind to another address of the VM: the backend serves one GID for this \
-                     VM (the pvcm device's), so only its address binds (EADDRNOTAVAIL)"
+                    served = %served.join(" "),
+                    "bind to another address of the VM: the backend does not serve it for \
+                     this VM (only the GIDs the pvcm device reports bind: EADDRNOTAVAIL; \
+                     give the VM this GID too, gid= on the backend)"
                 );
             }
             return Err(errno::EADDRNOTAVAIL);
@@ -762,7 +766,7 @@ impl Cma {
         self.binds.entry((ps, port)).or_default().push(id);
         let c = self.ctx_mut(id)?;
         c.port = Some((ps, port));
-        c.src = Some(SocketAddr::new(if own { ours } else { ip }, port));
+        c.src = Some(SocketAddr::new(served.map_or(ip, |s| s.addr), port));
         c.has_dev = has_dev;
         c.st = St::AddrBound;
         Ok(())
@@ -1170,13 +1174,29 @@ impl Cma {
         let Ok((hdr, user)) = rdma_cm::split_private_data(private_data) else {
             return refuse(env);
         };
-        // Requests come for the VM's address: a listener bound to another local one
-        // (127.0.0.1) is not theirs, as the kernel matches a bound listener's address.
+        let qp = env.agent.qp_params(conn).unwrap_or_default();
+        // The served address the request came for: its rdma_cm header's destination
+        // (the kernel matches listeners by it), else the REQ's primary GID on this side
+        // (which the agent admitted as one of the VM's), else the primary (a SIDR_REQ
+        // names no GID).
+        let local = self
+            .port
+            .served_addr(hdr.dst)
+            .or_else(|| self.port.served().find(|s| s.gid == qp.path.local_gid))
+            .unwrap_or_else(|| self.port.primary());
+        // A listener bound to a wildcard takes it, one bound to that address too; one
+        // bound to another (another served address, 127.0.0.1) does not, as the
+        // kernel's `cma_req_handler` matches a bound listener's address.
         let (file, lps, luid, lport, backlog, ltos) = match self.ctxs.get(&lctx) {
             Some(l)
                 if l.st == St::Listen
-                    && l.src
-                        .is_none_or(|s| s.ip().is_unspecified() || self.is_ours(s.ip())) =>
+                    && l.src.is_none_or(|s| {
+                        s.ip().is_unspecified()
+                            || self
+                                .port
+                                .served_addr(s.ip())
+                                .is_some_and(|b| b.gid == local.gid)
+                    }) =>
             {
                 (
                     l.file,
@@ -1194,14 +1214,13 @@ impl Cma {
             return refuse(env);
         }
         let child = self.new_ctx(file, 0, lps, ud);
-        let qp = env.agent.qp_params(conn).unwrap_or_default();
         {
             let c = self.ctxs.get_mut(&child)?;
             c.st = St::Connect;
             c.has_dev = true;
             c.route = true;
             c.cm = Some(conn);
-            c.src = Some(SocketAddr::new(self.port.addr, lport));
+            c.src = Some(SocketAddr::new(local.addr, lport));
             c.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
             // The request's path gives a connection's; a UD id takes its listener's.
             c.tos = if ud { ltos } else { qp.path.traffic_class };
@@ -1282,6 +1301,7 @@ impl Cma {
             return Err(errno::EINVAL);
         }
         let file = c.file;
+        let sgid_index = self.port.index_of(self.src_gid(c.src));
         let held = self.files.get(&file).map_or(0, |f| {
             f.ctxs
                 .iter()
@@ -1326,7 +1346,7 @@ impl Cma {
             ah_attr: AhAttr {
                 dgid: Gid::from_ipv4(group).0,
                 flow_label: 0,
-                sgid_index: self.port.gid_index,
+                sgid_index,
                 hop_limit: MCAST_HOP_LIMIT,
                 traffic_class: 0,
                 dlid: 0,
@@ -1447,15 +1467,15 @@ impl Cma {
         }
     }
 
-    /// The route's path (kernel `cma_resolve_iboe_route`): the VM's GID to the
-    /// destination's, hop limit 64, the id's TOS as traffic class, the netdev's MTU, the
+    /// The route's path (kernel `cma_resolve_iboe_route`): the GID of the id's source
+    /// address to the destination's, hop limit 64, the id's TOS as traffic class, the netdev's MTU, the
     /// rdma_cm flow label of the ports.
     fn route_path(&self, c: &Ctx) -> UserPathRec {
         let src = c.src.unwrap_or(SocketAddr::new(self.port.addr, 0));
         let dst = c.dst.unwrap_or(SocketAddr::new(unspecified(&src), 0));
         UserPathRec {
             dgid: ip_gid(dst.ip()).0,
-            sgid: self.port.gid.0,
+            sgid: self.src_gid(c.src).0,
             flow_label: rdma_cm::roce_flow_label(src.port(), dst.port()),
             reversible: true,
             mtu: self.port.path_mtu,
@@ -1474,7 +1494,7 @@ impl Cma {
         AhAttr {
             dgid: p.dgid,
             flow_label: p.flow_label,
-            sgid_index: self.port.gid_index,
+            sgid_index: self.port.index_of(Gid(p.sgid)),
             hop_limit: p.hop_limit,
             traffic_class: p.traffic_class,
             dlid: 0,
@@ -1489,7 +1509,7 @@ impl Cma {
         AhAttr {
             dgid: av.remote_gid.0,
             flow_label: av.flow_label,
-            sgid_index: self.port.gid_index,
+            sgid_index: self.port.index_of(av.local_gid),
             hop_limit: av.hop_limit,
             traffic_class: av.traffic_class,
             dlid: 0,
@@ -1631,9 +1651,17 @@ impl Cma {
         }
     }
 
-    /// Whether `ip` is the VM's address (the RDMA port's).
+    /// Whether `ip` is one of the VM's served addresses (the RDMA port's GIDs the
+    /// backend serves).
     fn is_ours(&self, ip: IpAddr) -> bool {
-        ip == self.port.addr || ip_mapped_eq(ip, self.port.addr)
+        self.port.served_addr(ip).is_some()
+    }
+
+    /// The served GID of an id's source address; the port's primary when it has none
+    /// (unbound, a wildcard, another local address).
+    fn src_gid(&self, src: Option<SocketAddr>) -> Gid {
+        src.and_then(|s| self.port.served_addr(s.ip()))
+            .map_or(self.port.gid, |s| s.gid)
     }
 
     fn create_id(
@@ -1761,7 +1789,14 @@ impl Cma {
         if !family_ok {
             return Err(errno::EINVAL);
         }
-        let ours = self.port.addr;
+        // The id's own served address (the primary for a wildcard).
+        let ours = self
+            .ctxs
+            .get(&r.id)
+            .and_then(|c| c.src)
+            .and_then(|s| self.port.served_addr(s.ip()))
+            .unwrap_or_else(|| self.port.primary())
+            .addr;
         let c = self.ctx_mut(r.id)?;
         if r.dst.ip().is_unspecified() {
             // Kernel `cma_resolve_loopback`: the id's own address is the destination.
@@ -1803,8 +1838,8 @@ impl Cma {
     /// Returns the file that got the event.
     fn addr_done(&mut self, id: u32, r: Result<IpAddr, i32>) -> Option<Fh> {
         self.querying.remove(&id);
-        let ours = self.port.addr;
-        let own = r.is_ok_and(|src| self.is_ours(src));
+        let served = r.ok().and_then(|src| self.port.served_addr(src));
+        let own = served.is_some();
         // No device holds the VM's address (removed): `cma_acquire_dev_by_src_ip()`
         // finds none, and the resolution fails with ENODEV.
         let r = if own && !self.attached {
@@ -1818,7 +1853,7 @@ impl Cma {
             Ok(src) => {
                 let port = c.src.map_or(0, |s| s.port());
                 if !c.has_dev {
-                    c.src = Some(SocketAddr::new(if own { ours } else { src }, port));
+                    c.src = Some(SocketAddr::new(served.map_or(src, |s| s.addr), port));
                 }
                 c.has_dev = true;
                 c.st = St::AddrResolved;
@@ -2067,6 +2102,7 @@ impl Cma {
                 sl: verbs::tos_to_sl(&self.port.netdev, self.tos(ctx)),
                 packet_life_time: path_lifetime(ctx.ack_timeout),
                 auto_rtu: false,
+                local_gid: Some(self.src_gid(Some(src))),
                 ..ConnectOptions::default()
             };
             env.agent
@@ -2459,16 +2495,6 @@ impl Cma {
             f.events.extend(moved);
         }
         mem.write(response, &reported.to_le_bytes())
-    }
-}
-
-/// Whether `a` is `b` written in the other family (IPv4-mapped IPv6).
-fn ip_mapped_eq(a: IpAddr, b: IpAddr) -> bool {
-    match (a, b) {
-        (IpAddr::V6(x), IpAddr::V4(y)) | (IpAddr::V4(y), IpAddr::V6(x)) => {
-            x.to_ipv4_mapped() == Some(y)
-        }
-        _ => false,
     }
 }
 

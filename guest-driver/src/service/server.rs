@@ -1188,6 +1188,9 @@ impl<T: Transport> Core<'_, T> {
                 "gid_index": p.gid_index, "netdev": p.netdev, "path_mtu": p.path_mtu,
                 "attached": self.cma.attached(), "addr_present": self.cma.addr_present(),
                 "other_addrs": self.cma.other_addrs().iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+                "served": p.served().map(|s| json!({
+                    "addr": s.addr.to_string(), "gid": s.gid.to_string(), "gid_index": s.gid_index,
+                })).collect::<Vec<_>>(),
             },
             "port_watch": {
                 "looks": self.watch.as_ref().map_or(0, |w| w.looks),

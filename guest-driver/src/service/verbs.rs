@@ -64,6 +64,54 @@ pub struct RdmaPort {
     pub pkey: u16,
     /// The default P_Key's index.
     pub pkey_index: u16,
+    /// The VM's further GIDs the backend serves (PORT_INFO's), those this port's GID
+    /// table holds as RoCE v2, with their indices; a further GID elsewhere (another
+    /// device or port) is not served here and stays one of the VM's other addresses.
+    pub more: Vec<ServedGid>,
+}
+
+/// A further GID of the VM the backend serves, in the port's GID table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServedGid {
+    /// The GID.
+    pub gid: Gid,
+    /// Its index in the port's GID table.
+    pub gid_index: u8,
+    /// The address it stands for.
+    pub addr: IpAddr,
+}
+
+impl RdmaPort {
+    /// The primary GID (the pvcm device's) as a served one.
+    pub fn primary(&self) -> ServedGid {
+        ServedGid {
+            gid: self.gid,
+            gid_index: self.gid_index,
+            addr: self.addr,
+        }
+    }
+
+    /// Every GID the port serves for the VM, the primary first.
+    pub fn served(&self) -> impl Iterator<Item = ServedGid> + '_ {
+        std::iter::once(self.primary()).chain(self.more.iter().copied())
+    }
+
+    /// The served GID whose address is `ip` (an IPv4-mapped IPv6 address matches its
+    /// IPv4 one).
+    pub fn served_addr(&self, ip: IpAddr) -> Option<ServedGid> {
+        let ip = match ip {
+            IpAddr::V6(v) => v.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        self.served().find(|s| s.addr == ip)
+    }
+
+    /// The table index of `gid` if the port serves it, else the primary's.
+    pub fn index_of(&self, gid: Gid) -> u8 {
+        self.served()
+            .find(|s| s.gid == gid)
+            .map_or(self.gid_index, |s| s.gid_index)
+    }
 }
 
 /// Why no port was found.
@@ -239,7 +287,8 @@ pub struct PortView {
     /// The kernel's index of the port's device, when RDMA netlink gave it: a device
     /// deleted and added again between two looks has another.
     pub index: Option<u32>,
-    /// The port whose GID table holds the pvcm GID as RoCE v2, among them.
+    /// The port whose GID table holds the pvcm GID as RoCE v2, among them (with the
+    /// further GIDs it holds).
     pub port: Option<RdmaPort>,
     /// The link of that port's netdev.
     pub link: Option<Link>,
@@ -249,18 +298,27 @@ pub struct PortView {
 }
 
 impl PortView {
-    /// Reads the view under `sysfs` for `gid`; `devices` are the registered devices
-    /// (RDMA netlink), or `None` to take every device sysfs lists.
-    pub fn read(sysfs: &Path, gid: Gid, registered: Option<&BTreeMap<String, u32>>) -> PortView {
+    /// Reads the view under `sysfs` for `gid` and the further GIDs `more`; `devices`
+    /// are the registered devices (RDMA netlink), or `None` to take every device sysfs
+    /// lists.
+    pub fn read(
+        sysfs: &Path,
+        gid: Gid,
+        more: &[Gid],
+        registered: Option<&BTreeMap<String, u32>>,
+    ) -> PortView {
         let devices: Option<BTreeSet<String>> = registered.map(|r| r.keys().cloned().collect());
         let listed = sysfs_devices(sysfs, devices.as_ref());
-        let port = RdmaPort::find_among(sysfs, gid, devices.as_ref()).ok();
+        let port = RdmaPort::find_among(sysfs, gid, more, devices.as_ref()).ok();
         let link = port.as_ref().and_then(|p| Link::read(sysfs, &p.netdev));
+        let served: Vec<Gid> = port
+            .as_ref()
+            .map_or_else(|| vec![gid], |p| p.served().map(|s| s.gid).collect());
         let other_addrs = listed
             .iter()
             .flat_map(|(dev, _)| ports(dev))
             .flat_map(|(p, _)| roce_v2_entries(&p))
-            .filter(|e| e.gid != gid)
+            .filter(|e| !served.contains(&e.gid))
             .filter_map(|e| gid_addr(e.gid))
             .collect();
         let index = port
@@ -289,6 +347,8 @@ pub struct PortWatch {
     pub sysfs: PathBuf,
     /// The pvcm GID.
     pub gid: Gid,
+    /// The VM's further GIDs the backend serves (PORT_INFO's).
+    pub more_gids: Vec<Gid>,
     /// How often to look.
     pub every: std::time::Duration,
     last: Option<Fingerprint>,
@@ -322,6 +382,7 @@ impl PortWatch {
             netlink: sysfs == Path::new("/sys"),
             sysfs,
             gid,
+            more_gids: Vec::new(),
             every,
             last: None,
             settle: 0,
@@ -359,7 +420,7 @@ impl PortWatch {
         }
         self.last = Some(f);
         self.reads += 1;
-        let v = PortView::read(&self.sysfs, self.gid, devices.as_ref());
+        let v = PortView::read(&self.sysfs, self.gid, &self.more_gids, devices.as_ref());
         if let Some(p) = &v.port {
             self.netdev.clone_from(&p.netdev);
         }
@@ -417,9 +478,10 @@ fn interface_addrs() -> Vec<(String, String)> {
 
 impl RdmaPort {
     /// Finds the port whose GID table has `gid` as a RoCE v2 entry, under `sysfs`
-    /// (normally `/sys`), among every device sysfs lists.
-    pub fn find(sysfs: &Path, gid: Gid) -> Result<RdmaPort, PortError> {
-        Self::find_among(sysfs, gid, None)
+    /// (normally `/sys`), among every device sysfs lists, with those of the further
+    /// GIDs `more` its table holds too.
+    pub fn find(sysfs: &Path, gid: Gid, more: &[Gid]) -> Result<RdmaPort, PortError> {
+        Self::find_among(sysfs, gid, more, None)
     }
 
     /// [`RdmaPort::find`] among the devices named in `devices` only (the registered
@@ -427,6 +489,7 @@ impl RdmaPort {
     pub fn find_among(
         sysfs: &Path,
         gid: Gid,
+        more: &[Gid],
         devices: Option<&BTreeSet<String>>,
     ) -> Result<RdmaPort, PortError> {
         let addr = gid_addr(gid).ok_or(PortError::NotIp(gid))?;
@@ -438,9 +501,21 @@ impl RdmaPort {
         };
         for (dev, name) in sysfs_devices(sysfs, devices) {
             for (port, port_num) in ports(&dev) {
-                let Some(e) = roce_v2_entries(&port).into_iter().find(|e| e.gid == gid) else {
+                let entries = roce_v2_entries(&port);
+                let Some(e) = entries.iter().find(|e| e.gid == gid).cloned() else {
                     continue;
                 };
+                let served = more
+                    .iter()
+                    .filter_map(|g| {
+                        let m = entries.iter().find(|e| e.gid == *g)?;
+                        Some(ServedGid {
+                            gid: *g,
+                            gid_index: u8::try_from(m.index).ok()?,
+                            addr: gid_addr(*g)?,
+                        })
+                    })
+                    .collect();
                 let netdev_mtu = read_trim(&sysfs.join(format!("class/net/{}/mtu", e.netdev)))
                     .and_then(|s| s.parse::<u32>().ok())
                     .unwrap_or(1500);
@@ -469,6 +544,7 @@ impl RdmaPort {
                     default_roce_tos: 0,
                     pkey: 0xFFFF,
                     pkey_index,
+                    more: served,
                 });
             }
         }
@@ -576,7 +652,7 @@ mod tests {
         write(&port.join("pkeys/0"), "0xffff");
         write(&root.join("class/net/eth0/mtu"), "9000");
         let gid = Gid::from_ipv4([10, 99, 0, 11].into());
-        let p = RdmaPort::find(&root, gid).unwrap_or_else(|e| panic!("{e}"));
+        let p = RdmaPort::find(&root, gid, &[]).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((p.device.as_str(), p.port_num, p.gid_index), ("rxe0", 1, 2));
         assert_eq!(p.node_guid, 0x5054_00ff_fe99_000b);
         assert_eq!(p.node_guid_wire().to_le_bytes(), p.node_guid.to_be_bytes());
@@ -584,7 +660,7 @@ mod tests {
         assert_eq!(p.path_mtu, mtu::MTU_4096);
         assert_eq!(p.addr, IpAddr::V4([10, 99, 0, 11].into()));
         let other = Gid::from_ipv4([10, 99, 0, 12].into());
-        let e = RdmaPort::find(&root, other).expect_err("not there");
+        let e = RdmaPort::find(&root, other, &[]).expect_err("not there");
         assert!(e.to_string().contains("10.99.0.12"), "{e}");
         let _ = fs::remove_dir_all(&root);
     }
@@ -619,6 +695,45 @@ mod tests {
     }
 
     #[test]
+    fn further_gids_in_the_ports_table_are_served_the_others_are_not() {
+        let root = std::env::temp_dir().join(format!("pvcm-view-more-{}", std::process::id()));
+        let gid = Gid::from_ipv4([10, 99, 0, 11].into());
+        let second = Gid::from_ipv4([10, 99, 0, 21].into());
+        let absent = Gid::from_ipv4([10, 99, 0, 31].into());
+        fixture(
+            &root,
+            &[[10, 99, 0, 11], [10, 99, 0, 21]],
+            1500,
+            "52:54:00:99:00:0b",
+        );
+        let v = PortView::read(&root, gid, &[second, absent], None);
+        let p = v.port.clone().unwrap_or_else(|| panic!("no port"));
+        assert_eq!(
+            p.more,
+            vec![ServedGid {
+                gid: second,
+                gid_index: 2,
+                addr: "10.99.0.21".parse().unwrap_or_else(|e| panic!("{e}")),
+            }]
+        );
+        let served: Vec<u8> = p.served().map(|s| s.gid_index).collect();
+        assert_eq!(served, [1, 2]);
+        assert_eq!(p.index_of(second), 2);
+        assert_eq!(
+            p.served_addr(
+                "::ffff:10.99.0.21"
+                    .parse()
+                    .unwrap_or_else(|e| panic!("{e}"))
+            ),
+            Some(p.more[0])
+        );
+        // The served address is not one of the VM's other addresses any more.
+        let other: Vec<String> = v.other_addrs.iter().map(|a| a.to_string()).collect();
+        assert_eq!(other, ["fe80::5054:ff:fe99:b"]);
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn the_view_follows_the_gid_table_the_mtu_and_the_registered_devices() {
         let root = std::env::temp_dir().join(format!("pvcm-view-{}", std::process::id()));
         let gid = Gid::from_ipv4([10, 99, 0, 11].into());
@@ -628,7 +743,7 @@ mod tests {
             1500,
             "52:54:00:99:00:0b",
         );
-        let v = PortView::read(&root, gid, None);
+        let v = PortView::read(&root, gid, &[], None);
         let p = v.port.clone().unwrap_or_else(|| panic!("no port"));
         assert_eq!((p.gid_index, p.path_mtu), (1, mtu::MTU_1024));
         assert_eq!(v.devices.iter().collect::<Vec<_>>(), ["rxe0"]);
@@ -649,26 +764,31 @@ mod tests {
             9000,
             "52:54:00:99:00:0b",
         );
-        let p = PortView::read(&root, gid, None)
+        let p = PortView::read(&root, gid, &[], None)
             .port
             .unwrap_or_else(|| panic!("no port"));
         assert_eq!((p.gid_index, p.path_mtu), (2, mtu::MTU_4096));
         // The address is gone from the table: the device is there, the port is not.
         fixture(&root, &[[10, 99, 0, 21]], 9000, "52:54:00:99:00:0b");
-        let v = PortView::read(&root, gid, None);
+        let v = PortView::read(&root, gid, &[], None);
         assert!(v.port.is_none() && v.devices.contains("rxe0"));
         // A device sysfs still shows but netlink no longer lists (being unregistered)
         // holds nothing.
         fixture(&root, &[[10, 99, 0, 11]], 9000, "52:54:00:99:00:0b");
-        let v = PortView::read(&root, gid, Some(&BTreeMap::new()));
+        let v = PortView::read(&root, gid, &[], Some(&BTreeMap::new()));
         assert!(v.port.is_none() && v.devices.is_empty() && v.other_addrs.is_empty());
-        let v = PortView::read(&root, gid, Some(&BTreeMap::from([("rxe0".to_string(), 7)])));
+        let v = PortView::read(
+            &root,
+            gid,
+            &[],
+            Some(&BTreeMap::from([("rxe0".to_string(), 7)])),
+        );
         assert!(v.port.is_some());
         assert_eq!(v.index, Some(7));
         // A bond master says so.
         fs::create_dir_all(root.join("class/net/eth0/bonding")).unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            PortView::read(&root, gid, None)
+            PortView::read(&root, gid, &[], None)
                 .link
                 .is_some_and(|l| l.bond)
         );
@@ -692,11 +812,11 @@ mod tests {
             put(i, zero);
         }
         put(2 + GID_SCAN_GAP, pvcm);
-        assert!(RdmaPort::find(&root, gid).is_ok());
+        assert!(RdmaPort::find(&root, gid, &[]).is_ok());
         // One more unused entry in the hole: the table is read no further.
         put(2 + GID_SCAN_GAP, zero);
         put(3 + GID_SCAN_GAP, pvcm);
-        assert!(RdmaPort::find(&root, gid).is_err());
+        assert!(RdmaPort::find(&root, gid, &[]).is_err());
         let _ = fs::remove_dir_all(&root);
     }
 

@@ -360,10 +360,15 @@ fn rig(specs: &[(&str, &str)]) -> Rig {
 }
 
 impl Rig {
-    fn addrs(&self) -> Vec<(String, IpAddr)> {
+    fn addrs(&self) -> Vec<(String, Vec<IpAddr>)> {
         self.vms
             .iter()
-            .map(|v| (v.spec.vm.name.clone(), v.spec.addr()))
+            .map(|v| {
+                (
+                    v.spec.vm.name.clone(),
+                    v.spec.addrs().map(|(a, _)| a).collect(),
+                )
+            })
             .collect()
     }
     fn ctx<'a>(&'a self, cap: Option<&'a Capture>) -> PortCtx<'a> {
@@ -500,22 +505,32 @@ fn vms_added_and_removed_at_runtime_join_and_leave_the_filter() {
         let to_d = |tag| write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.12", tag)));
         let mut buf = [0u8; IPV6_DATAGRAM_LEN];
         let mad = [0u8; MAD_LEN];
+        let d4 = r.vms[3].spec.addr();
         to_d(1);
         assert_eq!(r.receive(&port, 1, Duration::from_millis(300)), vec![]);
-        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_none());
+        assert!(
+            port.datagram(3, d4, gid("10.50.0.2"), &mad, &mut buf)
+                .is_none()
+        );
         port.add_vm(3, &r.vms[3].spec, &mut |_, _| Ok(())).unwrap();
         to_d(2);
         assert_eq!(
             r.receive(&port, 1, Duration::from_secs(2)),
             vec![(3, gid("10.50.0.2"), 2)]
         );
-        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_some());
+        assert!(
+            port.datagram(3, d4, gid("10.50.0.2"), &mad, &mut buf)
+                .is_some()
+        );
         let again = port.add_vm(4, &r.vms[3].spec, &mut |_, _| Ok(()));
         assert!(matches!(again, Err(PortError::Bind(_))), "{again:?}");
         port.remove_vm(3, &mut |_| {});
         to_d(3);
         assert_eq!(r.receive(&port, 1, Duration::from_millis(300)), vec![]);
-        assert!(port.datagram(3, gid("10.50.0.2"), &mad, &mut buf).is_none());
+        assert!(
+            port.datagram(3, d4, gid("10.50.0.2"), &mad, &mut buf)
+                .is_none()
+        );
         // The VMs it opened with are served throughout.
         write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.11", 4)));
         assert_eq!(
@@ -687,6 +702,70 @@ fn sends_with_the_vms_source_address() {
         let port = PacketPort::open("pa", None, &r.addrs(), PORT).unwrap();
         port.send(&r.ctx(None), 1, &[(gid("fe80::2"), &m3)]);
         assert_eq!(r.vms[1].counters.dropped(DevDrop::BadRemoteGid), 1);
+    });
+}
+
+/// A VM with two addresses (IPv4 and IPv6): a frame to either reaches it with that
+/// address as its destination GID; it sends from its address of the destination's
+/// family; a one-address VM has no route to the other family.
+#[test]
+fn a_vm_with_two_addresses_is_served_at_both() {
+    in_netns("packet port two addresses", || {
+        topology();
+        let r = rig(&[("d", "10.50.0.21,gid=fd50::21"), ("e", "10.50.0.22")]);
+        let port = PacketPort::open("pa", Some("sa"), &r.addrs(), PORT).unwrap();
+        let pb = packet_socket("pb");
+        write_frame(&pb, &eth(&good("10.50.0.2", "10.50.0.21", 1)));
+        write_frame(&pb, &eth(&good("fd50::2", "fd50::21", 2)));
+        let mut got = Vec::new();
+        let end = Instant::now() + Duration::from_secs(2);
+        while got.len() < 2 && Instant::now() < end {
+            port.receive(&r.ctx(None), 0, &mut |batch| {
+                for (vm, mads) in batch {
+                    got.extend(mads.iter().map(|m| (vm, m.src, m.dst, m.mad[255])));
+                }
+            });
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        got.sort_by_key(|g| g.3);
+        assert_eq!(
+            got,
+            vec![
+                (0, gid("10.50.0.2"), gid("10.50.0.21"), 1),
+                (0, gid("fd50::2"), gid("fd50::21"), 2),
+            ]
+        );
+        let sb = packet_socket("sb");
+        let (m3, m4, m5) = (cm_mad(3), cm_mad(4), cm_mad(5));
+        port.send(
+            &r.ctx(None),
+            0,
+            &[(gid("10.50.0.2"), &m3), (gid("fd50::2"), &m4)],
+        );
+        port.send(&r.ctx(None), 1, &[(gid("fd50::2"), &m5)]);
+        assert_eq!(r.vms[0].counters.io(Io::WireTxFrames), 2);
+        assert_eq!(r.vms[1].counters.dropped(DevDrop::BadRemoteGid), 1);
+        let mut seen: Vec<_> = read_roce(&sb, 2, Duration::from_secs(2))
+            .iter()
+            .map(|f| {
+                let (ip, _, fr) = roce::parse_ip_datagram(&f[ETH_HLEN..]).unwrap();
+                (ip.src(), ip.dst(), fr.mad()[255])
+            })
+            .collect();
+        seen.sort_by_key(|s| s.2);
+        assert_eq!(
+            seen,
+            vec![
+                (a("10.50.0.21"), a("10.50.0.2"), 3),
+                (a("fd50::21"), a("fd50::2"), 4),
+            ]
+        );
+        // Another VM's address is not this VM's to send from.
+        let mut buf = [0u8; IPV6_DATAGRAM_LEN];
+        assert!(
+            port.datagram(0, a("10.50.0.22"), gid("10.50.0.2"), &m3, &mut buf)
+                .is_none()
+        );
     });
 }
 

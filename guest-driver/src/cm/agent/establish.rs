@@ -74,7 +74,7 @@ impl Agent {
 
     /// The listener slot a new REQ goes to, or `None` after rejecting it: no listener
     /// for its service ID, no room for another connection, or a primary path to a GID
-    /// that is not ours.
+    /// that is none of ours (the primary and the further ones).
     fn req_admitted(&mut self, h: &Header, r: &req::Repr<'_>, src: Gid) -> Option<u32> {
         let Some(&lslot) = self.listeners.get(&r.service_id) else {
             self.rej_req(h, r, src, RejReason::InvalidServiceId, &[]);
@@ -86,7 +86,7 @@ impl Agent {
             self.rej_req(h, r, src, RejReason::NoResources, &[]);
             return None;
         }
-        if r.primary_path.remote_gid != self.cfg.gid {
+        if !self.cfg.holds(r.primary_path.remote_gid) {
             let gid = self.cfg.gid.0;
             self.rej_req(h, r, src, RejReason::InvalidGid, &gid);
             return None;

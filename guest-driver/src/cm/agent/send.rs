@@ -67,7 +67,7 @@ impl Agent {
             primary_path: PathRepr {
                 local_lid: if routed { 0xFFFF } else { self.cfg.lid },
                 remote_lid: if routed { 0xFFFF } else { 0 },
-                local_gid: self.cfg.gid,
+                local_gid: opts.local_gid.unwrap_or(self.cfg.gid),
                 remote_gid: dest,
                 flow_label: v.flow_label,
                 packet_rate: 0,
