@@ -111,6 +111,7 @@ fn two_listeners_on_one_port_each_get_the_requests_for_their_address() {
         1,
         "one agent listener for the port"
     );
+    assert_eq!(s.cma.listening(), 2, "two rdma_cm listeners");
     connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x100);
     assert_eq!(s.get_event(f6), None, "not the IPv6 listener's");
     let (uid, child) = request(&mut s, f4);
@@ -257,6 +258,7 @@ fn the_agent_listener_lasts_as_long_as_one_of_the_listeners() {
     // The first destroyed: the second still gets its requests; one for the first's
     // address matches no listener and is rejected as the kernel's CM rejects it.
     s.destroy(f4, l4);
+    assert_eq!(s.cma.listening(), 1);
     assert_eq!(s.agent.listener_count(), 1);
     connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x100);
     assert_eq!(request(&mut s, f6).0, 0x6);
@@ -265,6 +267,7 @@ fn the_agent_listener_lasts_as_long_as_one_of_the_listeners() {
     assert_eq!(s.get_event(f4), None);
     // The last destroyed: the agent listener is gone, and the CM finds no service.
     s.destroy(f6, l6);
+    assert_eq!(s.cma.listening(), 0);
     assert_eq!(s.agent.listener_count(), 0);
     connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x102);
     assert_eq!(rejected(&mut c, cf), REJ_INVALID_SERVICE_ID);

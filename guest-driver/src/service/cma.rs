@@ -472,6 +472,12 @@ impl Cma {
         self.ctxs.len()
     }
 
+    /// Ids listening (LISTEN done, not destroyed); the listeners of one port share one
+    /// agent listener.
+    pub fn listening(&self) -> usize {
+        self.ctxs.values().filter(|c| c.st == St::Listen).count()
+    }
+
     /// Opens a file.
     pub fn open(&mut self) -> Fh {
         let fh = self.next_fh;
