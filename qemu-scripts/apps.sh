@@ -61,7 +61,8 @@ with --port packet:pvcm-qp1, rxe on their NICs, pvcm-guestd serving
   6 IPv6: a second lab with IPv6 GIDs (kernel fd99::2, pvcm VMs fd99::11, fd99::12)
     and an IPv4 pvcm VM on the same backend: rping -v and ucmatose across them; a
     second address: the dual-stack pvcm VM a6 has two GIDs (10.99.0.11, fd99::11),
-    rping with k over both, while an address that is none of b6's GIDs is EADDRNOTAVAIL
+    rping with k over both, two rping -s on one port (one per address) connected to
+    from k as in k, while an address that is none of b6's GIDs is EADDRNOTAVAIL
 Builds what it needs first (cached): the patched QEMU, the Debian packages
 (packaging/build-debs.sh), the RDMA image with the pvcm-guest package installed (the
 VMs start pvcm-guestd as its systemd unit does), pvcm-backend, kcm, ucflood, rawqp1,

@@ -96,9 +96,12 @@ Checks (each PASS/FAIL):
     10.99.0.12 on its NIC too) and an IPv4 pvcm VM 10.99.0.13 on the same backend:
     rping -v and ucmatose over IPv6 pvcm -> kernel, kernel -> pvcm and pvcm -> pvcm
     (a6 over its second GID); a second address: rping -v a6 -> k over IPv4 and over
-    IPv6 and k -> a6 over IPv6, a6's pvcm-guestd serving both addresses, while in b6
-    rping -s -a 10.99.0.12 (its address the backend does not serve) fails with
-    EADDRNOTAVAIL, logged and counted; rping over IPv4 from the IPv4 VM (IPv4 and IPv6
+    IPv6 and k -> a6 over IPv6, a6's pvcm-guestd serving both addresses; two rping -s
+    on one port, one on each address (-a 10.99.0.11 and -a fd99::11), both waiting at
+    once and each connected to from k (IPv4, IPv6), a6's two listeners sharing one
+    agent listener, next to the same in k (a6 its client); in b6 rping -s -a
+    10.99.0.12 (its address the backend does not serve) fails with EADDRNOTAVAIL,
+    logged and counted; rping over IPv4 from the IPv4 VM (IPv4 and IPv6
     VMs on one backend); the capture's QP1 frames are IPv6 and IPv4
 
 --vcpus N gives every guest N vCPUs; --threads N starts pvcm-guestd with --threads N.
@@ -187,9 +190,10 @@ def guestd_stat(vm):
 
 def listeners(guest):
     """How many listening rdma_cm ids the guest's CM holds: pvcm-guestd's count in a pvcm
-    VM, the kernel's (rdma res show cm_id) in a kernel-CM guest."""
+    VM (its rdma_cm ids, not its agent's listeners, which the listeners of one port
+    share), the kernel's (rdma res show cm_id) in a kernel-CM guest."""
     if guest.cm == "pvcm":
-        return guestd_stat(guest).get("agent", {}).get("listeners", 0)
+        return guestd_stat(guest).get("listening", 0)
     _, out = guest.run("rdma res show cm_id", 30)
     return sum(1 for line in out.splitlines() if "state LISTEN" in line)
 
@@ -1280,6 +1284,53 @@ def type_of_service(lab, k, a, tos=0x60):
                                         or "none"))
 
 
+def one_port_two_addresses(server, client, ip4, ip6, port=7581):
+    """rping -s -a ip4 -p port and rping -s -a ip6 -p port at once on server (two
+    listeners of one port on two of its addresses), then rping -c from client to each
+    (IPv4, then IPv6, the first server gone by then): each server gets its own
+    connection. In a pvcm VM the two share one agent listener while both listen."""
+    jobs = []
+    shared = None
+    held = (0, 0)
+    if server.cm == "pvcm":
+        st = guestd_stat(server)
+        held = (st.get("listening", 0), st.get("agent", {}).get("listeners", 0))
+    for ip in (ip4, ip6):
+        before = listeners(server)
+        job = server.spawn(f"exec rping -s -a {ip} -p {port} -v -C 10")
+        wait_listening(server, before, job)
+        jobs.append(job)
+    if server.cm == "pvcm":
+        st = guestd_stat(server)
+        shared = (st.get("listening", 0) - held[0],
+                  st.get("agent", {}).get("listeners", 0) - held[1])
+    outs = []
+    for ip, job in zip((ip4, ip6), jobs):
+        if job.done():
+            outs.append((None, "", -2, job.text()))
+            continue
+        rc, out = client.run(f"timeout 60 rping -c -a {ip} -p {port} -v -C 10", 90)
+        try:
+            src = job.wait(30 if rc != 0 else 60)
+        except LabError:
+            job.kill("KILL")
+            src = -1
+        outs.append((rc, out, src, job.text()))
+    for job in jobs:
+        if not job.done():
+            job.kill("KILL")
+    ok = all(rc == 0 and src == 0 and out.count("ping data:") == 10
+             and sout.count("server ping data:") == 10 for rc, out, src, sout in outs)
+    if shared is not None:
+        ok = ok and shared == (2, 1)
+    what = " | ".join(f"[{ip}] client rc {rc}: {short(out, 80)}; server rc {src}: {short(sout, 80)}"
+                      for ip, (rc, out, src, sout) in zip((ip4, ip6), outs))
+    if shared is not None:
+        what += f"; new listening ids {shared[0]}, new agent listeners {shared[1]}"
+    result(f"{server.name} ({server.cm} CM): rping -s -a {ip4} -p {port} and rping -s -a [{ip6}] "
+           f"-p {port} at once, each connected to from {client.name} (IPv4, IPv6)", ok, what)
+
+
 def second_address(k, a, b, k4, k6, a6, b4):
     """Section 6's second address: a is dual stack with two GIDs (its IPv4 address the
     primary, a6 the second); b has b4 on its NIC but not among its GIDs."""
@@ -1296,6 +1347,9 @@ def second_address(k, a, b, k4, k6, a6, b4):
              server, client, f"rping -s -a {sip} -v -C 10", f"rping -c -a {sip} -v -C 10",
              lambda s_: s_.count("server ping data:") == 10,
              lambda c_: c_.count("ping data:") == 10)
+    # Two listeners on one port, on the two addresses: the kernel's first, the reference.
+    one_port_two_addresses(k, a, k4, k6)
+    one_port_two_addresses(a, k, a.ip, a6)
     before = guestd_stat(b).get("other_addr_binds", 0)
     job = b.spawn(f"exec timeout 5 rping -s -a {b4} -v -C 1")
     try:

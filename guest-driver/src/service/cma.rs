@@ -19,6 +19,13 @@
 //! - CONNECT_REQUEST creates the new id in the listener's file, counts against the
 //!   listener's backlog until reported, and carries the listener's uid; other events
 //!   of an id that has no uid yet (a new connection before ACCEPT) are dropped;
+//! - the listeners of one port space and port (on several addresses of the VM, or
+//!   AFONLY wildcards of the two families, as the bind rules allow) share the agent's
+//!   listener of its service ID, held while one of them listens; a REQ or SIDR_REQ
+//!   goes to the listener bound to its rdma_cm header's destination, else to a
+//!   wildcard one of its family (`cma_find_listener`), and one no listener matches is
+//!   rejected (REJ(CONSUMER_DEFINED), SIDR_REP(REJECT)); a listener is no longer
+//!   reusable (its address must be its own on the port);
 //! - address resolution is the kernel's `rdma_resolve_ip()` ([`neigh`]): the route to
 //!   the destination, then the neighbour of its next hop (the gateway, or the
 //!   destination) on the route's interface. No route fails RESOLVE_IP/RESOLVE_ADDR
@@ -320,7 +327,11 @@ pub struct Cma {
     ctxs: BTreeMap<u32, Ctx>,
     free_ids: BTreeSet<u32>,
     next_id: u32,
+    /// Agent handles of connections (and SIDR queries) to their id.
     by_cm: std::collections::HashMap<CmId, u32>,
+    /// Agent listeners to the listening ids that share them: the listeners of one port space and port share one agent listener (its service ID),
+    /// as the kernel's rdma_cm ids share one ib_cm listener.
+    listeners: std::collections::HashMap<CmId, Vec<u32>>,
     binds: BTreeMap<(u16, u16), Vec<u32>>,
     ephemeral: BTreeMap<u16, EphemeralPorts>,
     rng: SplitMix64,
@@ -416,6 +427,7 @@ impl Cma {
             free_ids: BTreeSet::new(),
             next_id: 0,
             by_cm: std::collections::HashMap::new(),
+            listeners: std::collections::HashMap::new(),
             binds: BTreeMap::new(),
             ephemeral: BTreeMap::new(),
             rng: SplitMix64::new(seed),
@@ -458,6 +470,12 @@ impl Cma {
     /// Live ids.
     pub fn ids(&self) -> usize {
         self.ctxs.len()
+    }
+
+    /// Ids listening (LISTEN done, not destroyed); the listeners of one port share one
+    /// agent listener.
+    pub fn listening(&self) -> usize {
+        self.ctxs.values().filter(|c| c.st == St::Listen).count()
     }
 
     /// Opens a file.
@@ -639,8 +657,7 @@ impl Cma {
             self.stats.events_dropped += (before - f.events.len()) as u64;
         }
         if let Some(cm) = c.cm {
-            self.by_cm.remove(&cm);
-            handles.push(cm);
+            self.release_cm(id, cm, handles);
         }
         for j in &c.joins {
             self.end_join(*j);
@@ -652,6 +669,32 @@ impl Cma {
             self.destroy_ctx_into(ch, handles);
         }
         c.events_reported
+    }
+
+    /// Lets go of id `id`'s agent handle `cm`: a connection's goes to `handles` to be
+    /// destroyed; a shared agent listener only with the last id listening on it.
+    fn release_cm(&mut self, id: u32, cm: CmId, handles: &mut Vec<CmId>) {
+        if let Some(ids) = self.listeners.get_mut(&cm) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.listeners.remove(&cm);
+                handles.push(cm);
+            }
+            return;
+        }
+        self.by_cm.remove(&cm);
+        handles.push(cm);
+    }
+
+    /// The agent listener the ids listening on `key` (port space, port) share, if one
+    /// listens.
+    fn agent_listener(&self, key: (u16, u16)) -> Option<CmId> {
+        self.binds
+            .get(&key)?
+            .iter()
+            .filter_map(|o| self.ctxs.get(o))
+            .filter(|c| c.st == St::Listen)
+            .find_map(|c| c.cm)
     }
 
     // ------------------------------------------------------------ binding
@@ -889,8 +932,7 @@ impl Cma {
             c.st = St::Removed;
             let (cm, joins, port) = (c.cm.take(), std::mem::take(&mut c.joins), c.port.take());
             if let Some(cm) = cm {
-                self.by_cm.remove(&cm);
-                handles.push(cm);
+                self.release_cm(id, cm, &mut handles);
             }
             for j in joins {
                 self.end_join(j);
@@ -1149,9 +1191,11 @@ impl Cma {
         }
     }
 
-    /// A REQ or SIDR_REQ for a listener: the new id, in the listener's file, and its
-    /// CONNECT_REQUEST; refused (the CM rejects it) when the listener is gone, its
-    /// backlog is full, or the private data is not an rdma_cm header.
+    /// A REQ or SIDR_REQ for an agent listener: the new id, in the file of the rdma_cm
+    /// listener it is for ([`Cma::find_listener`]), and its CONNECT_REQUEST; refused
+    /// (the CM rejects it: REJ(CONSUMER_DEFINED), SIDR_REP(REJECT), as the kernel's CM
+    /// when `cma_req_handler` fails) when no listener of the port matches, its backlog
+    /// is full, or the private data is not an rdma_cm header.
     fn on_request(
         &mut self,
         conn: CmId,
@@ -1164,9 +1208,9 @@ impl Cma {
             let _ = env.agent.destroy(conn, env.now);
             None
         };
-        let Some(&lctx) = self.by_cm.get(&listen) else {
+        if !self.listeners.contains_key(&listen) {
             return refuse(env);
-        };
+        }
         // No device, or no address on it: nothing could carry the connection.
         if self.check_device().is_err() {
             return refuse(env);
@@ -1184,30 +1228,19 @@ impl Cma {
             .served_addr(hdr.dst)
             .or_else(|| self.port.served().find(|s| s.gid == qp.path.local_gid))
             .unwrap_or_else(|| self.port.primary());
-        // A listener bound to a wildcard takes it, one bound to that address too; one
-        // bound to another (another served address, 127.0.0.1) does not, as the
-        // kernel's `cma_req_handler` matches a bound listener's address.
+        let Some(lctx) = self.find_listener(listen, local.gid, hdr.dst.is_ipv4()) else {
+            return refuse(env);
+        };
         let (file, lps, luid, lport, backlog, ltos) = match self.ctxs.get(&lctx) {
-            Some(l)
-                if l.st == St::Listen
-                    && l.src.is_none_or(|s| {
-                        s.ip().is_unspecified()
-                            || self
-                                .port
-                                .served_addr(s.ip())
-                                .is_some_and(|b| b.gid == local.gid)
-                    }) =>
-            {
-                (
-                    l.file,
-                    l.ps,
-                    l.uid,
-                    l.src.map_or(0, |s| s.port()),
-                    l.backlog,
-                    self.tos(l),
-                )
-            }
-            _ => return refuse(env),
+            Some(l) => (
+                l.file,
+                l.ps,
+                l.uid,
+                l.src.map_or(0, |s| s.port()),
+                l.backlog,
+                self.tos(l),
+            ),
+            None => return refuse(env),
         };
         if backlog == 0 {
             self.stats.backlog_full += 1;
@@ -1263,6 +1296,35 @@ impl Cma {
                 ece: Ece::default(),
             },
         )
+    }
+
+    /// The rdma_cm listener sharing agent listener `listen` that a request for the
+    /// served address of GID `local` (IPv4 or not, as its rdma_cm header) is for, as the
+    /// kernel's `cma_find_listener` matches the header's destination: one bound to that
+    /// address, else one bound to a wildcard (an AFONLY one only for its own family).
+    /// One bound to another address (another served one, 127.0.0.1) takes none.
+    fn find_listener(&self, listen: CmId, local: Gid, ipv4: bool) -> Option<u32> {
+        let ids = self.listeners.get(&listen)?;
+        let listening = || {
+            ids.iter()
+                .filter_map(|&id| Some((id, self.ctxs.get(&id)?)))
+                .filter(|(_, c)| c.st == St::Listen)
+        };
+        let bound = |c: &Ctx| c.src.map(|s| s.ip()).filter(|ip| !ip.is_unspecified());
+        listening()
+            .find(|(_, c)| {
+                bound(c).is_some_and(|ip| {
+                    ip.is_ipv4() == ipv4
+                        && self.port.served_addr(ip).is_some_and(|b| b.gid == local)
+                })
+            })
+            .or_else(|| {
+                listening().find(|(_, c)| {
+                    bound(c).is_none()
+                        && (!c.afonly || c.src.is_none_or(|s| s.ip().is_ipv4() == ipv4))
+                })
+            })
+            .map(|(id, _)| id)
     }
 
     // ------------------------------------------------------------ multicast
@@ -2144,13 +2206,25 @@ impl Cma {
         let Some((ps, port)) = c.port else {
             return Err(errno::EINVAL);
         };
-        let listener = env
-            .agent
-            .listen(rdma_cm::service_id(ps, port))
-            .map_err(cm_errno)?;
-        self.by_cm.insert(listener, id);
+        // rdma_listen(): a listener is no longer reusable; its address must be its own
+        // on the port, as a bind without SO_REUSEADDR would find it.
+        if c.reuseaddr {
+            let addr = c.src.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |s| s.ip());
+            self.check_port(id, (ps, port), addr, false)?;
+        }
+        // The listeners of one port share the agent's listener of its service ID; the
+        // bind rules keep their addresses apart, and `on_request` picks by address.
+        let listener = match self.agent_listener((ps, port)) {
+            Some(l) => l,
+            None => env
+                .agent
+                .listen(rdma_cm::service_id(ps, port))
+                .map_err(cm_errno)?,
+        };
+        self.listeners.entry(listener).or_default().push(id);
         let c = self.ctx_mut(id)?;
         c.cm = Some(listener);
+        c.reuseaddr = false;
         c.backlog = backlog;
         c.st = St::Listen;
         Ok(())
@@ -2414,8 +2488,11 @@ impl Cma {
     /// that got events.
     pub fn device_reset(&mut self, env: &mut Env<'_>) -> Vec<Fh> {
         self.by_cm.clear();
+        self.listeners.clear();
         let ids: Vec<u32> = self.ctxs.keys().copied().collect();
         let mut files = Vec::new();
+        // The agent listener made again for each (port space, port), shared as before.
+        let mut relistened: BTreeMap<(u16, u16), CmId> = BTreeMap::new();
         for id in ids {
             let Some(c) = self.ctxs.get_mut(&id) else {
                 continue;
@@ -2424,10 +2501,16 @@ impl Cma {
             match c.st {
                 St::Listen => {
                     let Some((ps, port)) = c.port else { continue };
-                    if let Ok(l) = env.agent.listen(rdma_cm::service_id(ps, port)) {
-                        c.cm = Some(l);
-                        self.by_cm.insert(l, id);
-                    }
+                    let l = match relistened.get(&(ps, port)) {
+                        Some(&l) => l,
+                        None => match env.agent.listen(rdma_cm::service_id(ps, port)) {
+                            Ok(l) => l,
+                            Err(_) => continue,
+                        },
+                    };
+                    relistened.insert((ps, port), l);
+                    c.cm = Some(l);
+                    self.listeners.entry(l).or_default().push(id);
                 }
                 St::Connect => {
                     c.st = St::Disconnect;

@@ -1201,6 +1201,7 @@ impl<T: Transport> Core<'_, T> {
             "other_addr_binds": c.other_addr_binds,
             "files": self.cma.files(),
             "ids": self.cma.ids(),
+            "listening": self.cma.listening(),
             "resolving": self.cma.resolving(),
             "mcast_joins": self.cma.joins(),
             "mcast_joined": c.joins,
