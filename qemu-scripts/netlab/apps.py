@@ -198,6 +198,16 @@ def listeners(guest):
     return sum(1 for line in out.splitlines() if "state LISTEN" in line)
 
 
+def wait_or_kill(job, timeout=30):
+    """job's exit status once it ends, or -1 when it has not ended within timeout
+    seconds (it is then killed)."""
+    try:
+        return job.wait(timeout)
+    except LabError:
+        job.kill("KILL")
+        return -1
+
+
 def wait_listening(guest, before, job, timeout=30):
     """Waits until the guest holds more listeners than before (the server listens)."""
     deadline = time.monotonic() + timeout
@@ -520,11 +530,7 @@ def signals(server, client):
     job, pid = rping_waiting(server)
     t0 = time.monotonic()
     server.run(f"kill -TERM {pid}", 30)
-    try:
-        rc = job.wait(30)
-    except LabError:
-        job.kill("KILL")
-        rc = -1
+    rc = wait_or_kill(job)
     secs = time.monotonic() - t0
     deadline = time.monotonic() + 20
     while listeners(server) > before and time.monotonic() < deadline:
@@ -666,11 +672,7 @@ def device_change(server, client, other_ip):
         wait_for(lambda: other_ip in guestd_stat(server).get("port", {}).get("other_addrs", []),
                  30)
     job = server.spawn(f"exec timeout 5 rping -s -a {other_ip} -v -C 1")
-    try:
-        rc = job.wait(30)
-    except LabError:
-        job.kill("KILL")
-        rc = -1
+    rc = wait_or_kill(job)
     said = job.text()
     server.run(f"ip addr del {other_ip}/24 dev eth0", 30)
     if server.cm == "pvcm":
@@ -1352,11 +1354,7 @@ def second_address(k, a, b, k4, k6, a6, b4):
     one_port_two_addresses(a, k, a.ip, a6)
     before = guestd_stat(b).get("other_addr_binds", 0)
     job = b.spawn(f"exec timeout 5 rping -s -a {b4} -v -C 1")
-    try:
-        rc = job.wait(30)
-    except LabError:
-        job.kill("KILL")
-        rc = -1
+    rc = wait_or_kill(job)
     said = job.text()
     st = guestd_stat(b)
     log = b.run(f"grep -c 'the backend does not serve it for this VM' /host/guestd.{b.name}.log",
