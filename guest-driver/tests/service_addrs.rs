@@ -25,18 +25,9 @@ fn connect_to(c: &mut Vm, s: &mut Vm, listen_on: &str, dst: &str) -> (u64, u32, 
     let lid = s.create_id(sf, 1, ps::TCP);
     assert_eq!(s.bind_ip(sf, lid, listen_on), Outcome::Done(Ok(())));
     assert_eq!(s.id_arg(sf, cmd::LISTEN, lid, 4), Outcome::Done(Ok(())));
-    let id = c.create_id(cf, 5, ps::TCP);
-    c.resolve_ip(cf, id, dst);
-    c.expect_event(cf, event::ADDR_RESOLVED);
-    assert_eq!(
-        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0),
-        Outcome::Done(Ok(()))
-    );
-    c.expect_event(cf, event::ROUTE_RESOLVED);
     // The QPN after the destination's port: one connection per QP.
     let qpn = u32::from(dst.parse::<std::net::SocketAddr>().unwrap().port());
-    c.conn(cf, cmd::CONNECT, id, qpn, true, 8);
-    exchange(c, s);
+    let id = dial(c, s, cf, 5, ps::TCP, dst, qpn);
     let e = s.expect_event(sf, event::CONNECT_REQUEST);
     (cf, id, sf, u32_at(&e, 8))
 }

@@ -67,22 +67,6 @@ fn listener(
     id
 }
 
-/// A connection of `space` from a new id in `cf` to `dst` (its QP `qpn`), its REQ or
-/// SIDR_REQ delivered to `s` and the answers back; returns the client's id.
-fn connect(c: &mut Vm, s: &mut Vm, cf: Fh, space: u16, dst: &str, qpn: u32) -> u32 {
-    let id = c.create_id(cf, 0x77, space);
-    c.resolve_ip(cf, id, dst);
-    c.expect_event(cf, event::ADDR_RESOLVED);
-    assert_eq!(
-        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0),
-        Outcome::Done(Ok(()))
-    );
-    c.expect_event(cf, event::ROUTE_RESOLVED);
-    c.conn(cf, cmd::CONNECT, id, qpn, true, 8);
-    exchange(c, s);
-    id
-}
-
 /// The CONNECT_REQUEST `fh` has next: (listener's uid, new id).
 fn request(s: &mut Vm, fh: Fh) -> (u64, u32) {
     let e = s.expect_event(fh, event::CONNECT_REQUEST);
@@ -112,7 +96,7 @@ fn two_listeners_on_one_port_each_get_the_requests_for_their_address() {
         "one agent listener for the port"
     );
     assert_eq!(s.cma.listening(), 2, "two rdma_cm listeners");
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x100);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x100);
     assert_eq!(s.get_event(f6), None, "not the IPv6 listener's");
     let (uid, child) = request(&mut s, f4);
     assert_eq!(uid, 0x4);
@@ -120,7 +104,7 @@ fn two_listeners_on_one_port_each_get_the_requests_for_their_address() {
         local_ip(&mut s, f4, child),
         "10.99.0.12".parse::<IpAddr>().unwrap()
     );
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x101);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x101);
     assert_eq!(s.get_event(f4), None, "not the IPv4 listener's");
     let (uid, child) = request(&mut s, f6);
     assert_eq!(uid, 0x6);
@@ -135,11 +119,11 @@ fn each_listener_keeps_its_own_backlog() {
     listener(&mut s, sf, 0x4, ps::TCP, "10.99.0.12:7000", false, 1);
     listener(&mut s, sf, 0x6, ps::TCP, "[fd99::12]:7000", false, 1);
     // The IPv4 listener's one unreported request fills its backlog only.
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x100);
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x101);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x100);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x101);
     assert_eq!(rejected(&mut c, cf), REJ_CONSUMER_DEFINED);
     assert_eq!(s.cma.stats().backlog_full, 1);
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x102);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x102);
     assert_eq!(
         c.get_event(cf),
         None,
@@ -157,7 +141,7 @@ fn sidr_requests_go_to_the_listener_of_their_address() {
     listener(&mut s, f4, 0x4, ps::UDP, "10.99.0.12:7174", false, 4);
     listener(&mut s, f6, 0x6, ps::UDP, "[fd99::12]:7174", false, 4);
     assert_eq!(s.agent.listener_count(), 1);
-    connect(&mut c, &mut s, cf, ps::UDP, "[fd99::12]:7174", 0x33);
+    dial(&mut c, &mut s, cf, 0x77, ps::UDP, "[fd99::12]:7174", 0x33);
     assert_eq!(s.get_event(f4), None);
     let (uid, child) = request(&mut s, f6);
     assert_eq!(uid, 0x6);
@@ -165,7 +149,7 @@ fn sidr_requests_go_to_the_listener_of_their_address() {
     exchange(&mut c, &mut s);
     let e = c.expect_event(cf, event::ESTABLISHED);
     assert_eq!(u32_at(&e, 20), 0x44, "the IPv6 listener's child answered");
-    connect(&mut c, &mut s, cf, ps::UDP, "10.99.0.12:7174", 0x34);
+    dial(&mut c, &mut s, cf, 0x77, ps::UDP, "10.99.0.12:7174", 0x34);
     assert_eq!(s.get_event(f6), None);
     assert_eq!(request(&mut s, f4).0, 0x4);
 }
@@ -191,18 +175,20 @@ fn afonly_wildcards_and_addresses_of_the_other_family_share_a_port() {
     assert_eq!(s.agent.listener_count(), 3);
     let mut qpn = 0x200;
     for port in [7001, 7002] {
-        connect(
+        dial(
             &mut c,
             &mut s,
             cf,
+            0x77,
             ps::TCP,
             &format!("10.99.0.12:{port}"),
             qpn,
         );
-        connect(
+        dial(
             &mut c,
             &mut s,
             cf,
+            0x77,
             ps::TCP,
             &format!("[fd99::12]:{port}"),
             qpn + 1,
@@ -260,20 +246,20 @@ fn the_agent_listener_lasts_as_long_as_one_of_the_listeners() {
     s.destroy(f4, l4);
     assert_eq!(s.cma.listening(), 1);
     assert_eq!(s.agent.listener_count(), 1);
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x100);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x100);
     assert_eq!(request(&mut s, f6).0, 0x6);
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x101);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x101);
     assert_eq!(rejected(&mut c, cf), REJ_CONSUMER_DEFINED);
     assert_eq!(s.get_event(f4), None);
     // The last destroyed: the agent listener is gone, and the CM finds no service.
     s.destroy(f6, l6);
     assert_eq!(s.cma.listening(), 0);
     assert_eq!(s.agent.listener_count(), 0);
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x102);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x102);
     assert_eq!(rejected(&mut c, cf), REJ_INVALID_SERVICE_ID);
     // The port is free again for one listener on the wildcard.
     listener(&mut s, f4, 0x9, ps::TCP, "0.0.0.0:7000", false, 4);
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x103);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x103);
     assert_eq!(request(&mut s, f4).0, 0x9);
 }
 
@@ -289,7 +275,7 @@ fn releasing_a_listeners_file_keeps_the_other_files_listener() {
     };
     s.cma.release(f6, &mut env);
     assert_eq!(s.agent.listener_count(), 1);
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x100);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x100);
     assert_eq!(request(&mut s, f4).0, 0x4);
     let mut env = Env {
         agent: &mut s.agent,
@@ -313,8 +299,8 @@ fn a_device_reset_listens_again_once_for_the_shared_port() {
     };
     s.cma.device_reset(&mut env);
     assert_eq!(s.agent.listener_count(), 1);
-    connect(&mut c, &mut s, cf, ps::TCP, "10.99.0.12:7000", 0x100);
-    connect(&mut c, &mut s, cf, ps::TCP, "[fd99::12]:7000", 0x101);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "10.99.0.12:7000", 0x100);
+    dial(&mut c, &mut s, cf, 0x77, ps::TCP, "[fd99::12]:7000", 0x101);
     assert_eq!(request(&mut s, f4).0, 0x4);
     assert_eq!(request(&mut s, f6).0, 0x6);
 }

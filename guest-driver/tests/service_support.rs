@@ -451,6 +451,23 @@ fn src_for(v: &Vm, dst: Gid) -> Gid {
         .unwrap_or(v.gid)
 }
 
+/// A connection of `space` from a new id (uid `uid`) in `c`'s file `cf` to `dst`: the
+/// address and route resolved, CONNECT with QP `qpn`, its REQ or SIDR_REQ delivered to
+/// `s` and the answers back; returns the client's id.
+pub fn dial(c: &mut Vm, s: &mut Vm, cf: Fh, uid: u64, space: u16, dst: &str, qpn: u32) -> u32 {
+    let id = c.create_id(cf, uid, space);
+    c.resolve_ip(cf, id, dst);
+    c.expect_event(cf, event::ADDR_RESOLVED);
+    assert_eq!(
+        c.id_arg(cf, cmd::RESOLVE_ROUTE, id, 0),
+        Outcome::Done(Ok(()))
+    );
+    c.expect_event(cf, event::ROUTE_RESOLVED);
+    c.conn(cf, cmd::CONNECT, id, qpn, true, 8);
+    exchange(c, s);
+    id
+}
+
 /// Moves MADs both ways and routes the agents' events into the services.
 pub fn exchange(a: &mut Vm, b: &mut Vm) {
     for _ in 0..4 {
