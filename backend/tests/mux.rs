@@ -393,6 +393,46 @@ fn withdraw_crossing_the_peers_rep_reaches_the_peer() {
     assert_eq!(n.live(), (0, 0));
 }
 
+/// The peer ends a connection (its REJ after its REP: its server went away) while A's
+/// CM answers the REP: A's RTU and A's REJ (its application destroyed the id) cross the
+/// peer's REJ. Both are dropped as late MADs of an ended connection (`quarantined`),
+/// never as a connection A does not own.
+#[test]
+fn answers_crossing_the_peers_rej_are_late_not_unknown() {
+    let mut n = net2(Policy::Default);
+    let got = n.send_req(0, 0, 3, 0, &LINUX);
+    let a_pv = view(&got).local_comm_id().unwrap();
+    let tid = view(&got).tid();
+    let mut m = rep(n.b.cfg(0), tid, 8, a_pv, n.b.qpn(0, 1));
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+    let mut m = rej(tid, 8, a_pv, RejReason::ConsumerDefined, &[]);
+    assert_eq!(n.b_to_a(0, 0, &mut m).1, Some(WireVerdict::ToVm(n.a.id(0))));
+    let b_pv = view(&m).local_comm_id().unwrap();
+    let mut rtu = ids(AttributeId::Rtu, 0xAAAA_0000_0000_0003, 3, b_pv);
+    let mut rej_a = rej(
+        0xAAAA_0000_0000_0003,
+        3,
+        b_pv,
+        RejReason::ConsumerDefined,
+        &[],
+    );
+    for m in [&mut rtu, &mut rej_a] {
+        assert_eq!(
+            n.a.mux.from_guest(n.a.id(0), m, n.b.gid(0)),
+            GuestVerdict::Drop(DropReason::Quarantined)
+        );
+    }
+    let d = n.a.mux.vm_stats(n.a.id(0)).drops;
+    assert_eq!(d.get(DropReason::Quarantined), 2);
+    assert_eq!(d.get(DropReason::UnknownConnection), 0);
+    // A comm ID the VM never used is still unknown.
+    let mut m = ids(AttributeId::Rtu, 0xAAAA_0000_0000_0009, 9, b_pv);
+    assert_eq!(
+        n.a.mux.from_guest(n.a.id(0), &mut m, n.b.gid(0)),
+        GuestVerdict::Drop(DropReason::UnknownConnection)
+    );
+}
+
 #[test]
 fn abandoned_handshakes_and_lost_rtu_end_in_quarantine_then_free() {
     for policy in Policy::ALL {

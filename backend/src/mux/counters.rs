@@ -34,7 +34,9 @@ drop_reasons! {
     NoRoute => "no_route",
     /// From the wire: a REQ, SIDR_REQ or Get for a GID no attached VM has.
     UnknownGid => "unknown_gid",
-    /// From the wire: a MAD for a `pv_cm_id` in quarantine (a late MAD of a closed connection).
+    /// A MAD for a connection in quarantine: from the wire, a late MAD of a closed
+    /// connection; from a VM, its CM's answer that crossed the peer's end of the
+    /// connection (a REJ or RTU after the peer's REJ).
     Quarantined => "quarantined",
     /// From a VM: a REQ whose source GID is not the VM's.
     SpoofedGid => "spoofed_gid",

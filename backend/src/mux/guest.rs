@@ -542,14 +542,21 @@ impl<C: Clock> Mux<C> {
         Ok(())
     }
 
+    /// The entry of a MAD the VM sends for a connection it named before, by its comm ID.
+    /// One in quarantine is `Quarantined`: the connection ended at the peer's word (its
+    /// REJ, a timeout) while the VM's CM was answering it, and the answer crossed the
+    /// end, as a late MAD from the wire does; Linux would send it and the peer drop it.
     pub(super) fn guest_known(&self, vm: u32, m: &CmMad<&mut [u8]>) -> Result<u32, DropReason> {
         let sl = m.local_comm_id().unwrap_or(0);
-        self.vms[vm as usize]
+        let s = self.vms[vm as usize]
             .sl_map
             .get(&sl)
             .copied()
-            .filter(|&s| self.slab[s as usize].state != State::Quarantined)
-            .ok_or(DropReason::UnknownConnection)
+            .ok_or(DropReason::UnknownConnection)?;
+        if self.slab[s as usize].state == State::Quarantined {
+            return Err(DropReason::Quarantined);
+        }
+        Ok(s)
     }
 
     /// The entry of a passive-side answer (MRA, REP, REJ): by the VM's comm ID if it used
@@ -563,7 +570,13 @@ impl<C: Clock> Mux<C> {
     ) -> Result<u32, DropReason> {
         let sl = m.local_comm_id().unwrap_or(0);
         let remote = m.remote_comm_id().unwrap_or(0);
-        if let Ok(s) = self.guest_known(vm, m) {
+        let known = self.guest_known(vm, m);
+        // Found nowhere else: the quarantined connection the VM named, or none.
+        let unknown = match known {
+            Err(DropReason::Quarantined) => DropReason::Quarantined,
+            _ => DropReason::UnknownConnection,
+        };
+        if let Ok(s) = known {
             let e = &self.slab[s as usize];
             // The VM's CM withdrew its REQ (REJ(TIMEOUT), no Remote Comm ID) before it
             // processed the peer's REP, which the mux has already passed: the REJ ends
@@ -579,12 +592,13 @@ impl<C: Clock> Mux<C> {
         if !self.policy().tracks_received_reqs() {
             return self.legacy_guest_entry(vm, sl, remote, dst);
         }
-        let s = self
-            .remote_by_peer(&dst, remote)
-            .ok_or(DropReason::UnknownConnection)?;
+        let s = self.remote_by_peer(&dst, remote).ok_or(unknown)?;
         let e = self.slab[s as usize];
-        if e.vm != vm || e.state != State::ReqRcvd || e.has(flag::IN_SL_MAP) {
+        if e.vm != vm {
             return Err(DropReason::UnknownConnection);
+        }
+        if e.state != State::ReqRcvd || e.has(flag::IN_SL_MAP) {
+            return Err(unknown);
         }
         self.ent(s).sl_cm_id = sl;
         self.index_sl(vm, sl, s);
