@@ -3,7 +3,7 @@ and 59's and later's) and the image's userland line."""
 
 import unittest
 
-from netlab.apps import cmtime_cmds, cmtime_kind, cmtime_steps, userland
+from netlab.apps import cmtime_cmds, cmtime_kind, cmtime_steps, short, userland
 
 CMTIME_44 = """\
 step              total ms     max ms     min us  us / conn
@@ -92,6 +92,18 @@ class Userland(unittest.TestCase):
     def test_epoch_and_no_packages(self):
         self.assertIn("libc6 1:2.0", userland("deb=rdmacm-utils_1_amd64\ndeb=libc6_1%3a2.0_amd64\n"))
         self.assertEqual(userland("flavour=rdma\n"), "")
+
+
+class Short(unittest.TestCase):
+    def test_rping_data_lines_are_counted_and_its_errors_kept(self):
+        out = ("cq completion failed status 12\n"
+               + "".join(f"ping data: rdma-ping-{i}: ABCDEFG\n" for i in range(3))
+               + "rping client failed: -1\n")
+        self.assertEqual(short(out), "[3 data lines] cq completion failed status 12 "
+                                     "rping client failed: -1")
+
+    def test_other_output_is_its_last_characters_on_one_line(self):
+        self.assertEqual(short("a\n  b\tc\n", 3), "b c")
 
 
 if __name__ == "__main__":
